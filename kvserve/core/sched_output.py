@@ -1,0 +1,64 @@
+"""SchedulerOutput: the plain object the scheduler hands to the executor each step.
+
+New requests travel in full (workers keep per-request state); requests already on the workers
+travel as a diff (new block ids, progress). Nothing here refers to scheduler internals.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from kvserve.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    req_id: str
+    # All tokens known so far: the prompt, plus earlier outputs for a request resumed after
+    # preemption (its KV is recomputed from these).
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    req_ids: list[str] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)  # blocks appended this step
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    finished_req_ids: set[str]            # drop these from the workers' persistent batch
+    preempted_req_ids: set[str] = field(default_factory=set)
+    step_id: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class LogprobsLists:
+    """Per sampled position: token ids [N, k+1] (sampled token first), logprobs [N, k+1],
+    rank of the sampled token [N]. Plain lists so they pickle/msgpack cheaply."""
+    logprob_token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    sampled_token_ranks: list[int]
+
+
+@dataclass
+class ModelRunnerOutput:
+    req_ids: list[str]
+    # One list per request in req_ids: the tokens sampled this step (empty for a partial prefill).
+    sampled_token_ids: list[list[int]]
+    logprobs: Optional[dict[str, LogprobsLists]] = None
+    # For requests that asked for prompt logprobs: this step's chunk of them (positions 1..).
+    prompt_logprobs: Optional[dict[str, LogprobsLists]] = None

@@ -1,0 +1,190 @@
+"""EngineArgs: the one definition of engine settings, shared by LLM(...), the CLI and benchmarks.
+
+Each field's name is vLLM's; `add_cli_args` turns the fields into `--kebab-case` flags with
+help text, so `kvserve serve`, `kvserve generate` and `kvserve bench` accept the same flags.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass, fields
+from typing import Any, Optional, get_type_hints
+
+import torch
+
+from kvserve.config import (CacheConfig, DeviceConfig, KVServeConfig, ModelConfig,
+                            ParallelConfig, SchedulerConfig)
+
+_HELP = {
+    "model": "Path to a Hugging Face checkpoint directory, or 'demo' for the built-in demo model.",
+    "tokenizer": "Tokenizer directory (defaults to the model directory).",
+    "served_model_name": "Model name reported by the API (defaults to the model argument).",
+    "dtype": "Weight and activation dtype: auto, float32, bfloat16, float16.",
+    "max_model_len": "Context length (prompt + output). Defaults to the model's max_position_embeddings.",
+    "block_size": "Tokens per KV cache block.",
+    "kv_cache_memory": "Bytes of memory for the KV cache (default: 2 GiB on CPU, 90%% of free memory on CUDA).",
+    "num_gpu_blocks_override": "Use exactly this many KV cache blocks (for testing).",
+    "enable_prefix_caching": "Reuse KV blocks of shared prompt prefixes.",
+    "enable_chunked_prefill": "Split long prefills across steps to fit the token budget.",
+    "long_prefill_token_threshold": "Cap on a single request's prefill tokens per step (0 = no cap).",
+    "max_num_seqs": "Maximum number of requests running in one step.",
+    "max_num_batched_tokens": "Token budget of one step.",
+    "max_num_queued_requests": "Reject new requests (HTTP 503) while this many are waiting.",
+    "scheduling_policy": "fcfs or priority (lower priority value runs first).",
+    "seed": "Random seed for sampling requests that set none.",
+    "max_logprobs": "Largest logprobs / prompt_logprobs a request may ask for.",
+    "tensor_parallel_size": "Number of tensor-parallel ranks (worker processes).",
+    "pipeline_parallel_size": "Number of pipeline stages.",
+    "distributed_executor_backend": "uni, mp or ray.",
+    "device": "cpu, cuda or auto.",
+    "multiprocessing": "Run the engine core in its own process.",
+    "disable_log_stats": "Do not log periodic throughput statistics.",
+    "enforce_eager": "Never compile/capture graphs.",
+}
+_SHORT = {"tensor_parallel_size": "-tp", "pipeline_parallel_size": "-pp"}
+
+
+@dataclass
+class EngineArgs:
+    model: str = "demo"
+    tokenizer: Optional[str] = None
+    served_model_name: Optional[str] = None
+    dtype: str = "auto"
+    max_model_len: Optional[int] = None
+    block_size: int = 16
+    kv_cache_memory: Optional[int] = None
+    num_gpu_blocks_override: Optional[int] = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
+    max_num_seqs: int = 256
+    max_num_batched_tokens: Optional[int] = None
+    max_num_queued_requests: Optional[int] = None
+    scheduling_policy: str = "fcfs"
+    seed: int = 0
+    max_logprobs: int = 20
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    distributed_executor_backend: Optional[str] = None
+    device: str = "auto"
+    multiprocessing: bool = False
+    disable_log_stats: bool = True
+    enforce_eager: bool = True
+
+    # ------------------------------------------------------------------
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> argparse.ArgumentParser:
+        hints = get_type_hints(EngineArgs)
+        for f in fields(EngineArgs):
+            if f.name in skip:
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            names = [flag] + ([_SHORT[f.name]] if f.name in _SHORT else [])
+            help_text = _HELP.get(f.name, "")
+            hint = hints[f.name]
+            if hint is bool:
+                parser.add_argument(*names, action=argparse.BooleanOptionalAction,
+                                    default=f.default, help=help_text)
+                continue
+            base = _base_type(hint)
+            parser.add_argument(*names, type=base, default=f.default,
+                                help=f"{help_text} (default: {f.default})")
+        return parser
+
+    @staticmethod
+    def from_cli_args(args: argparse.Namespace) -> "EngineArgs":
+        kw = {f.name: getattr(args, f.name) for f in fields(EngineArgs) if hasattr(args, f.name)}
+        return EngineArgs(**kw)
+
+    @staticmethod
+    def from_kwargs(**kwargs: Any) -> "EngineArgs":
+        known = {f.name for f in fields(EngineArgs)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"Unknown engine argument(s): {', '.join(unknown)}. "
+                            f"Known: {', '.join(sorted(known))}.")
+        return EngineArgs(**kwargs)
+
+    def replace(self, **kwargs: Any) -> "EngineArgs":
+        return dataclasses.replace(self, **kwargs)
+
+    # ------------------------------------------------------------------
+    def create_engine_config(self) -> KVServeConfig:
+        from kvserve.model.demo import resolve_model_path
+
+        device = self.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+            raise ValueError(f"Unknown device {device!r}; supported: auto, cpu, cuda.")
+        path = resolve_model_path(self.model)
+        tok_path = resolve_model_path(self.tokenizer) if self.tokenizer else path
+        model_config = ModelConfig.from_path(
+            path, tokenizer=tok_path,
+            served_model_name=self.served_model_name or self.model,
+            dtype=self.dtype, max_model_len=self.max_model_len, seed=self.seed,
+            max_logprobs=self.max_logprobs, device=device)
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}.")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}.")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}.")
+        max_len = model_config.max_model_len
+        batched = self.max_num_batched_tokens
+        if batched is None:
+            batched = 8192 if self.enable_chunked_prefill else max(8192, max_len)
+        if not self.enable_chunked_prefill and batched < max_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({batched}) is smaller than max_model_len ({max_len}) "
+                f"with chunked prefill disabled: long prompts could never be scheduled.")
+        if batched < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {batched}.")
+        parallel = ParallelConfig(
+            tensor_parallel_size=self.tensor_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size,
+            distributed_executor_backend=self.distributed_executor_backend)
+        _verify_parallel(model_config, parallel)
+        return KVServeConfig(
+            model_config=model_config,
+            cache_config=CacheConfig(
+                block_size=self.block_size, kv_cache_memory=self.kv_cache_memory,
+                num_gpu_blocks_override=self.num_gpu_blocks_override,
+                enable_prefix_caching=self.enable_prefix_caching),
+            scheduler_config=SchedulerConfig(
+                max_num_seqs=self.max_num_seqs, max_num_batched_tokens=batched,
+                max_model_len=max_len, enable_chunked_prefill=self.enable_chunked_prefill,
+                long_prefill_token_threshold=self.long_prefill_token_threshold,
+                policy=self.scheduling_policy,
+                max_num_queued_requests=self.max_num_queued_requests),
+            parallel_config=parallel,
+            device_config=DeviceConfig(device=device),
+            multiprocessing=self.multiprocessing or os.environ.get("KVSERVE_ENABLE_MULTIPROCESSING") == "1",
+            disable_log_stats=self.disable_log_stats,
+            enforce_eager=self.enforce_eager,
+        )
+
+
+def _verify_parallel(model_config: ModelConfig, parallel: ParallelConfig) -> None:
+    tp = parallel.tensor_parallel_size
+    if tp < 1:
+        raise ValueError(f"tensor_parallel_size must be >= 1, got {tp}.")
+    heads = model_config.num_attention_heads
+    if heads % tp:
+        raise ValueError(f"Total number of attention heads ({heads}) must be divisible by "
+                         f"tensor_parallel_size ({tp}).")
+    kv = model_config.num_kv_heads
+    if (kv % tp) and (tp % kv):
+        raise ValueError(f"Number of KV heads ({kv}) and tensor_parallel_size ({tp}) must "
+                         f"divide one another.")
+    if parallel.pipeline_parallel_size != 1:
+        raise ValueError("pipeline_parallel_size > 1 is not supported yet.")
+
+
+def _base_type(hint: Any) -> Any:
+    args = getattr(hint, "__args__", None)
+    if args:
+        non_none = [a for a in args if a is not type(None)]
+        return non_none[0] if non_none else str
+    return hint

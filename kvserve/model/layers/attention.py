@@ -1,0 +1,132 @@
+"""Paged attention over a flattened "super-sequence".
+
+One step's tokens from every scheduled request are concatenated into one sequence of T tokens.
+Decode requests (one new token each) come first, then prefill chunks:
+
+    tokens:  [ d0 d1 d2 | p0 p0 p0 p0 | p1 p1 ]      T = 9
+              decodes     prefill 0     prefill 1
+    slot_mapping[t] = block_id * block_size + offset  (where token t's K/V is written)
+
+The KV cache of one layer is a tensor [2, num_blocks, block_size, num_kv_heads, head_dim].
+All decodes of a step are attended in one batched call; each prefill chunk attends to its
+cached prefix (context) plus causally to itself.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class AttentionMetadata:
+    num_decode_tokens: int                 # decodes occupy tokens [0, num_decode_tokens)
+    slot_mapping: torch.Tensor             # [T] int64
+    block_size: int
+    # Decodes: one row per decode request.
+    decode_block_tables: Optional[torch.Tensor] = None   # [Nd, max_blocks] int64
+    decode_seq_lens: Optional[torch.Tensor] = None       # [Nd] int64, including the new token
+    decode_max_seq_len: int = 0
+    # Prefill chunks, in token order after the decodes.
+    prefill_query_starts: list[int] = field(default_factory=list)
+    prefill_query_lens: list[int] = field(default_factory=list)
+    prefill_context_lens: list[int] = field(default_factory=list)   # tokens already cached
+    prefill_block_tables: list[torch.Tensor] = field(default_factory=list)  # [n_blocks] each
+    # Cached per-step decode mask, built lazily once and shared by all layers.
+    _decode_mask: Optional[torch.Tensor] = None
+
+    def decode_mask(self) -> torch.Tensor:
+        """[Nd, 1, 1, L] additive mask: 0 where position < seq_len, -inf beyond."""
+        if self._decode_mask is None:
+            assert self.decode_seq_lens is not None and self.decode_block_tables is not None
+            L = self.decode_block_tables.shape[1] * self.block_size
+            pos = torch.arange(L, device=self.decode_seq_lens.device)
+            invalid = pos[None, :] >= self.decode_seq_lens[:, None]
+            mask = torch.zeros(invalid.shape, dtype=torch.float32, device=invalid.device)
+            mask.masked_fill_(invalid, float("-inf"))
+            self._decode_mask = mask[:, None, None, :]
+        return self._decode_mask
+
+
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Write this step's K/V [T, Hkv, D] into the paged cache at slot_mapping (in place)."""
+    _, num_blocks, block_size, hkv, d = kv_cache.shape
+    flat = kv_cache.view(2, num_blocks * block_size, hkv, d)
+    flat[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
+    flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+
+
+class Attention(nn.Module):
+    """Multi-head / grouped-query attention reading and writing a paged KV cache."""
+
+    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int,
+                 scale: Optional[float] = None) -> None:
+        super().__init__()
+        assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.num_groups = num_heads // num_kv_heads
+        self.scale = scale if scale is not None else head_dim ** -0.5
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """q [T, H*D], k/v [T, Hkv*D] -> [T, H*D]."""
+        T = q.shape[0]
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        q = q.view(T, H, D)
+        k = k.view(T, Hkv, D)
+        v = v.view(T, Hkv, D)
+        write_kv(kv_cache, k, v, meta.slot_mapping)
+        out = torch.empty_like(q)
+        nd = meta.num_decode_tokens
+        if nd:
+            out[:nd] = self._decode(q[:nd], kv_cache, meta)
+        for start, qlen, ctx, blocks in zip(meta.prefill_query_starts, meta.prefill_query_lens,
+                                            meta.prefill_context_lens, meta.prefill_block_tables):
+            out[start:start + qlen] = self._prefill(
+                q[start:start + qlen], k[start:start + qlen], v[start:start + qlen],
+                ctx, blocks, kv_cache, meta.block_size)
+        return out.view(T, H * D)
+
+    # ------------------------------------------------------------------
+    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """All decode requests at once: q [Nd, H, D] against each one's gathered blocks."""
+        assert meta.decode_block_tables is not None
+        nd = q.shape[0]
+        Hkv, G, D = self.num_kv_heads, self.num_groups, self.head_dim
+        tables = meta.decode_block_tables                         # [Nd, MB]
+        # Gather each request's blocks: [Nd, MB, bs, Hkv, D] -> [Nd, Hkv, L, D]
+        keys = kv_cache[0][tables].flatten(1, 2).transpose(1, 2)
+        values = kv_cache[1][tables].flatten(1, 2).transpose(1, 2)
+        qg = q.view(nd, Hkv, G, D).to(keys.dtype)
+        scores = torch.matmul(qg, keys.transpose(-1, -2)).float()  # [Nd, Hkv, G, L]
+        scores.mul_(self.scale).add_(meta.decode_mask())
+        probs = torch.softmax(scores, dim=-1).to(values.dtype)
+        out = torch.matmul(probs, values)                          # [Nd, Hkv, G, D]
+        return out.reshape(nd, self.num_heads, D).to(q.dtype)
+
+    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: int,
+                 blocks: torch.Tensor, kv_cache: torch.Tensor, block_size: int) -> torch.Tensor:
+        """One prefill chunk: q [Q, H, D] attends to `ctx` cached tokens + causally to itself."""
+        qlen = q.shape[0]
+        if ctx == 0:
+            keys, values, mask, causal = k, v, None, True
+        else:
+            total = ctx + qlen
+            keys = kv_cache[0][blocks].flatten(0, 1)[:total]       # [total, Hkv, D]
+            values = kv_cache[1][blocks].flatten(0, 1)[:total]
+            pos_q = torch.arange(ctx, total, device=q.device)
+            pos_k = torch.arange(total, device=q.device)
+            mask = pos_k[None, :] <= pos_q[:, None]                # [Q, total] bool
+            causal = False
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1), keys.to(q.dtype).transpose(0, 1), values.to(q.dtype).transpose(0, 1),
+            attn_mask=mask, is_causal=causal, scale=self.scale,
+            enable_gqa=self.num_groups > 1)                        # [H, Q, D]
+        return out.transpose(0, 1)
