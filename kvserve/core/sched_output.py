@@ -21,6 +21,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    eos_token_ids: list[int] = field(default_factory=list)   # for min_tokens masking
 
 
 @dataclass

@@ -75,3 +75,170 @@ def train_demo_tokenizer(out_dir: str, vocab_size: int = 1024,
     }
     with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
         json.dump(cfg, f, indent=2)
+
+
+# ---------------------------------------------------------------------------------------------
+# Random-weight checkpoints in Hugging Face format (no transformers needed).
+
+_ARCHITECTURES = {   # short name -> (config.json "architectures" entry, "model_type")
+    "llama": ("LlamaForCausalLM", "llama"),
+    "mistral": ("MistralForCausalLM", "mistral"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+}
+
+
+def build_random_checkpoint(out_dir: str, arch: str = "llama", *, hidden_size: int,
+                            num_layers: int, num_heads: int, num_kv_heads: int,
+                            intermediate_size: int, vocab_size: Optional[int] = None,
+                            max_position_embeddings: int = 2048, tie_word_embeddings: bool = False,
+                            dtype: str = "float32", seed: int = 0,
+                            extra_config: Optional[dict[str, Any]] = None) -> str:
+    """Write a loadable HF checkpoint with seeded random weights into `out_dir`; return it.
+
+    Writes config.json, model.safetensors (HF tensor names), generation_config.json and the
+    demo tokenizer. `vocab_size=None` uses the tokenizer's size. Weights and biases are drawn
+    from N(0, 0.02) (HF's init; biases are random rather than zero so they matter), norm
+    weights are 1. `extra_config` entries override / extend config.json (e.g. head_dim,
+    attention_bias, rope_scaling).
+    """
+    import torch
+    from safetensors.torch import save_file
+    from tokenizers import Tokenizer
+
+    from kvserve.config import resolve_dtype
+    from kvserve.model.registry import get_model_class
+
+    if arch not in _ARCHITECTURES:
+        raise ValueError(f"Unknown arch {arch!r}; choose one of {', '.join(_ARCHITECTURES)}.")
+    torch_dtype = resolve_dtype(dtype, {}, device="cuda")    # validates the name
+    os.makedirs(out_dir, exist_ok=True)
+    train_demo_tokenizer(out_dir, model_max_length=max_position_embeddings)
+    if vocab_size is None:
+        vocab_size = Tokenizer.from_file(os.path.join(out_dir, "tokenizer.json")).get_vocab_size()
+
+    architecture, model_type = _ARCHITECTURES[arch]
+    config: dict[str, Any] = {
+        "architectures": [architecture], "model_type": model_type,
+        "hidden_size": hidden_size, "intermediate_size": intermediate_size,
+        "num_hidden_layers": num_layers, "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads, "head_dim": hidden_size // num_heads,
+        "hidden_act": "silu", "max_position_embeddings": max_position_embeddings,
+        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "rope_scaling": None,
+        "attention_bias": False, "tie_word_embeddings": tie_word_embeddings,
+        "vocab_size": vocab_size, "bos_token_id": BOS_ID, "eos_token_id": EOS_ID,
+        "initializer_range": 0.02, "use_cache": True, "torch_dtype": dtype,
+    }
+    if arch == "llama":
+        config["mlp_bias"] = False
+    else:
+        config["sliding_window"] = None
+        if arch.startswith("qwen"):
+            config["use_sliding_window"] = False
+    config.update(extra_config or {})
+
+    # Which projections carry biases etc. comes from the model class, so this stays in step.
+    flags = get_model_class(architecture).decoder_flags(config)
+    hd, nh, nkv = int(config["head_dim"]), num_heads, num_kv_heads
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab_size, hidden_size)}
+    for i in range(num_layers):
+        p = f"model.layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (hidden_size,)
+        shapes[p + "post_attention_layernorm.weight"] = (hidden_size,)
+        for name, rows in (("q_proj", nh * hd), ("k_proj", nkv * hd), ("v_proj", nkv * hd)):
+            shapes[p + f"self_attn.{name}.weight"] = (rows, hidden_size)
+            if flags.qkv_bias:
+                shapes[p + f"self_attn.{name}.bias"] = (rows,)
+        shapes[p + "self_attn.o_proj.weight"] = (hidden_size, nh * hd)
+        if flags.o_proj_bias:
+            shapes[p + "self_attn.o_proj.bias"] = (hidden_size,)
+        if flags.qk_norm:
+            shapes[p + "self_attn.q_norm.weight"] = (hd,)
+            shapes[p + "self_attn.k_norm.weight"] = (hd,)
+        for name, (rows, cols) in (("gate_proj", (intermediate_size, hidden_size)),
+                                   ("up_proj", (intermediate_size, hidden_size)),
+                                   ("down_proj", (hidden_size, intermediate_size))):
+            shapes[p + f"mlp.{name}.weight"] = (rows, cols)
+            if flags.mlp_bias:
+                shapes[p + f"mlp.{name}.bias"] = (rows,)
+    shapes["model.norm.weight"] = (hidden_size,)
+    if not tie_word_embeddings:
+        shapes["lm_head.weight"] = (vocab_size, hidden_size)
+
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, shape in shapes.items():
+        if "norm" in name:
+            t = torch.ones(shape)
+        else:
+            t = torch.randn(shape, generator=gen) * 0.02
+        tensors[name] = t.to(torch_dtype).contiguous()
+    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
+        json.dump({"bos_token_id": BOS_ID, "eos_token_id": EOS_ID}, f, indent=2)
+    return out_dir
+
+
+# ---------------------------------------------------------------------------------------------
+# model="demo"
+
+DEMO_VERSION = 1     # bump when the build changes in a way DEMO_CONFIG does not show
+DEMO_CONFIG: dict[str, Any] = dict(
+    arch="llama", hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=4,
+    intermediate_size=688, vocab_size=None, max_position_embeddings=2048,
+    tie_word_embeddings=False, dtype="float32", seed=0)
+
+
+def cache_dir() -> str:
+    """$KVSERVE_CACHE_DIR, else $XDG_CACHE_HOME/kvserve, else ~/.cache/kvserve."""
+    if os.environ.get("KVSERVE_CACHE_DIR"):
+        return os.path.expanduser(os.environ["KVSERVE_CACHE_DIR"])
+    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(xdg, "kvserve")
+
+
+def demo_model_path() -> str:
+    """Where the demo checkpoint lives; the name changes whenever its recipe does."""
+    import hashlib
+
+    recipe = json.dumps({"version": DEMO_VERSION, **DEMO_CONFIG}, sort_keys=True)
+    digest = hashlib.sha256(recipe.encode()).hexdigest()[:10]
+    return os.path.join(cache_dir(), f"demo-v{DEMO_VERSION}-{digest}")
+
+
+def _ensure_demo() -> str:
+    import shutil
+    import tempfile
+
+    final = demo_model_path()
+    if os.path.isdir(final):        # only ever appears complete (see the rename below)
+        return final
+    parent = os.path.dirname(final)
+    os.makedirs(parent, exist_ok=True)
+    # Build in a private temp dir and publish it with one atomic rename: concurrent first
+    # uses each build their own copy, one rename wins, the losers discard theirs.
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(final)}.tmp-", dir=parent)
+    try:
+        build_random_checkpoint(tmp, **DEMO_CONFIG)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not os.path.isdir(final):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def resolve_model_path(model: str) -> str:
+    """'demo' -> the demo checkpoint (built on first use); a directory -> its absolute path."""
+    if model == "demo":
+        return _ensure_demo()
+    path = os.path.abspath(os.path.expanduser(model))
+    if os.path.isdir(path):
+        return path
+    raise ValueError(
+        f"Model {model!r} not found: kvserve loads local Hugging Face checkpoint directories "
+        f"(config.json + *.safetensors + tokenizer.json) or 'demo'; it cannot download models.")

@@ -1,0 +1,310 @@
+"""Scheduler: decides which requests run each step and how many tokens each computes.
+
+One rule covers everything: each scheduled request's `num_computed_tokens` catches up with its
+`num_tokens` within a per-step token budget. Running requests are served first (in order),
+then waiting ones. A prefill longer than the budget (or `long_prefill_token_threshold`) is
+chunked. When KV blocks run out, the lowest-priority running request is preempted: its blocks
+are freed and it goes back to the waiting queue to be recomputed later.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+from kvserve.config import CacheConfig, SchedulerConfig
+from kvserve.core.kv_cache_manager import KVCacheManager
+from kvserve.core.request import Request, RequestStatus
+from kvserve.core.request_queue import create_request_queue
+from kvserve.core.sched_output import (CachedRequestData, ModelRunnerOutput, NewRequestData,
+                                       SchedulerOutput)
+from kvserve.engine.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason
+
+logger = logging.getLogger(__name__)
+
+_FINISH_REASON = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
+}
+
+
+@dataclass
+class SchedulerStats:
+    num_running_reqs: int
+    num_waiting_reqs: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int     # since the last stats call
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def check_stop(request: Request, max_model_len: int) -> bool:
+    """Set the request's finished status if its last token ends it (vLLM's order of checks)."""
+    if request.num_tokens >= max_model_len or request.num_output_tokens >= request.max_tokens:
+        request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        return True
+    params = request.sampling_params
+    if request.num_output_tokens < params.min_tokens:
+        return False
+    last = request.output_token_ids[-1]
+    if not params.ignore_eos and last in request.eos_token_ids:
+        request.status = RequestStatus.FINISHED_STOPPED
+        return True
+    if params.stop_token_ids and last in params.stop_token_ids:
+        request.status = RequestStatus.FINISHED_STOPPED
+        request.stop_reason = last
+        return True
+    return False
+
+
+class Scheduler:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
+        self.config = scheduler_config
+        self.block_size = cache_config.block_size
+        self.enable_caching = cache_config.enable_prefix_caching
+        self.max_model_len = scheduler_config.max_model_len
+        self.num_blocks = cache_config.num_blocks
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks=cache_config.num_blocks, block_size=self.block_size,
+            enable_caching=self.enable_caching, max_model_len=self.max_model_len)
+        self.requests: dict[str, Request] = {}
+        self.waiting = create_request_queue(scheduler_config.policy)
+        self.running: list[Request] = []
+        # Requests finished since the last step; workers drop them from their batch.
+        self.finished_req_ids: set[str] = set()
+        # Requests whose state the workers hold (scheduled at least once, not since preempted).
+        self._on_workers: set[str] = set()
+        self.num_preemptions_total = 0
+        self._num_preemptions_since_stats = 0
+        self._step_id = 0
+
+    # ------------------------------------------------------------------ requests in / out
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"Request id {request.request_id!r} is already in use.")
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[str]:
+        """Finish requests from outside the step (abort, stop string). Unknown ids are ignored."""
+        done = []
+        for rid in request_ids:
+            request = self.requests.get(rid)
+            if request is None or request.is_finished():
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self._free_request(request)
+            done.append(rid)
+        return done
+
+    def _free_request(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        if request.request_id in self._on_workers:
+            self._on_workers.discard(request.request_id)
+            self.finished_req_ids.add(request.request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    # ------------------------------------------------------------------ schedule
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_blocks: dict[str, list[int]] = {}
+        preempted: list[Request] = []
+
+        budget = self._schedule_running(budget, num_scheduled, new_blocks, preempted)
+        scheduled_new: list[Request] = []
+        if not preempted:  # out of blocks: admitting more would only thrash
+            budget = self._schedule_waiting(budget, num_scheduled, new_blocks, scheduled_new)
+
+        output = self._make_output(num_scheduled, new_blocks, scheduled_new, preempted)
+        # Advance progress now: the workers compute these tokens in this step.
+        for rid, n in num_scheduled.items():
+            self.requests[rid].num_computed_tokens += n
+        self.finished_req_ids = set()
+        return output
+
+    def _num_new_tokens(self, request: Request, budget: int) -> int:
+        n = request.num_tokens - request.num_computed_tokens
+        threshold = self.config.long_prefill_token_threshold
+        if 0 < threshold < n:
+            n = threshold
+        return min(n, budget)
+
+    def _schedule_running(self, budget: int, num_scheduled: dict[str, int],
+                          new_blocks: dict[str, list[int]], preempted: list[Request]) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            n = self._num_new_tokens(request, budget)
+            if n <= 0:
+                i += 1
+                continue
+            while True:
+                blocks = self.kv_cache_manager.allocate_slots(request, n)
+                if blocks is not None:
+                    break
+                victim = self._pick_victim()
+                victim_idx = self.running.index(victim)
+                if victim.request_id in num_scheduled:   # already scheduled this step: undo
+                    budget += num_scheduled.pop(victim.request_id)
+                    new_blocks.pop(victim.request_id, None)
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+                if victim_idx < i:
+                    i -= 1
+            if blocks is None:   # the request preempted itself: nothing else can run
+                break
+            num_scheduled[request.request_id] = n
+            new_blocks[request.request_id] = [b.block_id for b in blocks]
+            budget -= n
+            i += 1
+        return budget
+
+    def _pick_victim(self) -> Request:
+        if self.config.policy == "priority":
+            return max(self.running)   # lowest priority, latest arrival
+        return self.running[-1]
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self._num_preemptions_since_stats += 1
+        self.waiting.prepend(request)
+
+    def _schedule_waiting(self, budget: int, num_scheduled: dict[str, int],
+                          new_blocks: dict[str, list[int]], scheduled_new: list[Request]) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting.peek()
+            computed_blocks, num_computed = self.kv_cache_manager.get_computed_blocks(request)
+            n = request.num_tokens - num_computed
+            threshold = self.config.long_prefill_token_threshold
+            if 0 < threshold < n:
+                n = threshold
+            if n > budget:
+                if not self.config.enable_chunked_prefill:
+                    break   # the whole prompt must fit in one step
+                n = budget
+            blocks = self.kv_cache_manager.allocate_slots(
+                request, n, num_new_computed_tokens=num_computed,
+                new_computed_blocks=computed_blocks)
+            if blocks is None:
+                break
+            self.waiting.pop()
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_computed
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_computed
+            self.running.append(request)
+            scheduled_new.append(request)
+            num_scheduled[request.request_id] = n
+            new_blocks[request.request_id] = [b.block_id for b in blocks]
+            budget -= n
+        return budget
+
+    def _make_output(self, num_scheduled: dict[str, int], new_blocks: dict[str, list[int]],
+                     scheduled_new: list[Request], preempted: list[Request]) -> SchedulerOutput:
+        preempted_ids = {r.request_id for r in preempted if r.request_id in self._on_workers}
+        self._on_workers -= preempted_ids
+        new_reqs = []
+        for r in scheduled_new:
+            new_reqs.append(NewRequestData(
+                req_id=r.request_id, token_ids=list(r.all_token_ids),
+                num_prompt_tokens=r.num_prompt_tokens, sampling_params=r.sampling_params,
+                block_ids=self.kv_cache_manager.get_block_ids(r.request_id),
+                num_computed_tokens=r.num_computed_tokens,
+                eos_token_ids=[] if r.sampling_params.ignore_eos else sorted(r.eos_token_ids)))
+            self._on_workers.add(r.request_id)
+        new_ids = {r.request_id for r in scheduled_new}
+        cached = CachedRequestData()
+        for rid, blocks in new_blocks.items():
+            if rid in new_ids:
+                continue
+            cached.req_ids.append(rid)
+            cached.new_block_ids.append(blocks)
+            cached.num_computed_tokens.append(self.requests[rid].num_computed_tokens)
+        self._step_id += 1
+        return SchedulerOutput(
+            scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            finished_req_ids=set(self.finished_req_ids), preempted_req_ids=preempted_ids,
+            step_id=self._step_id)
+
+    # ------------------------------------------------------------------ update
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           runner_output: ModelRunnerOutput) -> EngineCoreOutputs:
+        outputs: list[EngineCoreOutput] = []
+        for idx, rid in enumerate(runner_output.req_ids):
+            request = self.requests.get(rid)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue   # aborted or preempted while the step ran
+            sampled = runner_output.sampled_token_ids[idx]
+            new_tokens: list[int] = []
+            for token in sampled:
+                request.append_output_token_ids([token])
+                new_tokens.append(token)
+                if check_stop(request, self.max_model_len):
+                    break
+            new_logprobs = None
+            if runner_output.logprobs and rid in runner_output.logprobs and new_tokens:
+                lp = runner_output.logprobs[rid]
+                new_logprobs = [(lp.logprob_token_ids[j], lp.logprobs[j], lp.sampled_token_ranks[j])
+                                for j in range(len(new_tokens))]
+            new_prompt_logprobs = None
+            if runner_output.prompt_logprobs and rid in runner_output.prompt_logprobs:
+                plp = runner_output.prompt_logprobs[rid]
+                new_prompt_logprobs = list(zip(plp.logprob_token_ids, plp.logprobs,
+                                               plp.sampled_token_ranks))
+            finished = request.is_finished()
+            if new_tokens or new_prompt_logprobs or finished:
+                outputs.append(EngineCoreOutput(
+                    request_id=rid, new_token_ids=new_tokens, new_logprobs=new_logprobs,
+                    new_prompt_logprobs=new_prompt_logprobs,
+                    finish_reason=_FINISH_REASON.get(request.status),
+                    stop_reason=request.stop_reason,
+                    num_cached_tokens=max(request.num_cached_tokens, 0)))
+            if finished:
+                self.running.remove(request)
+                self._free_request(request)
+        return EngineCoreOutputs(outputs=outputs)
+
+    # ------------------------------------------------------------------ stats
+    def make_stats(self) -> SchedulerStats:
+        pc = self.kv_cache_manager.make_prefix_cache_stats()
+        n_pre, self._num_preemptions_since_stats = self._num_preemptions_since_stats, 0
+        return SchedulerStats(
+            num_running_reqs=len(self.running), num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=self.kv_cache_manager.usage,
+            prefix_cache_queries=pc.queries, prefix_cache_hits=pc.hits, num_preemptions=n_pre)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.kv_cache_manager.num_free_blocks
+
+    @property
+    def num_total_blocks(self) -> int:
+        return self.num_blocks

@@ -1,0 +1,82 @@
+"""EngineCore: the scheduling loop. step() = schedule -> execute -> update."""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Optional
+
+from kvserve.config import KVServeConfig
+from kvserve.core.request import Request, RequestStatus
+from kvserve.core.scheduler import Scheduler
+from kvserve.engine.messages import EngineCoreOutputs, EngineCoreRequest
+from kvserve.executor.base import Executor
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    def __init__(self, config: KVServeConfig,
+                 executor_class: Optional[type[Executor]] = None) -> None:
+        self.config = config
+        executor_class = executor_class or Executor.get_class(config)
+        start = time.perf_counter()
+        self.model_executor = executor_class(config)
+        try:
+            num_blocks = self.model_executor.initialize_kv_cache()
+            self._check_kv_cache_fits(num_blocks)
+        except BaseException:
+            self.model_executor.shutdown()
+            raise
+        config.cache_config.num_blocks = num_blocks
+        self.scheduler = Scheduler(config.scheduler_config, config.cache_config)
+        logger.info("Engine core ready in %.2f s", time.perf_counter() - start)
+
+    def _check_kv_cache_fits(self, num_blocks: int) -> None:
+        block_size = self.config.cache_config.block_size
+        tokens = num_blocks * block_size
+        max_len = self.config.model_config.max_model_len
+        logger.info("KV cache: %d tokens; maximum concurrency for %d tokens per request: %.2fx",
+                    tokens, max_len, tokens / max_len)
+        if tokens < max_len:
+            raise ValueError(
+                f"The model's max_model_len ({max_len}) is larger than the number of tokens the "
+                f"KV cache can hold ({tokens} = {num_blocks} blocks x {block_size}). Increase "
+                f"kv_cache_memory or decrease max_model_len.")
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self.scheduler.add_request(Request(
+            request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
+            sampling_params=request.sampling_params, eos_token_ids=set(request.eos_token_ids),
+            arrival_time=request.arrival_time, priority=request.priority,
+            cache_salt=request.cache_salt, client_index=request.client_index))
+
+    def abort_requests(self, request_ids: list[str]) -> list[str]:
+        return self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ------------------------------------------------------------------ the loop body
+    def step(self) -> EngineCoreOutputs:
+        if not self.scheduler.has_unfinished_requests():
+            return EngineCoreOutputs(timestamp=time.monotonic())
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.model_executor.execute_model(scheduler_output)
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs.timestamp = time.monotonic()
+        return outputs
+
+    # ------------------------------------------------------------------ utilities
+    def reset_prefix_cache(self) -> bool:
+        return self.scheduler.reset_prefix_cache()
+
+    def get_stats(self) -> dict[str, Any]:
+        stats = self.scheduler.make_stats().to_dict()
+        stats.update(num_free_blocks=self.scheduler.num_free_blocks,
+                     num_total_blocks=self.scheduler.num_total_blocks,
+                     num_preemptions_total=self.scheduler.num_preemptions_total)
+        return stats
+
+    def shutdown(self) -> None:
+        self.model_executor.shutdown()

@@ -1,0 +1,214 @@
+"""Llama-family decoder: Llama, Mistral, Qwen2 and Qwen3 in one implementation.
+
+The architectures differ only in a few switches (`DecoderFlags`): which projections carry a
+bias, and Qwen3's per-head RMSNorm on q and k before the rotary embedding. Each
+`*ForCausalLM` class only says how its config.json sets those switches.
+
+Tokens of all scheduled requests arrive flattened: input_ids / positions are [T], and the
+residual stream is [T, hidden]. Attention reads and writes the paged KV cache of its layer.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Iterable, Optional, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvserve.config import ModelConfig
+from kvserve.model.layers.attention import Attention, AttentionMetadata
+from kvserve.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from kvserve.model.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
+                                         RowParallelLinear, default_weight_loader)
+from kvserve.model.layers.norm import RMSNorm
+from kvserve.model.layers.rotary import get_rope
+
+
+@dataclass(frozen=True)
+class DecoderFlags:
+    qkv_bias: bool = False
+    o_proj_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False          # Qwen3: RMSNorm over each q/k head before rotary
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=bias)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, flags: DecoderFlags) -> None:
+        super().__init__()
+        hf = config.hf_config
+        self.head_dim = config.head_dim
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim,
+                                          config.num_attention_heads, config.num_kv_heads,
+                                          bias=flags.qkv_bias)
+        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim,
+                                        config.hidden_size, bias=flags.o_proj_bias)
+        self.rotary_emb = get_rope(self.head_dim, hf)
+        self.attn = Attention(self.qkv_proj.num_heads, self.head_dim, self.qkv_proj.num_kv_heads)
+        self.qk_norm = flags.qk_norm
+        if self.qk_norm:
+            eps = float(hf.get("rms_norm_eps", 1e-6))
+            self.q_norm = RMSNorm(self.head_dim, eps)
+            self.k_norm = RMSNorm(self.head_dim, eps)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
+                kv_cache: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden_states)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.qk_norm:
+            T = q.shape[0]
+            q = self.q_norm(q.reshape(T, -1, self.head_dim)).view(T, self.q_size)
+            k = self.k_norm(k.reshape(T, -1, self.head_dim)).view(T, self.kv_size)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, kv_cache, attn_metadata))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, flags: DecoderFlags) -> None:
+        super().__init__()
+        hf = config.hf_config
+        eps = float(hf.get("rms_norm_eps", 1e-6))
+        self.self_attn = LlamaAttention(config, flags)
+        self.mlp = LlamaMLP(config.hidden_size, int(hf["intermediate_size"]), flags.mlp_bias)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
+                residual: Optional[torch.Tensor], kv_cache: torch.Tensor,
+                attn_metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        # The residual add is folded into the next norm: (x, residual) -> (norm(x + r), x + r).
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states, kv_cache, attn_metadata)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, flags: DecoderFlags) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, flags)
+                                    for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, float(config.hf_config.get("rms_norm_eps", 1e-6)))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[torch.Tensor], attn_metadata: AttentionMetadata) -> torch.Tensor:
+        if len(kv_caches) != len(self.layers):
+            raise ValueError(f"Got {len(kv_caches)} KV caches for {len(self.layers)} layers.")
+        hidden_states, residual = self.embed_tokens(input_ids), None
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            hidden_states, residual = layer(positions, hidden_states, residual, kv_cache,
+                                            attn_metadata)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class LlamaForCausalLM(nn.Module):
+    # Checkpoint module -> (fused module here, shard id passed to its weight_loader).
+    packed_modules_mapping: dict[str, tuple[str, Union[str, int]]] = {
+        "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
+
+    @staticmethod
+    def decoder_flags(hf_config: dict) -> DecoderFlags:
+        bias = bool(hf_config.get("attention_bias", False))
+        return DecoderFlags(qkv_bias=bias, o_proj_bias=bias,
+                            mlp_bias=bool(hf_config.get("mlp_bias", False)))
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        hf = config.hf_config
+        act = hf.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"{type(self).__name__}: hidden_act={act!r} is not supported (silu only).")
+        window = hf.get("sliding_window") if hf.get("use_sliding_window", True) else None
+        if window and window < config.max_model_len:
+            raise ValueError(
+                f"{type(self).__name__} uses sliding-window attention (window {window}), which "
+                f"kvserve does not implement; set max_model_len <= {window} to run it exactly.")
+        self.config = config
+        self.model = LlamaModel(config, self.decoder_flags(hf))
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        self.tie_word_embeddings = bool(hf.get("tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head.tie_weights(self.model.embed_tokens)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[torch.Tensor], attn_metadata: AttentionMetadata) -> torch.Tensor:
+        """input_ids / positions [T] -> final hidden states [T, hidden]."""
+        return self.model(input_ids, positions, kv_caches, attn_metadata)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """hidden_states [N, hidden] -> float32 logits [N, vocab_size]."""
+        return self.lm_head.compute_logits(hidden_states)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load HF-named checkpoint tensors; return the names of the parameters fully loaded.
+
+        A tensor that matches no parameter is an error. A fused parameter counts as loaded
+        only once all of its shards (q, k, v / gate, up) have been seen.
+        """
+        params = dict(self.named_parameters())
+        seen: dict[str, set] = defaultdict(set)
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:      # recomputed, not learned
+                continue
+            if self.tie_word_embeddings and name == "lm_head.weight":
+                continue                           # same tensor as embed_tokens
+            parts = name.split(".")
+            shard_id = None
+            if len(parts) >= 2 and parts[-2] in self.packed_modules_mapping:
+                parts[-2], shard_id = self.packed_modules_mapping[parts[-2]]
+            param_name = ".".join(parts)
+            param = params.get(param_name)
+            if param is None:
+                raise ValueError(f"Checkpoint tensor {name!r} matches no parameter of "
+                                 f"{type(self).__name__} (is config.json right for this checkpoint?).")
+            loader = getattr(param, "weight_loader", default_weight_loader)
+            try:
+                loader(param, tensor, shard_id)
+            except ValueError as e:
+                raise ValueError(f"Loading checkpoint tensor {name!r}: {e}") from None
+            seen[param_name].add(shard_id)
+        shards: dict[str, set] = defaultdict(set)
+        for fused, shard_id in self.packed_modules_mapping.values():
+            shards[fused].add(shard_id)
+        return {name for name, got in seen.items()
+                if got >= shards.get(name.split(".")[-2], {None})}
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    @staticmethod
+    def decoder_flags(hf_config: dict) -> DecoderFlags:
+        return DecoderFlags()              # Mistral has no biases
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    @staticmethod
+    def decoder_flags(hf_config: dict) -> DecoderFlags:
+        return DecoderFlags(qkv_bias=True)  # q/k/v biased, o_proj and MLP not
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    @staticmethod
+    def decoder_flags(hf_config: dict) -> DecoderFlags:
+        bias = bool(hf_config.get("attention_bias", False))
+        return DecoderFlags(qkv_bias=bias, o_proj_bias=bias, qk_norm=False)

@@ -1,0 +1,90 @@
+"""Build a model from a local Hugging Face checkpoint directory (config.json + safetensors).
+
+The model is constructed directly on the target device in the target dtype, then each
+checkpoint tensor is read on its own (never the whole checkpoint at once) and handed to its
+parameter's weight_loader, which copies this TP rank's shard.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from typing import Iterator
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from kvserve.config import ModelConfig
+from kvserve.model.registry import get_model_class
+
+SAFE_WEIGHTS_NAME = "model.safetensors"
+SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def safetensors_files(model_dir: str) -> list[str]:
+    """The checkpoint's safetensors files: the shards of the index, or model.safetensors."""
+    index_file = os.path.join(model_dir, SAFE_WEIGHTS_INDEX_NAME)
+    if os.path.isfile(index_file):
+        with open(index_file) as f:
+            weight_map = json.load(f).get("weight_map") or {}
+        files = [os.path.join(model_dir, name) for name in sorted(set(weight_map.values()))]
+        missing = [os.path.basename(p) for p in files if not os.path.isfile(p)]
+        if missing or not files:
+            raise FileNotFoundError(
+                f"{index_file} lists weight files that are missing from {model_dir!r}: "
+                f"{', '.join(missing) or '(the index lists none)'}.")
+        return files
+    single = os.path.join(model_dir, SAFE_WEIGHTS_NAME)
+    if os.path.isfile(single):
+        return [single]
+    present = sorted(n for n in os.listdir(model_dir)
+                     if n.endswith((".safetensors", ".bin", ".pt", ".pth", ".gguf")))
+    raise FileNotFoundError(
+        f"No weights in {model_dir!r}: expected {SAFE_WEIGHTS_NAME} or {SAFE_WEIGHTS_INDEX_NAME} "
+        f"(kvserve loads safetensors only; weight-like files present: {', '.join(present) or 'none'}).")
+
+
+def iterate_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) for every checkpoint tensor, one at a time, on the CPU."""
+    for path in safetensors_files(model_dir):
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
+    """Build the model for `model_config` on `device` and load this TP rank's weights."""
+    model_cls = get_model_class(model_config.architecture)
+    safetensors_files(model_config.model)           # fail before allocating anything
+    with _default_dtype(model_config.dtype), torch.device(device):
+        model = model_cls(model_config)
+    loaded = model.load_weights(iterate_weights(model_config.model))
+    never_loaded = sorted(set(name for name, _ in model.named_parameters()) - loaded)
+    if never_loaded:
+        shown = ", ".join(never_loaded[:8]) + (" ..." if len(never_loaded) > 8 else "")
+        raise ValueError(f"Checkpoint {model_config.model!r} has no weights for "
+                         f"{len(never_loaded)} parameter(s) of {model_cls.__name__}: {shown}")
+    return model.eval()
+
+
+def num_kv_heads_per_rank(model_config: ModelConfig, tp_size: int) -> int:
+    """KV heads each rank holds (a KV head is replicated when tp_size exceeds their number)."""
+    return max(1, model_config.num_kv_heads // tp_size)
+
+
+def get_kv_cache_shape(model_config: ModelConfig, num_blocks: int, block_size: int,
+                       tp_size: int) -> tuple[int, ...]:
+    """Shape of one layer's KV cache: [2 (k, v), num_blocks, block_size, kv_heads, head_dim]."""
+    return (2, num_blocks, block_size, num_kv_heads_per_rank(model_config, tp_size),
+            model_config.head_dim)

@@ -1,0 +1,27 @@
+"""config.json `architectures` name -> model class."""
+from __future__ import annotations
+
+from torch import nn
+
+from kvserve.model.llama import (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
+                                 Qwen3ForCausalLM)
+
+_MODELS: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)
+
+
+def get_model_class(architecture: str) -> type[nn.Module]:
+    try:
+        return _MODELS[architecture]
+    except KeyError:
+        shown = repr(architecture) if architecture else "(none: config.json has no 'architectures')"
+        raise ValueError(f"Model architecture {shown} is not supported. Supported architectures: "
+                         f"{', '.join(supported_architectures())}.") from None

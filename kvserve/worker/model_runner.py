@@ -1,0 +1,203 @@
+"""ModelRunner: turns a SchedulerOutput into one forward pass and the sampled tokens.
+
+Per step: update the persistent InputBatch from the scheduler's diff, flatten every scheduled
+request's new tokens into one super-sequence (decodes first, then prefill chunks) with
+positions and a slot mapping into the paged KV cache, run the model once, compute logits only
+at the positions that sample, and sample them all in one batched call.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+
+from kvserve.config import KVServeConfig
+from kvserve.core.sched_output import LogprobsLists, ModelRunnerOutput, SchedulerOutput
+from kvserve.model.layers.attention import AttentionMetadata
+from kvserve.sample.sampler import Sampler
+from kvserve.worker.input_batch import InputBatch
+
+logger = logging.getLogger(__name__)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass
+class StepInputs:
+    req_ids: list[str]            # scheduled requests in flattened order
+    rows: np.ndarray              # their InputBatch rows
+    query_lens: np.ndarray
+    query_starts: np.ndarray
+    input_ids: torch.Tensor       # [T]
+    positions: torch.Tensor       # [T]
+    attn_metadata: AttentionMetadata
+    sample_mask: np.ndarray       # [num_reqs] bool: this request samples a token this step
+    logits_indices: torch.Tensor  # [num_sampling] token index of each sampling request's last token
+
+
+class ModelRunner:
+    def __init__(self, config: KVServeConfig, device: torch.device) -> None:
+        self.config = config
+        self.device = device
+        mc = config.model_config
+        self.dtype = mc.dtype
+        self.block_size = config.cache_config.block_size
+        self.max_model_len = mc.max_model_len
+        self.max_blocks_per_req = cdiv(self.max_model_len, self.block_size)
+        self.vocab_size = mc.vocab_size
+        self.model: Optional[torch.nn.Module] = None
+        self.kv_caches: list[torch.Tensor] = []
+        self.sampler = Sampler()
+        self.input_batch = InputBatch(
+            max_num_reqs=config.scheduler_config.max_num_seqs, max_model_len=self.max_model_len,
+            max_blocks_per_req=self.max_blocks_per_req, vocab_size=self.vocab_size,
+            device=device, base_seed=mc.seed)
+
+    # ------------------------------------------------------------------ set-up
+    def load_model(self) -> None:
+        from kvserve.model.loader import load_model
+        self.model = load_model(self.config.model_config, self.device)
+
+    def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        from kvserve.model.loader import get_kv_cache_shape
+        return get_kv_cache_shape(self.config.model_config, num_blocks, self.block_size,
+                                  self.config.parallel_config.tensor_parallel_size)
+
+    def kv_cache_bytes_per_block(self) -> int:
+        shape = self.kv_cache_shape(1)
+        per_layer = int(np.prod(shape)) * torch.empty((), dtype=self.dtype).element_size()
+        return per_layer * self.config.model_config.num_layers
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        # Zeroed, not empty: masked-out slots are multiplied by 0 in attention, and garbage
+        # NaNs would survive that.
+        shape = self.kv_cache_shape(num_blocks)
+        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+                          for _ in range(self.config.model_config.num_layers)]
+
+    # ------------------------------------------------------------------ step
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(scheduler_output)
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        step = self._prepare_inputs(scheduler_output)
+        assert self.model is not None
+        hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.attn_metadata)
+
+        ib = self.input_batch
+        sample_rows = step.rows[step.sample_mask]
+        sampled_lists: list[list[int]] = [[] for _ in step.req_ids]
+        logprobs: dict[str, LogprobsLists] = {}
+        if len(sample_rows):
+            logits = self.model.compute_logits(hidden[step.logits_indices])
+            metadata = ib.make_sampling_metadata(sample_rows)
+            out = self.sampler(logits, metadata)
+            tokens = out.sampled_token_ids.tolist()
+            sample_idx = np.nonzero(step.sample_mask)[0]
+            lp_ids = lp_vals = ranks = None
+            if out.logprobs is not None:
+                lp_ids, lp_vals = out.logprob_token_ids.tolist(), out.logprobs.tolist()
+                ranks = out.sampled_token_ranks.tolist()
+            for j, (i, row, tok) in enumerate(zip(sample_idx, sample_rows, tokens)):
+                ib.append_token(int(row), tok)
+                sampled_lists[i] = [tok]
+                k = ib.params[row].logprobs
+                if k is not None and lp_ids is not None:
+                    width = len(lp_ids[j]) if k == -1 else k + 1
+                    logprobs[step.req_ids[i]] = LogprobsLists(
+                        [lp_ids[j][:width]], [lp_vals[j][:width]], [ranks[j]])
+        ib.num_computed_tokens[step.rows] += step.query_lens
+        prompt_logprobs = self._prompt_logprobs(step, hidden)
+        return ModelRunnerOutput(
+            req_ids=step.req_ids, sampled_token_ids=sampled_lists,
+            logprobs=logprobs or None, prompt_logprobs=prompt_logprobs or None)
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        ib = self.input_batch
+        ib.remove_requests(so.finished_req_ids | so.preempted_req_ids)
+        for new in so.scheduled_new_reqs:
+            ib.add_request(new)
+        cached = so.scheduled_cached_reqs
+        for rid, blocks, num_computed in zip(cached.req_ids, cached.new_block_ids,
+                                             cached.num_computed_tokens):
+            row = ib.req_id_to_index[rid]
+            ib.append_blocks(row, blocks)
+            ib.num_computed_tokens[row] = num_computed
+
+    def _prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
+        ib, bs, dev = self.input_batch, self.block_size, self.device
+        req_ids = list(so.num_scheduled_tokens)
+        rows = np.fromiter((ib.req_id_to_index[r] for r in req_ids), np.int64, len(req_ids))
+        qlens = np.fromiter((so.num_scheduled_tokens[r] for r in req_ids), np.int64, len(req_ids))
+        # Single-token queries (decodes) first: they share one batched attention call.
+        order = np.argsort(qlens != 1, kind="stable")
+        rows, qlens = rows[order], qlens[order]
+        req_ids = [req_ids[i] for i in order]
+        num_decodes = int((qlens == 1).sum())
+
+        ends = np.cumsum(qlens)
+        starts = ends - qlens
+        total = int(ends[-1])
+        tok_req = np.repeat(np.arange(len(rows)), qlens)
+        computed = ib.num_computed_tokens[rows]
+        positions = computed[tok_req] + (np.arange(total) - starts[tok_req])
+        tok_rows = rows[tok_req]
+        input_ids = ib.token_ids[tok_rows, positions]
+        slot_mapping = ib.block_table[tok_rows, positions // bs] * bs + positions % bs
+        seq_lens = computed + qlens
+        sample_mask = seq_lens >= ib.num_tokens[rows]
+
+        meta = AttentionMetadata(num_decode_tokens=num_decodes,
+                                 slot_mapping=torch.from_numpy(slot_mapping).to(dev),
+                                 block_size=bs)
+        if num_decodes:
+            dec_lens = seq_lens[:num_decodes]
+            max_len = int(dec_lens.max())
+            tables = ib.block_table[rows[:num_decodes], :cdiv(max_len, bs)]
+            meta.decode_block_tables = torch.from_numpy(np.ascontiguousarray(tables)).to(dev)
+            meta.decode_seq_lens = torch.from_numpy(dec_lens).to(dev)
+            meta.decode_max_seq_len = max_len
+        for i in range(num_decodes, len(rows)):
+            meta.prefill_query_starts.append(int(starts[i]))
+            meta.prefill_query_lens.append(int(qlens[i]))
+            meta.prefill_context_lens.append(int(computed[i]))
+            blocks = ib.block_table[rows[i], :cdiv(int(seq_lens[i]), bs)]
+            meta.prefill_block_tables.append(torch.from_numpy(blocks.copy()).to(dev))
+        return StepInputs(
+            req_ids=req_ids, rows=rows, query_lens=qlens, query_starts=starts,
+            input_ids=torch.from_numpy(input_ids).to(dev),
+            positions=torch.from_numpy(positions).to(dev),
+            attn_metadata=meta, sample_mask=sample_mask,
+            logits_indices=torch.from_numpy(ends[sample_mask] - 1).to(dev))
+
+    def _prompt_logprobs(self, step: StepInputs, hidden: torch.Tensor) -> dict[str, LogprobsLists]:
+        """Logprobs of prompt tokens 1..P-1 computed in this step's chunk (for requests that
+        asked): the logits at position p score prompt token p+1."""
+        ib = self.input_batch
+        result: dict[str, LogprobsLists] = {}
+        for i, (rid, row) in enumerate(zip(step.req_ids, step.rows)):
+            k = ib.params[row].prompt_logprobs
+            if k is None:
+                continue
+            ctx = int(ib.num_computed_tokens[row] - step.query_lens[i])   # already advanced
+            last = min(ctx + int(step.query_lens[i]), int(ib.num_prompt_tokens[row]) - 1)
+            if last <= ctx:
+                continue
+            start = int(step.query_starts[i])
+            h = hidden[start:start + (last - ctx)]
+            lp = torch.log_softmax(self.model.compute_logits(h).float(), dim=-1)
+            targets = torch.from_numpy(ib.token_ids[row, ctx + 1:last + 1].copy()).to(lp.device)
+            target_lp = lp.gather(1, targets[:, None])
+            ranks = (lp > target_lp).sum(dim=1) + 1
+            width = lp.shape[1] if k == -1 else k
+            top_vals, top_ids = lp.topk(width, dim=1) if width else (lp[:, :0], targets[:, None][:, :0])
+            ids = torch.cat([targets[:, None], top_ids], dim=1)
+            vals = torch.cat([target_lp, top_vals], dim=1)
+            result[rid] = LogprobsLists(ids.tolist(), vals.tolist(), ranks.tolist())
+        return result

@@ -1,0 +1,87 @@
+"""Worker: one device (CPU or one GPU), one model replica (or TP shard), one ModelRunner."""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Optional
+
+import torch
+
+from kvserve.config import KVServeConfig
+from kvserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from kvserve.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+_DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
+
+
+class Worker:
+    def __init__(self, config: KVServeConfig, local_rank: int = 0, rank: int = 0,
+                 distributed_init_method: Optional[str] = None) -> None:
+        self.config = config
+        self.local_rank = local_rank
+        self.rank = rank
+        self.distributed_init_method = distributed_init_method
+        self.model_runner: Optional[ModelRunner] = None
+
+    @property
+    def is_driver(self) -> bool:
+        return self.rank == 0
+
+    def init_device(self) -> None:
+        dc, pc = self.config.device_config, self.config.parallel_config
+        if dc.device.startswith("cuda"):
+            self.device = torch.device("cuda", self.local_rank)
+            torch.cuda.set_device(self.device)
+        else:
+            self.device = torch.device("cpu")
+            if pc.world_size > 1:
+                # Each rank gets its share of the cores; oversubscription is far slower.
+                torch.set_num_threads(max(1, (os.cpu_count() or 1) // pc.world_size))
+        if pc.world_size > 1:
+            from kvserve.distributed.parallel_state import init_distributed
+            backend = "nccl" if self.device.type == "cuda" else "gloo"
+            assert self.distributed_init_method is not None
+            init_distributed(self.rank, pc.world_size, self.distributed_init_method, backend)
+        torch.manual_seed(self.config.model_config.seed)
+        self.model_runner = ModelRunner(self.config, self.device)
+
+    def load_model(self) -> None:
+        assert self.model_runner is not None
+        self.model_runner.load_model()
+
+    def determine_num_kv_blocks(self) -> int:
+        """How many KV blocks fit in the configured memory (capped by what can ever be used)."""
+        assert self.model_runner is not None
+        cc, sc = self.config.cache_config, self.config.scheduler_config
+        if cc.num_gpu_blocks_override:
+            return cc.num_gpu_blocks_override
+        memory = cc.kv_cache_memory
+        if memory is None:
+            if self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                memory = int(free * 0.9)
+            else:
+                import psutil
+                memory = min(_DEFAULT_CPU_KV_CACHE_BYTES, psutil.virtual_memory().available // 4)
+        per_block = self.model_runner.kv_cache_bytes_per_block()
+        useful = sc.max_num_seqs * self.model_runner.max_blocks_per_req
+        return max(1, min(memory // per_block, useful))
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        assert self.model_runner is not None
+        self.model_runner.initialize_kv_cache(num_blocks)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> Optional[ModelRunnerOutput]:
+        assert self.model_runner is not None
+        output = self.model_runner.execute_model(scheduler_output)
+        return output if self.is_driver else None
+
+    def check_health(self) -> bool:
+        return True
+
+    def shutdown(self) -> None:
+        if self.config.parallel_config.world_size > 1:
+            from kvserve.distributed.parallel_state import destroy_distributed
+            destroy_distributed()

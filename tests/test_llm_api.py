@@ -1,0 +1,155 @@
+"""The offline LLM API: sampling features, outputs and the error cases."""
+from __future__ import annotations
+
+import pytest
+
+from kvserve import LLM, SamplingParams
+from tests.utils import random_prompts
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama: str) -> LLM:
+    return LLM(tiny_llama, dtype="float32", max_model_len=256, kv_cache_memory=16 << 20, seed=0)
+
+
+def free_blocks_ok(llm: LLM) -> bool:
+    s = llm.get_stats()
+    return s["num_free_blocks"] == s["num_total_blocks"] and s["num_running_reqs"] == 0
+
+
+def test_text_prompts_and_outputs(llm: LLM) -> None:
+    outs = llm.generate(["Hello, my name is", "The capital of France is"],
+                        SamplingParams(temperature=0.8, top_p=0.95, max_tokens=8, seed=1),
+                        use_tqdm=False)
+    assert [o.prompt for o in outs] == ["Hello, my name is", "The capital of France is"]
+    for o in outs:
+        assert o.finished and o.prompt_token_ids[0] == llm.get_tokenizer().bos_token_id
+        c = o.outputs[0]
+        assert 1 <= len(c.token_ids) <= 8
+        assert c.finish_reason in ("stop", "length")
+        assert c.text == llm.get_tokenizer().decode(c.token_ids) or c.finish_reason == "stop"
+    assert free_blocks_ok(llm)
+
+
+def test_seeded_sampling_reproducible_in_any_batch(llm: LLM) -> None:
+    p = SamplingParams(temperature=1.0, max_tokens=12, seed=1234, ignore_eos=True)
+    alone = llm.generate("The river", p, use_tqdm=False)[0].outputs[0].token_ids
+    others = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    mixed = llm.generate(["Other prompt one", "The river", "x y z"], [others, p, others],
+                         use_tqdm=False)[1].outputs[0].token_ids
+    assert alone == mixed
+    different = llm.generate("The river", SamplingParams(temperature=1.0, max_tokens=12, seed=99,
+                                                         ignore_eos=True), use_tqdm=False)
+    assert different[0].outputs[0].token_ids != alone
+
+
+def test_stop_strings(llm: LLM) -> None:
+    greedy = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    full = llm.generate("Once upon a time", greedy, use_tqdm=False)[0].outputs[0].text
+    assert len(full) > 10
+    stop = full[5:8]
+    first = full.find(stop)
+    out = llm.generate("Once upon a time", SamplingParams(temperature=0.0, max_tokens=30, stop=[stop],
+                                                          ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert out.text == full[:first]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    incl = llm.generate("Once upon a time", SamplingParams(temperature=0.0, max_tokens=30, stop=stop,
+                                                           include_stop_str_in_output=True,
+                                                           ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert incl.text == full[:first + len(stop)]
+    assert free_blocks_ok(llm)
+
+
+def test_stop_token_ids_and_length(llm: LLM) -> None:
+    greedy = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    tokens = llm.generate("abc", greedy, use_tqdm=False)[0].outputs[0].token_ids
+    stop_tok = tokens[4]
+    idx = tokens.index(stop_tok)
+    out = llm.generate("abc", SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=[stop_tok],
+                                             ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == tokens[:idx + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_tok
+    capped = llm.generate("abc", SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
+                          use_tqdm=False)[0].outputs[0]
+    assert capped.token_ids == tokens[:3] and capped.finish_reason == "length"
+
+
+def test_min_tokens_blocks_stop_tokens(llm: LLM) -> None:
+    greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    first = llm.generate("abc", greedy, use_tqdm=False)[0].outputs[0].token_ids[0]
+    out = llm.generate("abc", SamplingParams(temperature=0.0, max_tokens=10, min_tokens=3,
+                                             stop_token_ids=[first], ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0]
+    assert first not in out.token_ids[:3] and len(out.token_ids) >= 3
+
+
+def test_n_copies(llm: LLM) -> None:
+    out = llm.generate("Hello", SamplingParams(n=3, temperature=1.0, max_tokens=10, seed=5,
+                                               ignore_eos=True), use_tqdm=False)
+    assert len(out) == 1
+    comps = out[0].outputs
+    assert [c.index for c in comps] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in comps}) > 1
+    again = llm.generate("Hello", SamplingParams(n=3, temperature=1.0, max_tokens=10, seed=5,
+                                                 ignore_eos=True), use_tqdm=False)
+    assert [c.token_ids for c in again[0].outputs] == [c.token_ids for c in comps]
+    assert free_blocks_ok(llm)
+
+
+def test_logprobs(llm: LLM) -> None:
+    out = llm.generate("Hello", SamplingParams(temperature=0.7, max_tokens=6, logprobs=3, seed=0,
+                                               ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids)
+    total = 0.0
+    for tok, pos in zip(out.token_ids, out.logprobs):
+        assert tok in pos and 3 <= len(pos) <= 4
+        assert all(lp.logprob <= 0 for lp in pos.values())
+        ranks = sorted(lp.rank for t, lp in pos.items() if t != tok or lp.rank <= 3)
+        assert ranks[0] == 1
+        total += pos[tok].logprob
+    assert out.cumulative_logprob == pytest.approx(total, abs=1e-4)
+
+
+def test_token_id_prompts_and_chat(llm: LLM) -> None:
+    ids = random_prompts(1, 5, 5, vocab=1024, seed=3)[0]
+    out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert out[0].prompt_token_ids == ids
+    chat = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=4), use_tqdm=False)
+    tok = llm.get_tokenizer()
+    assert chat[0].prompt_token_ids.count(tok.bos_token_id) == 1
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(temperature=-1.0), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(n=0), "n"),
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(min_p=2.0), "min_p"),
+    (dict(presence_penalty=3.0), "presence_penalty"),
+    (dict(stop=[""]), "stop"),
+])
+def test_invalid_sampling_params(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_bad_prompts_rejected_before_scheduling(llm: LLM) -> None:
+    with pytest.raises(ValueError, match="longer than the maximum model length of 256"):
+        llm.generate(["ok", {"prompt_token_ids": [7] * 300}], SamplingParams(max_tokens=2), use_tqdm=False)
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([{"prompt_token_ids": []}], use_tqdm=False)
+    with pytest.raises(ValueError, match="logprobs"):
+        llm.generate("hi", SamplingParams(logprobs=1000), use_tqdm=False)
+    with pytest.raises(ValueError):
+        llm.generate([{"prompt_token_ids": [10**6]}], use_tqdm=False)
+    # Nothing was scheduled and the engine still serves.
+    assert free_blocks_ok(llm)
+    assert llm.generate("still alive", SamplingParams(max_tokens=2), use_tqdm=False)[0].finished
+
+
+def test_unknown_model_and_arguments(tmp_path) -> None:
+    with pytest.raises(ValueError, match="not found"):
+        LLM(str(tmp_path / "nope"))
+    with pytest.raises(TypeError, match="Unknown engine argument"):
+        LLM("demo", not_an_arg=1)

@@ -1,0 +1,81 @@
+"""Helpers shared by the engine tests: Hugging Face references and output comparisons."""
+from __future__ import annotations
+
+import random
+from typing import Optional
+
+import torch
+
+from kvserve.outputs import RequestOutput
+
+# Float32 comparisons against transformers: summation order differs, nothing else.
+LOGPROB_ATOL = 2e-3
+
+
+def random_prompts(n: int, min_len: int, max_len: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    # Skip the special ids (0..4) so prompts look like text.
+    return [[rng.randrange(5, vocab) for _ in range(rng.randint(min_len, max_len))] for _ in range(n)]
+
+
+def hf_greedy(model_path: str, prompts: list[list[int]], max_new_tokens: int,
+              dtype: torch.dtype = torch.float32) -> list[tuple[list[int], list[torch.Tensor]]]:
+    """Greedy tokens and per-step raw log-softmax from transformers, one prompt at a time
+    (no padding, so nothing but the model itself is being compared)."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
+    results = []
+    with torch.inference_mode():
+        for ids in prompts:
+            out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                                 output_logits=True, return_dict_in_generate=True,
+                                 pad_token_id=0, eos_token_id=None, min_new_tokens=max_new_tokens)
+            tokens = out.sequences[0, len(ids):].tolist()
+            logprobs = [torch.log_softmax(l[0].float(), dim=-1) for l in out.logits]
+            results.append((tokens, logprobs))
+    return results
+
+
+def hf_prompt_logprobs(model_path: str, prompt: list[int]) -> torch.Tensor:
+    """[P-1] logprob of prompt token t+1 given tokens ..t, from transformers."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt])).logits[0].float()
+    lp = torch.log_softmax(logits, dim=-1)
+    return lp[:-1].gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+
+
+def check_greedy_close(ref_tokens: list[int], ref_logprobs: Optional[list[torch.Tensor]],
+                       out: RequestOutput, name: str = "", top: int = 5) -> int:
+    """Greedy tokens equal; where they first differ (a near-tie under rounding), each side's
+    token must be in the other's top-`top`. Returns the number of positions that matched."""
+    ours = out.outputs[0].token_ids
+    our_lps = out.outputs[0].logprobs
+    n = min(len(ours), len(ref_tokens))
+    for i in range(n):
+        if ours[i] == ref_tokens[i]:
+            if ref_logprobs is not None and our_lps is not None:
+                got = our_lps[i][ours[i]].logprob
+                want = ref_logprobs[i][ref_tokens[i]].item()
+                assert abs(got - want) < LOGPROB_ATOL, f"{name} pos {i}: logprob {got} vs HF {want}"
+            continue
+        # First divergence: only acceptable as a near-tie.
+        assert ref_logprobs is not None and our_lps is not None, \
+            f"{name}: tokens differ at {i}: {ours[i]} vs HF {ref_tokens[i]}"
+        ref_top = torch.topk(ref_logprobs[i], top).indices.tolist()
+        assert ours[i] in ref_top, f"{name} pos {i}: our token {ours[i]} not in HF top-{top} {ref_top}"
+        assert ref_tokens[i] in our_lps[i], \
+            f"{name} pos {i}: HF token {ref_tokens[i]} not in our top logprobs {list(our_lps[i])}"
+        return i
+    assert len(ours) == len(ref_tokens), f"{name}: lengths {len(ours)} vs {len(ref_tokens)}"
+    return n
+
+
+def assert_same_outputs(a: list[RequestOutput], b: list[RequestOutput], what: str) -> None:
+    assert len(a) == len(b)
+    for i, (x, y) in enumerate(zip(a, b)):
+        for cx, cy in zip(x.outputs, y.outputs):
+            assert cx.token_ids == cy.token_ids, f"{what}: request {i} differs"
+            assert cx.text == cy.text
+            assert cx.finish_reason == cy.finish_reason
