@@ -111,7 +111,8 @@ class Tokenizer:
         add_bos = bool(self.config.get("add_bos_token", True)) and bos is not None
         add_eos = bool(self.config.get("add_eos_token", False)) and eos is not None
         single = (f"{bos}:0 " if add_bos else "") + "$A:0" + (f" {eos}:0" if add_eos else "")
-        pair = single + (f" {bos}:1" if add_bos else "") + " $B:1" + (f" {eos}:1" if add_eos else "")
+        pair = (single + (f" {bos}:1" if add_bos else "") + " $B:1"
+                + (f" {eos}:1" if add_eos else ""))
         special = []
         if add_bos:
             special.append((bos, self._tok.token_to_id(bos)))
@@ -230,8 +231,10 @@ class Tokenizer:
         (usually a leading BOS); pass False for text that already contains them (chat)."""
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[list[int]]:
-        return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=add_special_tokens)]
+    def encode_batch(self, texts: Sequence[str],
+                     add_special_tokens: bool = True) -> list[list[int]]:
+        encodings = self._tok.encode_batch(list(texts), add_special_tokens=add_special_tokens)
+        return [e.ids for e in encodings]
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -243,11 +246,13 @@ class Tokenizer:
         batched Rust call fills whatever is missing.
         """
         cache = self._decoded_token_cache
-        missing = [i for i in dict.fromkeys(ids) if i not in cache]
-        if missing:
+        try:
+            return list(map(cache.__getitem__, ids))
+        except KeyError:
+            missing = [i for i in dict.fromkeys(ids) if i not in cache]
             texts = self._tok.decode_batch([[i] for i in missing], skip_special_tokens=False)
             cache.update(zip(missing, texts))
-        return [cache[i] for i in ids]
+            return list(map(cache.__getitem__, ids))
 
     # ------------------------------------------------------------------ chat
     def get_chat_template(self, chat_template: Optional[str] = None,
@@ -275,7 +280,8 @@ class Tokenizer:
                 f"(a Jinja template string) to use chat.")
         return own
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+    def apply_chat_template(self, messages: list[dict[str, Any]],
+                            add_generation_prompt: bool = True,
                             chat_template: Optional[str] = None, tokenize: bool = False,
                             continue_final_message: bool = False, tools: Optional[list] = None,
                             documents: Optional[list] = None,
@@ -370,7 +376,8 @@ def _cut_after_final_message(rendered: str, final_message: dict) -> str:
     content (its end-of-turn tokens), so generation continues that message."""
     content = final_message.get("content")
     if isinstance(content, list):  # OpenAI content parts: continue the last text part
-        texts = [p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+        texts = [p.get("text", "") for p in content
+                 if isinstance(p, dict) and p.get("type") == "text"]
         content = texts[-1] if texts else ""
     content = (content or "").strip()
     idx = rendered.rfind(content) if content else -1

@@ -32,12 +32,16 @@ _FINISH_REASON = {
 
 @dataclass
 class SchedulerStats:
+    """A snapshot of the scheduler. Counters are cumulative since the engine started, so any
+    number of readers (metrics, get_stats) can take deltas without resetting each other."""
     num_running_reqs: int
     num_waiting_reqs: int
     kv_cache_usage: float
+    num_free_blocks: int
+    num_total_blocks: int
     prefix_cache_queries: int
     prefix_cache_hits: int
-    num_preemptions: int     # since the last stats call
+    num_preemptions: int
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -79,8 +83,9 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()
         # Requests whose state the workers hold (scheduled at least once, not since preempted).
         self._on_workers: set[str] = set()
-        self.num_preemptions_total = 0
-        self._num_preemptions_since_stats = 0
+        self.num_preemptions = 0
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
         self._step_id = 0
 
     # ------------------------------------------------------------------ requests in / out
@@ -188,8 +193,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
-        self.num_preemptions_total += 1
-        self._num_preemptions_since_stats += 1
+        self.num_preemptions += 1
         self.waiting.prepend(request)
 
     def _schedule_waiting(self, budget: int, num_scheduled: dict[str, int],
@@ -291,20 +295,15 @@ class Scheduler:
 
     # ------------------------------------------------------------------ stats
     def make_stats(self) -> SchedulerStats:
-        pc = self.kv_cache_manager.make_prefix_cache_stats()
-        n_pre, self._num_preemptions_since_stats = self._num_preemptions_since_stats, 0
+        pc = self.kv_cache_manager.make_prefix_cache_stats()   # delta since the last call
+        self.prefix_cache_queries += pc.queries
+        self.prefix_cache_hits += pc.hits
         return SchedulerStats(
             num_running_reqs=len(self.running), num_waiting_reqs=len(self.waiting),
             kv_cache_usage=self.kv_cache_manager.usage,
-            prefix_cache_queries=pc.queries, prefix_cache_hits=pc.hits, num_preemptions=n_pre)
+            num_free_blocks=self.kv_cache_manager.num_free_blocks, num_total_blocks=self.num_blocks,
+            prefix_cache_queries=self.prefix_cache_queries, prefix_cache_hits=self.prefix_cache_hits,
+            num_preemptions=self.num_preemptions)
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.kv_cache_manager.num_free_blocks
-
-    @property
-    def num_total_blocks(self) -> int:
-        return self.num_blocks

@@ -7,9 +7,9 @@ contiguous buffers (numpy arrays, CPU tensors) travel out of band as raw bytes.
 
 Segment layout (C = max_chunks, R = number of local readers)::
 
-    ┌─────────┬─────────┬─────┬───────────┬───────────────────────────────────┐
+    ┌─────────┬─────────┬─────┬───────────┬──────────────────────────────────────┐
     │ chunk 0 │ chunk 1 │ ... │ chunk C-1 │ flags: C × [w | r0 | r1 | .. | rR-1] │
-    └─────────┴─────────┴─────┴───────────┴───────────────────────────────────┘
+    └─────────┴─────────┴─────┴───────────┴──────────────────────────────────────┘
       max_chunk_bytes each                  one byte each, never in a chunk
 
 One chunk::
@@ -32,7 +32,10 @@ Writer: wait until w=0 or all r_i=1; set w=0; write the payload; fence; reset
 all r_i to 0; fence; set w=1 (last). Reader: wait until w=1 and r_me=0; fence;
 read the payload; fence; set r_me=1. Writer and readers walk the chunks in the
 same order, so each reader sees every message once and in order, and the writer
-blocks when the slowest reader is C messages behind.
+blocks when the slowest reader is C messages behind. The order of the writer's
+flag stores matters: a reader may read a stale w=1 from the chunk's previous
+round and then a fresh r_me=0; that is still safe because the r flags are
+reset only after the payload is complete, and w=1 is the very last store.
 
 Memory ordering. Python has no fence primitive. What this relies on: (1) the
 payload and the flags are separate bytes written by separate stores (memcpy for
@@ -95,15 +98,20 @@ class MessageQueueCancelled(RuntimeError):
 class SpinTimer:
     """Backoff for a poll loop: spin, then yield the CPU, then sleep.
 
-    For ``spin_s`` after ``start()`` each ``wait()`` returns at once (lowest
-    latency); until ``yield_s`` it calls ``sched_yield`` (other runnable threads
-    on this core go first; it also releases the GIL); after that it sleeps for
-    ``sleep_fraction`` of the time waited so far, at most ``max_sleep_s``. The
-    sleep therefore adds at most ``sleep_fraction`` to a long wait, and an idle
-    poller wakes ``1 / max_sleep_s`` times a second.
+    For ``spin_s`` after ``start()`` each ``wait()`` returns at once; until
+    ``yield_s`` it calls ``sched_yield`` (other runnable threads on this core go
+    first; it also releases the GIL); after that it sleeps for ``sleep_fraction``
+    of the time waited so far, at most ``max_sleep_s``. The sleep therefore adds
+    at most ``sleep_fraction`` to a long wait, and an idle poller wakes
+    ``1 / max_sleep_s`` times a second.
+
+    ``spin_s`` defaults to 0: when writer and reader share a core (more
+    processes than cores), every microsecond one of them spins delays the
+    other; measured on 2 busy cores, a 50 us spin made the round trip 4x slower
+    (benchmarks/ipc.py). With an idle core to spare, a yield costs ~1 us.
     """
 
-    def __init__(self, spin_s: float = 50e-6, yield_s: float = 2e-3,
+    def __init__(self, spin_s: float = 0.0, yield_s: float = 2e-3,
                  sleep_fraction: float = 0.02, max_sleep_s: float = 0.05) -> None:
         self.spin_s = spin_s
         self.yield_s = yield_s
@@ -425,7 +433,7 @@ class MessageQueue:
         self._next_warn = _WARN_EVERY_S
         while True:
             snap = flags.tobytes()
-            if True:
+            if snap[0] == 0 or snap[1:] == self._all_read:
                 break
             self._backoff(timeout, cancel, "enqueue")
         memory_fence()  # the flags are read before the payload is overwritten
@@ -461,8 +469,8 @@ class MessageQueue:
     def enqueue(self, obj: Any, timeout: Optional[float] = None,
                 cancel: Optional[threading.Event] = None) -> None:
         """Send ``obj`` to every reader; blocks while the slowest local reader is a ring behind."""
-        if not self._is_writer:
-            raise RuntimeError("only the writer (the creating process) can enqueue")
+        if not self._is_writer or self._closed:
+            raise RuntimeError("enqueue needs an open writer (the creating process)")
         if not self._ready:
             raise RuntimeError("call wait_until_ready() before enqueue(): PUB drops frames to late subscribers")
         frames = serialize(obj)
@@ -489,9 +497,13 @@ class MessageQueue:
 
     def dequeue(self, timeout: Optional[float] = None,
                 cancel: Optional[threading.Event] = None) -> Any:
-        """Next message; raises TimeoutError after ``timeout`` seconds without one."""
-        if self._is_writer:
-            raise RuntimeError("the writer cannot dequeue")
+        """Next message; raises TimeoutError after ``timeout`` seconds without one.
+
+        ``cancel`` is checked while waiting on the ring (local readers); a remote
+        reader only honours ``timeout``.
+        """
+        if self._is_writer or self._closed:
+            raise RuntimeError("dequeue needs an open reader (create_from_handle)")
         start = time.monotonic()
         if self.buffer is None:  # remote reader
             return deserialize(_recv_frames(self.remote_socket, timeout))

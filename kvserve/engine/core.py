@@ -29,6 +29,7 @@ class EngineCore:
             raise
         config.cache_config.num_blocks = num_blocks
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config)
+        self.log_stats = not config.disable_log_stats
         logger.info("Engine core ready in %.2f s", time.perf_counter() - start)
 
     def _check_kv_cache_fits(self, num_blocks: int) -> None:
@@ -65,6 +66,8 @@ class EngineCore:
         runner_output = self.model_executor.execute_model(scheduler_output)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         outputs.timestamp = time.monotonic()
+        if self.log_stats:
+            outputs.scheduler_stats = self.scheduler.make_stats().to_dict()
         return outputs
 
     # ------------------------------------------------------------------ utilities
@@ -72,11 +75,7 @@ class EngineCore:
         return self.scheduler.reset_prefix_cache()
 
     def get_stats(self) -> dict[str, Any]:
-        stats = self.scheduler.make_stats().to_dict()
-        stats.update(num_free_blocks=self.scheduler.num_free_blocks,
-                     num_total_blocks=self.scheduler.num_total_blocks,
-                     num_preemptions_total=self.scheduler.num_preemptions_total)
-        return stats
+        return self.scheduler.make_stats().to_dict()
 
     def shutdown(self) -> None:
         self.model_executor.shutdown()

@@ -10,8 +10,15 @@ are added around it:
   decoded as it reads after the prompt (SentencePiece-style decoders strip a leading space
   from the first token of a sequence).
 * Flush: when a request finishes while the stream is still holding ids back (bytes that never
-  became a valid character), the held text is decoded and appended, so the final text always
-  equals `tokenizer.decode(output ids)`.
+  became a valid character), the held text is decoded and appended, so the final text
+  equals `tokenizer.decode(output ids)` (with the one exception below).
+
+One known difference, shared with every streaming detokenizer: SentencePiece-style
+ByteFallback decoders turn a whole run of byte tokens that is not valid UTF-8 into one U+FFFD
+per byte, including bytes that were valid characters on their own and already streamed. The
+stream keeps what it showed (tokenizers' DecodeStream raises "Invalid prefix" there; the
+stream is restarted). Valid text always matches a one-shot decode exactly.
+`spaces_between_special_tokens` has no effect, as with transformers' fast tokenizers.
 
 Stop strings are checked on the accumulated text. While a request runs, the last
 `max(len(stop)) - 1` characters are held back from the caller (unless
@@ -94,7 +101,7 @@ class FastIncrementalDetokenizer(IncrementalDetokenizer):
         self._last_output_text_offset = 0
 
         self._backend = tokenizer.backend_tokenizer
-        context = []
+        context = self._prompt_context(request.prompt_token_ids)
         self._stream = DecodeStream(ids=context, skip_special_tokens=self.skip_special_tokens)
         # Every id given to the stream (context included), and how many of them its emitted
         # text covers; the rest are held back (an incomplete character).
@@ -148,7 +155,8 @@ class FastIncrementalDetokenizer(IncrementalDetokenizer):
         and replay the held-back ones (the text emitted so far is kept as it is)."""
         held = self._fed_ids[self._num_emitted:]
         context = self._fed_ids[max(0, self._num_emitted - _FLUSH_CONTEXT):self._num_emitted]
-        if _REPLACEMENT_CHAR in self._backend.decode(context, skip_special_tokens=self.skip_special_tokens):
+        if _REPLACEMENT_CHAR in self._backend.decode(
+                context, skip_special_tokens=self.skip_special_tokens):
             context = []
         self._stream = DecodeStream(ids=context, skip_special_tokens=self.skip_special_tokens)
         try:

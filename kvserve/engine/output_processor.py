@@ -89,7 +89,8 @@ class RequestOutputCollector:
         self.ready = asyncio.Event()
 
     def put(self, output: Union[RequestOutput, Exception]) -> None:
-        if self.output is None or isinstance(output, Exception) or isinstance(self.output, Exception):
+        if (self.output is None or isinstance(output, Exception)
+                or isinstance(self.output, Exception)):
             self.output = output
         elif self.aggregate:
             _merge_delta(self.output, output)
@@ -266,7 +267,10 @@ class ParentRequest:
 
 def _copy_metrics(m: Optional[RequestMetrics]) -> Optional[RequestMetrics]:
     # Outputs are snapshots: the live metrics object keeps changing.
-    return None if m is None else RequestMetrics(**m.__dict__)
+    if m is None:
+        return None
+    return RequestMetrics(m.arrival_time, m.first_scheduled_time, m.first_token_time,
+                          m.last_token_time, m.finished_time)
 
 
 # ---------------------------------------------------------------------- per request

@@ -43,6 +43,66 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from kvserve.entrypoints.openai.api_server import run_server
+    try:
+        asyncio.run(run_server(args))
+    except KeyboardInterrupt:   # uvicorn re-raises the SIGINT it handled, after shutting down
+        pass
+    return 0
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    """`kvserve serve` flags (vLLM's names), then every engine flag."""
+    parser.add_argument("model", help="Path to a Hugging Face checkpoint directory, or 'demo'.")
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", type=str, default=None,
+                   help="Address to listen on (default: all interfaces).")
+    g.add_argument("--port", type=int, default=8000, help="Port to listen on (default: 8000).")
+    g.add_argument("--api-key", type=str, default=None,
+                   help="Require 'Authorization: Bearer <key>' on /v1/* (or set KVSERVE_API_KEY).")
+    g.add_argument("--chat-template", type=str, default=None,
+                   help="Chat template: a file path or the Jinja template itself "
+                        "(default: the tokenizer's).")
+    g.add_argument("--response-role", type=str, default="assistant",
+                   help="Role of the generated message when add_generation_prompt is true.")
+    g.add_argument("--root-path", type=str, default=None,
+                   help="ASGI root path, when the server runs behind a path-based proxy.")
+    g.add_argument("--uvicorn-log-level", type=str, default="info",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+    g.add_argument("--disable-uvicorn-access-log", action="store_true",
+                   help="Do not log every HTTP request.")
+    g.add_argument("--log-stats-interval", type=float, default=5.0,
+                   help="Seconds between throughput log lines (default: 5).")
+    EngineArgs.add_cli_args(parser, skip=("model",))
+    # A server logs throughput and exports metrics unless told not to.
+    parser.set_defaults(disable_log_stats=False)
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from kvserve.entrypoints.chat import run_chat
+    return run_chat(args)
+
+
+def add_chat_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", nargs="?", default=None,
+                        help="Model to load in this process (omit with --url).")
+    g = parser.add_argument_group("chat")
+    g.add_argument("--url", type=str, default=None,
+                   help="Base URL of a running server, e.g. http://localhost:8000/v1.")
+    g.add_argument("--model-name", type=str, default=None,
+                   help="Model name to ask the server for (default: its first model).")
+    g.add_argument("--api-key", type=str, default=None, help="API key for --url.")
+    g.add_argument("--system-prompt", type=str, default=None)
+    g.add_argument("-q", "--quick", type=str, default=None, metavar="MESSAGE",
+                   help="Send one message, print the reply and exit.")
+    g.add_argument("--max-tokens", type=int, default=None)
+    g.add_argument("--temperature", type=float, default=None)
+    EngineArgs.add_cli_args(parser, skip=("model",))
+
+
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvserve", description="kvserve LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -51,6 +111,12 @@ def make_parser() -> argparse.ArgumentParser:
     EngineArgs.add_cli_args(gen)
     add_sampling_args(gen)
     gen.set_defaults(func=cmd_generate)
+    serve = sub.add_parser("serve", help="Start the OpenAI-compatible HTTP server.")
+    add_serve_args(serve)
+    serve.set_defaults(func=cmd_serve)
+    chat = sub.add_parser("chat", help="Chat in the terminal with a server (--url) or a model.")
+    add_chat_args(chat)
+    chat.set_defaults(func=cmd_chat)
     return parser
 
 

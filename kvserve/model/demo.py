@@ -127,7 +127,8 @@ def build_random_checkpoint(out_dir: str, arch: str = "llama", *, hidden_size: i
         "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "rope_scaling": None,
         "attention_bias": False, "tie_word_embeddings": tie_word_embeddings,
         "vocab_size": vocab_size, "bos_token_id": BOS_ID, "eos_token_id": EOS_ID,
-        "initializer_range": 0.02, "use_cache": True, "torch_dtype": dtype,
+        "initializer_range": 0.02, "use_cache": True,
+        "torch_dtype": str(torch_dtype).removeprefix("torch."),
     }
     if arch == "llama":
         config["mlp_bias"] = False

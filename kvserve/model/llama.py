@@ -211,4 +211,4 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
     @staticmethod
     def decoder_flags(hf_config: dict) -> DecoderFlags:
         bias = bool(hf_config.get("attention_bias", False))
-        return DecoderFlags(qkv_bias=bias, o_proj_bias=bias, qk_norm=False)
+        return DecoderFlags(qkv_bias=bias, o_proj_bias=bias, qk_norm=True)

@@ -133,11 +133,13 @@ def test_detokenize_false_tracks_ids_only(tok):
     assert type(d) is IncrementalDetokenizer
     assert d.update([5, 6], False) is None and d.output_token_ids == [5, 6]
     assert d.get_next_output_text(True, False) == ""
-    assert type(IncrementalDetokenizer.from_new_request(None, _request([1]))) is IncrementalDetokenizer
+    no_tokenizer = IncrementalDetokenizer.from_new_request(None, _request([1]))
+    assert type(no_tokenizer) is IncrementalDetokenizer
 
 
 # ---------------------------------------------------------------------- SentencePiece-style
-def _sentencepiece_style_tokenizer(tmp_path) -> tuple[Tokenizer, str]:
+@pytest.fixture(scope="module")
+def sp_tokenizer(tmp_path_factory) -> tuple[Tokenizer, str]:
     """A Llama-2-style tokenizer: Metaspace ("▁" for spaces), byte fallback tokens <0xXX>,
     and a decoder that strips the leading space of a sequence."""
     from tokenizers import Tokenizer as HFTok
@@ -146,7 +148,8 @@ def _sentencepiece_style_tokenizer(tmp_path) -> tuple[Tokenizer, str]:
     from kvserve.model.demo import _corpus
 
     base = HFTok(models.BPE(unk_token="<unk>"))
-    base.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    base.normalizer = normalizers.Sequence([normalizers.Prepend("▁"),
+                                            normalizers.Replace(" ", "▁")])
     base.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="never",
                                                   split=False)
     base.train_from_iterator(_corpus(600), trainers.BpeTrainer(
@@ -163,8 +166,7 @@ def _sentencepiece_style_tokenizer(tmp_path) -> tuple[Tokenizer, str]:
     sp.pre_tokenizer = base.pre_tokenizer
     sp.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
                                     decoders.Fuse(), decoders.Strip(" ", 1, 0)])
-    path = tmp_path / "sp"
-    path.mkdir()
+    path = tmp_path_factory.mktemp("sp")
     sp.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps(
         {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
@@ -172,12 +174,12 @@ def _sentencepiece_style_tokenizer(tmp_path) -> tuple[Tokenizer, str]:
     return Tokenizer.from_pretrained(str(path)), str(path)
 
 
-def test_sentencepiece_style_keeps_the_leading_space(tmp_path):
+def test_sentencepiece_style_keeps_the_leading_space(sp_tokenizer):
     """Decoded alone, "▁world" loses its space; after the prompt it must keep it. The text
     equals decode(prompt + output) minus decode(prompt), here and in transformers."""
     from transformers import PreTrainedTokenizerFast
 
-    sp, path = _sentencepiece_style_tokenizer(tmp_path)
+    sp, path = sp_tokenizer
     hf = PreTrainedTokenizerFast.from_pretrained(path)
     rng = random.Random(3)
     pool = list("abcdefg hij") + ["é", "東", "京", "🙂", "ß", "  ", "\n", "zq"]
@@ -200,6 +202,21 @@ def test_sentencepiece_style_keeps_the_leading_space(tmp_path):
     out = sp.encode(" world", add_special_tokens=False)
     d, _ = _stream(sp, [], out)
     assert d.output_text == sp.decode(out) == hf.decode(out)
+
+
+def test_byte_fallback_invalid_run_does_not_break_the_stream(sp_tokenizer):
+    """ByteFallback decodes a run of byte tokens that is not valid UTF-8 as one U+FFFD per
+    byte, even bytes that were valid alone: "X" (0x58) followed by a stray continuation byte
+    (0x87). The stream has already shown "X" and keeps it (tokenizers' DecodeStream raises
+    "Invalid prefix" here; the detokenizer restarts it and goes on)."""
+    sp, _ = sp_tokenizer
+    ids = (sp.encode("it", add_special_tokens=False)
+           + [sp.token_to_id("<0x58>"), sp.token_to_id("<0x87>")]
+           + sp.encode("x", add_special_tokens=False))
+    d, texts = _stream(sp, [], ids)
+    assert sp.decode(ids) == "it\ufffd\ufffd x"
+    assert d.output_text == "itX\ufffd x"
+    assert "itX" in texts
 
 
 # ---------------------------------------------------------------------- stop strings

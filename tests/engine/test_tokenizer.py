@@ -168,7 +168,7 @@ HF_STYLE_TEMPLATE = """
     {%- if message['role'] == 'system' %}
         {{- '[SYS] ' + message['content'] }}
     {%- elif (loop.index0 % 2 == 0) != (message['role'] == 'user') %}
-        {{- raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}
+        {{- raise_exception('Conversation roles must alternate user/assistant/...') }}
     {%- else %}
         {% if message['role'] == 'user' %}
         [{{ message['role'] | upper }}] {{ message['content'] }}

@@ -66,23 +66,23 @@ class RotaryEmbedding(nn.Module):
         if rope_type == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, rope_scaling, max_position)
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)                       # [max_position, head_size]
-        self.register_buffer("cos_cache", emb.cos(), persistent=False)
-        self.register_buffer("sin_cache", emb.sin(), persistent=False)
+        # [max_position, head_size / 2]: HF's tables repeat these twice along the head.
+        self.register_buffer("cos_cache", freqs.cos(), persistent=False)
+        self.register_buffer("sin_cache", freqs.sin(), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T]; q [T, Hq*D], k [T, Hk*D] (or already [T, H, D]) -> rotated, same shapes."""
-        cos = self.cos_cache[positions].unsqueeze(1).to(q.dtype)    # [T, 1, D]
+        cos = self.cos_cache[positions].unsqueeze(1).to(q.dtype)    # [T, 1, D/2]
         sin = self.sin_cache[positions].unsqueeze(1).to(q.dtype)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # HF: x * cat(cos, cos) + rotate_half(x) * cat(sin, sin), rotate_half(x) = cat(-x2, x1);
+        # written per half it is the same arithmetic, bit for bit.
         shape = x.shape
-        x = x.view(shape[0], -1, self.head_size)
-        x1, x2 = x.chunk(2, dim=-1)
-        rotated = torch.cat((-x2, x1), dim=-1)
-        return (x * cos + rotated * sin).view(shape)
+        x1, x2 = x.view(shape[0], -1, self.head_size).chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).view(shape)
 
     def extra_repr(self) -> str:
         return f"head_size={self.head_size}, max_position={self.cos_cache.shape[0]}"

@@ -1,0 +1,359 @@
+"""kvserve against llama.cpp (through llama-cpp-python) on the same weights, same precision.
+
+The checkpoint is exported to GGUF with the `gguf` package (`export_gguf` below: the tensor
+names, the q/k row permutation and the metadata of llama.cpp's own converter, and the
+byte-level BPE vocabulary padded to the model's vocabulary), in float32 and bfloat16 — the
+exact values kvserve computes with. Then, per dtype, with the same number of threads:
+
+- batch-1 decode tokens/s (greedy; after a short prompt, prefill excluded);
+- prompt processing tokens/s (one prompt of --prompt-len tokens, time to its first token);
+- a sanity check that the two engines agree: the greedy tokens of both on one prompt.
+
+    python benchmarks/vs_llamacpp.py [--model PATH] [--dtypes float32 bfloat16]
+        [--prompt-len 512] [--decode-tokens 128] [--output-json out.json]
+
+Without --model it uses the ~110M-parameter Llama of offline_vs_hf.py. Needs
+`pip install gguf llama-cpp-python` (llama-cpp-python builds from source: about 6 minutes on
+2 cores); without them the script says so and exits 0. `--export-only` writes and checks the
+GGUF files without llama-cpp-python.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from roofline import DEFAULT_MODEL_DIR, ensure_bench_model, load_hf_config, machine_description  # noqa: E402
+
+INSTALL_HINT = """\
+{what} is not installed, so this comparison cannot run. Install it with
+
+    pip install {pkg}
+
+{extra}then run this script again."""
+
+GGUF_TYPES = {"float32": "F32", "bfloat16": "BF16"}
+FILE_TYPES = {"float32": "ALL_F32", "bfloat16": "MOSTLY_BF16"}
+
+
+def _missing(module: str) -> bool:
+    import importlib.util
+    return importlib.util.find_spec(module) is None
+
+
+# ---------------------------------------------------------------------------------------------
+# GGUF export
+
+def permute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Hugging Face's rotary layout (halves) to llama.cpp's (interleaved pairs): the same
+    row permutation as llama.cpp's convert_hf_to_gguf.py (LlamaModel.permute)."""
+    return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))
+
+
+def _vocab(model_path: str, vocab_size: int) -> tuple[list[str], list[int], list[str]]:
+    """Tokens (byte-level BPE strings), token types and merges from tokenizer.json, padded
+    with unused `[PADi]` tokens up to the model's vocabulary as llama.cpp's converter does."""
+    import gguf
+
+    with open(os.path.join(model_path, "tokenizer.json"), encoding="utf-8") as f:
+        tok = json.load(f)
+    if tok["model"]["type"] != "BPE":
+        raise NotImplementedError(f"Only BPE tokenizers are exported, not {tok['model']['type']}.")
+    by_id = {i: t for t, i in tok["model"]["vocab"].items()}
+    special = {a["id"]: a["content"] for a in tok.get("added_tokens", [])}
+    by_id.update(special)
+    tokens, types = [], []
+    for i in range(vocab_size):
+        if i in special:
+            tokens.append(special[i])
+            types.append(gguf.TokenType.CONTROL)
+        elif i in by_id:
+            tokens.append(by_id[i])
+            types.append(gguf.TokenType.NORMAL)
+        else:
+            tokens.append(f"[PAD{i}]")
+            types.append(gguf.TokenType.UNUSED)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"].get("merges", [])]
+    return tokens, types, merges
+
+
+def _gguf_data(t: torch.Tensor, dtype: str) -> tuple[np.ndarray, Any]:
+    """A tensor's GGUF payload, cast by torch so that the values are exactly the ones kvserve
+    loads; 1-D tensors (norms) are stored as float32, as llama.cpp wants, holding those values."""
+    import gguf
+
+    if dtype == "bfloat16":
+        t = t.to(torch.bfloat16)
+    if t.dim() <= 1 or dtype == "float32":
+        return t.to(torch.float32).contiguous().numpy(), gguf.GGMLQuantizationType.F32
+    bits = t.to(torch.bfloat16).contiguous().view(torch.int16).numpy()
+    return bits.view(np.uint8), gguf.GGMLQuantizationType.BF16
+
+
+def export_gguf(model_path: str, out_path: str, dtype: str = "float32") -> str:
+    """Write a Llama checkpoint (Hugging Face layout) as a GGUF file llama.cpp can load."""
+    import gguf
+    from safetensors import safe_open
+
+    if dtype not in GGUF_TYPES:
+        raise ValueError(f"dtype must be one of {', '.join(GGUF_TYPES)}, got {dtype!r}.")
+    cfg = load_hf_config(model_path)
+    if cfg.get("architectures", ["?"])[0] not in ("LlamaForCausalLM", "MistralForCausalLM"):
+        raise NotImplementedError(f"GGUF export handles Llama/Mistral, not {cfg.get('architectures')}.")
+    if cfg.get("rope_scaling"):
+        raise NotImplementedError("GGUF export of rope_scaling (rope_freqs tensor) is not implemented.")
+    n_layers, n_head = int(cfg["num_hidden_layers"]), int(cfg["num_attention_heads"])
+    n_kv = int(cfg.get("num_key_value_heads") or n_head)
+    head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // n_head)
+    vocab_size = int(cfg["vocab_size"])
+
+    tmp = out_path + f".tmp-{os.getpid()}"
+    writer = gguf.GGUFWriter(tmp, gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.LLAMA])
+    writer.add_type(gguf.GGUFType.MODEL)
+    writer.add_name(os.path.basename(os.path.normpath(model_path)))
+    writer.add_block_count(n_layers)
+    writer.add_context_length(int(cfg["max_position_embeddings"]))
+    writer.add_embedding_length(int(cfg["hidden_size"]))
+    writer.add_feed_forward_length(int(cfg["intermediate_size"]))
+    writer.add_head_count(n_head)
+    writer.add_head_count_kv(n_kv)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(float(cfg.get("rope_theta", 10000.0)))
+    writer.add_layer_norm_rms_eps(float(cfg.get("rms_norm_eps", 1e-5)))
+    writer.add_vocab_size(vocab_size)
+    writer.add_file_type(getattr(gguf.LlamaFileType, FILE_TYPES[dtype]))
+
+    tokens, types, merges = _vocab(model_path, vocab_size)
+    writer.add_tokenizer_model("gpt2")          # llama.cpp's name for byte-level BPE
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    for key, add in (("bos_token_id", writer.add_bos_token_id),
+                     ("eos_token_id", writer.add_eos_token_id)):
+        value = cfg.get(key)
+        if isinstance(value, list):
+            value = value[0]
+        if value is not None:
+            add(int(value))
+
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, n_layers)
+    files = sorted(f for f in os.listdir(model_path) if f.endswith(".safetensors"))
+    for fname in files:
+        with safe_open(os.path.join(model_path, fname), framework="pt") as f:
+            for name in f.keys():
+                if name.endswith("rotary_emb.inv_freq"):
+                    continue
+                new_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+                if new_name is None:
+                    raise ValueError(f"No GGUF name for tensor {name!r}.")
+                t = f.get_tensor(name)
+                if name.endswith("q_proj.weight"):
+                    t = permute_qk(t, n_head)
+                elif name.endswith("k_proj.weight"):
+                    t = permute_qk(t, n_kv)
+                data, qtype = _gguf_data(t, dtype)
+                writer.add_tensor(new_name, data, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    os.replace(tmp, out_path)
+    return out_path
+
+
+def check_gguf(gguf_path: str, model_path: str, dtype: str) -> int:
+    """Read the GGUF back and compare every tensor with the checkpoint's (after the same
+    permutation and cast); returns the number of tensors checked, raises on a mismatch."""
+    import gguf
+    from safetensors import safe_open
+
+    cfg = load_hf_config(model_path)
+    n_head = int(cfg["num_attention_heads"])
+    n_kv = int(cfg.get("num_key_value_heads") or n_head)
+    reader = gguf.GGUFReader(gguf_path)
+    stored = {t.name: t for t in reader.tensors}
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, int(cfg["num_hidden_layers"]))
+    checked = 0
+    for fname in sorted(f for f in os.listdir(model_path) if f.endswith(".safetensors")):
+        with safe_open(os.path.join(model_path, fname), framework="pt") as f:
+            for name in f.keys():
+                t = f.get_tensor(name)
+                if name.endswith("q_proj.weight"):
+                    t = permute_qk(t, n_head)
+                elif name.endswith("k_proj.weight"):
+                    t = permute_qk(t, n_kv)
+                want, qtype = _gguf_data(t, dtype)
+                got = stored[names.get_name(name, try_suffixes=(".weight", ".bias"))]
+                if [int(d) for d in reversed(got.shape)] != list(t.shape):   # GGUF lists dims reversed
+                    raise AssertionError(f"GGUF shape of {name} is {list(got.shape)}, not {list(t.shape)}")
+                if got.tensor_type != qtype or not np.array_equal(
+                        np.asarray(got.data).reshape(-1).view(np.uint8), want.reshape(-1).view(np.uint8)):
+                    raise AssertionError(f"GGUF tensor for {name} differs from the checkpoint")
+                checked += 1
+    if checked != len(stored):
+        raise AssertionError(f"GGUF has {len(stored)} tensors, the checkpoint {checked}")
+    return checked
+
+
+# ---------------------------------------------------------------------------------------------
+# Measurements
+
+class LlamaCppRunner:
+    """Greedy batch-1 generation with llama.cpp on token ids, logits read for the last token
+    only (`llama_get_logits_ith(ctx, -1)`; `Llama.scores` is not filled without logits_all)."""
+
+    def __init__(self, gguf_path: str, n_ctx: int, n_threads: int) -> None:
+        import llama_cpp
+
+        self._lib = llama_cpp
+        self.llm = llama_cpp.Llama(model_path=gguf_path, n_ctx=n_ctx, n_batch=n_ctx,
+                                   n_ubatch=n_ctx, n_threads=n_threads,
+                                   n_threads_batch=n_threads, logits_all=False, verbose=False)
+        self.n_vocab = self.llm.n_vocab()
+
+    def _argmax(self) -> int:
+        ptr = self._lib.llama_get_logits_ith(self.llm._ctx.ctx, -1)
+        return int(np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).argmax())
+
+    def prefill(self, prompt: list[int]) -> float:
+        self.llm.reset()
+        start = time.perf_counter()
+        self.llm.eval(prompt)
+        return time.perf_counter() - start
+
+    def greedy(self, prompt: list[int], num_tokens: int) -> tuple[list[int], float]:
+        """The greedy tokens after `prompt`, and the seconds the decode steps took."""
+        self.prefill(prompt)
+        out = [self._argmax()]
+        start = time.perf_counter()
+        for _ in range(num_tokens - 1):
+            self.llm.eval([out[-1]])
+            out.append(self._argmax())
+        return out, time.perf_counter() - start
+
+    def close(self) -> None:
+        self.llm.close()
+
+
+def bench_dtype(model: str, dtype: str, gguf_path: str, args: argparse.Namespace) -> dict[str, Any]:
+    from kvserve import LLM, SamplingParams
+    from kvserve.benchmarks.latency import (measure_decode_throughput,
+                                            measure_prefill_throughput, random_token_prompts)
+
+    threads = torch.get_num_threads()
+    ctx = max(args.prompt_len, args.decode_prompt_len + args.decode_tokens) + 16
+    entry: dict[str, Any] = {"gguf": gguf_path, "threads": threads}
+
+    llm = LLM(model, dtype=dtype, max_model_len=ctx, max_num_seqs=1, enable_prefix_caching=False)
+    try:
+        check_prompt = random_token_prompts(llm, 1, args.decode_prompt_len, seed=7)[0]["prompt_token_ids"]
+        ref = llm.generate([{"prompt_token_ids": check_prompt}],
+                           SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=args.check_tokens,
+                                          detokenize=False), use_tqdm=False)[0].outputs[0].token_ids
+        entry["kvserve_decode_tok_s"] = measure_decode_throughput(
+            llm, 1, args.decode_prompt_len, args.decode_tokens, args.num_iters)["decode_tokens_per_second"]
+        entry["kvserve_prefill_tok_s"] = measure_prefill_throughput(
+            llm, args.prompt_len, args.num_iters)["prefill_tokens_per_second"]
+        pp_prompts = [p["prompt_token_ids"] for p in
+                      random_token_prompts(llm, args.num_iters, args.prompt_len, seed=11)]
+        dec_prompts = [p["prompt_token_ids"] for p in
+                       random_token_prompts(llm, args.num_iters, args.decode_prompt_len, seed=13)]
+    finally:
+        llm.shutdown()
+
+    runner = LlamaCppRunner(gguf_path, ctx, threads)
+    try:
+        got, _ = runner.greedy(check_prompt, args.check_tokens)
+        runner.prefill(pp_prompts[0])                        # warm-up
+        entry["llamacpp_prefill_tok_s"] = args.prompt_len / min(runner.prefill(p) for p in pp_prompts)
+        best = min(runner.greedy(p, args.decode_tokens + 1)[1] for p in dec_prompts)
+        entry["llamacpp_decode_tok_s"] = args.decode_tokens / best
+    finally:
+        runner.close()
+    agree = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), min(len(ref), len(got)))
+    entry["greedy_tokens_agreeing"] = agree
+    entry["greedy_tokens_checked"] = args.check_tokens
+    entry["decode_ratio"] = entry["kvserve_decode_tok_s"] / entry["llamacpp_decode_tok_s"]
+    entry["prefill_ratio"] = entry["kvserve_prefill_tok_s"] / entry["llamacpp_prefill_tok_s"]
+    return entry
+
+
+def format_report(result: dict[str, Any]) -> str:
+    lines = [f"Machine: {result['machine']}", f"Model: {result['model']}", "",
+             "| dtype | kvserve decode tok/s | llama.cpp decode tok/s | ratio | kvserve prefill "
+             "tok/s | llama.cpp prefill tok/s | ratio | greedy agreement |",
+             "|---|---|---|---|---|---|---|---|"]
+    for dtype, e in result["dtypes"].items():
+        lines.append(
+            f"| {dtype} | {e['kvserve_decode_tok_s']:.1f} | {e['llamacpp_decode_tok_s']:.1f} | "
+            f"{e['decode_ratio']:.2f}x | {e['kvserve_prefill_tok_s']:.0f} | "
+            f"{e['llamacpp_prefill_tok_s']:.0f} | {e['prefill_ratio']:.2f}x | "
+            f"{e['greedy_tokens_agreeing']}/{e['greedy_tokens_checked']} |")
+    return "\n".join(lines)
+
+
+def make_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=None, help="Checkpoint directory (default: the ~110M Llama).")
+    p.add_argument("--model-dir", default=DEFAULT_MODEL_DIR,
+                   help="Where the default model and the GGUF files are kept.")
+    p.add_argument("--gguf-dir", default=None, help="Where to write GGUF files (default: --model-dir).")
+    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=list(GGUF_TYPES))
+    p.add_argument("--prompt-len", type=int, default=512, help="Prompt processing: prompt tokens.")
+    p.add_argument("--decode-prompt-len", type=int, default=32, help="Decode: prompt before it.")
+    p.add_argument("--decode-tokens", type=int, default=128, help="Decode: steps timed.")
+    p.add_argument("--check-tokens", type=int, default=16, help="Greedy tokens compared.")
+    p.add_argument("--num-iters", type=int, default=3, help="Best of this many runs.")
+    p.add_argument("--export-only", action="store_true",
+                   help="Write and verify the GGUF files; no llama-cpp-python needed.")
+    p.add_argument("--output-json", default=None)
+    return p
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = make_parser().parse_args(argv)
+    if _missing("gguf"):
+        print(INSTALL_HINT.format(what="The gguf package (GGUF export)", pkg="gguf",
+                                  extra=""))
+        return 0
+    if not args.export_only and _missing("llama_cpp"):
+        print(INSTALL_HINT.format(
+            what="llama-cpp-python", pkg="llama-cpp-python",
+            extra="(it compiles llama.cpp from source: about 6 minutes on 2 cores), "))
+        return 0
+    model = args.model or ensure_bench_model(args.model_dir)
+    gguf_dir = args.gguf_dir or args.model_dir
+    os.makedirs(gguf_dir, exist_ok=True)
+    result: dict[str, Any] = {"machine": machine_description(), "model": model, "dtypes": {}}
+    for dtype in args.dtypes:
+        path = os.path.join(gguf_dir, f"{os.path.basename(os.path.normpath(model))}-{GGUF_TYPES[dtype].lower()}.gguf")
+        if not os.path.isfile(path) or os.path.getmtime(path) < os.path.getmtime(
+                os.path.join(model, "config.json")):
+            export_gguf(model, path, dtype)
+        if args.export_only:
+            n = check_gguf(path, model, dtype)
+            print(f"{path}: {n} tensors equal to the checkpoint's ({dtype})")
+            continue
+        result["dtypes"][dtype] = bench_dtype(model, dtype, path, args)
+        print(f"[{dtype}] done", flush=True)
+    if not args.export_only:
+        print(format_report(result))
+        if args.output_json:
+            with open(args.output_json, "w") as f:
+                json.dump(result, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,378 @@
+"""EngineCoreProc: EngineCore in its own process, talking to the frontend over ZMQ.
+
+Start-up (the frontend binds every socket, the engine connects)::
+
+    frontend (MPClient)                         engine core process
+    handshake ROUTER  <─── HELLO ─────────────  DEALER
+                      ──── init: addresses, config ──►
+                                                load model, size the KV cache,
+                                                start the IO threads
+                      <─── READY num_gpu_blocks ──   (or FAILED: error + traceback)
+    input ROUTER      <─── b"" (registration) ──  DEALER  (so the ROUTER knows our identity)
+
+Steady state::
+
+    input ROUTER ── [identity, type, *frames] ──► DEALER ─ input IO thread ─► input_queue
+                                                                                 │
+                                      busy loop: handle requests, EngineCore.step()
+                                                                                 ▼
+    output PULL  ◄──────────── [*frames] ──────── PUSH ◄─ output IO thread ◄─ output_queue
+
+The busy loop blocks on `input_queue.get()` while there is nothing to schedule, so an idle
+engine uses no CPU. Utility calls and aborts travel on the same input socket as requests, so
+they are handled in order with them. A fatal error is not swallowed: the engine sends
+ENGINE_CORE_DEAD with its traceback on the output socket and exits; the frontend's monitor
+also notices the process exit by itself (SIGKILL, segfault).
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import pickle
+import queue
+import signal
+import threading
+import time
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, Optional, Union
+
+import msgspec
+import zmq
+
+from kvserve.config import KVServeConfig
+from kvserve.engine.core import EngineCore
+from kvserve.engine.messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest,
+                                     EngineCoreRequestType, FinishReason)
+from kvserve.engine.serial_utils import MsgpackDecoder, MsgpackEncoder
+from kvserve.executor.base import Executor
+
+logger = logging.getLogger(__name__)
+
+# First frame of the message an engine sends when it dies of an error; the second frame is
+# its traceback text. (An EngineCoreOutputs encoding is a msgpack array, never this.)
+ENGINE_CORE_DEAD = b"ENGINE_CORE_DEAD"
+HANDSHAKE_TIMEOUT_S = 5 * 60
+# After the frontend died: how long a clean shut-down may take before the process hard-exits.
+_ORPHAN_GRACE_S = 10.0
+# Sent through input_queue by an IO thread that failed; the busy loop re-raises the error.
+_IO_THREAD_FAILED = "IO_THREAD_FAILED"
+
+
+class EngineZmqAddresses(msgspec.Struct):
+    inputs: list[str]
+    outputs: list[str]
+
+
+class EngineHandshakeMetadata(msgspec.Struct):
+    """The frontend's answer to HELLO."""
+    addresses: EngineZmqAddresses
+    # Pickled KVServeConfig: it holds torch dtypes and nested dataclasses, and both ends run
+    # the same code on the same machine.
+    config: bytes
+
+
+def engine_identity(engine_index: int) -> bytes:
+    """ZMQ identity of engine `engine_index` on the frontend's ROUTER sockets."""
+    return engine_index.to_bytes(2, "little")
+
+
+class EngineCoreProc(EngineCore):
+    """ZMQ wrapper that runs EngineCore in a background process."""
+
+    def __init__(self, handshake_address: str, engine_index: int = 0,
+                 executor_class: Optional[type[Executor]] = None) -> None:
+        self.input_queue: queue.Queue[tuple[Any, Any]] = queue.Queue()
+        # EngineCoreOutputs to encode and send; a list of raw frames to send as they are;
+        # None to flush and stop the output thread.
+        self.output_queue: queue.Queue[Union[EngineCoreOutputs, list[bytes], None]] = queue.Queue()
+        self.engine_index = engine_index
+        self.output_thread: Optional[threading.Thread] = None
+        # How long the output socket may hold unsent messages at exit (0 once the frontend,
+        # their only reader, is gone).
+        self._output_linger_ms = 5_000
+        identity = engine_identity(engine_index)
+        with self._perform_handshake(handshake_address, identity) as init:
+            config: KVServeConfig = pickle.loads(init.config)
+            super().__init__(config, executor_class)     # loads the model, sizes the KV cache
+            try:
+                self._start_io_threads(init.addresses, identity)
+            except BaseException:
+                self.model_executor.shutdown()
+                raise
+
+    def _start_io_threads(self, addresses: EngineZmqAddresses, identity: bytes) -> None:
+        ready = threading.Event()
+        input_thread = threading.Thread(
+            target=self.process_input_sockets, args=(addresses.inputs[0], identity, ready),
+            daemon=True, name="EngineCoreInputIO")
+        input_thread.start()
+        self.output_thread = threading.Thread(
+            target=self.process_output_sockets, args=(addresses.outputs[0],),
+            daemon=True, name="EngineCoreOutputIO")
+        self.output_thread.start()
+        # READY only once the input socket is connected and registered.
+        while not ready.wait(timeout=1.0):
+            if not input_thread.is_alive():
+                raise RuntimeError("The engine core input IO thread failed to start.")
+
+    # ------------------------------------------------------------------ handshake
+    @contextmanager
+    def _perform_handshake(self, handshake_address: str,
+                           identity: bytes) -> Iterator[EngineHandshakeMetadata]:
+        """HELLO -> init message; the body of the `with` loads the engine; then READY, or
+        FAILED with the error if the body raised."""
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, identity)
+        sock.connect(handshake_address)
+        try:
+            init = self.startup_handshake(sock)
+            try:
+                yield init
+            except BaseException as e:
+                sock.send(msgspec.msgpack.encode({
+                    "status": "FAILED", "error_type": type(e).__name__, "error": str(e),
+                    "traceback": traceback.format_exc()}))
+                raise
+            sock.send(msgspec.msgpack.encode({
+                "status": "READY", "num_gpu_blocks": self.config.cache_config.num_blocks}))
+        finally:
+            # Linger: the last message must reach the frontend before this process may exit.
+            sock.close(linger=10_000)
+            ctx.term()
+
+    @staticmethod
+    def startup_handshake(sock: zmq.Socket) -> EngineHandshakeMetadata:
+        sock.send(msgspec.msgpack.encode({"status": "HELLO", "local": True, "pid": os.getpid()}))
+        deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S
+        while not sock.poll(timeout=1000):
+            if _parent_is_dead():
+                raise SystemExit("The frontend process exited during the handshake.")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"Did not receive the init message from the frontend within "
+                                   f"{HANDSHAKE_TIMEOUT_S} s.")
+        return msgspec.msgpack.decode(sock.recv(), type=EngineHandshakeMetadata)
+
+    # ------------------------------------------------------------------ busy loop
+    def run_busy_loop(self) -> None:
+        """Runs until SIGTERM (SystemExit), a SHUTDOWN message or a fatal error."""
+        while True:
+            self._process_input_queue()
+            self._process_engine_step()
+
+    def _process_input_queue(self) -> None:
+        """Returns when there is work to step: blocks while there is none."""
+        while not self.scheduler.has_unfinished_requests():
+            self._handle_client_request(*self.input_queue.get())
+        while True:      # handle whatever else has arrived before stepping
+            try:
+                request = self.input_queue.get_nowait()
+            except queue.Empty:
+                return
+            self._handle_client_request(*request)
+
+    def _process_engine_step(self) -> None:
+        outputs = self.step()
+        if outputs.outputs or outputs.finished_requests or outputs.scheduler_stats is not None:
+            self.output_queue.put_nowait(outputs)
+
+    def _handle_client_request(self, request_type: Any, request: Any) -> None:
+        if request_type == EngineCoreRequestType.ADD:
+            self._add_request_or_fail(request)
+        elif request_type == EngineCoreRequestType.ABORT:
+            self.abort_requests(request)
+        elif request_type == EngineCoreRequestType.UTILITY:
+            call_id, method_name, args = request
+            self._call_utility(call_id, method_name, args)
+        elif request_type == EngineCoreRequestType.SHUTDOWN:
+            raise SystemExit(0)
+        elif request_type == _IO_THREAD_FAILED:
+            raise RuntimeError("An engine core IO thread failed.") from request
+        else:
+            raise RuntimeError(f"Unknown request type {request_type!r}.")
+
+    def _add_request_or_fail(self, request: EngineCoreRequest) -> None:
+        # One bad request must not take the engine down: it finishes with "error".
+        try:
+            self.add_request(request)
+        except Exception:
+            logger.exception("Request %s could not be added; finishing it with an error.",
+                             request.request_id)
+            self.output_queue.put_nowait(EngineCoreOutputs(
+                outputs=[EngineCoreOutput(request_id=request.request_id, new_token_ids=[],
+                                          finish_reason=FinishReason.ERROR)],
+                timestamp=time.monotonic()))
+
+    def _call_utility(self, call_id: int, method_name: str, args: list[Any]) -> None:
+        result, failure = None, None
+        try:
+            if method_name.startswith("_"):
+                raise AttributeError(f"{method_name!r} is private.")
+            result = getattr(self, method_name)(*args)
+        except Exception as e:
+            failure = f"Call to {method_name} failed: {type(e).__name__}: {e}\n{traceback.format_exc()}"
+        self.output_queue.put_nowait(EngineCoreOutputs(utility_output=(call_id, failure, result)))
+
+    # ------------------------------------------------------------------ utilities
+    def check_health(self) -> bool:
+        self.model_executor.check_health()
+        return True
+
+    # ------------------------------------------------------------------ IO threads
+    def process_input_sockets(self, input_address: str, identity: bytes,
+                              ready: threading.Event) -> None:
+        """Input IO thread: receive, decode, and put on input_queue."""
+        try:
+            add_decoder = MsgpackDecoder(EngineCoreRequest)
+            generic_decoder = MsgpackDecoder()
+            parent_fd = _parent_sentinel()
+            ctx = zmq.Context()
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.IDENTITY, identity)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(input_address)
+            sock.send(b"")       # registration: the ROUTER can address us from now on
+            poller = zmq.Poller()
+            poller.register(sock, zmq.POLLIN)
+            if parent_fd is not None:
+                poller.register(parent_fd, zmq.POLLIN)
+            ready.set()
+            # With the parent's sentinel in the poller this wakes only for messages;
+            # without it, check the parent every second.
+            timeout = None if parent_fd is not None else 1000
+            while True:
+                events = dict(poller.poll(timeout))
+                if (parent_fd is not None and parent_fd in events) or (
+                        parent_fd is None and _parent_is_dead()):
+                    self._on_frontend_death()
+                    return
+                if sock not in events:
+                    continue
+                type_frame, *data_frames = sock.recv_multipart(copy=False)
+                request_type = EngineCoreRequestType(bytes(type_frame.buffer))
+                request: Any
+                if request_type == EngineCoreRequestType.ADD:
+                    request = add_decoder.decode(data_frames)
+                elif request_type == EngineCoreRequestType.SHUTDOWN:
+                    request = None
+                else:     # ABORT: list of ids; UTILITY: [call_id, method, args]
+                    request = generic_decoder.decode(data_frames)
+                self.input_queue.put_nowait((request_type, request))
+        except Exception as e:
+            logger.exception("Engine core input IO thread failed.")
+            self.input_queue.put_nowait((_IO_THREAD_FAILED, e))
+
+    def process_output_sockets(self, output_address: str) -> None:
+        """Output IO thread: take from output_queue, encode, send."""
+        try:
+            encoder = MsgpackEncoder()
+            ctx = zmq.Context()
+            sock = ctx.socket(zmq.PUSH)
+            sock.connect(output_address)
+            while True:
+                item = self.output_queue.get()
+                if item is None:
+                    break
+                if isinstance(item, list):
+                    sock.send_multipart(item)
+                    continue
+                try:
+                    buffers = encoder.encode(item)
+                except Exception as e:
+                    if item.utility_output is None:
+                        raise
+                    # A utility result that cannot be encoded fails that call, not the engine.
+                    call_id = item.utility_output[0]
+                    buffers = encoder.encode(EngineCoreOutputs(utility_output=(
+                        call_id, f"Cannot send the result: {type(e).__name__}: {e}", None)))
+                sock.send_multipart(buffers, copy=False)
+            # Flush what was queued before the sentinel, then stop.
+            sock.close(linger=self._output_linger_ms)
+            ctx.term()
+        except Exception as e:
+            logger.exception("Engine core output IO thread failed.")
+            self.input_queue.put_nowait((_IO_THREAD_FAILED, e))
+
+    def _on_frontend_death(self) -> None:
+        logger.warning("The frontend process died; engine core shutting down.")
+        self._output_linger_ms = 0
+        self.input_queue.put_nowait((EngineCoreRequestType.SHUTDOWN, None))
+        # If the busy loop is stuck in a step, do not outlive the frontend for long.
+        timer = threading.Timer(_ORPHAN_GRACE_S, os._exit, args=(1,))
+        timer.daemon = True
+        timer.start()
+
+    # ------------------------------------------------------------------ exit
+    def send_engine_dead(self, tb: str) -> None:
+        self.output_queue.put_nowait([ENGINE_CORE_DEAD, tb.encode()])
+
+    def shutdown(self) -> None:
+        # Deliver what is queued (ENGINE_CORE_DEAD included) before tearing the executor down.
+        if self.output_thread is not None and self.output_thread.is_alive():
+            self.output_queue.put_nowait(None)
+            self.output_thread.join(timeout=5.0)
+        super().shutdown()
+
+
+def _parent_sentinel() -> Optional[int]:
+    """A file descriptor that becomes readable when the parent (frontend) process exits."""
+    parent = multiprocessing.parent_process()
+    return parent.sentinel if parent is not None else None
+
+
+def _parent_is_dead() -> bool:
+    parent = multiprocessing.parent_process()
+    if parent is not None:
+        return not parent.is_alive()
+    return os.getppid() == 1
+
+
+def run_engine_core(handshake_address: str, engine_index: int = 0,
+                    log_level: Optional[int] = None) -> None:
+    """Entry point of the engine core process (multiprocessing `spawn` target)."""
+    if log_level is not None:
+        logging.basicConfig(level=log_level,
+                            format=f"%(levelname)s %(asctime)s [EngineCore_{engine_index}] "
+                                   f"%(name)s: %(message)s")
+    exiting = False
+
+    def signal_handler(signum: int, frame: Any) -> None:
+        # Raise once, in the main thread; never while the shut-down itself is running.
+        nonlocal exiting
+        if not exiting:
+            exiting = True
+            raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, signal_handler)
+    # Ctrl-C in a terminal reaches the whole process group. The frontend owns this process's
+    # lifetime (it aborts its requests on KeyboardInterrupt and may go on using the engine;
+    # when it exits it stops us, and if it dies we notice), so the engine ignores SIGINT.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    engine: Optional[EngineCoreProc] = None
+    exit_code = 0
+    try:
+        engine = EngineCoreProc(handshake_address, engine_index)
+        engine.run_busy_loop()
+    except SystemExit:
+        logger.debug("Engine core shutting down.")
+    except Exception:
+        exit_code = 1
+        if engine is None:
+            # The frontend got the error and traceback through the handshake (FAILED).
+            logger.exception("Engine core failed to start.")
+        else:
+            logger.exception("Engine core encountered a fatal error.")
+            engine.send_engine_dead(traceback.format_exc())
+    finally:
+        exiting = True
+        if engine is not None:
+            try:
+                engine.shutdown()
+            except Exception:
+                logger.exception("Engine core shut-down failed.")
+    if exit_code:
+        raise SystemExit(exit_code)

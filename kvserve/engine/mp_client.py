@@ -1,0 +1,618 @@
+"""Clients for an engine core running in its own process (EngineCoreProc), over ZMQ.
+
+    MPClient           spawns the engine core process, binds the sockets, runs the start-up
+                       handshake, watches the process; owns BackgroundResources.
+    SyncMPClient       for LLM / LLMEngine: a thread reads the output socket into a queue.
+    AsyncMPClient      for AsyncLLM: an asyncio task reads the output socket into a queue.
+
+Every client instance binds its sockets as `ipc://` paths in a fresh temporary directory, so
+two engines on one machine never collide. Everything the client must release lives in
+BackgroundResources, which holds no reference to the client: the client can be garbage
+collected (`del llm`), and a finalizer plus one atexit hook still end the engine process and
+remove the directory. The atexit hook is registered after multiprocessing's own (which joins
+non-daemon children), so it runs first and the interpreter never waits on a live engine.
+"""
+from __future__ import annotations
+
+import asyncio
+import atexit
+import builtins
+import concurrent.futures
+import functools
+import itertools
+import logging
+import multiprocessing
+import multiprocessing.connection
+import multiprocessing.util  # noqa: F401  (its atexit hook must be registered before ours)
+import os
+import pickle
+import queue
+import shutil
+import tempfile
+import threading
+import time
+import weakref
+from typing import Any, Callable, Optional, Union
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from kvserve.config import KVServeConfig
+from kvserve.engine.core_client import EngineCoreClient
+from kvserve.engine.core_proc import (ENGINE_CORE_DEAD, EngineHandshakeMetadata,
+                                      EngineZmqAddresses, engine_identity, run_engine_core)
+from kvserve.engine.exceptions import EngineDeadError
+from kvserve.engine.messages import EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType
+from kvserve.engine.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+logger = logging.getLogger(__name__)
+
+STARTUP_TIMEOUT_S = float(os.environ.get("KVSERVE_ENGINE_STARTUP_TIMEOUT", "600"))
+_SHUTDOWN_GRACE_S = 5.0
+# AF_UNIX paths are limited to 107 bytes.
+_MAX_IPC_PATH = 100
+
+_ACTIVE: set["BackgroundResources"] = set()
+
+
+def _close_all_at_exit() -> None:
+    for resources in list(_ACTIVE):
+        resources.close()
+
+
+atexit.register(_close_all_at_exit)
+
+
+class BackgroundResources:
+    """What an MPClient must release, and its shared death / utility-call state."""
+
+    def __init__(self) -> None:
+        self.ctx: Optional[zmq.Context] = None
+        self.sockets: list[zmq.Socket] = []
+        self.proc: Optional[multiprocessing.process.BaseProcess] = None
+        self.ipc_dir: Optional[str] = None
+        self.threads: list[threading.Thread] = []
+        # Readable once close() starts: wakes the monitor and the sync output reader.
+        self.wake_r, self.wake_w = os.pipe()
+        self.lock = threading.Lock()
+        self.closed = False
+        self.engine_dead = False
+        self._dead_message = ""
+        self._dead_traceback: Optional[str] = None
+        # Set by the client: delivers the death to its waiters (output queue, utility calls).
+        self.on_dead: Optional[Callable[[], None]] = None
+        self.outputs_queue: Union[queue.Queue, asyncio.Queue, None] = None
+        self.utility_futures: dict[int, Any] = {}
+        self.loop: Optional[asyncio.AbstractEventLoop] = None      # AsyncMPClient's loop
+        self.output_task: Optional[asyncio.Task] = None
+        _ACTIVE.add(self)
+
+    # ------------------------------------------------------------------ death
+    def make_dead_error(self) -> EngineDeadError:
+        if self.closed and not self.engine_dead:
+            return EngineDeadError("The engine core has been shut down.")
+        return EngineDeadError(self._dead_message or None, self._dead_traceback)
+
+    def mark_dead(self, message: str, engine_traceback: Optional[str] = None) -> None:
+        with self.lock:
+            if self.engine_dead or self.closed:
+                return
+            self.engine_dead = True
+            self._dead_message, self._dead_traceback = message, engine_traceback
+        logger.error("%s", message)
+        if self.on_dead is not None:
+            self.on_dead()
+
+    # ------------------------------------------------------------------ release
+    def close(self) -> None:
+        with self.lock:
+            if self.closed:
+                return
+            self.closed = True
+        _ACTIVE.discard(self)
+        os.write(self.wake_w, b"x")
+        if self.proc is not None:
+            _stop_process(self.proc)
+        current = threading.current_thread()
+        for t in self.threads:
+            if t is not current:
+                t.join(timeout=_SHUTDOWN_GRACE_S)
+        # Wake whoever still waits for an output or a utility result ("shut down").
+        if self.on_dead is not None and self.outputs_queue is not None:
+            self.on_dead()
+        self._stop_output_task()
+        for sock in self.sockets:
+            sock.close(linger=0)
+        if self.ctx is not None:
+            self.ctx.term()
+        os.close(self.wake_r)
+        os.close(self.wake_w)
+        if self.ipc_dir is not None:
+            shutil.rmtree(self.ipc_dir, ignore_errors=True)
+
+    def _stop_output_task(self) -> None:
+        if self.output_task is not None:
+            cancel_task(self.output_task)
+
+
+def cancel_task(task: asyncio.Task) -> None:
+    """Cancel `task` from its loop's thread, another thread, or while its loop is idle."""
+    loop = task.get_loop()
+    if loop.is_closed() or task.done():
+        return
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    if running is loop:
+        task.cancel()
+    elif loop.is_running():
+        loop.call_soon_threadsafe(task.cancel)
+    elif running is None:
+        # The loop is idle (e.g. shut down between run_until_complete calls): let the task
+        # see its cancellation now rather than be destroyed pending later.
+        task.cancel()
+        loop.run_until_complete(asyncio.gather(task, return_exceptions=True))
+    else:
+        task.cancel()
+
+
+def _stop_process(proc: multiprocessing.process.BaseProcess) -> None:
+    """SIGTERM (the engine shuts down cleanly), then SIGKILL if it does not exit in time."""
+    if proc.is_alive():
+        proc.terminate()
+        proc.join(_SHUTDOWN_GRACE_S)
+    if proc.is_alive():
+        logger.warning("Engine core process %s did not exit on SIGTERM; killing it.", proc.pid)
+        proc.kill()
+        proc.join(_SHUTDOWN_GRACE_S)
+
+
+def _make_ipc_dir() -> str:
+    path = tempfile.mkdtemp(prefix="kvserve-ipc-")
+    if len(path) + 16 > _MAX_IPC_PATH:      # a long TMPDIR: fall back to /tmp
+        os.rmdir(path)
+        path = tempfile.mkdtemp(prefix="kvserve-ipc-", dir="/tmp")
+    return path
+
+
+def _is_dead_message(frames: list[Any]) -> bool:
+    first = frames[0]
+    return len(first) == len(ENGINE_CORE_DEAD) and bytes(first.buffer) == ENGINE_CORE_DEAD
+
+
+def _dead_traceback(frames: list[Any]) -> Optional[str]:
+    return bytes(frames[1].buffer).decode(errors="replace") if len(frames) > 1 else None
+
+
+def _startup_error(status: dict) -> Exception:
+    """The engine's start-up error, as the same builtin type where there is one (so that e.g.
+    a KV cache too small for max_model_len is a ValueError with or without multiprocessing),
+    with the engine's traceback in the message."""
+    name = str(status.get("error_type", "RuntimeError"))
+    message = (f"Engine core initialization failed: {name}: {status.get('error', '')}\n"
+               f"Engine core traceback:\n{status.get('traceback', '')}")
+    exc_type = getattr(builtins, name, None)
+    if (isinstance(exc_type, type) and issubclass(exc_type, Exception)
+            and not issubclass(exc_type, KeyError)):     # KeyError would quote the message
+        try:
+            return exc_type(message)
+        except Exception:      # a type that wants other arguments
+            pass
+    return RuntimeError(message)
+
+
+def _monitor_engine(resources: BackgroundResources, proc_sentinel: int, pid: int) -> None:
+    """Thread: notices the engine core process dying, whatever killed it."""
+    multiprocessing.connection.wait([proc_sentinel, resources.wake_r])
+    if resources.closed:
+        return
+    proc = resources.proc
+    exitcode = None
+    if proc is not None:
+        proc.join(1.0)      # the sentinel fires as the process exits, a moment before it is reaped
+        exitcode = proc.exitcode
+    resources.mark_dead(f"Engine core process (pid {pid}) died unexpectedly "
+                        f"(exit code {exitcode}).")
+
+
+class MPClient(EngineCoreClient):
+    """Base of the multiprocess clients: start-up, sending, shut-down."""
+
+    def __init__(self, config: KVServeConfig, asyncio_mode: bool) -> None:
+        self.config = config
+        self.encoder = MsgpackEncoder()
+        self.decoder = MsgpackDecoder(EngineCoreOutputs)
+        self.resources = r = BackgroundResources()
+        self._finalizer = weakref.finalize(self, r.close)
+        self._finalizer.atexit = False        # _close_all_at_exit does it, and earlier
+        self.engine_identity = engine_identity(0)
+        self._call_ids = itertools.count()
+        try:
+            r.ipc_dir = _make_ipc_dir()
+            address = {name: f"ipc://{os.path.join(r.ipc_dir, name)}"
+                       for name in ("handshake", "input", "output")}
+            r.ctx = zmq.asyncio.Context() if asyncio_mode else zmq.Context()
+            sync_ctx = zmq.Context.shadow(r.ctx.underlying) if asyncio_mode else r.ctx
+            self.input_socket = r.ctx.socket(zmq.ROUTER)
+            self.output_socket = r.ctx.socket(zmq.PULL)
+            r.sockets += [self.input_socket, self.output_socket]
+            self.input_socket.bind(address["input"])
+            self.output_socket.bind(address["output"])
+            handshake = sync_ctx.socket(zmq.ROUTER)
+            try:
+                handshake.bind(address["handshake"])
+                root = logging.getLogger()
+                proc = multiprocessing.get_context("spawn").Process(
+                    target=run_engine_core, name="EngineCore_0",
+                    kwargs=dict(handshake_address=address["handshake"], engine_index=0,
+                                # The child configures logging like ours, if ours is set up.
+                                log_level=(logging.getLogger("kvserve").getEffectiveLevel()
+                                           if root.handlers else None)))
+                proc.start()
+                r.proc = proc
+                addresses = EngineZmqAddresses(inputs=[address["input"]],
+                                               outputs=[address["output"]])
+                self._wait_for_engine_startup(handshake, proc, addresses)
+            finally:
+                handshake.close(linger=0)
+            # The engine's input DEALER registers itself; until then the ROUTER would drop
+            # messages addressed to it.
+            input_sync = (zmq.Socket.shadow(self.input_socket.underlying) if asyncio_mode
+                          else self.input_socket)
+            frames = self._recv_during_startup(input_sync, proc, "registration")
+            if frames[0] != self.engine_identity:
+                raise RuntimeError(f"Unexpected engine identity {frames[0]!r} on the input socket.")
+        except BaseException:
+            r.close()
+            raise
+
+    def _start_monitor(self) -> None:
+        r = self.resources
+        assert r.proc is not None
+        t = threading.Thread(target=_monitor_engine, args=(r, r.proc.sentinel, r.proc.pid),
+                             daemon=True, name="EngineCoreMonitor")
+        t.start()
+        r.threads.append(t)
+
+    # ------------------------------------------------------------------ start-up
+    def _wait_for_engine_startup(self, handshake: zmq.Socket,
+                                 proc: multiprocessing.process.BaseProcess,
+                                 addresses: EngineZmqAddresses) -> None:
+        """HELLO -> send addresses and config -> READY (or FAILED: raise the engine's error)."""
+        while True:
+            identity, msg = self._recv_during_startup(handshake, proc, "handshake")
+            status = msgspec.msgpack.decode(msg)
+            kind = status.get("status")
+            if kind == "HELLO":
+                init = EngineHandshakeMetadata(addresses=addresses,
+                                               config=pickle.dumps(self.config))
+                handshake.send_multipart([identity, msgspec.msgpack.encode(init)])
+            elif kind == "READY":
+                self.config.cache_config.num_blocks = int(status["num_gpu_blocks"])
+                return
+            elif kind == "FAILED":
+                raise _startup_error(status)
+            else:
+                raise RuntimeError(f"Unexpected handshake message from the engine core: {status!r}")
+
+    @staticmethod
+    def _recv_during_startup(sock: zmq.Socket, proc: multiprocessing.process.BaseProcess,
+                             what: str) -> list[bytes]:
+        """Wait for a message, but not for a process that has died or a hung start-up."""
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(proc.sentinel, zmq.POLLIN)
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"The engine core did not complete its start-up ({what}) "
+                                   f"within {STARTUP_TIMEOUT_S:.0f} s "
+                                   f"(KVSERVE_ENGINE_STARTUP_TIMEOUT).")
+            events = dict(poller.poll(timeout=remaining * 1000))
+            if sock in events:
+                return sock.recv_multipart()
+            if proc.sentinel in events:
+                # Its last message may still be on the way.
+                if sock.poll(timeout=500):
+                    return sock.recv_multipart()
+                proc.join(1.0)
+                raise RuntimeError(
+                    f"The engine core process died during start-up ({what}), exit code "
+                    f"{proc.exitcode}. See its log above. It is started with the 'spawn' method, "
+                    f"which re-imports the main script: a script that creates an engine at "
+                    f"import time needs an `if __name__ == '__main__':` guard.")
+
+    # ------------------------------------------------------------------ common
+    def _ensure_alive(self) -> None:
+        r = self.resources
+        if r.engine_dead or r.closed:
+            raise r.make_dead_error()
+
+    def _frames(self, request_type: EngineCoreRequestType, obj: Any) -> list[Any]:
+        return [self.engine_identity, request_type.value, *self.encoder.encode(obj)]
+
+    @property
+    def is_dead(self) -> bool:
+        return self.resources.engine_dead
+
+    def shutdown(self) -> None:
+        self._finalizer()
+
+    @staticmethod
+    def _utility_result(call_id_failure_result: list[Any]) -> tuple[int, Optional[str], Any]:
+        call_id, failure, result = call_id_failure_result
+        return int(call_id), failure, result
+
+
+# ---------------------------------------------------------------------- sync
+def _sync_output_reader(r: BackgroundResources, sock: zmq.Socket,
+                        decoder: MsgpackDecoder) -> None:
+    """Thread: output socket -> outputs_queue; utility results -> their futures."""
+    assert isinstance(r.outputs_queue, queue.Queue)
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    poller.register(r.wake_r, zmq.POLLIN)
+    try:
+        while True:
+            events = dict(poller.poll())
+            if sock not in events or r.closed:
+                return
+            frames = sock.recv_multipart(copy=False)
+            if _is_dead_message(frames):
+                r.mark_dead("The engine core failed.", _dead_traceback(frames))
+                return
+            outputs: EngineCoreOutputs = decoder.decode(frames)
+            if outputs.utility_output is not None:
+                call_id, failure, result = MPClient._utility_result(outputs.utility_output)
+                fut = r.utility_futures.pop(call_id, None)
+                if fut is not None:
+                    if failure is not None:
+                        fut.set_exception(RuntimeError(failure))
+                    else:
+                        fut.set_result(result)
+                continue
+            r.outputs_queue.put_nowait(outputs)
+    except Exception as e:
+        if not r.closed:
+            logger.exception("Engine core output reader failed.")
+            r.mark_dead(f"Reading the engine core's outputs failed: {type(e).__name__}: {e}")
+
+
+def _sync_on_dead(r: BackgroundResources) -> None:
+    assert isinstance(r.outputs_queue, queue.Queue)
+    r.outputs_queue.put_nowait(r.make_dead_error())
+    for call_id in list(r.utility_futures):
+        fut = r.utility_futures.pop(call_id, None)
+        if fut is not None and not fut.done():
+            fut.set_exception(r.make_dead_error())
+
+
+class SyncMPClient(MPClient):
+    """The engine core client of LLM / LLMEngine when multiprocessing is on."""
+
+    def __init__(self, config: KVServeConfig) -> None:
+        super().__init__(config, asyncio_mode=False)
+        r = self.resources
+        try:
+            r.outputs_queue = queue.Queue()
+            r.on_dead = functools.partial(_sync_on_dead, r)
+            # The input socket is shared by the caller's threads (e.g. a stats thread).
+            self._send_lock = threading.Lock()
+            reader = threading.Thread(target=_sync_output_reader,
+                                      args=(r, self.output_socket, self.decoder),
+                                      daemon=True, name="EngineCoreOutputReader")
+            reader.start()
+            r.threads.append(reader)
+            self._start_monitor()
+        except BaseException:
+            r.close()
+            raise
+
+    def _send(self, request_type: EngineCoreRequestType, obj: Any) -> None:
+        self._ensure_alive()
+        with self._send_lock:
+            frames = self._frames(request_type, obj)
+            self.input_socket.send_multipart(frames, copy=False)
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self._send(EngineCoreRequestType.ADD, request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        # Nothing to abort in a dead engine: no error, so callers can clean up freely.
+        if request_ids and not (self.resources.engine_dead or self.resources.closed):
+            self._send(EngineCoreRequestType.ABORT, list(request_ids))
+
+    def get_output(self) -> EngineCoreOutputs:
+        self._ensure_alive()
+        assert isinstance(self.resources.outputs_queue, queue.Queue)
+        out = self.resources.outputs_queue.get()
+        if isinstance(out, BaseException):
+            raise out
+        return out
+
+    def call_utility(self, method: str, *args: Any) -> Any:
+        r = self.resources
+        call_id = next(self._call_ids)
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        r.utility_futures[call_id] = fut
+        try:
+            self._send(EngineCoreRequestType.UTILITY, (call_id, method, args))
+        except BaseException:
+            r.utility_futures.pop(call_id, None)
+            raise
+        if r.engine_dead and not fut.done():     # died between registering and sending
+            fut.set_exception(r.make_dead_error())
+        return fut.result()
+
+    # The async variants (so both clients serve the same callers); blocking parts in a thread.
+    async def add_request_async(self, request: EngineCoreRequest) -> None:
+        self.add_request(request)
+
+    async def abort_requests_async(self, request_ids: list[str]) -> None:
+        self.abort_requests(request_ids)
+
+    async def get_output_async(self) -> EngineCoreOutputs:
+        return await asyncio.get_running_loop().run_in_executor(None, self.get_output)
+
+    async def call_utility_async(self, method: str, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(
+            None, functools.partial(self.call_utility, method, *args))
+
+
+# ---------------------------------------------------------------------- async
+async def _async_output_reader(r: BackgroundResources, sock: zmq.asyncio.Socket,
+                               decoder: MsgpackDecoder) -> None:
+    """Task: output socket -> outputs_queue; utility results -> their futures."""
+    assert isinstance(r.outputs_queue, asyncio.Queue)
+    try:
+        while True:
+            frames = await sock.recv_multipart(copy=False)
+            if _is_dead_message(frames):
+                r.mark_dead("The engine core failed.", _dead_traceback(frames))
+                return
+            outputs: EngineCoreOutputs = decoder.decode(frames)
+            if outputs.utility_output is not None:
+                call_id, failure, result = MPClient._utility_result(outputs.utility_output)
+                fut = r.utility_futures.pop(call_id, None)
+                if fut is not None and not fut.done():
+                    if failure is not None:
+                        fut.set_exception(RuntimeError(failure))
+                    else:
+                        fut.set_result(result)
+                continue
+            r.outputs_queue.put_nowait(outputs)
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:
+        if not r.closed:
+            logger.exception("Engine core output reader failed.")
+            r.mark_dead(f"Reading the engine core's outputs failed: {type(e).__name__}: {e}")
+
+
+def _async_on_dead(r: BackgroundResources) -> None:
+    """Runs in any thread; the queue and futures belong to the loop, so hop onto it."""
+    loop = r.loop
+    if loop is None or loop.is_closed():
+        return      # not bound to a loop yet: _ensure_output_task sees engine_dead
+
+    def deliver() -> None:
+        assert isinstance(r.outputs_queue, asyncio.Queue)
+        r.outputs_queue.put_nowait(r.make_dead_error())
+        for call_id in list(r.utility_futures):
+            fut = r.utility_futures.pop(call_id, None)
+            if fut is not None and not fut.done():
+                fut.set_exception(r.make_dead_error())
+
+    try:
+        if asyncio.get_running_loop() is loop:
+            deliver()
+            return
+    except RuntimeError:
+        pass
+    try:
+        loop.call_soon_threadsafe(deliver)
+    except RuntimeError:      # the loop was closed meanwhile
+        pass
+
+
+class AsyncMPClient(MPClient):
+    """The engine core client of AsyncLLM. Bound to the event loop it is first used in.
+
+    The sync methods (the EngineCoreClient ABC) are for other threads: they run the async
+    variant on the client's loop and wait for it.
+    """
+
+    def __init__(self, config: KVServeConfig) -> None:
+        super().__init__(config, asyncio_mode=True)
+        r = self.resources
+        try:
+            r.on_dead = functools.partial(_async_on_dead, r)
+            self._start_monitor()
+            try:
+                asyncio.get_running_loop()
+            except RuntimeError:
+                pass        # started lazily, by the first async call
+            else:
+                self._ensure_output_task()
+        except BaseException:
+            r.close()
+            raise
+
+    def _ensure_output_task(self) -> None:
+        r = self.resources
+        loop = asyncio.get_running_loop()
+        if r.output_task is not None:
+            if r.loop is not loop:
+                raise RuntimeError("This AsyncMPClient is bound to another event loop.")
+            return
+        r.loop = loop
+        r.outputs_queue = asyncio.Queue()
+        r.output_task = loop.create_task(
+            _async_output_reader(r, self.output_socket, self.decoder),
+            name="EngineCoreOutputReader")
+        if r.engine_dead:      # it died before we had a loop to tell
+            r.outputs_queue.put_nowait(r.make_dead_error())
+
+    async def _send_async(self, request_type: EngineCoreRequestType, obj: Any) -> None:
+        self._ensure_alive()
+        self._ensure_output_task()
+        await self.input_socket.send_multipart(self._frames(request_type, obj), copy=False)
+
+    async def add_request_async(self, request: EngineCoreRequest) -> None:
+        await self._send_async(EngineCoreRequestType.ADD, request)
+
+    async def abort_requests_async(self, request_ids: list[str]) -> None:
+        if request_ids and not (self.resources.engine_dead or self.resources.closed):
+            await self._send_async(EngineCoreRequestType.ABORT, list(request_ids))
+
+    async def get_output_async(self) -> EngineCoreOutputs:
+        self._ensure_alive()
+        self._ensure_output_task()
+        assert isinstance(self.resources.outputs_queue, asyncio.Queue)
+        out = await self.resources.outputs_queue.get()
+        if isinstance(out, BaseException):
+            raise out
+        return out
+
+    async def call_utility_async(self, method: str, *args: Any) -> Any:
+        self._ensure_alive()
+        self._ensure_output_task()
+        r = self.resources
+        call_id = next(self._call_ids)
+        fut = asyncio.get_running_loop().create_future()
+        r.utility_futures[call_id] = fut
+        try:
+            await self._send_async(EngineCoreRequestType.UTILITY, (call_id, method, args))
+        except BaseException:
+            r.utility_futures.pop(call_id, None)
+            raise
+        return await fut
+
+    # ------------------------------------------------------------------ sync (other threads)
+    def _run_on_loop(self, coro_fn: Callable[..., Any], *args: Any) -> Any:
+        loop = self.resources.loop
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is not None and running is loop:
+            raise RuntimeError("Called from the client's event loop: use the *_async method.")
+        if loop is None or loop.is_closed() or not loop.is_running():
+            raise RuntimeError("AsyncMPClient's sync methods need its event loop running in "
+                               "another thread; use the *_async methods.")
+        return asyncio.run_coroutine_threadsafe(coro_fn(*args), loop).result()
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self._run_on_loop(self.add_request_async, request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self._run_on_loop(self.abort_requests_async, request_ids)
+
+    def get_output(self) -> EngineCoreOutputs:
+        return self._run_on_loop(self.get_output_async)
+
+    def call_utility(self, method: str, *args: Any) -> Any:
+        return self._run_on_loop(self.call_utility_async, method, *args)

@@ -1,0 +1,414 @@
+"""The OpenAI-compatible HTTP server: FastAPI routes over one AsyncLLM, served by uvicorn.
+
+    kvserve serve /path/to/model --port 8000 [--api-key KEY] [engine flags...]
+
+Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions, POST /tokenize,
+POST /detokenize, GET /health (503 once the engine is dead), GET|POST /ping, GET /version,
+GET /load, GET /metrics (Prometheus).
+
+Errors are OpenAI-shaped JSON (`{"error": {"message", "type", "param", "code"}}`): 400 for
+invalid parameters, malformed JSON and prompts over the context length; 401 on /v1/* without
+the right `--api-key`; 404 for an unknown model; 503 when the engine is dead or the waiting
+queue is full (`--max-num-queued-requests`).
+
+A client that goes away aborts its requests in the engine (their KV blocks are freed at
+once): a non-streaming handler runs as a task that a disconnect cancels, and a stream's
+generator is cancelled by Starlette when the connection drops.
+
+SIGINT / SIGTERM: uvicorn stops accepting, the lifespan exit shuts the engine down (the
+engine core process with it), and the process exits.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import secrets
+import socket
+from contextlib import asynccontextmanager
+from http import HTTPStatus
+from typing import Any, AsyncIterator, Awaitable, Callable, Optional
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+import kvserve
+from kvserve.entrypoints.openai.protocol import (DEFAULT_SAMPLING_KEYS, ChatCompletionRequest,
+                                                 CompletionRequest, DetokenizeRequest,
+                                                 TokenizeRequest)
+from kvserve.entrypoints.openai.serving_chat import OpenAIServingChat, load_chat_template
+from kvserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from kvserve.entrypoints.openai.serving_engine import (LoadTracker, ServingError, StreamingResult,
+                                                       create_error_response, is_engine_dead_error)
+from kvserve.entrypoints.openai.serving_models import OpenAIServingModels
+from kvserve.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
+from kvserve.metrics.loggers import LoggingStatLogger
+from kvserve.metrics.prometheus import PrometheusStatLogger
+
+logger = logging.getLogger("kvserve.entrypoints.openai.api_server")
+
+TIMEOUT_KEEP_ALIVE = 5  # seconds
+# On SIGTERM, open streams get this long to finish before they are cancelled (and aborted);
+# without a bound one long stream would hold the shutdown forever.
+TIMEOUT_GRACEFUL_SHUTDOWN = 10  # seconds
+# 499: nginx's "client closed request"; nobody reads it, but logs show what happened.
+STATUS_CLIENT_CLOSED = 499
+
+router = APIRouter()
+
+
+# ---------------------------------------------------------------------- responses
+def error_json(message: str, status_code: int, param: Optional[str] = None,
+               err_type: Optional[str] = None) -> JSONResponse:
+    body = create_error_response(message, status_code, err_type, param)
+    return JSONResponse(body.model_dump(), status_code=int(status_code))
+
+
+def _serving_error_json(e: ServingError) -> JSONResponse:
+    return JSONResponse(e.to_response().model_dump(), status_code=e.status_code)
+
+
+class SSEResponse(StreamingResponse):
+    """A server-sent-event stream that closes its request tracker however it ends: done,
+    client gone (Starlette cancels the body), or never started at all."""
+
+    def __init__(self, result: StreamingResult) -> None:
+        super().__init__(result.body, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache"})
+        self._result = result
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._result.tracker.close()
+            try:
+                await self._result.body.aclose()
+            except (RuntimeError, asyncio.CancelledError):
+                pass
+
+
+async def _wait_for_disconnect(raw_request: Request) -> None:
+    while True:
+        message = await raw_request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _run_cancellable(raw_request: Request, handler: Awaitable[Any]) -> Any:
+    """Run a handler until it returns or the client disconnects, whichever comes first; a
+    disconnect cancels the handler (which aborts its engine requests). Returns None then.
+
+    Safe only after the body was read (FastAPI has parsed it by now): from then on the only
+    message left to receive is the disconnect."""
+    task = asyncio.ensure_future(handler)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(raw_request))
+    try:
+        done, _ = await asyncio.wait([task, watcher], return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:   # the server is shutting down
+        task.cancel()
+        watcher.cancel()
+        raise
+    watcher.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
+    return None
+
+
+async def _handle(raw_request: Request, call: Callable[[], Awaitable[Any]]) -> Response:
+    """Run a generation handler and turn what it returns or raises into a response."""
+    try:
+        result = await _run_cancellable(raw_request, call())
+    except ServingError as e:
+        return _serving_error_json(e)
+    except Exception as e:
+        if is_engine_dead_error(e):
+            return error_json(f"The engine is dead: {e}", HTTPStatus.SERVICE_UNAVAILABLE)
+        logger.exception("Error while handling %s", raw_request.url.path)
+        return error_json(f"{type(e).__name__}: {e}", HTTPStatus.INTERNAL_SERVER_ERROR)
+    if result is None:
+        return Response(status_code=STATUS_CLIENT_CLOSED)
+    if isinstance(result, StreamingResult):
+        return SSEResponse(result)
+    # pydantic-core writes the JSON itself (faster than model_dump + json.dumps).
+    return Response(content=result.model_dump_json(), media_type="application/json")
+
+
+# ---------------------------------------------------------------------- routes
+def _state(raw_request: Request) -> Any:
+    return raw_request.app.state
+
+
+async def _fresh_stats(state: Any) -> Optional[dict]:
+    """The scheduler's current numbers (one utility call to the engine core), pushed into the
+    metrics so that /metrics and /load never show a stale snapshot."""
+    try:
+        stats = await asyncio.wait_for(state.engine_client.get_stats(), timeout=5.0)
+    except Exception as e:   # dead or busy engine: keep the last numbers
+        logger.debug("get_stats failed: %s", e)
+        return None
+    state.load.update(stats)
+    state.prometheus.update_scheduler_stats(stats)
+    state.log_stat_logger.update_scheduler_stats(stats)
+    return stats
+
+
+@router.get("/health")
+async def health(raw_request: Request) -> Response:
+    try:
+        await _state(raw_request).engine_client.check_health()
+    except Exception as e:
+        return error_json(f"The engine is dead: {e}", HTTPStatus.SERVICE_UNAVAILABLE)
+    return Response(status_code=200)
+
+
+@router.api_route("/ping", methods=["GET", "POST"])
+async def ping(raw_request: Request) -> Response:
+    return await health(raw_request)
+
+
+@router.get("/version")
+async def show_version() -> JSONResponse:
+    return JSONResponse({"version": kvserve.__version__})
+
+
+@router.get("/load")
+async def show_load(raw_request: Request) -> JSONResponse:
+    state = _state(raw_request)
+    await _fresh_stats(state)
+    load = state.load
+    return JSONResponse({"server_load": load.num_requests,
+                         "num_requests_running": load.engine_running,
+                         "num_requests_waiting": load.engine_waiting})
+
+
+@router.get("/metrics")
+async def metrics(raw_request: Request) -> Response:
+    state = _state(raw_request)
+    await _fresh_stats(state)
+    body, content_type = state.prometheus.render()
+    return Response(content=body, media_type=content_type)
+
+
+@router.get("/v1/models")
+async def show_available_models(raw_request: Request) -> JSONResponse:
+    return JSONResponse(content=_state(raw_request).serving_models.show_available_models().model_dump())
+
+
+@router.post("/v1/completions")
+async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
+    handler: OpenAIServingCompletion = _state(raw_request).serving_completion
+    _warn_ignored(request)
+    return await _handle(raw_request, lambda: handler.create_completion(request, raw_request))
+
+
+@router.post("/v1/chat/completions")
+async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
+    handler: OpenAIServingChat = _state(raw_request).serving_chat
+    _warn_ignored(request)
+    return await _handle(raw_request, lambda: handler.create_chat_completion(request, raw_request))
+
+
+@router.post("/tokenize")
+async def tokenize(request: TokenizeRequest, raw_request: Request) -> Response:
+    handler: OpenAIServingTokenization = _state(raw_request).serving_tokenization
+    return await _handle(raw_request, lambda: handler.create_tokenize(request, raw_request))
+
+
+@router.post("/detokenize")
+async def detokenize(request: DetokenizeRequest, raw_request: Request) -> Response:
+    handler: OpenAIServingTokenization = _state(raw_request).serving_tokenization
+    return await _handle(raw_request, lambda: handler.create_detokenize(request, raw_request))
+
+
+def _warn_ignored(request: Any) -> None:
+    if request.ignored_fields:
+        logger.warning("The following fields were present in the request but ignored: %s",
+                       request.ignored_fields)
+
+
+# ---------------------------------------------------------------------- errors
+async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    """Pydantic / JSON errors are 400s (FastAPI's default is 422), in OpenAI's shape."""
+    errors = exc.errors()
+    for err in errors:
+        if err.get("type") == "json_invalid":
+            detail = (err.get("ctx") or {}).get("error", "")
+            return error_json(f"Malformed JSON in the request body: {detail}".rstrip(": "),
+                              HTTPStatus.BAD_REQUEST)
+    parts, param = [], None
+    for err in errors:
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        # Union members repeat the field path with the type tried; keep the field names.
+        loc = [x for x in loc if not x.startswith(("list[", "str", "int", "function-"))]
+        msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
+        field = ".".join(loc)
+        param = param or field or None
+        parts.append(f"{field}: {msg}" if field else msg)
+    message = "; ".join(dict.fromkeys(parts)) or "Invalid request."
+    return error_json(message, HTTPStatus.BAD_REQUEST, param=param)
+
+
+async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    return error_json(str(exc.detail), exc.status_code)
+
+
+class AuthenticationMiddleware:
+    """`--api-key`: /v1/* needs `Authorization: Bearer <key>` (pure ASGI, so streaming and
+    disconnects pass through untouched). The other routes (/health, /metrics, ...) are open,
+    as in vLLM."""
+
+    def __init__(self, app: ASGIApp, api_keys: list[str]) -> None:
+        self.app = app
+        self._tokens = [f"Bearer {k}".encode() for k in api_keys]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] not in ("http", "websocket") or scope.get("method") == "OPTIONS":
+            return await self.app(scope, receive, send)
+        path = scope["path"].removeprefix(scope.get("root_path", ""))
+        if path.startswith("/v1"):
+            given = Headers(scope=scope).get("Authorization", "").encode()
+            # compare_digest on every key: no timing hint about which prefix matched.
+            if not any([secrets.compare_digest(given, t) for t in self._tokens]):
+                response = error_json("Unauthorized: a valid API key is required "
+                                      "(Authorization: Bearer <key>).", HTTPStatus.UNAUTHORIZED)
+                response.headers["WWW-Authenticate"] = "Bearer"
+                return await response(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+# ---------------------------------------------------------------------- app
+@asynccontextmanager
+async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+    state = app.state
+    log_task = None
+    interval = getattr(state, "log_interval", 0.0)
+    if interval and not getattr(state, "disable_log_stats", True):
+        log_task = asyncio.create_task(_log_stats_periodically(state, interval))
+    try:
+        yield
+    finally:
+        if log_task is not None:
+            log_task.cancel()
+        shutdown_engine(state)
+
+
+async def _log_stats_periodically(state: Any, interval: float) -> None:
+    while True:
+        await asyncio.sleep(interval)
+        await _fresh_stats(state)
+        state.log_stat_logger.log()
+
+
+def shutdown_engine(state: Any) -> None:
+    """Idempotent: called from the lifespan exit and from run_server's `finally`."""
+    engine = getattr(state, "engine_client", None)
+    if engine is not None and not getattr(state, "engine_shut_down", False):
+        state.engine_shut_down = True
+        logger.info("Shutting down the engine.")
+        try:
+            engine.shutdown()
+        except Exception:
+            logger.exception("Error while shutting the engine down")
+
+
+def build_app(args: argparse.Namespace) -> FastAPI:
+    app = FastAPI(title="kvserve OpenAI-compatible API", version=kvserve.__version__,
+                  lifespan=_lifespan, root_path=getattr(args, "root_path", None) or "")
+    app.include_router(router)
+    app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
+    app.add_exception_handler(StarletteHTTPException, _http_error)  # type: ignore[arg-type]
+    api_key = getattr(args, "api_key", None) or os.environ.get("KVSERVE_API_KEY")
+    if api_key:
+        app.add_middleware(AuthenticationMiddleware, api_keys=[api_key])
+    return app
+
+
+def init_app_state(engine_client: Any, state: Any, args: argparse.Namespace) -> None:
+    """Wire the handlers and the stat loggers to one engine."""
+    model_config = engine_client.model_config
+    config = engine_client.config
+    models = OpenAIServingModels([model_config.served_model_name], model_config.model, model_config.max_model_len)
+    sched = config.scheduler_config
+    load = LoadTracker(sched.max_num_seqs, sched.max_num_queued_requests)
+    chat_template = load_chat_template(getattr(args, "chat_template", None))
+
+    gen_cfg = model_config.generation_config or {}
+    default_sampling = {k: gen_cfg[k] for k in DEFAULT_SAMPLING_KEYS if gen_cfg.get(k) is not None}
+    if default_sampling:
+        logger.info("Default sampling parameters from the model's generation_config.json: %s "
+                    "(a request's own values win).", default_sampling)
+
+    prometheus = PrometheusStatLogger(models.model_name, 0, max_model_len=model_config.max_model_len,
+                                      max_num_batched_tokens=sched.max_num_batched_tokens)
+    log_logger = LoggingStatLogger(0, log_interval=getattr(args, "log_stats_interval", 5.0))
+    engine_client.stat_loggers.extend([prometheus, log_logger, load.record])
+
+    state.engine_client = engine_client
+    state.serving_models = models
+    state.load = load
+    state.prometheus = prometheus
+    state.log_stat_logger = log_logger
+    state.log_interval = getattr(args, "log_stats_interval", 5.0)
+    state.disable_log_stats = config.disable_log_stats
+    state.serving_completion = OpenAIServingCompletion(engine_client, models, load, default_sampling)
+    state.serving_chat = OpenAIServingChat(engine_client, models, load, default_sampling,
+                                           chat_template=chat_template,
+                                           response_role=getattr(args, "response_role", "assistant"))
+    state.serving_tokenization = OpenAIServingTokenization(engine_client, models, load,
+                                                           chat_template=chat_template)
+
+
+def _bind_socket(host: Optional[str], port: int) -> socket.socket:
+    """Bind before the (slow) model load: a port in use fails at once, and nobody can take
+    the port while the engine starts."""
+    host = host or "0.0.0.0"
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"Cannot listen on {host}:{port}: {e.strerror or e}.") from e
+    sock.set_inheritable(True)
+    return sock
+
+
+async def run_server(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from kvserve.engine.arg_utils import EngineArgs
+    from kvserve.engine.async_llm import AsyncLLM
+
+    if args.chat_template is not None:
+        load_chat_template(args.chat_template)   # a bad path fails before the model loads
+    sock = _bind_socket(args.host, args.port)
+    engine_args = EngineArgs.from_cli_args(args)
+    app = build_app(args)
+    try:
+        engine = AsyncLLM.from_engine_args(engine_args)
+        app.state.engine_client = engine
+        init_app_state(engine, app.state, args)
+        config = uvicorn.Config(app, log_level=args.uvicorn_log_level,
+                                access_log=not args.disable_uvicorn_access_log,
+                                timeout_keep_alive=TIMEOUT_KEEP_ALIVE,
+                                timeout_graceful_shutdown=TIMEOUT_GRACEFUL_SHUTDOWN)
+        server = uvicorn.Server(config)
+        host, port = sock.getsockname()[:2]
+        logger.info("Starting kvserve API server (model %r) on http://%s:%d", engine_args.model,
+                    host, port)
+        await server.serve(sockets=[sock])
+    finally:
+        shutdown_engine(app.state)
+        sock.close()

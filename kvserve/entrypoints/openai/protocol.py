@@ -1,0 +1,448 @@
+"""Request and response bodies of the OpenAI-compatible API (pydantic), with vLLM's extras.
+
+Field names and defaults are OpenAI's; the extra sampling fields (`top_k`, `min_p`,
+`repetition_penalty`, `stop_token_ids`, `min_tokens`, `ignore_eos`, ...) are vLLM's, so a
+request written for `vllm serve` works here unchanged. Unknown fields are accepted and
+ignored (logged), as OpenAI clients send fields a server may not know.
+
+`to_sampling_params()` maps a request to `SamplingParams`. Sampling fields a request leaves
+out fall back to the model's `generation_config.json` defaults (temperature, top_p, ...), then
+to OpenAI's defaults, as vLLM does. `max_tokens` left out means "until the context is full".
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from kvserve.sampling_params import RequestOutputKind, SamplingParams
+
+# The generation_config.json keys that become default sampling values (vLLM's list).
+DEFAULT_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+_OPENAI_DEFAULTS: dict[str, Any] = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
+                                    "repetition_penalty": 1.0}
+
+
+def random_uuid() -> str:
+    return uuid.uuid4().hex
+
+
+class OpenAIBaseModel(BaseModel):
+    # Unknown fields are kept (and reported by `ignored_fields`), never a 400: clients send
+    # fields of newer API versions.
+    model_config = ConfigDict(extra="allow")
+
+    @property
+    def ignored_fields(self) -> list[str]:
+        return sorted(self.model_extra or {})
+
+
+# ---------------------------------------------------------------------- errors
+class ErrorInfo(OpenAIBaseModel):
+    message: str
+    type: str
+    param: Optional[str] = None
+    code: int
+
+
+class ErrorResponse(OpenAIBaseModel):
+    error: ErrorInfo
+
+
+# ---------------------------------------------------------------------- models
+class ModelPermission(OpenAIBaseModel):
+    id: str = Field(default_factory=lambda: f"modelperm-{random_uuid()}")
+    object: str = "model_permission"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    allow_create_engine: bool = False
+    allow_sampling: bool = True
+    allow_logprobs: bool = True
+    allow_search_indices: bool = False
+    allow_view: bool = True
+    allow_fine_tuning: bool = False
+    organization: str = "*"
+    group: Optional[str] = None
+    is_blocking: bool = False
+
+
+class ModelCard(OpenAIBaseModel):
+    id: str
+    object: str = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "kvserve"
+    root: Optional[str] = None
+    parent: Optional[str] = None
+    max_model_len: Optional[int] = None
+    permission: list[ModelPermission] = Field(default_factory=list)
+
+
+class ModelList(OpenAIBaseModel):
+    object: str = "list"
+    data: list[ModelCard] = Field(default_factory=list)
+
+
+# ---------------------------------------------------------------------- shared pieces
+class StreamOptions(OpenAIBaseModel):
+    include_usage: Optional[bool] = True
+    continuous_usage_stats: Optional[bool] = False
+
+
+class PromptTokenUsageInfo(OpenAIBaseModel):
+    cached_tokens: Optional[int] = None
+
+
+class UsageInfo(OpenAIBaseModel):
+    prompt_tokens: int = 0
+    total_tokens: int = 0
+    completion_tokens: Optional[int] = 0
+    prompt_tokens_details: Optional[PromptTokenUsageInfo] = None
+
+
+class ResponseFormat(OpenAIBaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[dict[str, Any]] = None
+
+
+class _SamplingRequest(OpenAIBaseModel):
+    """The sampling fields completions and chat share (OpenAI's and vLLM's extras)."""
+
+    model: Optional[str] = None
+    frequency_penalty: Optional[float] = 0.0
+    presence_penalty: Optional[float] = 0.0
+    logit_bias: Optional[dict[str, float]] = None
+    n: int = 1
+    seed: Optional[int] = None
+    stop: Optional[Union[str, list[str]]] = None
+    stream: Optional[bool] = False
+    stream_options: Optional[StreamOptions] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    user: Optional[str] = None
+    response_format: Optional[ResponseFormat] = None
+    # vLLM's extras.
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    stop_token_ids: Optional[list[int]] = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    allowed_token_ids: Optional[list[int]] = None
+    prompt_logprobs: Optional[int] = None
+    truncate_prompt_tokens: Optional[int] = Field(default=None, ge=-1)
+    priority: int = 0
+    request_id: Optional[str] = None
+    cache_salt: Optional[str] = None
+    return_token_ids: Optional[bool] = None
+
+    @model_validator(mode="after")
+    def _check_stream_options(self) -> "_SamplingRequest":
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("Stream options can only be defined when `stream=True`.")
+        if self.response_format is not None and self.response_format.type != "text":
+            # Structured outputs need grammar-constrained sampling, which the engine lacks.
+            raise ValueError(f"response_format type {self.response_format.type!r} is not "
+                             f"supported yet; only 'text' is.")
+        if self.cache_salt is not None and not self.cache_salt:
+            raise ValueError("cache_salt must be a non-empty string.")
+        if self.truncate_prompt_tokens == 0:
+            raise ValueError("truncate_prompt_tokens must be >= 1 (or -1 for max_model_len).")
+        return self
+
+    def _sampling_kwargs(self, default_sampling_params: Optional[dict[str, Any]]) -> dict[str, Any]:
+        defaults = dict(_OPENAI_DEFAULTS)
+        defaults.update(default_sampling_params or {})
+        picked = {k: (getattr(self, k) if getattr(self, k) is not None else defaults[k])
+                  for k in DEFAULT_SAMPLING_KEYS}
+        return dict(
+            n=self.n,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            seed=self.seed,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens,
+            prompt_logprobs=self.prompt_logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            logit_bias=self.logit_bias,
+            allowed_token_ids=self.allowed_token_ids,
+            # Streams get only what is new; a whole response needs only the end.
+            output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
+            **picked,
+        )
+
+
+def _logit_bias_keys_are_ids(logit_bias: Optional[dict[str, float]]) -> None:
+    for key in logit_bias or {}:
+        try:
+            int(key)
+        except ValueError:
+            raise ValueError(f"logit_bias keys must be token ids (integers as strings), "
+                             f"got {key!r}.") from None
+
+
+# ---------------------------------------------------------------------- completions
+class CompletionRequest(_SamplingRequest):
+    # https://platform.openai.com/docs/api-reference/completions/create
+    prompt: Union[list[int], list[list[int]], str, list[str]]
+    echo: Optional[bool] = False
+    logprobs: Optional[int] = None
+    max_tokens: Optional[int] = None
+    suffix: Optional[str] = None
+    best_of: Optional[int] = None
+    add_special_tokens: bool = True
+
+    @model_validator(mode="after")
+    def _check_completion(self) -> "CompletionRequest":
+        if self.suffix is not None:
+            raise ValueError("suffix is not supported.")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError(f"best_of={self.best_of} is not supported (only best_of == n).")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ValueError(f"logprobs must be a non-negative integer, got {self.logprobs}.")
+        p = self.prompt
+        if (isinstance(p, (str, list)) and len(p) == 0) or (
+                isinstance(p, list) and any(len(x) == 0 for x in p if isinstance(x, (str, list)))):
+            raise ValueError("prompt must not be empty.")
+        _logit_bias_keys_are_ids(self.logit_bias)
+        return self
+
+    def prompts(self) -> list[Union[str, list[int]]]:
+        """The prompts as a list: each a string or a list of token ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and isinstance(p[0], int):
+            return [p]  # type: ignore[list-item]
+        return list(p)  # type: ignore[arg-type]
+
+    def to_sampling_params(self, max_tokens: int,
+                           default_sampling_params: Optional[dict[str, Any]] = None) -> SamplingParams:
+        """`max_tokens`: what the context leaves after this prompt (the server computes it);
+        used when the request sets none. Raises ValueError on invalid values."""
+        kw = self._sampling_kwargs(default_sampling_params)
+        logprobs = self.logprobs
+        prompt_logprobs = self.prompt_logprobs
+        if self.echo and logprobs is not None and prompt_logprobs is None:
+            # echo + logprobs returns the prompt's logprobs too, as OpenAI's API did.
+            prompt_logprobs = logprobs
+        kw.update(max_tokens=self.max_tokens if self.max_tokens is not None else max_tokens,
+                  logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+        return SamplingParams(**kw)
+
+
+class CompletionLogProbs(OpenAIBaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[Optional[float]] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[Optional[dict[str, float]]] = Field(default_factory=list)
+
+
+class CompletionResponseChoice(OpenAIBaseModel):
+    index: int
+    text: str
+    logprobs: Optional[CompletionLogProbs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[Union[int, str]] = None
+    prompt_token_ids: Optional[list[int]] = None
+    token_ids: Optional[list[int]] = None
+
+
+class CompletionResponse(OpenAIBaseModel):
+    id: str = Field(default_factory=lambda: f"cmpl-{random_uuid()}")
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionResponseChoice]
+    usage: UsageInfo
+    system_fingerprint: Optional[str] = None
+
+
+class CompletionResponseStreamChoice(OpenAIBaseModel):
+    index: int
+    text: str
+    logprobs: Optional[CompletionLogProbs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[Union[int, str]] = None
+    prompt_token_ids: Optional[list[int]] = None
+    token_ids: Optional[list[int]] = None
+
+
+class CompletionStreamResponse(OpenAIBaseModel):
+    id: str
+    object: str = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionResponseStreamChoice]
+    usage: Optional[UsageInfo] = None
+
+
+# ---------------------------------------------------------------------- chat
+class ChatCompletionRequest(_SamplingRequest):
+    # https://platform.openai.com/docs/api-reference/chat/create
+    messages: list[dict[str, Any]]
+    logprobs: Optional[bool] = False
+    top_logprobs: Optional[int] = 0
+    max_tokens: Optional[int] = Field(default=None, description="Deprecated: max_completion_tokens.")
+    max_completion_tokens: Optional[int] = None
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Optional[Union[str, dict[str, Any]]] = "none"
+    parallel_tool_calls: Optional[bool] = None
+    # vLLM's extras.
+    echo: bool = False
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template: Optional[str] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    documents: Optional[list[dict[str, str]]] = None
+
+    @model_validator(mode="after")
+    def _check_chat(self) -> "ChatCompletionRequest":
+        if not self.messages:
+            raise ValueError("messages must contain at least one message.")
+        for i, m in enumerate(self.messages):
+            if "role" not in m:
+                raise ValueError(f"messages[{i}] has no 'role'.")
+        if self.top_logprobs is not None:
+            if self.top_logprobs < 0:
+                raise ValueError(f"top_logprobs must be non-negative, got {self.top_logprobs}.")
+            if self.top_logprobs > 0 and not self.logprobs:
+                raise ValueError("when using `top_logprobs`, `logprobs` must be set to true.")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("Cannot set both `continue_final_message` and "
+                             "`add_generation_prompt` to True.")
+        choice = self.tool_choice
+        if isinstance(choice, dict) or choice not in (None, "none", "auto"):
+            # Forcing a tool call needs tool-call parsing / guided decoding, which we lack.
+            raise ValueError(f"tool_choice={choice!r} is not supported; use 'none' or 'auto'.")
+        _logit_bias_keys_are_ids(self.logit_bias)
+        return self
+
+    def requested_max_tokens(self) -> Optional[int]:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def to_sampling_params(self, max_tokens: int,
+                           default_sampling_params: Optional[dict[str, Any]] = None) -> SamplingParams:
+        kw = self._sampling_kwargs(default_sampling_params)
+        requested = self.requested_max_tokens()
+        kw.update(max_tokens=requested if requested is not None else max_tokens,
+                  logprobs=(self.top_logprobs or 0) if self.logprobs else None)
+        return SamplingParams(**kw)
+
+
+class ChatMessage(OpenAIBaseModel):
+    role: str
+    content: Optional[str] = None
+    reasoning_content: Optional[str] = None
+    tool_calls: list[dict[str, Any]] = Field(default_factory=list)
+
+
+class ChatCompletionLogProb(OpenAIBaseModel):
+    token: str
+    logprob: float = -9999.0
+    bytes: Optional[list[int]] = None
+
+
+class ChatCompletionLogProbsContent(ChatCompletionLogProb):
+    top_logprobs: list[ChatCompletionLogProb] = Field(default_factory=list)
+
+
+class ChatCompletionLogProbs(OpenAIBaseModel):
+    content: Optional[list[ChatCompletionLogProbsContent]] = None
+
+
+class ChatCompletionResponseChoice(OpenAIBaseModel):
+    index: int
+    message: ChatMessage
+    logprobs: Optional[ChatCompletionLogProbs] = None
+    finish_reason: Optional[str] = "stop"
+    stop_reason: Optional[Union[int, str]] = None
+    token_ids: Optional[list[int]] = None
+
+
+class ChatCompletionResponse(OpenAIBaseModel):
+    id: str = Field(default_factory=lambda: f"chatcmpl-{random_uuid()}")
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionResponseChoice]
+    usage: UsageInfo
+    system_fingerprint: Optional[str] = None
+    prompt_token_ids: Optional[list[int]] = None
+
+
+class DeltaMessage(OpenAIBaseModel):
+    role: Optional[str] = None
+    content: Optional[str] = None
+
+
+class ChatCompletionResponseStreamChoice(OpenAIBaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: Optional[ChatCompletionLogProbs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[Union[int, str]] = None
+    token_ids: Optional[list[int]] = None
+
+
+class ChatCompletionStreamResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatCompletionResponseStreamChoice]
+    usage: Optional[UsageInfo] = None
+
+
+# ---------------------------------------------------------------------- tokenize / detokenize
+class TokenizeCompletionRequest(OpenAIBaseModel):
+    model: Optional[str] = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: Optional[bool] = False
+
+
+class TokenizeChatRequest(OpenAIBaseModel):
+    model: Optional[str] = None
+    messages: list[dict[str, Any]]
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template: Optional[str] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    tools: Optional[list[dict[str, Any]]] = None
+    return_token_strs: Optional[bool] = False
+
+    @model_validator(mode="after")
+    def _check(self) -> "TokenizeChatRequest":
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("Cannot set both `continue_final_message` and "
+                             "`add_generation_prompt` to True.")
+        return self
+
+
+TokenizeRequest = Union[TokenizeCompletionRequest, TokenizeChatRequest]
+
+
+class TokenizeResponse(OpenAIBaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: Optional[list[str]] = None
+
+
+class DetokenizeRequest(OpenAIBaseModel):
+    model: Optional[str] = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(OpenAIBaseModel):
+    prompt: str

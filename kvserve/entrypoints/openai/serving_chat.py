@@ -1,0 +1,250 @@
+"""`POST /v1/chat/completions`: a conversation rendered with the chat template, then generated.
+
+The template is the request's `chat_template`, else the server's `--chat-template`, else the
+tokenizer's. A stream sends, per choice, a role delta first, then content deltas, then a
+finish chunk (empty delta + finish_reason); with `stream_options.include_usage` a last chunk
+carries the usage and no choices. This is the order OpenAI's API uses.
+"""
+from __future__ import annotations
+
+import os
+from contextlib import aclosing
+from typing import Any, AsyncGenerator, Optional, Union
+
+from kvserve.entrypoints.openai.protocol import (ChatCompletionLogProb, ChatCompletionLogProbs,
+                                                 ChatCompletionLogProbsContent,
+                                                 ChatCompletionRequest, ChatCompletionResponse,
+                                                 ChatCompletionResponseChoice,
+                                                 ChatCompletionResponseStreamChoice,
+                                                 ChatCompletionStreamResponse, ChatMessage,
+                                                 DeltaMessage, UsageInfo)
+from kvserve.entrypoints.openai.serving_engine import (SSE_DONE, LoadTracker, OpenAIServing,
+                                                       RequestTracker, ServingError,
+                                                       StreamingResult, clamp_logprob,
+                                                       error_payload, now, sse, to_serving_error)
+from kvserve.entrypoints.openai.serving_models import OpenAIServingModels
+from kvserve.outputs import Logprob, RequestOutput
+from kvserve.tokenizer import Tokenizer
+
+
+def load_chat_template(chat_template: Optional[str]) -> Optional[str]:
+    """`--chat-template`: a file path or the template itself (vLLM accepts both)."""
+    if chat_template is None:
+        return None
+    if os.path.isfile(chat_template):
+        with open(chat_template, encoding="utf-8") as f:
+            return f.read()
+    if any(c in chat_template for c in "{}\n"):
+        return chat_template          # looks like a Jinja template
+    raise ValueError(f"--chat-template {chat_template!r} is neither an existing file nor a "
+                     f"Jinja template string.")
+
+
+def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """OpenAI content parts ([{"type": "text", "text": ...}, ...]) become one string, joined
+    with newlines as vLLM does; anything but text is refused (no multimodal inputs here)."""
+    out = []
+    for i, m in enumerate(messages):
+        content = m.get("content")
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text":
+                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                    raise ServingError(f"messages[{i}]: content part of type {kind!r} is not "
+                                       f"supported; only 'text' parts are.", param="messages")
+                texts.append(str(part.get("text", "")))
+            m = {**m, "content": "\n".join(texts)}
+        elif content is not None and not isinstance(content, str):
+            raise ServingError(f"messages[{i}].content must be a string or a list of content "
+                               f"parts, got {type(content).__name__}.", param="messages")
+        out.append(m)
+    return out
+
+
+def render_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]], *, chat_template: Optional[str],
+                add_generation_prompt: bool, continue_final_message: bool,
+                tools: Optional[list] = None, documents: Optional[list] = None,
+                chat_template_kwargs: Optional[dict[str, Any]] = None) -> str:
+    try:
+        text = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, chat_template=chat_template,
+            tokenize=False, continue_final_message=continue_final_message, tools=tools,
+            documents=documents, **(chat_template_kwargs or {}))
+    except (ValueError, TypeError) as e:   # TypeError: kwargs that clash with ours
+        raise ServingError(str(e), param="messages") from e
+    assert isinstance(text, str)
+    return text
+
+
+class OpenAIServingChat(OpenAIServing):
+    request_id_prefix = "chatcmpl"
+
+    def __init__(self, engine_client: Any, models: OpenAIServingModels, load: LoadTracker,
+                 default_sampling_params: Optional[dict[str, Any]] = None,
+                 chat_template: Optional[str] = None, response_role: str = "assistant") -> None:
+        super().__init__(engine_client, models, load, default_sampling_params)
+        self.chat_template = chat_template
+        self.response_role = response_role
+
+    async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Any = None
+                                     ) -> Union[ChatCompletionResponse, StreamingResult]:
+        self.check_model(request.model)
+        self.check_engine()
+        request_id = self.make_request_id(request, raw_request)
+        messages = normalize_messages(request.messages)
+        text = render_chat(
+            self.tokenizer, messages, chat_template=request.chat_template or self.chat_template,
+            add_generation_prompt=request.add_generation_prompt,
+            continue_final_message=request.continue_final_message, tools=request.tools,
+            documents=request.documents, chat_template_kwargs=request.chat_template_kwargs)
+        # The template writes BOS itself: no special tokens unless asked for.
+        ids = self.truncate(self.encode(text, request.add_special_tokens),
+                            request.truncate_prompt_tokens)
+        default_max_tokens = self.check_length(len(ids), request.requested_max_tokens(), "messages")
+        params = self.sampling_params(request, default_max_tokens)
+
+        role = self.response_role if request.add_generation_prompt else messages[-1]["role"]
+        echo_text = ""
+        if request.echo and messages[-1].get("role") == role:
+            echo_text = messages[-1].get("content") or ""
+        tracker = RequestTracker(self.engine_client, self.load.admit(request.n), [request_id])
+        generator = self.engine_client.generate(
+            {"prompt_token_ids": ids, "prompt": text}, params, request_id,
+            priority=request.priority, cache_salt=request.cache_salt)
+        ctx = _ChatContext(request, request_id, self.models.model_name, now(), role, echo_text, ids)
+        if request.stream:
+            return StreamingResult(self._stream(ctx, generator, tracker, raw_request), tracker)
+        final: Optional[RequestOutput] = None
+        try:
+            async with aclosing(generator) as stream:
+                async for res in stream:
+                    final = res
+            if final is not None and final.finished:
+                tracker.finished(request_id)
+        except Exception as e:
+            raise to_serving_error(e) from e
+        finally:
+            tracker.close()
+        assert final is not None, "the request finished without output"
+        return self._full_response(ctx, final)
+
+    # ------------------------------------------------------------------ whole response
+    def _full_response(self, ctx: "_ChatContext", res: RequestOutput) -> ChatCompletionResponse:
+        request = ctx.request
+        choices = []
+        num_generated = 0
+        for out in res.outputs:
+            num_generated += len(out.token_ids)
+            logprobs = None
+            if request.logprobs and out.logprobs is not None:
+                logprobs = self._logprobs(out.token_ids, out.logprobs, request.top_logprobs or 0)
+            choices.append(ChatCompletionResponseChoice(
+                index=out.index, message=ChatMessage(role=ctx.role, content=ctx.echo_text + out.text),
+                logprobs=logprobs, finish_reason=out.finish_reason, stop_reason=out.stop_reason,
+                token_ids=out.token_ids if request.return_token_ids else None))
+        num_prompt = len(res.prompt_token_ids)
+        return ChatCompletionResponse(
+            id=ctx.request_id, created=ctx.created, model=ctx.model_name, choices=choices,
+            usage=UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_generated,
+                            total_tokens=num_prompt + num_generated),
+            prompt_token_ids=res.prompt_token_ids if request.return_token_ids else None)
+
+    # ------------------------------------------------------------------ stream
+    async def _stream(self, ctx: "_ChatContext", generator: Any, tracker: RequestTracker,
+                      raw_request: Any) -> AsyncGenerator[str, None]:
+        request, n = ctx.request, ctx.request.n
+        num_tokens = [0] * n
+        num_prompt = len(ctx.prompt_ids)
+        opts = request.stream_options
+        include_usage = bool(opts and opts.include_usage)
+        continuous_usage = include_usage and bool(opts and opts.continuous_usage_stats)
+
+        def chunk(index: int, delta: DeltaMessage, logprobs: Optional[ChatCompletionLogProbs] = None,
+                  finish_reason: Optional[str] = None, stop_reason: Any = None,
+                  token_ids: Optional[list[int]] = None) -> str:
+            choice = ChatCompletionResponseStreamChoice(
+                index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason)
+            if stop_reason is not None:
+                choice.stop_reason = stop_reason
+            if token_ids is not None:
+                choice.token_ids = token_ids
+            resp = ChatCompletionStreamResponse(id=ctx.request_id, object="chat.completion.chunk",
+                                                created=ctx.created, model=ctx.model_name,
+                                                choices=[choice])
+            if continuous_usage:
+                resp.usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=sum(num_tokens),
+                                       total_tokens=num_prompt + sum(num_tokens))
+            return sse(resp.model_dump_json(exclude_unset=True))
+
+        try:
+            for j in range(n):
+                yield chunk(j, DeltaMessage(role=ctx.role, content=""))
+                if ctx.echo_text:
+                    yield chunk(j, DeltaMessage(content=ctx.echo_text))
+            async with aclosing(generator) as stream:
+                async for res in stream:
+                    if raw_request is not None and await raw_request.is_disconnected():
+                        return   # `finally` aborts the request
+                    if res.finished:
+                        tracker.finished(ctx.request_id)
+                    for out in res.outputs:
+                        j = out.index
+                        num_tokens[j] += len(out.token_ids)
+                        logprobs = None
+                        if request.logprobs and out.logprobs:
+                            logprobs = self._logprobs(out.token_ids, out.logprobs,
+                                                      request.top_logprobs or 0)
+                        if out.text or logprobs is not None:
+                            yield chunk(j, DeltaMessage(content=out.text), logprobs,
+                                        token_ids=out.token_ids if request.return_token_ids else None)
+                        if out.finish_reason is not None:
+                            yield chunk(j, DeltaMessage(), finish_reason=out.finish_reason,
+                                        stop_reason=out.stop_reason)
+            if include_usage:
+                total = sum(num_tokens)
+                resp = ChatCompletionStreamResponse(
+                    id=ctx.request_id, object="chat.completion.chunk", created=ctx.created,
+                    model=ctx.model_name, choices=[],
+                    usage=UsageInfo(prompt_tokens=num_prompt, completion_tokens=total,
+                                    total_tokens=num_prompt + total))
+                yield sse(resp.model_dump_json(exclude_unset=True))
+        except Exception as e:
+            yield sse(error_payload(e))
+        finally:
+            tracker.close()
+        yield SSE_DONE
+
+    # ------------------------------------------------------------------ logprobs
+    def _logprobs(self, token_ids: list[int], top_logprobs: list[dict[int, Logprob]],
+                  num_top: int) -> ChatCompletionLogProbs:
+        """OpenAI's chat shape: per token its logprob and bytes, and the `num_top` most likely
+        tokens by rank (the chosen one is among them only if it ranks there)."""
+        content = []
+        for tid, step in zip(token_ids, top_logprobs):
+            chosen = step.get(tid)
+            token = self.token_str(tid, chosen)
+            tops = []
+            if num_top:
+                ranked = sorted((lp.rank, t, lp) for t, lp in step.items()
+                                if lp.rank is not None and 1 <= lp.rank <= num_top)
+                for _, t, lp in ranked:
+                    s = self.token_str(t, lp)
+                    tops.append(ChatCompletionLogProb(token=s, logprob=clamp_logprob(lp.logprob),
+                                                      bytes=list(s.encode("utf-8", "replace"))))
+            content.append(ChatCompletionLogProbsContent(
+                token=token, logprob=clamp_logprob(chosen.logprob) if chosen is not None else -9999.0,
+                bytes=list(token.encode("utf-8", "replace")), top_logprobs=tops))
+        return ChatCompletionLogProbs(content=content)
+
+
+class _ChatContext:
+    def __init__(self, request: ChatCompletionRequest, request_id: str, model_name: str,
+                 created: int, role: str, echo_text: str, prompt_ids: list[int]) -> None:
+        self.request = request
+        self.request_id = request_id
+        self.model_name = model_name
+        self.created = created
+        self.role = role
+        self.echo_text = echo_text
+        self.prompt_ids = prompt_ids

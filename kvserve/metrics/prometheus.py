@@ -1,0 +1,174 @@
+"""Prometheus metrics with vLLM's names under the `kvserve:` prefix.
+
+Every metric carries the labels `model_name` and `engine`. Counters are exported with the
+`_total` suffix (`kvserve:prompt_tokens_total`). The scheduler reports cumulative totals, so
+counters are advanced by the difference to the largest total seen: any number of reports, in
+any order (per batch, or a fresh one taken when /metrics is scraped), count each event once.
+
+Each logger owns a CollectorRegistry (unless given one): two servers, or two tests, in one
+process never register the same metric twice.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any, Optional
+
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
+                               generate_latest)
+
+from kvserve.metrics.loggers import StatLoggerBase
+
+PREFIX = "kvserve:"
+
+# vLLM's bucket boundaries, so dashboards built for vLLM read the same.
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+               7.5, 10.0, 20.0, 40.0, 80.0]
+REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                           50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+ITERATION_TOKEN_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+
+# Cumulative scheduler counters -> our counter names.
+_SCHEDULER_COUNTERS = {
+    "prefix_cache_queries": "prefix_cache_queries",
+    "prefix_cache_hits": "prefix_cache_hits",
+    "num_preemptions": "num_preemptions",
+}
+
+
+def build_1_2_5_buckets(max_value: int) -> list[int]:
+    """[1, 2, 5, 10, 20, 50, ...] up to max_value (vLLM's token-count buckets)."""
+    buckets, exponent = [], 0
+    while True:
+        for m in (1, 2, 5):
+            value = m * 10 ** exponent
+            if value > max_value:
+                return buckets
+            buckets.append(value)
+        exponent += 1
+
+
+class PrometheusStatLogger(StatLoggerBase):
+    def __init__(self, model_name: str, engine_index: int = 0, *, max_model_len: int = 2048,
+                 max_num_batched_tokens: Optional[int] = None,
+                 registry: Optional[CollectorRegistry] = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.model_name = model_name
+        self.engine_index = engine_index
+        self._label_values = (model_name, str(engine_index))
+        self._lock = threading.Lock()
+        self._last_totals: dict[str, int] = {}
+        labels = ["model_name", "engine"]
+        reg = self.registry
+
+        def gauge(name: str, doc: str) -> Any:
+            return Gauge(PREFIX + name, doc, labels, registry=reg).labels(*self._label_values)
+
+        def counter(name: str, doc: str) -> Any:
+            return Counter(PREFIX + name, doc, labels, registry=reg).labels(*self._label_values)
+
+        def histogram(name: str, doc: str, buckets: list) -> Any:
+            return Histogram(PREFIX + name, doc, labels, buckets=buckets,
+                             registry=reg).labels(*self._label_values)
+
+        # Scheduler state.
+        self.gauge_running = gauge("num_requests_running", "Number of requests in model execution batches.")
+        self.gauge_waiting = gauge("num_requests_waiting", "Number of requests waiting to be processed.")
+        self.gauge_kv_cache_usage = gauge("kv_cache_usage_perc",
+                                          "KV-cache usage. 1 means 100 percent usage.")
+        self.counters = {
+            "prefix_cache_queries": counter(
+                "prefix_cache_queries",
+                "Prefix cache queries, in terms of number of queried tokens."),
+            "prefix_cache_hits": counter(
+                "prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."),
+            "num_preemptions": counter("num_preemptions", "Cumulative number of preemptions."),
+        }
+        # Tokens and requests.
+        self.counter_prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.")
+        self.counter_generation_tokens = counter("generation_tokens",
+                                                 "Number of generation tokens processed.")
+        self._request_success = Counter(PREFIX + "request_success",
+                                        "Count of successfully processed requests.",
+                                        labels + ["finished_reason"], registry=reg)
+        for reason in ("stop", "length", "abort"):   # present (at 0) before the first request
+            self._request_success.labels(*self._label_values, reason)
+        # Latencies.
+        self.hist_ttft = histogram("time_to_first_token_seconds",
+                                   "Histogram of time to first token in seconds.", TTFT_BUCKETS)
+        self.hist_itl = histogram("inter_token_latency_seconds",
+                                  "Histogram of inter-token latency in seconds.", ITL_BUCKETS)
+        self.hist_tpot = histogram("request_time_per_output_token_seconds",
+                                   "Histogram of time_per_output_token_seconds per request.",
+                                   ITL_BUCKETS)
+        self.hist_e2e = histogram("e2e_request_latency_seconds",
+                                  "Histogram of e2e request latency in seconds.",
+                                  REQUEST_LATENCY_BUCKETS)
+        self.hist_queue = histogram("request_queue_time_seconds",
+                                    "Histogram of time spent in WAITING phase for request.",
+                                    REQUEST_LATENCY_BUCKETS)
+        # Sizes.
+        token_buckets = build_1_2_5_buckets(max_model_len)
+        self.hist_prompt_tokens = histogram("request_prompt_tokens",
+                                            "Number of prefill tokens processed.", token_buckets)
+        self.hist_generation_tokens = histogram("request_generation_tokens",
+                                                "Number of generation tokens processed.",
+                                                token_buckets)
+        iteration_buckets = [b for b in ITERATION_TOKEN_BUCKETS
+                             if max_num_batched_tokens is None or b <= max_num_batched_tokens]
+        self.hist_iteration_tokens = histogram("iteration_tokens_total",
+                                               "Histogram of number of tokens per engine_step.",
+                                               iteration_buckets)
+
+    # ------------------------------------------------------------------ recording
+    def record(self, scheduler_stats: Optional[dict], iteration_stats: Any) -> None:
+        if scheduler_stats:
+            self.update_scheduler_stats(scheduler_stats)
+        if iteration_stats is not None:
+            self._record_iteration(iteration_stats)
+
+    def update_scheduler_stats(self, stats: dict) -> None:
+        self.gauge_running.set(stats.get("num_running_reqs", 0))
+        self.gauge_waiting.set(stats.get("num_waiting_reqs", 0))
+        self.gauge_kv_cache_usage.set(stats.get("kv_cache_usage", 0.0))
+        with self._lock:
+            for key, counter in self.counters.items():
+                if key not in stats:
+                    continue
+                total = int(stats[key])
+                last = self._last_totals.get(key, 0)
+                # A smaller total is an older report arriving late (a /metrics refresh can
+                # overtake a batch's report): it has nothing new.
+                if total > last:
+                    self._last_totals[key] = total
+                    counter.inc(total - last)
+
+    def _record_iteration(self, it: Any) -> None:
+        if it.num_prompt_tokens:
+            self.counter_prompt_tokens.inc(it.num_prompt_tokens)
+        if it.num_generation_tokens:
+            self.counter_generation_tokens.inc(it.num_generation_tokens)
+        num_tokens = it.num_prompt_tokens + it.num_generation_tokens
+        if num_tokens:
+            self.hist_iteration_tokens.observe(num_tokens)
+        for t in it.time_to_first_tokens_iter:
+            self.hist_ttft.observe(t)
+        for t in it.inter_token_latencies_iter:
+            self.hist_itl.observe(t)
+        for req in it.finished_requests:
+            self._request_success.labels(*self._label_values, str(req.finish_reason)).inc()
+            self.hist_e2e.observe(req.e2e_latency)
+            self.hist_prompt_tokens.observe(req.num_prompt_tokens)
+            self.hist_generation_tokens.observe(req.num_generation_tokens)
+            if req.num_generation_tokens > 1:
+                self.hist_tpot.observe((req.e2e_latency - req.first_token_latency)
+                                       / (req.num_generation_tokens - 1))
+            queued = getattr(req, "queued_time", None)
+            if queued is not None:
+                self.hist_queue.observe(queued)
+
+    # ------------------------------------------------------------------ exposition
+    def render(self) -> tuple[bytes, str]:
+        """The text exposition format and its content type (for GET /metrics)."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
