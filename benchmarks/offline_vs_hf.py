@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import random
 import sys
@@ -38,7 +37,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from roofline import (DEFAULT_MODEL_DIR, decode_param_count, dtype_of,  # noqa: E402
                       ensure_bench_model, kv_cache_bytes_for, load_hf_config,
-                      machine_description, measure_memory_bandwidth, roofline_limits)
+                      machine_description, measure_memory_bandwidth, roofline_limits,
+                      write_json)
 
 from kvserve.benchmarks.datasets import SampleRequest  # noqa: E402
 from kvserve.benchmarks.throughput import load_hf_model, resolve_device, run_hf, run_kvserve  # noqa: E402
@@ -209,8 +209,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     print()
     print(format_report(result))
     if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(result, f, indent=2)
+        write_json(args.output_json, result)
     return 0
 
 

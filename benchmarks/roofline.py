@@ -88,7 +88,6 @@ def measure_memory_bandwidth(size_mb: int = 512, iters: int = 5,
     nbytes = x.numel() * x.element_size()
     read_s = _best_time(lambda: x.sum(), device, iters)
     copy_s = _best_time(lambda: y.copy_(x), device, iters)
-    del x, y
     return {"read_gb_s": nbytes / read_s / 1e9, "copy_gb_s": 2 * nbytes / copy_s / 1e9,
             "size_mb": size_mb}
 
@@ -269,12 +268,17 @@ def make_parser() -> argparse.ArgumentParser:
     return p
 
 
+def write_json(path: str, result: dict[str, Any]) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     args = make_parser().parse_args(argv)
     result = run(args)
     if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(result, f, indent=2)
+        write_json(args.output_json, result)
     return 0
 
 

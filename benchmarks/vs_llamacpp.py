@@ -30,7 +30,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from roofline import DEFAULT_MODEL_DIR, ensure_bench_model, load_hf_config, machine_description  # noqa: E402
+from roofline import (DEFAULT_MODEL_DIR, ensure_bench_model, load_hf_config,  # noqa: E402
+                      machine_description, write_json)
 
 INSTALL_HINT = """\
 {what} is not installed, so this comparison cannot run. Install it with
@@ -350,8 +351,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not args.export_only:
         print(format_report(result))
         if args.output_json:
-            with open(args.output_json, "w") as f:
-                json.dump(result, f, indent=2)
+            write_json(args.output_json, result)
     return 0
 
 

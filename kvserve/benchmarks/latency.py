@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 
@@ -113,7 +114,9 @@ def measure_decode_throughput(llm: Any, batch_size: int = 1, prompt_len: int = 3
         if got != batch_size * (1 + num_decode_tokens):
             raise RuntimeError(f"expected {batch_size * (1 + num_decode_tokens)} tokens, got {got}")
         t_long.append(elapsed)
-    decode_time = max(min(t_long) - min(t_short), 1e-9)
+    decode_time = min(t_long) - min(t_short)
+    if decode_time <= 0:
+        raise RuntimeError("decode timing drowned in noise: raise num_decode_tokens or num_iters")
     return {
         "batch_size": batch_size, "prompt_len": prompt_len,
         "num_decode_tokens": num_decode_tokens,
@@ -185,6 +188,7 @@ def format_latency(result: dict[str, Any]) -> str:
 
 
 def write_json(path: str, result: dict[str, Any]) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         json.dump(result, f, indent=2)
 

@@ -22,6 +22,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from kvserve.benchmarks.datasets import SampleRequest, add_dataset_args, get_samples
+from kvserve.benchmarks.latency import write_json
 from kvserve.engine.arg_utils import EngineArgs
 from kvserve.sampling_params import SamplingParams
 
@@ -199,8 +200,7 @@ def main(args: argparse.Namespace) -> int:
     result = make_result(args.backend, elapsed, requests, output_lens, args.n, extra)
     print(format_throughput(result))
     if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(result, f, indent=2)
+        write_json(args.output_json, result)
     return 0
 
 

@@ -59,6 +59,9 @@ HANDSHAKE_TIMEOUT_S = 5 * 60
 _ORPHAN_GRACE_S = 10.0
 # Sent through input_queue by an IO thread that failed; the busy loop re-raises the error.
 _IO_THREAD_FAILED = "IO_THREAD_FAILED"
+# Sent through input_queue when a signal arrived: wakes the busy loop so that the main thread
+# runs the Python signal handler (see run_engine_core).
+_WAKE_UP = "WAKE_UP"
 
 
 class EngineZmqAddresses(msgspec.Struct):
@@ -83,7 +86,8 @@ class EngineCoreProc(EngineCore):
     """ZMQ wrapper that runs EngineCore in a background process."""
 
     def __init__(self, handshake_address: str, engine_index: int = 0,
-                 executor_class: Optional[type[Executor]] = None) -> None:
+                 executor_class: Optional[type[Executor]] = None,
+                 signal_wakeup_fd: Optional[int] = None) -> None:
         self.input_queue: queue.Queue[tuple[Any, Any]] = queue.Queue()
         # EngineCoreOutputs to encode and send; a list of raw frames to send as they are;
         # None to flush and stop the output thread.
@@ -93,6 +97,7 @@ class EngineCoreProc(EngineCore):
         # How long the output socket may hold unsent messages at exit (0 once the frontend,
         # their only reader, is gone).
         self._output_linger_ms = 5_000
+        self._signal_wakeup_fd = signal_wakeup_fd
         identity = engine_identity(engine_index)
         with self._perform_handshake(handshake_address, identity) as init:
             config: KVServeConfig = pickle.loads(init.config)
@@ -189,6 +194,8 @@ class EngineCoreProc(EngineCore):
             self._call_utility(call_id, method_name, args)
         elif request_type == EngineCoreRequestType.SHUTDOWN:
             raise SystemExit(0)
+        elif request_type == _WAKE_UP:
+            pass        # the pending signal handler runs now, in this (the main) thread
         elif request_type == _IO_THREAD_FAILED:
             raise RuntimeError("An engine core IO thread failed.") from request
         else:
@@ -239,6 +246,9 @@ class EngineCoreProc(EngineCore):
             poller.register(sock, zmq.POLLIN)
             if parent_fd is not None:
                 poller.register(parent_fd, zmq.POLLIN)
+            wakeup_fd = self._signal_wakeup_fd
+            if wakeup_fd is not None:
+                poller.register(wakeup_fd, zmq.POLLIN)
             ready.set()
             # With the parent's sentinel in the poller this wakes only for messages;
             # without it, check the parent every second.
@@ -249,6 +259,9 @@ class EngineCoreProc(EngineCore):
                         parent_fd is None and _parent_is_dead()):
                     self._on_frontend_death()
                     return
+                if wakeup_fd is not None and wakeup_fd in events:
+                    os.read(wakeup_fd, 512)
+                    self.input_queue.put_nowait((_WAKE_UP, None))
                 if sock not in events:
                     continue
                 type_frame, *data_frames = sock.recv_multipart(copy=False)
@@ -347,6 +360,13 @@ def run_engine_core(handshake_address: str, engine_index: int = 0,
             raise SystemExit(0)
 
     signal.signal(signal.SIGTERM, signal_handler)
+    # The kernel may hand SIGTERM to any thread. Python runs the handler in the main thread,
+    # but only once that thread runs bytecode, and an idle busy loop is blocked on a lock
+    # that a signal received elsewhere does not interrupt. The wakeup fd (written by the C
+    # handler, whichever thread it runs in) lets the input thread wake the busy loop.
+    wakeup_r, wakeup_w = os.pipe()
+    os.set_blocking(wakeup_w, False)
+    signal.set_wakeup_fd(wakeup_w, warn_on_full_buffer=False)
     # Ctrl-C in a terminal reaches the whole process group. The frontend owns this process's
     # lifetime (it aborts its requests on KeyboardInterrupt and may go on using the engine;
     # when it exits it stops us, and if it dies we notice), so the engine ignores SIGINT.
@@ -355,7 +375,7 @@ def run_engine_core(handshake_address: str, engine_index: int = 0,
     engine: Optional[EngineCoreProc] = None
     exit_code = 0
     try:
-        engine = EngineCoreProc(handshake_address, engine_index)
+        engine = EngineCoreProc(handshake_address, engine_index, signal_wakeup_fd=wakeup_r)
         engine.run_busy_loop()
     except SystemExit:
         logger.debug("Engine core shutting down.")

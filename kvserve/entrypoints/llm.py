@@ -8,7 +8,9 @@ from typing import Any, Optional, Sequence, Union
 from kvserve.engine.arg_utils import EngineArgs
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.outputs import RequestOutput
-from kvserve.sampling_params import SamplingParams
+import msgspec
+
+from kvserve.sampling_params import RequestOutputKind, SamplingParams
 
 PromptType = Union[str, list[int], dict[str, Any]]
 
@@ -36,6 +38,9 @@ class LLM:
                  priority: Optional[list[int]] = None) -> list[RequestOutput]:
         prompt_list = _as_prompt_list(prompts)
         params_list = _broadcast(sampling_params or SamplingParams(), len(prompt_list), "sampling_params")
+        # Offline generation only needs the final result: skip building per-step outputs.
+        params_list = [msgspec.structs.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
+                       for p in params_list]
         priorities = _broadcast(priority if priority is not None else 0, len(prompt_list), "priority")
         # Validate everything before anything is scheduled: one bad prompt rejects the batch
         # and leaves the engine as it was.

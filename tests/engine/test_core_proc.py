@@ -64,8 +64,10 @@ def client_of(llm: LLM) -> SyncMPClient:
 @pytest.fixture(scope="module")
 def mp_llm(tiny_llama: str):
     llm = LLM(tiny_llama, multiprocessing=True, **ENGINE_KW)
+    proc = client_of(llm).resources.proc
     yield llm
     llm.shutdown()
+    assert proc.exitcode == 0
 
 
 def greedy(max_tokens: int, **kw: Any) -> SamplingParams:
@@ -301,13 +303,15 @@ def test_sigkill_engine_core_async_streams(tiny_llama: str) -> None:
 def test_del_leaves_nothing(tiny_llama: str) -> None:
     before = child_pids()
     llm = LLM(tiny_llama, multiprocessing=True, **ENGINE_KW)
-    client = client_of(llm)
-    pid, ipc_dir = client.resources.proc.pid, client.resources.ipc_dir
+    resources = client_of(llm).resources      # holds no reference to the client
+    pid, ipc_dir = resources.proc.pid, resources.ipc_dir
     assert llm.generate(["bye"], greedy(3), use_tqdm=False)[0].outputs[0].token_ids
     assert os.path.isdir(ipc_dir)
-    del llm, client
+    del llm
     gc.collect()
     assert wait_gone(pid)
+    assert resources.closed
+    assert resources.proc.exitcode == 0       # a clean exit on SIGTERM, not a SIGKILL
     assert child_pids() <= before
     assert not os.path.exists(ipc_dir)
 

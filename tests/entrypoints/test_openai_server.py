@@ -7,7 +7,6 @@ and logprobs; the tokenizer for token counts; `/metrics` for the engine's state.
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import time
 from typing import Any, Callable, Iterator

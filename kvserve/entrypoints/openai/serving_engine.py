@@ -19,8 +19,8 @@ import time
 from http import HTTPStatus
 from typing import Any, AsyncGenerator, AsyncIterator, Iterable, Optional, TypeVar, Union
 
-from kvserve.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, random_uuid
 from kvserve.engine.exceptions import EngineDeadError, EngineGenerateError
+from kvserve.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, random_uuid
 from kvserve.entrypoints.openai.serving_models import OpenAIServingModels
 from kvserve.outputs import Logprob
 from kvserve.sampling_params import SamplingParams

@@ -125,8 +125,9 @@ class Attention(nn.Module):
             pos_k = torch.arange(total, device=q.device)
             mask = pos_k[None, :] <= pos_q[:, None]                # [Q, total] bool
             causal = False
+        # 4-D [1, H, Q, D] inputs: 3-D ones fall to SDPA's slow math path on CPU (~10x).
+        keys, values = keys.to(q.dtype).transpose(0, 1), values.to(q.dtype).transpose(0, 1)
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1), keys.to(q.dtype).transpose(0, 1), values.to(q.dtype).transpose(0, 1),
-            attn_mask=mask, is_causal=causal, scale=self.scale,
-            enable_gqa=self.num_groups > 1)                        # [H, Q, D]
+            q.transpose(0, 1)[None], keys[None], values[None], attn_mask=mask,
+            is_causal=causal, scale=self.scale, enable_gqa=self.num_groups > 1)[0]  # [H, Q, D]
         return out.transpose(0, 1)
