@@ -10,6 +10,13 @@ one echo process, through
 Every transport pickles the same objects with protocol 5, so the rows differ only
 in the transport. One run; median and p99 in microseconds.
 
+Section "engine_step_overhead": the same decode-heavy workload (--num-prompts
+prompts x --max-tokens greedy tokens, ignore_eos, --model, default the demo model)
+through LLM.generate with the worker in this process (uniproc) and in a worker
+process (distributed_executor_backend="mp", TP=1), runs interleaved; per-step
+time of each and the difference (us/step), plus the executor's share
+(execute_model wall time per step) and a bare collective_rpc round trip.
+
     python benchmarks/ipc.py [--iters 3000] [--output-json out.json]
 
 Absolute times on shared machines drift; compare rows of one run.
@@ -188,11 +195,119 @@ def section_ipc_round_trip(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+# ---- per-step overhead of the multiprocess executor ------------------------------------------
+
+class _StepMeter:
+    """Counts engine steps and times execute_model by wrapping two bound methods of one engine."""
+
+    def __init__(self, llm: Any) -> None:
+        core_client = llm.llm_engine.engine_core
+        executor = core_client.engine_core.model_executor
+        self.steps, self.execute_s = 0, 0.0
+        get_output, execute_model = core_client.get_output, executor.execute_model
+
+        def counted_get_output() -> Any:
+            self.steps += 1
+            return get_output()
+
+        def timed_execute_model(scheduler_output: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return execute_model(scheduler_output)
+            finally:
+                self.execute_s += time.perf_counter() - t0
+
+        core_client.get_output = counted_get_output
+        executor.execute_model = timed_execute_model
+
+    def reset(self) -> None:
+        self.steps, self.execute_s = 0, 0.0
+
+
+def _rpc_round_trip_us(llm: Any, iters: int) -> float:
+    executor = llm.llm_engine.engine_core.engine_core.model_executor
+    times = np.empty(iters)
+    for i in range(iters):
+        t0 = time.perf_counter()
+        executor.collective_rpc("check_health")
+        times[i] = time.perf_counter() - t0
+    return float(np.median(times) * 1e6)
+
+
+def section_engine_step_overhead(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from kvserve.entrypoints.llm import LLM
+    from kvserve.sampling_params import SamplingParams
+
+    import torch
+
+    # Same thread count for the in-process model and the worker process (it reads
+    # OMP_NUM_THREADS when torch starts); more threads than free cores makes OpenMP's
+    # barriers, not the IPC, dominate a step on a shared machine.
+    torch.set_num_threads(args.threads)
+    old_omp = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    # The engine core stays in this process for both rows: only the executor differs.
+    common = dict(dtype="float32", max_model_len=512, kv_cache_memory=64 << 20,
+                  multiprocessing=False, seed=0)
+    engines: dict[str, Any] = {}
+    try:
+        engines["uniproc (worker in process)"] = LLM(args.model, distributed_executor_backend="uni", **common)
+        engines["mp, TP=1 (worker process)"] = LLM(args.model, distributed_executor_backend="mp", **common)
+        rng = np.random.default_rng(0)
+        vocab = next(iter(engines.values())).llm_engine.config.model_config.vocab_size
+        prompts = [rng.integers(5, min(vocab, 700), size=16).tolist() for _ in range(args.num_prompts)]
+        params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+        meters = {name: _StepMeter(llm) for name, llm in engines.items()}
+        outputs: dict[str, Any] = {}
+        for name, llm in engines.items():   # warm-up (first-call allocations, page faults)
+            outputs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        tokens = list(outputs.values())
+        assert all(t == tokens[0] for t in tokens), "uniproc and mp produced different tokens"
+        per_step: dict[str, list[float]] = {n: [] for n in engines}
+        exec_per_step: dict[str, list[float]] = {n: [] for n in engines}
+        steps: dict[str, int] = {}
+        for _ in range(args.repeats):        # interleaved: drift on a shared machine hits both
+            for name, llm in engines.items():
+                meters[name].reset()
+                t0 = time.perf_counter()
+                llm.generate(prompts, params, use_tqdm=False)
+                dt = time.perf_counter() - t0
+                steps[name] = meters[name].steps
+                per_step[name].append(dt / meters[name].steps * 1e6)
+                exec_per_step[name].append(meters[name].execute_s / meters[name].steps * 1e6)
+        rpc_us = {name: _rpc_round_trip_us(llm, 2000) for name, llm in engines.items()}
+    finally:
+        for llm in engines.values():
+            llm.shutdown()
+        if old_omp is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = old_omp
+    rows = [{"engine": name, "steps": steps[name],
+             "us_per_step": float(np.median(per_step[name])),
+             "execute_model_us_per_step": float(np.median(exec_per_step[name])),
+             "collective_rpc_round_trip_us": rpc_us[name]} for name in engines]
+    base = rows[0]
+    for r in rows:
+        r["overhead_us_per_step"] = r["us_per_step"] - base["us_per_step"]
+        r["execute_model_overhead_us_per_step"] = (r["execute_model_us_per_step"]
+                                                   - base["execute_model_us_per_step"])
+    print(f"\nPer-step time of LLM.generate, {args.num_prompts} prompts x {args.max_tokens} tokens "
+          f"({args.model}, {args.threads} thread(s)), median of {args.repeats} interleaved runs")
+    print(f"{'engine':<30} {'steps':>6} {'us/step':>9} {'overhead':>9} "
+          f"{'exec us/step':>13} {'exec overhead':>14} {'bare rpc us':>12}")
+    for r in rows:
+        print(f"{r['engine']:<30} {r['steps']:>6} {r['us_per_step']:>9.1f} "
+              f"{r['overhead_us_per_step']:>+9.1f} {r['execute_model_us_per_step']:>13.1f} "
+              f"{r['execute_model_overhead_us_per_step']:>+14.1f} "
+              f"{r['collective_rpc_round_trip_us']:>12.1f}")
+    return rows
+
+
 # Each section takes the parsed args, prints its table and returns JSON-able rows.
 SECTIONS: dict[str, Callable[[argparse.Namespace], Any]] = {
     "ipc_round_trip": section_ipc_round_trip,
-    # Next section (added by the lead): per-step overhead of the multiprocess engine
-    # against the in-process one on the same workload.
+    "engine_step_overhead": section_engine_step_overhead,
 }
 
 
@@ -201,6 +316,11 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=3000)
     parser.add_argument("--warmup", type=int, default=200)
     parser.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=list(SECTIONS))
+    parser.add_argument("--model", default="demo", help="engine_step_overhead: checkpoint dir or 'demo'")
+    parser.add_argument("--num-prompts", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1, help="engine_step_overhead: torch threads")
     parser.add_argument("--output-json", default=None)
     args = parser.parse_args()
     results: dict[str, Any] = {

@@ -38,7 +38,7 @@ _HELP = {
     "pipeline_parallel_size": "Number of pipeline stages.",
     "distributed_executor_backend": "uni, mp or ray.",
     "device": "cpu, cuda or auto.",
-    "multiprocessing": "Run the engine core in its own process.",
+    "multiprocessing": "Run the engine core in its own process (default; env KVSERVE_ENABLE_MULTIPROCESSING=0 turns it off).",
     "disable_log_stats": "Do not log periodic throughput statistics.",
     "enforce_eager": "Never compile/capture graphs.",
 }
@@ -68,7 +68,7 @@ class EngineArgs:
     pipeline_parallel_size: int = 1
     distributed_executor_backend: Optional[str] = None
     device: str = "auto"
-    multiprocessing: bool = False
+    multiprocessing: bool = True
     disable_log_stats: bool = True
     enforce_eager: bool = True
 
@@ -160,7 +160,8 @@ class EngineArgs:
                 max_num_queued_requests=self.max_num_queued_requests),
             parallel_config=parallel,
             device_config=DeviceConfig(device=device),
-            multiprocessing=self.multiprocessing or os.environ.get("KVSERVE_ENABLE_MULTIPROCESSING") == "1",
+            # KVSERVE_ENABLE_MULTIPROCESSING=0 runs the engine core in-process (no extra process).
+            multiprocessing=self.multiprocessing and os.environ.get("KVSERVE_ENABLE_MULTIPROCESSING", "1") != "0",
             disable_log_stats=self.disable_log_stats,
             enforce_eager=self.enforce_eager,
         )

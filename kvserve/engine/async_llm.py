@@ -55,6 +55,7 @@ class AsyncLLM:
         self.last_scheduler_stats: Optional[dict] = None
         self.engine_core = AsyncMPClient(config)
         self.output_handler: Optional[asyncio.Task] = None
+        self._background_tasks: set[asyncio.Task] = set()
         self._shut_down = False
         try:
             asyncio.get_running_loop()
@@ -101,14 +102,29 @@ class AsyncLLM:
         queue = RequestOutputCollector(params.output_kind)
         if params.n == 1:
             self.output_processor.add_request(request, prompt_text, None, 0, queue)
-            await self.engine_core.add_request_async(request)
-            return queue
-        parent = ParentRequest(request_id, params)
-        for idx in range(params.n):
-            child = parent.make_child_request(request, idx)
-            self.output_processor.add_request(child, prompt_text, parent, idx, queue)
-            await self.engine_core.add_request_async(child)
+            children = [request]
+        else:
+            parent = ParentRequest(request_id, params)
+            children = parent.make_child_requests(request)
+            for idx, child in enumerate(children):
+                self.output_processor.add_request(child, prompt_text, parent, idx, queue)
+        sent: list[str] = []
+        try:
+            for child in children:
+                await self.engine_core.add_request_async(child)
+                sent.append(child.request_id)
+        except BaseException:
+            # Registered but not (all) sent: forget it here, and free what the core got.
+            self.output_processor.abort_requests([request_id])
+            if sent and not self.errored:
+                self._background(self.engine_core.abort_requests_async(sent))
+            raise
         return queue
+
+    def _background(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background_tasks.add(task)      # keep a reference until it is done
+        task.add_done_callback(self._background_tasks.discard)
 
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams,
                        request_id: str, *, priority: int = 0,

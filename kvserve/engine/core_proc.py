@@ -146,7 +146,7 @@ class EngineCoreProc(EngineCore):
                 "status": "READY", "num_gpu_blocks": self.config.cache_config.num_blocks}))
         finally:
             # Linger: the last message must reach the frontend before this process may exit.
-            sock.close(linger=10_000)
+            sock.close(linger=2_000)
             ctx.term()
 
     @staticmethod

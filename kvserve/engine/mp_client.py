@@ -50,6 +50,9 @@ logger = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = float(os.environ.get("KVSERVE_ENGINE_STARTUP_TIMEOUT", "600"))
 _SHUTDOWN_GRACE_S = 5.0
+# Blocking waits in the caller's thread wake up this often: a signal (Ctrl-C) that the kernel
+# handed to another thread only runs its Python handler once the main thread runs again.
+_WAIT_SLICE_S = 0.5
 # AF_UNIX paths are limited to 107 bytes.
 _MAX_IPC_PATH = 100
 
@@ -111,25 +114,28 @@ class BackgroundResources:
                 return
             self.closed = True
         _ACTIVE.discard(self)
-        os.write(self.wake_w, b"x")
-        if self.proc is not None:
-            _stop_process(self.proc)
-        current = threading.current_thread()
-        for t in self.threads:
-            if t is not current:
-                t.join(timeout=_SHUTDOWN_GRACE_S)
-        # Wake whoever still waits for an output or a utility result ("shut down").
-        if self.on_dead is not None and self.outputs_queue is not None:
-            self.on_dead()
-        self._stop_output_task()
-        for sock in self.sockets:
-            sock.close(linger=0)
-        if self.ctx is not None:
-            self.ctx.term()
-        os.close(self.wake_r)
-        os.close(self.wake_w)
-        if self.ipc_dir is not None:
-            shutil.rmtree(self.ipc_dir, ignore_errors=True)
+        try:
+            os.write(self.wake_w, b"x")
+            if self.proc is not None:
+                _stop_process(self.proc)
+            current = threading.current_thread()
+            for t in self.threads:
+                if t is not current:
+                    t.join(timeout=_SHUTDOWN_GRACE_S)
+            # Wake whoever still waits for an output or a utility result ("shut down").
+            if self.on_dead is not None and self.outputs_queue is not None:
+                self.on_dead()
+            self._stop_output_task()
+            for sock in self.sockets:
+                sock.close(linger=0)
+            if self.ctx is not None:
+                self.ctx.term()
+        finally:
+            # Whatever failed above, no directory and no descriptors are left behind.
+            os.close(self.wake_r)
+            os.close(self.wake_w)
+            if self.ipc_dir is not None:
+                shutil.rmtree(self.ipc_dir, ignore_errors=True)
 
     def _stop_output_task(self) -> None:
         if self.output_task is not None:
@@ -426,12 +432,17 @@ class SyncMPClient(MPClient):
             self._send(EngineCoreRequestType.ABORT, list(request_ids))
 
     def get_output(self) -> EngineCoreOutputs:
-        self._ensure_alive()
-        assert isinstance(self.resources.outputs_queue, queue.Queue)
-        out = self.resources.outputs_queue.get()
-        if isinstance(out, BaseException):
-            raise out
-        return out
+        outputs_queue = self.resources.outputs_queue
+        assert isinstance(outputs_queue, queue.Queue)
+        while True:
+            self._ensure_alive()
+            try:
+                out = outputs_queue.get(timeout=_WAIT_SLICE_S)
+            except queue.Empty:
+                continue
+            if isinstance(out, BaseException):
+                raise out
+            return out
 
     def call_utility(self, method: str, *args: Any) -> Any:
         r = self.resources
@@ -445,7 +456,11 @@ class SyncMPClient(MPClient):
             raise
         if r.engine_dead and not fut.done():     # died between registering and sending
             fut.set_exception(r.make_dead_error())
-        return fut.result()
+        while True:
+            try:
+                return fut.result(timeout=_WAIT_SLICE_S)
+            except concurrent.futures.TimeoutError:
+                continue
 
     # The async variants (so both clients serve the same callers); blocking parts in a thread.
     async def add_request_async(self, request: EngineCoreRequest) -> None:

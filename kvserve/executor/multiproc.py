@@ -62,6 +62,8 @@ WORKER_READY_TIMEOUT_S = float(os.environ.get("KVSERVE_WORKER_READY_TIMEOUT_S", 
 _HANDSHAKE_TIMEOUT_S = 60.0
 # How often an idle or blocked worker checks that its parent is still alive.
 _PARENT_CHECK_S = 1.0
+# After a failed RPC, how long to watch for a dead peer (the usual cause with TP > 1).
+_PEER_DEATH_GRACE_S = 0.25
 # On shut-down, how long workers get to exit after SIGTERM before SIGKILL.
 _TERMINATE_GRACE_S = 4.0
 
@@ -433,10 +435,12 @@ class MultiprocExecutor(Executor):
             raise self._dead_error() from None
 
     def _check_workers_alive(self) -> None:
-        # A sentinel is ready as soon as a worker starts exiting, possibly before it can be
-        # reaped; the monitor thread sees the same sentinel and marks the failure shortly.
+        # A collective that failed on one rank usually means a peer died; its sentinel may
+        # close a moment after the peer's sockets did, so give it a short while (this is only
+        # the error path). The monitor thread sees the same sentinel and marks the failure.
         sentinels = [w.proc.sentinel for w in self._resources.workers]
-        if multiprocessing.connection.wait(sentinels, timeout=0):
+        grace = _PEER_DEATH_GRACE_S if self.world_size > 1 else 0.0
+        if multiprocessing.connection.wait(sentinels, timeout=grace):
             self._stop_event.wait(timeout=5.0)
             raise self._dead_error()
 

@@ -140,24 +140,27 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
 def paged_decode_attention_torch(q: torch.Tensor, kv_cache: torch.Tensor,
                                  block_tables: torch.Tensor, seq_lens: torch.Tensor,
                                  scale: float) -> torch.Tensor:
-    """Pure-torch version: gather each sequence's blocks, then batched matmuls, per kv head.
+    """Pure-torch version: gather each sequence's K/V token by token, then batched matmuls.
 
-    Slots past seq_len (and padded table entries) are masked in the scores *and* zeroed in
-    the gathered values, so NaN left in unused cache slots cannot leak (0 * NaN = NaN)."""
+    The gather is kv-head major ([Hkv, N, L, D], contiguous): batched matmuls over strided
+    [N, L, Hkv, D] views ran 5-10x slower here. Slots past seq_len (including padded table
+    entries) may hold anything, NaN too, and 0 * NaN = NaN: they are pointed at the sequence's
+    first slot (always valid when seq_len >= 1) and their scores masked, instead of zeroing the
+    gathered values in a separate pass."""
     n, h, d = q.shape
-    _, _, bs, hkv, _ = kv_cache.shape
+    _, nb, bs, hkv, _ = kv_cache.shape
     g = h // hkv
-    mb = block_tables.shape[1]
-    # [N, MB, BS, Hkv, D] -> [N, Hkv, L, D]: one contiguous copy, kv-head major, so that the
-    # matmuls below see plain row-major batches.
-    keys = kv_cache[0][block_tables].permute(0, 3, 1, 2, 4).reshape(n, hkv, mb * bs, d)
-    values = kv_cache[1][block_tables].permute(0, 3, 1, 2, 4).reshape(n, hkv, mb * bs, d)
-    invalid = (torch.arange(mb * bs, device=q.device)[None, :]
-               >= seq_lens.to(q.device)[:, None])[:, None, None, :]          # [N, 1, 1, L]
-    values = values.masked_fill(invalid.transpose(-1, -2), 0)
-    qg = q.reshape(n, hkv, g, d).to(keys.dtype)
-    scores = torch.matmul(qg, keys.transpose(-1, -2)).float()               # [N, Hkv, G, L]
-    scores = scores.mul_(scale).masked_fill_(invalid, float("-inf"))
+    pos = torch.arange(block_tables.shape[1] * bs, device=q.device)            # [L]
+    valid = pos[None, :] < seq_lens.to(q.device)[:, None]                        # [N, L]
+    slots = block_tables[:, pos // bs] * bs + pos % bs                           # [N, L]
+    slots = torch.where(valid, slots, slots[:, :1])
+    flat = kv_cache.view(2, nb * bs, hkv, d).transpose(1, 2)                    # [2, Hkv, S, D]
+    keys = flat[0][:, slots]                                                     # [Hkv, N, L, D]
+    values = flat[1][:, slots]
+    qg = q.view(n, hkv, g, d).transpose(0, 1).to(keys.dtype)                    # [Hkv, N, G, D]
+    acc_dtype = torch.promote_types(keys.dtype, torch.float32)   # float64 stays float64
+    scores = torch.matmul(qg, keys.transpose(-1, -2)).to(acc_dtype)             # [Hkv, N, G, L]
+    scores.mul_(scale).masked_fill_(~valid[None, :, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(values.dtype)
-    out = torch.matmul(probs, values)                                        # [N, Hkv, G, D]
-    return out.reshape(n, h, d).to(q.dtype)
+    out = torch.matmul(probs, values)                                           # [Hkv, N, G, D]
+    return out.transpose(0, 1).reshape(n, h, d).to(q.dtype)

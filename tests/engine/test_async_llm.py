@@ -4,6 +4,7 @@ whole module; the references come from the offline LLM."""
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Coroutine
 from typing import Any, Optional
 
@@ -48,11 +49,15 @@ def engine(tiny_llama: str, loop: asyncio.AbstractEventLoop, recorder: StatsReco
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     engine = AsyncLLM.from_engine_args(EngineArgs(model=tiny_llama, **ENGINE_KW),
                                        stat_loggers=[recorder])
-    pid = engine.engine_core.resources.proc.pid
-    assert pid not in before
+    resources = engine.engine_core.resources
+    assert resources.proc.pid not in before and os.path.isdir(resources.ipc_dir)
     yield engine
     engine.shutdown()
-    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    assert resources.proc.exitcode == 0          # stopped cleanly by SIGTERM
+    assert not os.path.exists(resources.ipc_dir)
+    after = {p.pid for p in psutil.Process().children(recursive=True)
+             if "resource_tracker" not in " ".join(p.cmdline())}
+    assert after <= before
 
 
 @pytest.fixture(scope="module")
@@ -278,3 +283,17 @@ def test_utilities_and_stats_hook(engine: AsyncLLM, recorder: StatsRecorder,
     assert run(loop, engine.reset_prefix_cache()) is True
     stats = run(loop, engine.get_stats())
     assert stats["num_total_blocks"] == engine.config.cache_config.num_blocks > 0
+
+
+def test_sync_client_methods_from_another_thread(engine: AsyncLLM,
+                                                 loop: asyncio.AbstractEventLoop) -> None:
+    """The EngineCoreClient (sync) API of AsyncMPClient, used from a thread while the loop runs."""
+    client = engine.engine_core
+
+    async def main() -> dict:
+        return await loop.run_in_executor(None, client.call_utility, "get_stats")
+
+    stats = run(loop, main())
+    assert stats["num_total_blocks"] == engine.config.cache_config.num_blocks
+    with pytest.raises(RuntimeError, match="event loop"):
+        client.call_utility("get_stats")      # the loop is not running: refused, not hung

@@ -15,13 +15,19 @@ import threading
 import time
 from typing import Any, Optional
 
+import msgspec
+import numpy as np
 import psutil
 import pytest
+import torch
+import zmq
 
 from kvserve import LLM, EngineArgs, SamplingParams
 from kvserve.engine.async_llm import AsyncLLM
 from kvserve.engine.exceptions import EngineDeadError
+from kvserve.engine.messages import EngineCoreOutputs
 from kvserve.engine.mp_client import SyncMPClient
+from kvserve.engine.serial_utils import MsgpackDecoder, MsgpackEncoder
 from tests.utils import random_prompts
 
 ENGINE_KW: dict[str, Any] = dict(dtype="float32", max_model_len=256, kv_cache_memory=16 << 20)
@@ -110,6 +116,49 @@ def test_stop_string_abort_and_reuse(mp_llm: LLM) -> None:
     stats = mp_llm.get_stats()
     assert stats["num_running_reqs"] == 0 and stats["num_waiting_reqs"] == 0
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+# ---------------------------------------------------------------------- serialization
+class Payload(msgspec.Struct):
+    big: torch.Tensor
+    arr: np.ndarray
+    extra: Any = None
+
+
+def test_tensors_travel_as_raw_buffers() -> None:
+    big = torch.randn(64, 32)
+    msg = Payload(big=big, arr=np.arange(1000, dtype=np.int32),
+                  extra={"bf16": torch.arange(300).to(torch.bfloat16), "small": torch.ones(3),
+                         "scalar": torch.tensor(7, dtype=torch.int64), "empty": torch.empty(0, 5)})
+    bufs = MsgpackEncoder().encode(msg)
+    # Main buffer plus one raw buffer per large array; the main one holds no tensor data.
+    assert len(bufs) == 4 and len(bufs[0]) < 300
+    assert bytes(bufs[1]) == big.numpy().tobytes()
+    # Through real ZMQ frames (copy=False on both ends).
+    ctx = zmq.Context()
+    a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    a.bind("inproc://serial-test")
+    b.connect("inproc://serial-test")
+    try:
+        a.send_multipart(bufs, copy=False)
+        frames = b.recv_multipart(copy=False)
+    finally:
+        a.close(0)
+        b.close(0)
+        ctx.term()
+    got = MsgpackDecoder(Payload).decode(frames)
+    assert torch.equal(got.big, big) and got.big.dtype == torch.float32
+    assert np.array_equal(got.arr, msg.arr) and got.arr.dtype == np.int32
+    for k, v in msg.extra.items():
+        assert torch.equal(got.extra[k], v) and got.extra[k].dtype == v.dtype, k
+    # Zero-copy on receipt: the tensor is a view of the received frame.
+    frame_view = np.frombuffer(frames[1].buffer, dtype=np.float32)
+    frame_view[0] = 123.0
+    assert got.big[0, 0].item() == 123.0
+    # Utility results (typed Any) carry tensors the same way.
+    out = MsgpackDecoder(EngineCoreOutputs).decode(MsgpackEncoder().encode(
+        EngineCoreOutputs(utility_output=(3, None, {"t": big}))))
+    assert torch.equal(out.utility_output[2]["t"], big)
 
 
 # ---------------------------------------------------------------------- utilities

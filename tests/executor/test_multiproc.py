@@ -20,7 +20,8 @@ import pytest
 import torch
 
 from kvserve.entrypoints.llm import LLM
-from kvserve.executor.multiproc import MultiprocExecutor, WorkerDeadError, WorkerRPCError
+from kvserve.executor.multiproc import (MultiprocExecutor, WorkerDeadError, WorkerRPCError,
+                                       _unlink_leftovers)
 from kvserve.executor.uniproc import UniProcExecutor
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
@@ -205,11 +206,12 @@ def test_mp_backend_tp1_equals_uniproc_and_shutdown(tiny_llama: str, uniproc_out
 # ---- failures -------------------------------------------------------------------------------
 
 @pytest.mark.timeout(90)
-def test_worker_killed_mid_generation(tiny_llama: str) -> None:
+@pytest.mark.parametrize("victim_rank", [1, 0])   # a silent rank; the answering rank
+def test_worker_killed_mid_generation(tiny_llama: str, victim_rank: int) -> None:
     watch = LeakWatch()
     llm = LLM(tiny_llama, tensor_parallel_size=2, **ENGINE_KW)
     try:
-        victim = watch.workers(expected=2)[1]
+        victim = watch.workers(expected=2)[victim_rank]
         long_run = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
         prompts = random_prompts(8, 4, 16, vocab=1024, seed=5)
         killed_at: list[float] = []
@@ -231,17 +233,61 @@ def test_worker_killed_mid_generation(tiny_llama: str) -> None:
         raised_after = time.monotonic() - killed_at[0]
         assert raised_after < 5.0, f"the error took {raised_after:.1f} s"
         msg = str(err.value)
-        assert "rank 1" in msg and "SIGKILL" in msg and str(victim.pid) in msg, msg
+        assert f"rank {victim_rank}" in msg and "SIGKILL" in msg and str(victim.pid) in msg, msg
         # The monitor ended the surviving rank on its own, before any shut-down call.
         watch.wait_no_children(timeout=5.0)
         # Later calls fail at once with the same reason.
         start = time.monotonic()
-        with pytest.raises(WorkerDeadError, match="rank 1"):
+        with pytest.raises(WorkerDeadError, match=f"rank {victim_rank}"):
             llm.generate(prompts[:1], long_run, use_tqdm=False)
         assert time.monotonic() - start < 1.0
     finally:
         llm.shutdown()
     watch.assert_clean()
+
+
+def _executor_owner(path: str, conn) -> None:
+    """A process that owns an executor, reports its workers' pids, then waits to be killed."""
+    from kvserve.engine.arg_utils import EngineArgs
+    config = EngineArgs.from_kwargs(model=path, distributed_executor_backend="mp",
+                                    **ENGINE_KW).create_engine_config()
+    executor = MultiprocExecutor(config)
+    conn.send(([w.proc.pid for w in executor._resources.workers],
+               executor._resources.rpc_broadcast_mq.export_handle()))
+    time.sleep(600)
+
+
+@pytest.mark.timeout(60)
+def test_workers_exit_when_their_parent_dies(tiny_llama: str) -> None:
+    import multiprocessing
+    ctx = multiprocessing.get_context("spawn")
+    parent_conn, child_conn = ctx.Pipe()
+    owner = ctx.Process(target=_executor_owner, args=(tiny_llama, child_conn))
+    owner.start()
+    broadcast_handle = None
+    try:
+        assert parent_conn.poll(45), "the executor did not start"
+        pids, broadcast_handle = parent_conn.recv()
+        workers = [psutil.Process(pid) for pid in pids]
+        assert [w.name() for w in workers] == ["KVSWorker_TP0"]
+        owner.kill()
+        owner.join()
+        # Re-parented to init; each notices within about a second of idling.
+        gone, alive = psutil.wait_procs(workers, timeout=5)
+        assert not alive, f"orphaned workers still running: {alive}"
+        # An orphan cleans up its own response segment.
+        assert not [n for n in _shm_entries() if n.startswith(f"kvserve_mq_{workers[0].pid}_")]
+    finally:
+        # The owner was killed here on purpose: remove its broadcast segment and socket file.
+        if broadcast_handle is not None:
+            _unlink_leftovers(broadcast_handle)
+        if owner.is_alive():
+            owner.kill()
+            owner.join()
+        for w in psutil.Process().children(recursive=True):
+            if w.pid != _resource_tracker_pid():
+                w.kill()
+    assert not [n for n in _shm_entries() if n.startswith(f"kvserve_mq_{owner.pid}_")]
 
 
 @pytest.mark.timeout(30)

@@ -176,6 +176,15 @@ inline __mmask16 tail_mask(int64_t remaining) {
                          : static_cast<__mmask16>((1u << remaining) - 1u);
 }
 
+// Blocks are scattered and a kv head's rows inside one are strided (Hkv * D apart), so the
+// hardware prefetchers do not follow them: fetch the next block's rows while this one computes.
+template <typename T>
+inline void prefetch_rows(const T* p, int64_t rows, int64_t stride, int64_t row_bytes) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t off = 0; off < row_bytes; off += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(p + r * stride) + off, _MM_HINT_T0);
+}
+
 template <typename T, int NV>
 void attend_avx512(const Params& P, int64_t n, int64_t kh, Scratch& sc) {
   constexpr int64_t D = 16 * NV;
@@ -191,6 +200,13 @@ void attend_avx512(const Params& P, int64_t n, int64_t kh, Scratch& sc) {
     const int64_t blk = checked_block(P, n, start / BS);
     const int64_t ntok = std::min(BS, len - start);
     const int64_t base = blk * P.kv_stride_block + kh * P.kv_stride_head;
+    if (start + BS < len) {
+      const int64_t next = checked_block(P, n, start / BS + 1) * P.kv_stride_block +
+                           kh * P.kv_stride_head;
+      const int64_t rows = std::min(BS, len - start - BS);
+      prefetch_rows(K + next, rows, P.kv_stride_token, D * sizeof(T));
+      prefetch_rows(V + next, rows, P.kv_stride_token, D * sizeof(T));
+    }
     // Scores s[g, j] = q_g . k_j (q pre-scaled).
     for (int64_t j = 0; j < ntok; ++j) {
       const T* kr = K + base + j * P.kv_stride_token;
