@@ -15,7 +15,8 @@ prompts x --max-tokens greedy tokens, ignore_eos, --model, default the demo mode
 through LLM.generate with the worker in this process (uniproc) and in a worker
 process (distributed_executor_backend="mp", TP=1), runs interleaved; per-step
 time of each and the difference (us/step), plus the executor's share
-(execute_model wall time per step) and a bare collective_rpc round trip.
+(execute_model wall time per step), a bare collective_rpc round trip and an
+execute_model round trip with nothing scheduled (the per-step IPC alone).
 
     python benchmarks/ipc.py [--iters 3000] [--output-json out.json]
 
@@ -224,17 +225,18 @@ class _StepMeter:
         self.steps, self.execute_s = 0, 0.0
 
 
-def _rpc_round_trip_us(llm: Any, iters: int) -> float:
+def _rpc_round_trip_us(llm: Any, iters: int, method: str, args: tuple = ()) -> float:
     executor = llm.llm_engine.engine_core.engine_core.model_executor
     times = np.empty(iters)
     for i in range(iters):
         t0 = time.perf_counter()
-        executor.collective_rpc("check_health")
+        executor.collective_rpc(method, args, unique_reply_rank=0)
         times[i] = time.perf_counter() - t0
     return float(np.median(times) * 1e6)
 
 
 def section_engine_step_overhead(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from kvserve.core.sched_output import CachedRequestData, SchedulerOutput
     from kvserve.entrypoints.llm import LLM
     from kvserve.sampling_params import SamplingParams
 
@@ -251,16 +253,20 @@ def section_engine_step_overhead(args: argparse.Namespace) -> list[dict[str, Any
                   multiprocessing=False, seed=0)
     engines: dict[str, Any] = {}
     try:
-        engines["uniproc (worker in process)"] = LLM(args.model, distributed_executor_backend="uni", **common)
-        engines["mp, TP=1 (worker process)"] = LLM(args.model, distributed_executor_backend="mp", **common)
+        engines["uniproc (worker in process)"] = LLM(
+            args.model, distributed_executor_backend="uni", **common)
+        engines["mp, TP=1 (worker process)"] = LLM(
+            args.model, distributed_executor_backend="mp", **common)
         rng = np.random.default_rng(0)
         vocab = next(iter(engines.values())).llm_engine.config.model_config.vocab_size
-        prompts = [rng.integers(5, min(vocab, 700), size=16).tolist() for _ in range(args.num_prompts)]
+        prompts = [rng.integers(5, min(vocab, 700), size=16).tolist()
+                   for _ in range(args.num_prompts)]
         params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
         meters = {name: _StepMeter(llm) for name, llm in engines.items()}
         outputs: dict[str, Any] = {}
         for name, llm in engines.items():   # warm-up (first-call allocations, page faults)
-            outputs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            outputs[name] = [o.outputs[0].token_ids for o in outs]
         tokens = list(outputs.values())
         assert all(t == tokens[0] for t in tokens), "uniproc and mp produced different tokens"
         per_step: dict[str, list[float]] = {n: [] for n in engines}
@@ -275,7 +281,14 @@ def section_engine_step_overhead(args: argparse.Namespace) -> list[dict[str, Any
                 steps[name] = meters[name].steps
                 per_step[name].append(dt / meters[name].steps * 1e6)
                 exec_per_step[name].append(meters[name].execute_s / meters[name].steps * 1e6)
-        rpc_us = {name: _rpc_round_trip_us(llm, 2000) for name, llm in engines.items()}
+        rpc_us = {name: _rpc_round_trip_us(llm, 2000, "check_health")
+                  for name, llm in engines.items()}
+        # A step with nothing scheduled: the IPC and pickling of execute_model without the model.
+        empty = SchedulerOutput(scheduled_new_reqs=[], scheduled_cached_reqs=CachedRequestData(),
+                                num_scheduled_tokens={}, total_num_scheduled_tokens=0,
+                                finished_req_ids=set())
+        empty_step_us = {name: _rpc_round_trip_us(llm, 2000, "execute_model", (empty,))
+                         for name, llm in engines.items()}
     finally:
         for llm in engines.values():
             llm.shutdown()
@@ -285,22 +298,29 @@ def section_engine_step_overhead(args: argparse.Namespace) -> list[dict[str, Any
             os.environ["OMP_NUM_THREADS"] = old_omp
     rows = [{"engine": name, "steps": steps[name],
              "us_per_step": float(np.median(per_step[name])),
+             "best_us_per_step": float(np.min(per_step[name])),
              "execute_model_us_per_step": float(np.median(exec_per_step[name])),
-             "collective_rpc_round_trip_us": rpc_us[name]} for name in engines]
+             "collective_rpc_round_trip_us": rpc_us[name],
+             "empty_execute_model_rpc_us": empty_step_us[name]} for name in engines]
     base = rows[0]
     for r in rows:
         r["overhead_us_per_step"] = r["us_per_step"] - base["us_per_step"]
+        r["best_overhead_us_per_step"] = r["best_us_per_step"] - base["best_us_per_step"]
         r["execute_model_overhead_us_per_step"] = (r["execute_model_us_per_step"]
                                                    - base["execute_model_us_per_step"])
     print(f"\nPer-step time of LLM.generate, {args.num_prompts} prompts x {args.max_tokens} tokens "
           f"({args.model}, {args.threads} thread(s)), median of {args.repeats} interleaved runs")
-    print(f"{'engine':<30} {'steps':>6} {'us/step':>9} {'overhead':>9} "
-          f"{'exec us/step':>13} {'exec overhead':>14} {'bare rpc us':>12}")
+    print("(best: the fastest run of each; the difference of bests is less exposed to the "
+          "machine's other load)")
+    print(f"{'engine':<30} {'steps':>6} {'us/step':>9} {'overhead':>9} {'best':>9} "
+          f"{'best ovh':>9} {'exec us/step':>13} {'exec overhead':>14} {'bare rpc us':>12} "
+          f"{'empty step us':>14}")
     for r in rows:
         print(f"{r['engine']:<30} {r['steps']:>6} {r['us_per_step']:>9.1f} "
-              f"{r['overhead_us_per_step']:>+9.1f} {r['execute_model_us_per_step']:>13.1f} "
+              f"{r['overhead_us_per_step']:>+9.1f} {r['best_us_per_step']:>9.1f} "
+              f"{r['best_overhead_us_per_step']:>+9.1f} {r['execute_model_us_per_step']:>13.1f} "
               f"{r['execute_model_overhead_us_per_step']:>+14.1f} "
-              f"{r['collective_rpc_round_trip_us']:>12.1f}")
+              f"{r['collective_rpc_round_trip_us']:>12.1f} {r['empty_execute_model_rpc_us']:>14.1f}")
     return rows
 
 
@@ -316,11 +336,13 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=3000)
     parser.add_argument("--warmup", type=int, default=200)
     parser.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=list(SECTIONS))
-    parser.add_argument("--model", default="demo", help="engine_step_overhead: checkpoint dir or 'demo'")
+    parser.add_argument("--model", default="demo",
+                        help="engine_step_overhead: checkpoint dir or 'demo'")
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=1, help="engine_step_overhead: torch threads")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="engine_step_overhead: torch threads per process")
     parser.add_argument("--output-json", default=None)
     args = parser.parse_args()
     results: dict[str, Any] = {

@@ -210,7 +210,8 @@ def _monitor_workers(resources: _ExecutorResources,
         return
     dead = sentinels[ready[0]]
     # The sentinel closes while the process is exiting; reap it to learn how it ended.
-    dead.proc.join(timeout=1.0)
+    with resources.end_lock:
+        dead.proc.join(timeout=1.0)
     reason = (f"Worker process of rank {dead.rank} (pid {dead.proc.pid}) "
               f"{_describe_exit(dead.proc.exitcode)}; the executor has stopped and the "
               f"remaining workers were ended.")
@@ -395,8 +396,11 @@ class MultiprocExecutor(Executor):
             future, ranks, method, deadline = self._pending.popleft()
             try:
                 future.set_result(self._read_replies(ranks, method, deadline))
-            except BaseException as e:
+            except Exception as e:   # belongs to that call: raised by its result()
                 future.set_exception(e)
+            except BaseException as e:   # e.g. Ctrl-C while reading: the future fails too
+                future.set_exception(e)
+                raise
             if future is until:
                 return
 

@@ -39,6 +39,10 @@ _CSRC = Path(__file__).parent / "csrc" / "paged_attention.cpp"
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-DNDEBUG"]
 _LDFLAGS = ["-fopenmp"]
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+# torch serialises builds with a lock file in the build directory and waits for it to vanish;
+# a build killed outright (SIGKILL, OOM) leaves it behind and every later start would hang.
+# A build takes 10-30 s here, so a lock this old is stale.
+_STALE_LOCK_S = 600.0
 
 _load_lock = threading.Lock()
 _logged: set[str] = set()
@@ -81,6 +85,15 @@ def _build_dir(name: str) -> str:
     return path
 
 
+def _remove_stale_lock(lock: str) -> None:
+    try:
+        if time.time() - os.path.getmtime(lock) > _STALE_LOCK_S:
+            logger.warning("removing the stale build lock %s (a build was killed?)", lock)
+            os.remove(lock)
+    except OSError:  # no lock (the usual case), or another process removed it first
+        pass
+
+
 @functools.lru_cache(maxsize=1)
 def _load_cpu_kernel() -> Optional[Callable[..., torch.Tensor]]:
     """Compile (or reuse a cached build of) the C++ kernel; None if that fails for any reason."""
@@ -91,9 +104,11 @@ def _load_cpu_kernel() -> Optional[Callable[..., torch.Tensor]]:
         key = b"\0".join([source, " ".join(_CFLAGS + _LDFLAGS).encode(), torch.__version__.encode(),
                           _cpu_fingerprint().encode()])
         name = f"kvserve_paged_attention_{hashlib.sha256(key).hexdigest()[:16]}"
+        build_dir = _build_dir(name)
+        _remove_stale_lock(os.path.join(build_dir, "lock"))
         t0 = time.perf_counter()
         cpp_extension.load(name=name, sources=[str(_CSRC)], extra_cflags=_CFLAGS,
-                           extra_ldflags=_LDFLAGS, build_directory=_build_dir(name),
+                           extra_ldflags=_LDFLAGS, build_directory=build_dir,
                            is_python_module=False, verbose=False)
         op = torch.ops.kvserve.paged_decode_attention
         isa = torch.ops.kvserve.paged_attention_isa()
@@ -101,9 +116,12 @@ def _load_cpu_kernel() -> Optional[Callable[..., torch.Tensor]]:
                   isa, time.perf_counter() - t0)
         return op
     except Exception as e:  # no compiler, no ninja, build error: all fall back to torch
-        _log_once("cpu", "paged decode attention: C++ CPU kernel unavailable (%s: %s); "
-                  "using the torch implementation", type(e).__name__, str(e).splitlines()[0]
-                  if str(e) else "", level=logging.WARNING)
+        # The build error's message is the whole build log; its error lines say why.
+        lines = str(e).splitlines()
+        why = [ln for ln in lines if "error" in ln.lower()][:5] or lines[:1]
+        _log_once("cpu", "paged decode attention: C++ CPU kernel unavailable (%s); using the "
+                  "torch implementation. %s", type(e).__name__, " | ".join(why),
+                  level=logging.WARNING)
         return None
 
 

@@ -156,7 +156,8 @@ def test_tp2_llama_matches_tp1_and_rpc_semantics(tiny_llama: str, uniproc_output
         assert f3.result() == [True, True]
         # A method that raises: every rank's reply is consumed, the error names the rank and
         # carries the worker's traceback, and the executor keeps working.
-        with pytest.raises(WorkerRPCError, match=r"(?s)rank 0 failed in 'no_such_method'.*AttributeError"):
+        with pytest.raises(WorkerRPCError,
+                           match=r"(?s)rank 0 failed in 'no_such_method'.*AttributeError"):
             ex.collective_rpc("no_such_method")
         # A call that times out: its late replies are skipped, not taken for the next call's.
         with pytest.raises(TimeoutError, match="check_health"):

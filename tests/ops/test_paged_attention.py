@@ -114,9 +114,9 @@ def test_torch_fallback_matches_reference(dtype, num_kv_heads, groups, head_dim,
 
 @needs_compiler
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("head_dim,block_size", [(80, 16), (64, 4), (48, 1)])
+@pytest.mark.parametrize("head_dim,block_size", [(80, 16), (64, 4), (48, 1), (256, 16)])
 def test_kernel_other_shapes(kernel, dtype, head_dim, block_size):
-    """Head dims without a dedicated vector path (portable loops) and tiny blocks."""
+    """Head dims without a dedicated vector path (portable loops), 256, tiny blocks."""
     check(kernel, [1, 2, 9, 33], 2, 3, head_dim, block_size, dtype)
 
 

@@ -1,19 +1,23 @@
 // Paged decode attention for CPU: one query token per sequence against its paged KV cache.
 //
-//   q          [N, H, D]                 float32 | bfloat16
-//   kv_cache   [2, NB, BS, Hkv, D]       same dtype as q; K = kv_cache[0], V = kv_cache[1]
-//   block_tables [N, MB] int64 (padded; only the first ceil(seq_len / BS) entries are read)
-//   seq_lens   [N] int64
-//   out        [N, H, D]
+//   q            [N, H, D]             float32 | bfloat16
+//   kv_cache     [2, NB, BS, Hkv, D]   same dtype as q; K = kv_cache[0], V = kv_cache[1]
+//   block_tables [N, MB] int64         padded; only the first ceil(seq_len / BS) entries are read
+//   seq_lens     [N] int64
+//   out          [N, H, D]
 //
-// Work item = (kv head, sequence). The G = H / Hkv query heads sharing a kv head are handled
-// together so every K/V row is loaded once, straight from its block (no gather copy). One pass
-// over the blocks with an online softmax (running max m, running sum l, flash-decoding style);
-// everything accumulates in float32. Slots past seq_len and padded table entries are never read,
-// so whatever they hold (stale values, NaN) cannot reach the result.
+// Query head h reads kv head h / G (G = H / Hkv), as Hugging Face's repeat_kv does. The G query
+// heads of a kv head are handled together so each K/V row is loaded once, straight from its
+// block (no gather copy). One pass over a sequence's blocks with an online softmax (running max
+// m, running sum l, flash-decoding style); everything accumulates in float32. Slots past seq_len
+// and padded table entries are never read, so whatever they hold (stale values, NaN) cannot
+// reach the result.
 //
-// Items are ordered kv-head-major so that at::parallel_for's contiguous split gives every thread
-// the same kv heads of *all* sequences: the load is balanced however ragged seq_lens are.
+// Work split: an item is (kv head, sequence), ordered kv-head-major, and each thread gets one
+// contiguous run of items holding about the same number of tokens (see split_items).
+//
+//   items:   (h0,s0) (h0,s1) ... (h0,sN-1) (h1,s0) ... (h1,sN-1) (h2,s0) ...
+//   threads:  0 ............................... 0 | 1 ....................
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -26,6 +30,7 @@
 #include <cstdint>
 #include <limits>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -41,47 +46,25 @@ struct Params {
   const void* v;
   const int64_t* block_tables;
   const int64_t* seq_lens;
-  int64_t num_kv_heads, groups, head_dim, block_size, num_blocks;
+  int64_t num_seqs, num_kv_heads, groups, head_dim, block_size, num_blocks;
   int64_t q_stride_n, q_stride_h, out_stride_n, out_stride_h;
   int64_t kv_stride_block, kv_stride_token, kv_stride_head;  // same for K and V
   int64_t table_stride;
   float scale;
 };
 
-// Per-thread scratch, allocated once per parallel chunk.
+// Per-thread scratch for one work item (the G query heads of one kv head of one sequence):
+// q pre-scaled [G, D], acc [G, D] (both in the step's storage order, see Step::pos), scores /
+// probabilities of the current block [G, BS], running max and sum [G], and room for 16 rows
+// converted to float32 [16, D].
 struct Scratch {
-  std::vector<float> q, acc, s, m, l;
-  Scratch(int64_t G, int64_t D, int64_t BS) : q(G * D), acc(G * D), s(G * BS), m(G), l(G) {}
+  std::vector<float> q, acc, s, m, l, tile;
+  Scratch(int64_t G, int64_t D, int64_t BS)
+      : q(G * D), acc(G * D), s(G * BS), m(G), l(G), tile(16 * D) {}
 };
 
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
-
-template <typename T>
-inline T from_float(float x) { return static_cast<T>(x); }
-
-// Loads q (pre-scaled) and resets the softmax state for the G heads of one work item.
-template <typename T>
-inline void init_item(const Params& P, int64_t n, int64_t kh, Scratch& sc) {
-  const int64_t G = P.groups, D = P.head_dim;
-  const T* q = static_cast<const T*>(P.q) + n * P.q_stride_n + kh * G * P.q_stride_h;
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t d = 0; d < D; ++d) sc.q[g * D + d] = to_float(q[g * P.q_stride_h + d]) * P.scale;
-  std::fill(sc.acc.begin(), sc.acc.end(), 0.f);
-  std::fill(sc.m.begin(), sc.m.end(), -std::numeric_limits<float>::infinity());
-  std::fill(sc.l.begin(), sc.l.end(), 0.f);
-}
-
-template <typename T>
-inline void finish_item(const Params& P, int64_t n, int64_t kh, int64_t len, Scratch& sc) {
-  const int64_t G = P.groups, D = P.head_dim;
-  T* out = static_cast<T*>(P.out) + n * P.out_stride_n + kh * G * P.out_stride_h;
-  for (int64_t g = 0; g < G; ++g) {
-    // An empty sequence (never scheduled for decode) gives zeros rather than 0/0.
-    const float inv = len > 0 ? 1.f / sc.l[g] : 0.f;
-    for (int64_t d = 0; d < D; ++d) out[g * P.out_stride_h + d] = from_float<T>(sc.acc[g * D + d] * inv);
-  }
-}
 
 inline int64_t checked_block(const Params& P, int64_t n, int64_t b) {
   const int64_t blk = P.block_tables[n * P.table_stride + b];
@@ -90,31 +73,39 @@ inline int64_t checked_block(const Params& P, int64_t n, int64_t b) {
   return blk;
 }
 
+// Blocks are scattered through the cache and a kv head's rows in a block are Hkv * D apart, so
+// the hardware prefetchers cannot follow: fetch the next block's rows while this one computes.
+template <typename T>
+inline void prefetch_rows(const T* p, int64_t rows, int64_t row_stride, int64_t row_elems) {
+  const int64_t bytes = row_elems * static_cast<int64_t>(sizeof(T));
+  for (int64_t r = 0; r < rows; ++r) {
+    const char* row = reinterpret_cast<const char*>(p + r * row_stride);
+    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(row + off, 0, 3);
+  }
+}
+
 // ------------------------------------------------------------------------------------------
-// Portable path (any head_dim, any ISA): plain loops the compiler may vectorise.
+// Portable block step (any head_dim, any ISA): plain loops the compiler may vectorise.
 
 template <typename T>
-void attend_generic(const Params& P, int64_t n, int64_t kh, Scratch& sc) {
-  const int64_t G = P.groups, D = P.head_dim, BS = P.block_size;
-  const int64_t len = P.seq_lens[n];
-  init_item<T>(P, n, kh, sc);
-  const T* K = static_cast<const T*>(P.k);
-  const T* V = static_cast<const T*>(P.v);
-  for (int64_t start = 0; start < len; start += BS) {
-    const int64_t blk = checked_block(P, n, start / BS);
-    const int64_t ntok = std::min(BS, len - start);
-    const int64_t base = blk * P.kv_stride_block + kh * P.kv_stride_head;
+struct GenericStep {
+  static int64_t pos(int64_t d) { return d; }
+
+  static void run(const T* kb, const T* vb, int64_t stride, int64_t ntok, int64_t G, int64_t D,
+                  int64_t BS, Scratch& sc) {
+    float* const s = sc.s.data();
+    float* const acc = sc.acc.data();
     for (int64_t j = 0; j < ntok; ++j) {
-      const T* kr = K + base + j * P.kv_stride_token;
+      const T* kr = kb + j * stride;
       for (int64_t g = 0; g < G; ++g) {
         const float* qg = sc.q.data() + g * D;
         float dot = 0.f;
         for (int64_t d = 0; d < D; ++d) dot += qg[d] * to_float(kr[d]);
-        sc.s[g * BS + j] = dot;
+        s[g * BS + j] = dot;
       }
     }
     for (int64_t g = 0; g < G; ++g) {
-      float* sg = sc.s.data() + g * BS;
+      float* sg = s + g * BS;
       float mx = sc.m[g];
       for (int64_t j = 0; j < ntok; ++j) mx = std::max(mx, sg[j]);
       const float alpha = std::exp(sc.m[g] - mx);  // exp(-inf) = 0 on the first block
@@ -125,41 +116,83 @@ void attend_generic(const Params& P, int64_t n, int64_t kh, Scratch& sc) {
         sum += sg[j];
       }
       sc.l[g] = sc.l[g] * alpha + sum;
-      float* ag = sc.acc.data() + g * D;
+      float* ag = acc + g * D;
       if (alpha != 1.f)
         for (int64_t d = 0; d < D; ++d) ag[d] *= alpha;
     }
     for (int64_t j = 0; j < ntok; ++j) {
-      const T* vr = V + base + j * P.kv_stride_token;
+      const T* vr = vb + j * stride;
       for (int64_t g = 0; g < G; ++g) {
-        const float p = sc.s[g * BS + j];
-        float* ag = sc.acc.data() + g * D;
+        const float p = s[g * BS + j];
+        float* ag = acc + g * D;
         for (int64_t d = 0; d < D; ++d) ag[d] += p * to_float(vr[d]);
       }
     }
   }
-  finish_item<T>(P, n, kh, len, sc);
-}
+};
 
 // ------------------------------------------------------------------------------------------
-// AVX-512 path: head_dim = 16 * NV, a K/V row lives in NV registers.
+// AVX-512 block step: head_dim = 16 * NV, a K/V row lives in NV registers. Decode attention
+// reads each K/V element once, so the cost per element decides: bfloat16 rows are widened
+// with in-lane ops only (even elements, then odd ones, of every 32: q and acc are kept in that
+// order too), and 16 dot products are summed across lanes together.
 
 #if defined(__AVX512F__)
 
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
-  // bfloat16 -> float32 is a 16-bit left shift of the widened bits.
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+#define KVS_INLINE inline __attribute__((always_inline))
+
+template <int NV>
+KVS_INLINE void load_row(const float* p, __m512 (&r)[NV]) {
+  for (int c = 0; c < NV; ++c) r[c] = _mm512_loadu_ps(p + 16 * c);
+}
+
+template <int NV>
+KVS_INLINE void load_row(const c10::BFloat16* p, __m512 (&r)[NV]) {
+  static_assert(NV % 2 == 0, "bfloat16 rows are read 32 elements at a time");
+  // A 32-bit lane holds elements 2i (low half) and 2i+1 (high half); bfloat16 -> float32 is
+  // placing the 16 bits in the high half.
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int c = 0; c < NV / 2; ++c) {
+    const __m512i x = _mm512_loadu_si512(p + 32 * c);
+    r[2 * c] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+    r[2 * c + 1] = _mm512_castsi512_ps(_mm512_and_si512(x, high));
+  }
+}
+
+template <int NV>
+KVS_INLINE __m512 dot_partial(const __m512 (&k)[NV], const float* q) {
+  __m512 a = _mm512_mul_ps(k[0], _mm512_loadu_ps(q));
+  for (int c = 1; c < NV; ++c) a = _mm512_fmadd_ps(k[c], _mm512_loadu_ps(q + 16 * c), a);
+  return a;
+}
+
+// Lane j of the result = sum of the 16 lanes of a[j]: a transpose-and-add tree (45 ops for 16
+// sums instead of ~8 per sum).
+KVS_INLINE __m512 reduce16(const __m512 (&a)[16]) {
+  __m512 t[8], u[4], v[2];
+  for (int j = 0; j < 8; ++j)  // 256-bit halves: a[j] | a[j+8]
+    t[j] = _mm512_add_ps(_mm512_shuffle_f32x4(a[j], a[j + 8], 0x44),
+                         _mm512_shuffle_f32x4(a[j], a[j + 8], 0xEE));
+  for (int j = 0; j < 4; ++j)  // 128-bit lanes hold a[j], a[j+8], a[j+4], a[j+12]
+    u[j] = _mm512_add_ps(_mm512_shuffle_f32x4(t[j], t[j + 4], 0x88),
+                         _mm512_shuffle_f32x4(t[j], t[j + 4], 0xDD));
+  for (int j = 0; j < 2; ++j)
+    v[j] = _mm512_add_ps(_mm512_shuffle_ps(u[j], u[j + 2], 0x44),
+                         _mm512_shuffle_ps(u[j], u[j + 2], 0xEE));
+  const __m512 w = _mm512_add_ps(_mm512_shuffle_ps(v[0], v[1], 0x88),
+                                 _mm512_shuffle_ps(v[0], v[1], 0xDD));
+  // w[4k + e] holds the sum of a[p[e] + 4 p[k]] with p = {0, 2, 1, 3}; p is its own inverse.
+  const __m512i order = _mm512_setr_epi32(0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15);
+  return _mm512_permutexvar_ps(order, w);
 }
 
 // exp(x) for x <= 0 (softmax arguments): 2^n * P(r), x = n ln2 + r, |r| <= ln2/2, degree-6
 // Taylor polynomial (relative error ~2e-7). Arguments below -100 are clamped (result ~0).
-inline __m512 exp16(__m512 x) {
+KVS_INLINE __m512 exp16(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-100.f));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);   // ln2 in two parts
   r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
   __m512 p = _mm512_set1_ps(1.f / 720.f);
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
@@ -176,56 +209,85 @@ inline __mmask16 tail_mask(int64_t remaining) {
                          : static_cast<__mmask16>((1u << remaining) - 1u);
 }
 
-// Blocks are scattered and a kv head's rows inside one are strided (Hkv * D apart), so the
-// hardware prefetchers do not follow them: fetch the next block's rows while this one computes.
-template <typename T>
-inline void prefetch_rows(const T* p, int64_t rows, int64_t stride, int64_t row_bytes) {
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t off = 0; off < row_bytes; off += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(p + r * stride) + off, _MM_HINT_T0);
-}
-
 template <typename T, int NV>
-void attend_avx512(const Params& P, int64_t n, int64_t kh, Scratch& sc) {
-  constexpr int64_t D = 16 * NV;
-  const int64_t G = P.groups, BS = P.block_size;
-  const int64_t len = P.seq_lens[n];
-  init_item<T>(P, n, kh, sc);
-  const T* K = static_cast<const T*>(P.k);
-  const T* V = static_cast<const T*>(P.v);
-  float* const qf = sc.q.data();
-  float* const acc = sc.acc.data();
-  float* const s = sc.s.data();
-  for (int64_t start = 0; start < len; start += BS) {
-    const int64_t blk = checked_block(P, n, start / BS);
-    const int64_t ntok = std::min(BS, len - start);
-    const int64_t base = blk * P.kv_stride_block + kh * P.kv_stride_head;
-    if (start + BS < len) {
-      const int64_t next = checked_block(P, n, start / BS + 1) * P.kv_stride_block +
-                           kh * P.kv_stride_head;
-      const int64_t rows = std::min(BS, len - start - BS);
-      prefetch_rows(K + next, rows, P.kv_stride_token, D * sizeof(T));
-      prefetch_rows(V + next, rows, P.kv_stride_token, D * sizeof(T));
+struct Avx512Step {
+  static constexpr int64_t D = 16 * NV;
+  static constexpr bool kBf16 = std::is_same_v<T, c10::BFloat16>;
+
+  // Where logical element d of a row is kept in q / acc.
+  static int64_t pos(int64_t d) {
+    if constexpr (kBf16) {
+      const int64_t e = d % 32;
+      return d - e + (e % 2 ? 16 + e / 2 : e / 2);
+    } else {
+      return d;
     }
-    // Scores s[g, j] = q_g . k_j (q pre-scaled).
-    for (int64_t j = 0; j < ntok; ++j) {
-      const T* kr = K + base + j * P.kv_stride_token;
-      __m512 kv[NV];
-      for (int c = 0; c < NV; ++c) kv[c] = load16(kr + 16 * c);
+  }
+
+  // Float32 rows [t0, t0 + nt) of a block in storage order: the cache rows themselves for
+  // float32, widened copies in the scratch tile for bfloat16.
+  static void rows_f32(const T* b, int64_t stride, int64_t t0, int64_t nt, float* tile,
+                       const float* (&rows)[16]) {
+    for (int64_t j = 0; j < nt; ++j) {
+      if constexpr (kBf16) {
+        __m512 r[NV];
+        load_row(b + (t0 + j) * stride, r);
+        for (int c = 0; c < NV; ++c) _mm512_storeu_ps(tile + j * D + 16 * c, r[c]);
+        rows[j] = tile + j * D;
+      } else {
+        rows[j] = b + (t0 + j) * stride;
+      }
+    }
+  }
+
+  static void run(const T* kb, const T* vb, int64_t stride, int64_t ntok, int64_t G,
+                  int64_t /*D*/, int64_t BS, Scratch& sc) {
+    float* const s = sc.s.data();
+    float* const acc = sc.acc.data();
+    const float* rows[16];
+    // Scores s[g, j] = q_g . k_j (q pre-scaled), 16 tokens at a time.
+    for (int64_t t0 = 0; t0 < ntok; t0 += 16) {
+      const int64_t nt = std::min<int64_t>(16, ntok - t0);
+      const __mmask16 mk = tail_mask(nt);
+      __m512 a[16];
+      if (G == 1) {
+        for (int64_t j = 0; j < 16; ++j) {
+          if (j < nt) {
+            __m512 k[NV];
+            load_row(kb + (t0 + j) * stride, k);
+            a[j] = dot_partial(k, sc.q.data());
+          } else {
+            a[j] = _mm512_setzero_ps();
+          }
+        }
+        _mm512_mask_storeu_ps(s + t0, mk, reduce16(a));
+        continue;
+      }
+      rows_f32(kb, stride, t0, nt, sc.tile.data(), rows);
       for (int64_t g = 0; g < G; ++g) {
-        const float* qg = qf + g * D;
-        __m512 a = _mm512_mul_ps(kv[0], _mm512_loadu_ps(qg));
-        for (int c = 1; c < NV; ++c) a = _mm512_fmadd_ps(kv[c], _mm512_loadu_ps(qg + 16 * c), a);
-        s[g * BS + j] = _mm512_reduce_add_ps(a);
+        const float* qg = sc.q.data() + g * D;
+        for (int64_t j = 0; j < 16; ++j) {
+          if (j < nt) {
+            __m512 acc_j = _mm512_mul_ps(_mm512_loadu_ps(rows[j]), _mm512_loadu_ps(qg));
+            for (int c = 1; c < NV; ++c)
+              acc_j = _mm512_fmadd_ps(_mm512_loadu_ps(rows[j] + 16 * c),
+                                      _mm512_loadu_ps(qg + 16 * c), acc_j);
+            a[j] = acc_j;
+          } else {
+            a[j] = _mm512_setzero_ps();
+          }
+        }
+        _mm512_mask_storeu_ps(s + g * BS + t0, mk, reduce16(a));
       }
     }
     // Online softmax update: new running max, rescale what was accumulated, p = exp(s - m).
     for (int64_t g = 0; g < G; ++g) {
       float* sg = s + g * BS;
       __m512 vmax = _mm512_set1_ps(sc.m[g]);
-      for (int64_t j = 0; j < ntok; j += 16)
-        vmax = _mm512_mask_max_ps(vmax, tail_mask(ntok - j), vmax,
-                                  _mm512_maskz_loadu_ps(tail_mask(ntok - j), sg + j));
+      for (int64_t j = 0; j < ntok; j += 16) {
+        const __mmask16 mk = tail_mask(ntok - j);
+        vmax = _mm512_mask_max_ps(vmax, mk, vmax, _mm512_maskz_loadu_ps(mk, sg + j));
+      }
       const float mx = _mm512_reduce_max_ps(vmax);
       const float alpha = std::exp(sc.m[g] - mx);  // exp(-inf) = 0 on the first block
       sc.m[g] = mx;
@@ -245,61 +307,130 @@ void attend_avx512(const Params& P, int64_t n, int64_t kh, Scratch& sc) {
           _mm512_storeu_ps(ag + 16 * c, _mm512_mul_ps(va, _mm512_loadu_ps(ag + 16 * c)));
       }
     }
-    // acc[g] += sum_j p[g, j] * v_j
+    // acc[g] += sum_j p[g, j] * v_j, the accumulator of one query head in registers.
     if (G == 1) {
-      // MHA: keep the accumulator in registers across the block.
       __m512 av[NV];
       for (int c = 0; c < NV; ++c) av[c] = _mm512_loadu_ps(acc + 16 * c);
       for (int64_t j = 0; j < ntok; ++j) {
-        const T* vr = V + base + j * P.kv_stride_token;
-        const __m512 pj = _mm512_set1_ps(s[j]);
-        for (int c = 0; c < NV; ++c) av[c] = _mm512_fmadd_ps(pj, load16(vr + 16 * c), av[c]);
+        __m512 v[NV];
+        load_row(vb + j * stride, v);
+        const __m512 p = _mm512_set1_ps(s[j]);
+        for (int c = 0; c < NV; ++c) av[c] = _mm512_fmadd_ps(p, v[c], av[c]);
       }
       for (int c = 0; c < NV; ++c) _mm512_storeu_ps(acc + 16 * c, av[c]);
-    } else {
-      for (int64_t j = 0; j < ntok; ++j) {
-        const T* vr = V + base + j * P.kv_stride_token;
-        __m512 vv[NV];
-        for (int c = 0; c < NV; ++c) vv[c] = load16(vr + 16 * c);
-        for (int64_t g = 0; g < G; ++g) {
-          const __m512 pj = _mm512_set1_ps(s[g * BS + j]);
-          float* ag = acc + g * D;
+      return;
+    }
+    for (int64_t t0 = 0; t0 < ntok; t0 += 16) {
+      const int64_t nt = std::min<int64_t>(16, ntok - t0);
+      rows_f32(vb, stride, t0, nt, sc.tile.data(), rows);
+      for (int64_t g = 0; g < G; ++g) {
+        float* ag = acc + g * D;
+        __m512 av[NV];
+        for (int c = 0; c < NV; ++c) av[c] = _mm512_loadu_ps(ag + 16 * c);
+        for (int64_t j = 0; j < nt; ++j) {
+          const __m512 p = _mm512_set1_ps(s[g * BS + t0 + j]);
           for (int c = 0; c < NV; ++c)
-            _mm512_storeu_ps(ag + 16 * c, _mm512_fmadd_ps(pj, vv[c], _mm512_loadu_ps(ag + 16 * c)));
+            av[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(rows[j] + 16 * c), av[c]);
         }
+        for (int c = 0; c < NV; ++c) _mm512_storeu_ps(ag + 16 * c, av[c]);
       }
     }
   }
-  finish_item<T>(P, n, kh, len, sc);
-}
+};
 
 #endif  // __AVX512F__
 
-template <typename T>
-using ItemFn = void (*)(const Params&, int64_t, int64_t, Scratch&);
+// ------------------------------------------------------------------------------------------
+// One work item: kv head kh of sequence n, with its G query heads.
 
-template <typename T>
-ItemFn<T> pick_kernel(int64_t head_dim) {
-#if defined(__AVX512F__)
-  switch (head_dim) {
-    case 32: return &attend_avx512<T, 2>;
-    case 64: return &attend_avx512<T, 4>;
-    case 128: return &attend_avx512<T, 8>;
-    case 256: return &attend_avx512<T, 16>;
-    default: break;
+template <typename T, typename Step>
+void attend_item(const Params& P, int64_t n, int64_t kh, Scratch& sc) {
+  const int64_t G = P.groups, D = P.head_dim, BS = P.block_size;
+  const int64_t len = P.seq_lens[n];
+  const T* q = static_cast<const T*>(P.q) + n * P.q_stride_n + kh * G * P.q_stride_h;
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t d = 0; d < D; ++d)
+      sc.q[g * D + Step::pos(d)] = to_float(q[g * P.q_stride_h + d]) * P.scale;
+  std::fill(sc.acc.begin(), sc.acc.end(), 0.f);
+  std::fill(sc.m.begin(), sc.m.end(), -std::numeric_limits<float>::infinity());
+  std::fill(sc.l.begin(), sc.l.end(), 0.f);
+
+  const T* K = static_cast<const T*>(P.k);
+  const T* V = static_cast<const T*>(P.v);
+  const int64_t head_off = kh * P.kv_stride_head;
+  const int64_t nblocks = (len + BS - 1) / BS;
+  int64_t blk = nblocks > 0 ? checked_block(P, n, 0) : 0;
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const int64_t ntok = std::min(BS, len - b * BS);
+    const int64_t next = b + 1 < nblocks ? checked_block(P, n, b + 1) : -1;
+    if (next >= 0) {
+      const int64_t off = next * P.kv_stride_block + head_off;
+      const int64_t rows = std::min(BS, len - (b + 1) * BS);
+      prefetch_rows(K + off, rows, P.kv_stride_token, D);
+      prefetch_rows(V + off, rows, P.kv_stride_token, D);
+    }
+    const int64_t off = blk * P.kv_stride_block + head_off;
+    Step::run(K + off, V + off, P.kv_stride_token, ntok, G, D, BS, sc);
+    blk = next;
   }
-#endif
-  return &attend_generic<T>;
+
+  T* out = static_cast<T*>(P.out) + n * P.out_stride_n + kh * G * P.out_stride_h;
+  for (int64_t g = 0; g < G; ++g) {
+    // An empty sequence (never scheduled for decode) gives zeros rather than 0/0.
+    const float inv = len > 0 ? 1.f / sc.l[g] : 0.f;
+    for (int64_t d = 0; d < D; ++d)
+      out[g * P.out_stride_h + d] = static_cast<T>(sc.acc[g * D + Step::pos(d)] * inv);
+  }
+}
+
+// Work items are ordered kv-head-major, u = kh * N + n: a thread's contiguous run covers the
+// same heads of consecutive sequences. Boundaries [bounds[t], bounds[t+1]) give each thread
+// about the same number of tokens (plus a fixed cost per item for its setup and its first,
+// unprefetched block), however ragged seq_lens are.
+std::vector<int64_t> split_items(const Params& P, int64_t threads) {
+  const int64_t N = P.num_seqs, items = P.num_kv_heads * N;
+  constexpr int64_t kItemOverhead = 16;
+  auto cost = [&](int64_t u) { return P.seq_lens[u % N] + kItemOverhead; };
+  int64_t total = 0;
+  for (int64_t n = 0; n < N; ++n) total += P.seq_lens[n] + kItemOverhead;
+  total *= P.num_kv_heads;
+  std::vector<int64_t> bounds(threads + 1, items);
+  bounds[0] = 0;
+  int64_t u = 0, done = 0;  // cost of items [0, u)
+  for (int64_t t = 1; t < threads; ++t) {
+    const int64_t target = total / threads * t + total % threads * t / threads;
+    while (u < items && done + cost(u) <= target) done += cost(u++);
+    bounds[t] = u;
+  }
+  return bounds;
+}
+
+template <typename T, typename Step>
+void run(const Params& P) {
+  const int64_t N = P.num_seqs;
+  const int64_t threads = std::max<int64_t>(
+      1, std::min<int64_t>(at::get_num_threads(), N * P.num_kv_heads));
+  const std::vector<int64_t> bounds = split_items(P, threads);
+  at::parallel_for(0, threads, 1, [&](int64_t tb, int64_t te) {
+    Scratch sc(P.groups, P.head_dim, P.block_size);
+    for (int64_t t = tb; t < te; ++t)
+      for (int64_t u = bounds[t]; u < bounds[t + 1]; ++u)
+        attend_item<T, Step>(P, u % N, u / N, sc);
+  });
 }
 
 template <typename T>
-void run(const Params& P, int64_t num_seqs) {
-  const ItemFn<T> fn = pick_kernel<T>(P.head_dim);
-  const int64_t items = P.num_kv_heads * num_seqs;
-  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
-    Scratch sc(P.groups, P.head_dim, P.block_size);
-    for (int64_t i = begin; i < end; ++i) fn(P, i % num_seqs, i / num_seqs, sc);
-  });
+void dispatch_head_dim(const Params& P) {
+#if defined(__AVX512F__)
+  switch (P.head_dim) {
+    case 32: return run<T, Avx512Step<T, 2>>(P);
+    case 64: return run<T, Avx512Step<T, 4>>(P);
+    case 128: return run<T, Avx512Step<T, 8>>(P);
+    case 256: return run<T, Avx512Step<T, 16>>(P);
+    default: break;
+  }
+#endif
+  run<T, GenericStep<T>>(P);
 }
 
 at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& kv_cache,
@@ -339,6 +470,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& kv_c
   P.v = kv_cache.select(0, 1).data_ptr();
   P.block_tables = block_tables.data_ptr<int64_t>();
   P.seq_lens = seq_lens.data_ptr<int64_t>();
+  P.num_seqs = N;
   P.num_kv_heads = Hkv;
   P.groups = H / Hkv;
   P.head_dim = D;
@@ -355,14 +487,14 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& kv_c
   P.scale = static_cast<float>(scale);
 
   switch (q.scalar_type()) {
-    case at::kFloat: run<float>(P, N); break;
-    case at::kBFloat16: run<c10::BFloat16>(P, N); break;
+    case at::kFloat: dispatch_head_dim<float>(P); break;
+    case at::kBFloat16: dispatch_head_dim<c10::BFloat16>(P); break;
     default: TORCH_CHECK(false, "paged_decode_attention: unsupported dtype ", q.scalar_type());
   }
   return out;
 }
 
-// Which vector path this build took (reported by the Python side's log line and tests).
+// Which vector path this build took (logged by the Python side, checked by the tests).
 std::string isa() {
 #if defined(__AVX512F__)
   return "avx512";
