@@ -12,13 +12,16 @@ import sys
 from types import ModuleType
 from typing import Any, Optional
 
-from kvserve.benchmarks import latency, throughput
+from kvserve.benchmarks import latency, serve, sweep, throughput
 
 # (name, module with add_cli_args(parser) and main(args) -> exit code, help)
 BENCH_MODES: tuple[tuple[str, ModuleType, str], ...] = (
     ("latency", latency, "Latency of one fixed batch (avg, std, percentiles)."),
     ("throughput", throughput,
      "Offline throughput with all prompts submitted at once (kvserve or hf backend)."),
+    ("serve", serve,
+     "Online serving benchmark against a running OpenAI-compatible server (TTFT, TPOT, ITL)."),
+    ("sweep", sweep, "bench serve at several request rates; latency vs throughput plot."),
 )
 
 

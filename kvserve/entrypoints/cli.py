@@ -117,6 +117,8 @@ def make_parser() -> argparse.ArgumentParser:
     chat = sub.add_parser("chat", help="Chat in the terminal with a server (--url) or a model.")
     add_chat_args(chat)
     chat.set_defaults(func=cmd_chat)
+    from kvserve.benchmarks.cli import add_bench_subparsers
+    add_bench_subparsers(sub)
     return parser
 
 

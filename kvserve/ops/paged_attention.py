@@ -158,13 +158,14 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
 def paged_decode_attention_torch(q: torch.Tensor, kv_cache: torch.Tensor,
                                  block_tables: torch.Tensor, seq_lens: torch.Tensor,
                                  scale: float) -> torch.Tensor:
-    """Pure-torch version: gather each sequence's K/V token by token, then batched matmuls.
+    """Pure-torch version: gather each sequence's K/V rows, then batched matmuls.
 
-    The gather is kv-head major ([Hkv, N, L, D], contiguous): batched matmuls over strided
-    [N, L, Hkv, D] views ran 5-10x slower here. Slots past seq_len (including padded table
-    entries) may hold anything, NaN too, and 0 * NaN = NaN: they are pointed at the sequence's
-    first slot (always valid when seq_len >= 1) and their scores masked, instead of zeroing the
-    gathered values in a separate pass."""
+    The rows are gathered straight into kv-head-major order ([N, Hkv, L, D], one index_select
+    per K and V): batched matmuls over the strided [N, L, Hkv, D] layout ran 5-10x slower on
+    CPU, and a separate permute copy cost as much as the gather. Slots past seq_len (including
+    padded table entries) may hold anything, NaN too, and 0 * NaN = NaN: they are pointed at
+    the sequence's first slot (valid whenever seq_len >= 1) and their scores masked, instead
+    of zeroing the gathered values in another pass."""
     n, h, d = q.shape
     _, nb, bs, hkv, _ = kv_cache.shape
     g = h // hkv
@@ -172,13 +173,15 @@ def paged_decode_attention_torch(q: torch.Tensor, kv_cache: torch.Tensor,
     valid = pos[None, :] < seq_lens.to(q.device)[:, None]                        # [N, L]
     slots = block_tables[:, pos // bs] * bs + pos % bs                           # [N, L]
     slots = torch.where(valid, slots, slots[:, :1])
-    flat = kv_cache.view(2, nb * bs, hkv, d).transpose(1, 2)                    # [2, Hkv, S, D]
-    keys = flat[0][:, slots]                                                     # [Hkv, N, L, D]
-    values = flat[1][:, slots]
-    qg = q.view(n, hkv, g, d).transpose(0, 1).to(keys.dtype)                    # [Hkv, N, G, D]
+    # Row (slot, kv head) of the cache seen as [NB * BS * Hkv, D], in (n, kv head, l) order.
+    rows = slots[:, None, :] * hkv + torch.arange(hkv, device=q.device)[None, :, None]
+    flat = kv_cache.view(2, nb * bs * hkv, d)
+    keys = flat[0].index_select(0, rows.view(-1)).view(n, hkv, -1, d)           # [N, Hkv, L, D]
+    values = flat[1].index_select(0, rows.view(-1)).view(n, hkv, -1, d)
+    qg = q.reshape(n, hkv, g, d).to(keys.dtype)                                 # [N, Hkv, G, D]
     acc_dtype = torch.promote_types(keys.dtype, torch.float32)   # float64 stays float64
-    scores = torch.matmul(qg, keys.transpose(-1, -2)).to(acc_dtype)             # [Hkv, N, G, L]
-    scores.mul_(scale).masked_fill_(~valid[None, :, None, :], float("-inf"))
+    scores = torch.matmul(qg, keys.transpose(-1, -2)).to(acc_dtype)             # [N, Hkv, G, L]
+    scores.mul_(scale).masked_fill_(~valid[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(values.dtype)
-    out = torch.matmul(probs, values)                                           # [Hkv, N, G, D]
-    return out.transpose(0, 1).reshape(n, h, d).to(q.dtype)
+    out = torch.matmul(probs, values)                                            # [N, Hkv, G, D]
+    return out.reshape(n, h, d).to(q.dtype)

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
+import textwrap
 from typing import Callable
 
 import pytest
@@ -189,6 +192,35 @@ def test_env_var_forces_torch_path(monkeypatch):
     monkeypatch.setenv(pa.DISABLE_ENV, "1")
     assert pa.cpu_kernel() is None
     check(pa.paged_decode_attention, ragged_lens(16), 2, 2, 64, 16, torch.float32)
+
+
+@pytest.mark.timeout(180)
+def test_build_failure_falls_back_to_torch(tmp_path):
+    """A failing compiler (here CXX=false) is logged once and the torch path takes over."""
+    script = textwrap.dedent("""
+        import logging, torch
+        logging.basicConfig(level=logging.INFO)
+        from kvserve.ops import paged_attention as pa
+        torch.manual_seed(0)
+        kv = torch.randn(2, 6, 4, 2, 32)
+        q = torch.randn(2, 4, 32)
+        tables = torch.tensor([[0, 3, 5], [2, 1, 4]])
+        lens = torch.tensor([9, 5])
+        out = pa.paged_decode_attention(q, kv, tables, lens, 0.2)
+        out2 = pa.paged_decode_attention(q, kv, tables, lens, 0.2)
+        ref = pa.paged_decode_attention_torch(q, kv, tables, lens, 0.2)
+        assert pa.cpu_kernel() is None
+        assert torch.equal(out, ref) and torch.equal(out2, ref)
+        print("OK")
+    """)
+    env = dict(os.environ, CXX="false", KVSERVE_CACHE_DIR=str(tmp_path))
+    env.pop("TORCH_EXTENSIONS_DIR", None)
+    env.pop(pa.DISABLE_ENV, None)
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=170)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "OK"
+    assert proc.stderr.count("C++ CPU kernel unavailable") == 1, proc.stderr
 
 
 def test_unsupported_dtype_uses_torch_path():

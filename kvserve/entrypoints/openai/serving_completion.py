@@ -143,7 +143,9 @@ class OpenAIServingCompletion(OpenAIServing):
     def _stream_chunk(self, ctx: "_Context", state: "_StreamState", i: int, res: RequestOutput,
                       out: CompletionOutput) -> Optional[CompletionStreamResponse]:
         """One delta of choice (prompt i, sample out.index) as a stream chunk; None when there
-        is nothing to tell (tokens whose text is still an incomplete character)."""
+        is nothing new. Like vLLM, a chunk goes out for every step with new tokens, even when
+        their text is still an incomplete character (so clients measure true inter-token
+        latency)."""
         request = ctx.request
         idx = i * request.n + out.index
         text, token_ids, lps = out.text, out.token_ids, out.logprobs
@@ -159,7 +161,7 @@ class OpenAIServingCompletion(OpenAIServing):
             logprobs = self._logprobs(token_ids, lps, state.text_offsets[idx])
         state.text_offsets[idx] += len(text)
         state.num_tokens[idx] += len(out.token_ids)
-        if not text and logprobs is None and out.finish_reason is None and not request.return_token_ids:
+        if not text and not out.token_ids and out.finish_reason is None:
             return None
         choice = CompletionResponseStreamChoice(
             index=idx, text=text, logprobs=logprobs, finish_reason=out.finish_reason,

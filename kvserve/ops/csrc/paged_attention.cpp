@@ -73,6 +73,11 @@ inline int64_t checked_block(const Params& P, int64_t n, int64_t b) {
   return blk;
 }
 
+#ifndef KVS_PREFETCH_TOKENS
+#define KVS_PREFETCH_TOKENS 32
+#endif
+constexpr int64_t kPrefetchTokens = KVS_PREFETCH_TOKENS;
+
 // Blocks are scattered through the cache and a kv head's rows in a block are Hkv * D apart, so
 // the hardware prefetchers cannot follow: fetch the next block's rows while this one computes.
 template <typename T>
@@ -359,19 +364,19 @@ void attend_item(const Params& P, int64_t n, int64_t kh, Scratch& sc) {
   const T* V = static_cast<const T*>(P.v);
   const int64_t head_off = kh * P.kv_stride_head;
   const int64_t nblocks = (len + BS - 1) / BS;
-  int64_t blk = nblocks > 0 ? checked_block(P, n, 0) : 0;
+  // Prefetch about kPrefetchTokens ahead: one block of 16 computes in less than a DRAM latency.
+  const int64_t dist = std::max<int64_t>(1, kPrefetchTokens / BS);
+  auto prefetch_block = [&](int64_t b) {
+    const int64_t off = checked_block(P, n, b) * P.kv_stride_block + head_off;
+    const int64_t rows = std::min(BS, len - b * BS);
+    prefetch_rows(K + off, rows, P.kv_stride_token, D);
+    prefetch_rows(V + off, rows, P.kv_stride_token, D);
+  };
+  for (int64_t b = 0; b < std::min(dist, nblocks); ++b) prefetch_block(b);
   for (int64_t b = 0; b < nblocks; ++b) {
-    const int64_t ntok = std::min(BS, len - b * BS);
-    const int64_t next = b + 1 < nblocks ? checked_block(P, n, b + 1) : -1;
-    if (next >= 0) {
-      const int64_t off = next * P.kv_stride_block + head_off;
-      const int64_t rows = std::min(BS, len - (b + 1) * BS);
-      prefetch_rows(K + off, rows, P.kv_stride_token, D);
-      prefetch_rows(V + off, rows, P.kv_stride_token, D);
-    }
-    const int64_t off = blk * P.kv_stride_block + head_off;
-    Step::run(K + off, V + off, P.kv_stride_token, ntok, G, D, BS, sc);
-    blk = next;
+    if (b + dist < nblocks) prefetch_block(b + dist);
+    const int64_t off = checked_block(P, n, b) * P.kv_stride_block + head_off;
+    Step::run(K + off, V + off, P.kv_stride_token, std::min(BS, len - b * BS), G, D, BS, sc);
   }
 
   T* out = static_cast<T*>(P.out) + n * P.out_stride_n + kh * G * P.out_stride_h;
