@@ -77,8 +77,8 @@ def _build_dir(name: str) -> str:
         if cache:
             cache = os.path.expanduser(cache)
         else:
-            xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-            cache = os.path.join(xdg, "kvserve")
+            home_cache = os.path.join(os.path.expanduser("~"), ".cache")
+            cache = os.path.join(os.environ.get("XDG_CACHE_HOME") or home_cache, "kvserve")
         root = os.path.join(cache, "torch_extensions")
     path = os.path.join(root, name)
     os.makedirs(path, exist_ok=True)
@@ -136,7 +136,7 @@ def cpu_kernel() -> Optional[Callable[..., torch.Tensor]]:
 
 
 def cpu_kernel_isa() -> Optional[str]:
-    """"avx512" or "generic" for the compiled kernel's vector path; None without a kernel."""
+    """The compiled kernel's vector path ("avx512" or "generic"); None without a kernel."""
     return torch.ops.kvserve.paged_attention_isa() if cpu_kernel() is not None else None
 
 

@@ -45,6 +45,10 @@ class Worker:
             assert self.distributed_init_method is not None
             init_distributed(self.rank, pc.world_size, self.distributed_init_method, backend)
         torch.manual_seed(self.config.model_config.seed)
+        if self.device.type == "cpu":
+            # Build (first run) or load the CPU attention kernel now, not in the first step.
+            from kvserve.ops import cpu_kernel
+            cpu_kernel()
         self.model_runner = ModelRunner(self.config, self.device)
 
     def load_model(self) -> None:

@@ -8,7 +8,8 @@ Decode requests (one new token each) come first, then prefill chunks:
     slot_mapping[t] = block_id * block_size + offset  (where token t's K/V is written)
 
 The KV cache of one layer is a tensor [2, num_blocks, block_size, num_kv_heads, head_dim].
-All decodes of a step are attended in one batched call; each prefill chunk attends to its
+All decodes of a step are attended in one call (kvserve.ops.paged_decode_attention: a
+compiled CPU kernel reading K/V straight from the blocks, or a torch fallback); each prefill chunk attends to its
 cached prefix (context) plus causally to itself.
 """
 from __future__ import annotations
@@ -19,6 +20,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from kvserve.ops import paged_decode_attention
 
 
 @dataclass
@@ -35,20 +38,6 @@ class AttentionMetadata:
     prefill_query_lens: list[int] = field(default_factory=list)
     prefill_context_lens: list[int] = field(default_factory=list)   # tokens already cached
     prefill_block_tables: list[torch.Tensor] = field(default_factory=list)  # [n_blocks] each
-    # Cached per-step decode mask, built lazily once and shared by all layers.
-    _decode_mask: Optional[torch.Tensor] = None
-
-    def decode_mask(self) -> torch.Tensor:
-        """[Nd, 1, 1, L] additive mask: 0 where position < seq_len, -inf beyond."""
-        if self._decode_mask is None:
-            assert self.decode_seq_lens is not None and self.decode_block_tables is not None
-            L = self.decode_block_tables.shape[1] * self.block_size
-            pos = torch.arange(L, device=self.decode_seq_lens.device)
-            invalid = pos[None, :] >= self.decode_seq_lens[:, None]
-            mask = torch.zeros(invalid.shape, dtype=torch.float32, device=invalid.device)
-            mask.masked_fill_(invalid, float("-inf"))
-            self._decode_mask = mask[:, None, None, :]
-        return self._decode_mask
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -85,7 +74,9 @@ class Attention(nn.Module):
         out = torch.empty_like(q)
         nd = meta.num_decode_tokens
         if nd:
-            out[:nd] = self._decode(q[:nd], kv_cache, meta)
+            assert meta.decode_block_tables is not None and meta.decode_seq_lens is not None
+            out[:nd] = paged_decode_attention(q[:nd], kv_cache, meta.decode_block_tables,
+                                              meta.decode_seq_lens, self.scale)
         for start, qlen, ctx, blocks in zip(meta.prefill_query_starts, meta.prefill_query_lens,
                                             meta.prefill_context_lens, meta.prefill_block_tables):
             out[start:start + qlen] = self._prefill(
@@ -94,23 +85,6 @@ class Attention(nn.Module):
         return out.view(T, H * D)
 
     # ------------------------------------------------------------------
-    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """All decode requests at once: q [Nd, H, D] against each one's gathered blocks."""
-        assert meta.decode_block_tables is not None
-        nd = q.shape[0]
-        Hkv, G, D = self.num_kv_heads, self.num_groups, self.head_dim
-        tables = meta.decode_block_tables                         # [Nd, MB]
-        # Gather each request's blocks: [Nd, MB, bs, Hkv, D] -> [Nd, Hkv, L, D]
-        keys = kv_cache[0][tables].flatten(1, 2).transpose(1, 2)
-        values = kv_cache[1][tables].flatten(1, 2).transpose(1, 2)
-        qg = q.view(nd, Hkv, G, D).to(keys.dtype)
-        scores = torch.matmul(qg, keys.transpose(-1, -2)).float()  # [Nd, Hkv, G, L]
-        scores.mul_(self.scale).add_(meta.decode_mask())
-        probs = torch.softmax(scores, dim=-1).to(values.dtype)
-        out = torch.matmul(probs, values)                          # [Nd, Hkv, G, D]
-        return out.reshape(nd, self.num_heads, D).to(q.dtype)
-
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: int,
                  blocks: torch.Tensor, kv_cache: torch.Tensor, block_size: int) -> torch.Tensor:
         """One prefill chunk: q [Q, H, D] attends to `ctx` cached tokens + causally to itself."""

@@ -73,13 +73,11 @@ inline int64_t checked_block(const Params& P, int64_t n, int64_t b) {
   return blk;
 }
 
-#ifndef KVS_PREFETCH_TOKENS
-#define KVS_PREFETCH_TOKENS 32
-#endif
-constexpr int64_t kPrefetchTokens = KVS_PREFETCH_TOKENS;
-
 // Blocks are scattered through the cache and a kv head's rows in a block are Hkv * D apart, so
-// the hardware prefetchers cannot follow: fetch the next block's rows while this one computes.
+// the hardware prefetchers cannot follow: the rows about kPrefetchTokens ahead are fetched while
+// the current block computes (at least one block ahead; further ahead measured the same here).
+constexpr int64_t kPrefetchTokens = 32;
+
 template <typename T>
 inline void prefetch_rows(const T* p, int64_t rows, int64_t row_stride, int64_t row_elems) {
   const int64_t bytes = row_elems * static_cast<int64_t>(sizeof(T));
@@ -364,7 +362,6 @@ void attend_item(const Params& P, int64_t n, int64_t kh, Scratch& sc) {
   const T* V = static_cast<const T*>(P.v);
   const int64_t head_off = kh * P.kv_stride_head;
   const int64_t nblocks = (len + BS - 1) / BS;
-  // Prefetch about kPrefetchTokens ahead: one block of 16 computes in less than a DRAM latency.
   const int64_t dist = std::max<int64_t>(1, kPrefetchTokens / BS);
   auto prefetch_block = [&](int64_t b) {
     const int64_t off = checked_block(P, n, b) * P.kv_stride_block + head_off;
@@ -413,8 +410,14 @@ std::vector<int64_t> split_items(const Params& P, int64_t threads) {
 template <typename T, typename Step>
 void run(const Params& P) {
   const int64_t N = P.num_seqs;
+  // Waking a second thread costs more than a small call's work (tens of microseconds here).
+  constexpr int64_t kMinWorkPerThread = 8192;  // (token, query head) pairs, ~50 us
+  int64_t work = 0;
+  for (int64_t n = 0; n < N; ++n) work += P.seq_lens[n];
+  work *= P.num_kv_heads * P.groups;
   const int64_t threads = std::max<int64_t>(
-      1, std::min<int64_t>(at::get_num_threads(), N * P.num_kv_heads));
+      1, std::min({static_cast<int64_t>(at::get_num_threads()), N * P.num_kv_heads,
+                   work / kMinWorkPerThread}));
   const std::vector<int64_t> bounds = split_items(P, threads);
   at::parallel_for(0, threads, 1, [&](int64_t tb, int64_t te) {
     Scratch sc(P.groups, P.head_dim, P.block_size);
