@@ -82,11 +82,13 @@ def bench_dtype(model: str, dtype: str, requests: list[SampleRequest], args: arg
     vocab = int(load_hf_config(model)["vocab_size"])
     expected = sum(r.expected_output_len for r in requests)
     lens = [r.prompt_len + r.expected_output_len for r in requests]
+    batch1_len = args.batch1_prompt_len + args.batch1_tokens + 1
     entry: dict[str, Any] = {}
 
     # kvserve: sized so that every request fits at once (no preemption).
-    llm = LLM(model, dtype=dtype, max_model_len=max(lens) + 16, max_num_seqs=len(requests),
-              kv_cache_memory=kv_cache_bytes_for(model, dtype, lens + [args.batch1_prompt_len + args.batch1_tokens + 2]),
+    llm = LLM(model, dtype=dtype, max_model_len=max(lens + [batch1_len]) + 16,
+              max_num_seqs=len(requests),
+              kv_cache_memory=kv_cache_bytes_for(model, dtype, lens + [batch1_len]),
               seed=args.seed)
     try:
         elapsed, out_lens = run_kvserve(requests, llm, temperature=0.0)

@@ -253,7 +253,8 @@ def bench_dtype(model: str, dtype: str, gguf_path: str, args: argparse.Namespace
                                             measure_prefill_throughput, random_token_prompts)
 
     threads = torch.get_num_threads()
-    ctx = max(args.prompt_len, args.decode_prompt_len + args.decode_tokens) + 16
+    ctx = max(args.prompt_len + 1,
+              args.decode_prompt_len + max(args.decode_tokens + 1, args.check_tokens)) + 16
     entry: dict[str, Any] = {"gguf": gguf_path, "threads": threads}
 
     llm = LLM(model, dtype=dtype, max_model_len=ctx, max_num_seqs=1, enable_prefix_caching=False)
