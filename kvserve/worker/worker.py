@@ -48,7 +48,9 @@ class Worker:
         if self.device.type == "cpu":
             # Build (first run) or load the CPU attention kernel now, not in the first step.
             from kvserve.ops import cpu_kernel
+            from kvserve.ops.linear import cpu_kernel as linear_kernel
             cpu_kernel()
+            linear_kernel()
         self.model_runner = ModelRunner(self.config, self.device)
 
     def load_model(self) -> None:

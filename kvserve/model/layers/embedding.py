@@ -14,6 +14,7 @@ from torch import nn
 from kvserve.distributed.parallel_state import (get_tp_rank, get_tp_world_size,
                                                 tensor_model_parallel_all_gather,
                                                 tensor_model_parallel_all_reduce)
+from kvserve.ops.linear import linear as linear_op  # small-batch GEMV kernel on CPU
 from kvserve.model.layers.linear import copy_checked
 
 
@@ -62,7 +63,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """hidden_states [N, hidden] -> float32 logits [N, vocab] over the full vocabulary."""
-        logits = F.linear(hidden_states, self.weight)
+        logits = linear_op(hidden_states, self.weight)
         logits = tensor_model_parallel_all_gather(logits, dim=-1)
         return logits[..., :self.num_embeddings].float()
 

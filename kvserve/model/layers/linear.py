@@ -16,12 +16,12 @@ from __future__ import annotations
 from typing import Optional, Union
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvserve.distributed.parallel_state import (get_tp_rank, get_tp_world_size,
                                                 tensor_model_parallel_all_gather,
                                                 tensor_model_parallel_all_reduce)
+from kvserve.ops.linear import linear as linear_op  # small-batch GEMV kernel on CPU
 
 
 def divide(numerator: int, denominator: int) -> int:
@@ -91,7 +91,7 @@ class ReplicatedLinear(LinearBase):
         default_weight_loader(param, loaded_weight, shard_id)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear_op(x, self.weight, self.bias)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -109,7 +109,7 @@ class ColumnParallelLinear(LinearBase):
         copy_checked(param.data, shard(loaded_weight, 0, size * self.tp_size, self.tp_rank, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        y = linear_op(x, self.weight, self.bias)
         return tensor_model_parallel_all_gather(y, dim=-1) if self.gather_output else y
 
 
@@ -195,6 +195,6 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)
-        y = tensor_model_parallel_all_reduce(F.linear(x, self.weight))
+            return linear_op(x, self.weight, self.bias)
+        y = tensor_model_parallel_all_reduce(linear_op(x, self.weight))
         return y + self.bias if self.bias is not None else y

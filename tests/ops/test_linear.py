@@ -1,0 +1,147 @@
+"""Small-batch linear: the C++ CPU kernel, the F.linear fallback and the dispatching wrapper
+against F.linear computed in float64."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvserve.ops import linear as kl
+
+HAS_COMPILER = shutil.which(os.environ.get("CXX", "c++")) is not None
+needs_compiler = pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler")
+
+# float32: the kernel's summation order differs from float64's; relative to the output's scale.
+# bfloat16: products are exact and sums float32, so the error is the output's rounding to bf16
+# (2^-8 relative) plus float32 noise.
+TOLERANCES = {torch.float32: 1e-4, torch.bfloat16: 1e-2}
+ROWS = [1, 2, 3, 4, 5, 8, 9, 16]
+# (in_features, out_features): the benchmark Llama's shapes, then odd K (tail) and odd N.
+SHAPES = [(768, 2304), (768, 768), (768, 4096), (2048, 768), (100, 1001), (33, 7), (31, 5)]
+
+
+def make_case(m: int, k: int, n: int, dtype: torch.dtype, bias: bool, seed: int = 0
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(dtype)
+    b = torch.randn(n, generator=gen).to(dtype) if bias else None
+    return x, w, b
+
+
+def check(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> None:
+    ref = F.linear(x.double(), w.double(), None if b is None else b.double())
+    assert out.dtype == x.dtype and out.shape == ref.shape
+    # Per element: relative to the larger of |ref| and the typical magnitude of a dot product.
+    scale = ref.abs().clamp_min(ref.abs().mean().item())
+    err = ((out.double() - ref).abs() / scale).max().item()
+    assert err <= TOLERANCES[x.dtype], f"max scaled error {err}"
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    if not HAS_COMPILER:
+        pytest.skip("no C++ compiler")
+    op = kl.cpu_kernel()
+    assert op is not None, "the C++ kernel failed to build (see the log)"
+    return op
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("k,n", SHAPES)
+def test_kernel_matches_float64(kernel, dtype: torch.dtype, k: int, n: int) -> None:
+    for m in ROWS:
+        for bias in (False, True):
+            x, w, b = make_case(m, k, n, dtype, bias, seed=m)
+            check(kernel(x, w, b), x, w, b)
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_lm_head_shape(kernel, dtype: torch.dtype) -> None:
+    x, w, _ = make_case(1, 768, 32000, dtype, bias=False)
+    check(kernel(x, w, None), x, w, None)
+
+
+@needs_compiler
+def test_vector_path_compiled(kernel) -> None:
+    flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    if " avx512f " in flags:
+        assert kl.cpu_kernel_isa().startswith("avx512")
+    if " avx512_bf16 " in flags:
+        assert "dpbf16" in kl.cpu_kernel_isa()
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_wrapper_dispatch_and_shapes(kernel, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(1)
+    w = (torch.randn(1001, 100, generator=gen) / 10).to(dtype)
+    b = torch.randn(1001, generator=gen).to(dtype)
+    # Leading dims, a non-contiguous x (every other column), and more rows than the kernel takes.
+    for shape in [(100,), (1, 100), (2, 3, 100), (kl.SMALL_BATCH_MAX_ROWS + 1, 100)]:
+        x = torch.randn(*shape, generator=gen).to(dtype)
+        out = kl.linear(x, w, b)
+        assert out.shape == (*shape[:-1], 1001)
+        check(out.reshape(-1, 1001), x.reshape(-1, 100), w, b)
+    wide = torch.randn(3, 200, generator=gen).to(dtype)
+    x = wide[:, ::2]
+    assert not x.is_contiguous()
+    check(kl.linear(x, w, b), x, w, b)
+    check(kl.small_batch_linear(x, w, b), x, w, b)
+    # A non-contiguous weight (a transposed view) goes to F.linear and is still right.
+    wt = w.t().contiguous().t()
+    assert not wt.is_contiguous()
+    check(kl.small_batch_linear(x, wt, b), x, wt, b)
+
+
+def test_empty_and_mixed_dtypes() -> None:
+    w = torch.randn(7, 5)
+    assert kl.linear(torch.randn(0, 5), w).shape == (0, 7)
+    x = torch.randn(2, 5, dtype=torch.float64)            # not a kernel dtype: F.linear
+    torch.testing.assert_close(kl.linear(x, w.double()), F.linear(x, w.double()))
+
+
+@pytest.mark.timeout(120)
+def test_fallback_when_disabled() -> None:
+    """KVSERVE_DISABLE_CPU_KERNELS=1: no build, F.linear, same results (checked in a fresh
+    process, since the kernel choice is cached per process)."""
+    code = textwrap.dedent("""
+        import torch, torch.nn.functional as F
+        from kvserve.ops import linear as kl
+        assert kl.cpu_kernel() is None
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(3, 100).to(dtype)
+            w = torch.randn(1001, 100).to(dtype)
+            b = torch.randn(1001).to(dtype)
+            torch.testing.assert_close(kl.linear(x, w, b), F.linear(x, w, b), rtol=0, atol=0)
+            torch.testing.assert_close(kl.small_batch_linear(x, w, b), F.linear(x, w, b),
+                                       rtol=0, atol=0)
+        print("ok")
+    """)
+    env = dict(os.environ, KVSERVE_DISABLE_CPU_KERNELS="1")
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=100)
+    assert res.returncode == 0 and "ok" in res.stdout, res.stderr
+
+
+@needs_compiler
+@pytest.mark.timeout(120)
+def test_coexists_with_paged_attention() -> None:
+    """Both kernels register into torch.ops.kvserve; either may load first."""
+    code = textwrap.dedent("""
+        import torch
+        from kvserve.ops import linear as kl, paged_attention as pa
+        assert kl.cpu_kernel() is not None and pa.cpu_kernel() is not None
+        assert torch.ops.kvserve.small_batch_linear_isa() and torch.ops.kvserve.paged_attention_isa()
+        print("ok")
+    """)
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=100)
+    assert res.returncode == 0 and "ok" in res.stdout, res.stderr
