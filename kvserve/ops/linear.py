@@ -16,84 +16,22 @@ KVSERVE_DISABLE_CPU_KERNELS=1.
 from __future__ import annotations
 
 import functools
-import hashlib
-import logging
-import os
-import threading
-import time
-from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 
-# The build-cache helpers are shared with the paged attention kernel, so both builds live in
-# the same cache directory and follow the same stale-lock rule.
-from kvserve.ops.paged_attention import (DISABLE_ENV, _build_dir, _cpu_fingerprint,
-                                         _remove_stale_lock)
+from kvserve.ops.build import CpuKernel
 
-logger = logging.getLogger(__name__)
-
-_CSRC = Path(__file__).parent / "csrc" / "linear.cpp"
-_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-DNDEBUG"]
-_LDFLAGS = ["-fopenmp"]
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 # Largest row count linear() sends to the kernel. benchmarks/linear.py on the benchmark Llama's
 # shapes (one thread): bf16 beats F.linear at every M <= 8 (1.1-3x), at M = 16 loses on two of
 # five shapes (0.87-0.94x); f32 wins up to 16 (1.4-7x). One limit for both keeps it simple.
 SMALL_BATCH_MAX_ROWS = 8
-
-_load_lock = threading.Lock()
-_logged: set[str] = set()
-
-
-def _log_once(key: str, msg: str, *args: object, level: int = logging.INFO) -> None:
-    if key not in _logged:
-        _logged.add(key)
-        logger.log(level, msg, *args)
-
-
-@functools.lru_cache(maxsize=1)
-def _load_cpu_kernel() -> Optional[Callable[..., torch.Tensor]]:
-    """Compile (or reuse a cached build of) the C++ kernel; None if that fails for any reason."""
-    try:
-        from torch.utils import cpp_extension
-
-        source = _CSRC.read_bytes()
-        key = b"\0".join([source, " ".join(_CFLAGS + _LDFLAGS).encode(), torch.__version__.encode(),
-                          _cpu_fingerprint().encode()])
-        name = f"kvserve_linear_{hashlib.sha256(key).hexdigest()[:16]}"
-        build_dir = _build_dir(name)
-        _remove_stale_lock(os.path.join(build_dir, "lock"))
-        t0 = time.perf_counter()
-        cpp_extension.load(name=name, sources=[str(_CSRC)], extra_cflags=_CFLAGS,
-                           extra_ldflags=_LDFLAGS, build_directory=build_dir,
-                           is_python_module=False, verbose=False)
-        op = torch.ops.kvserve.small_batch_linear
-        isa = torch.ops.kvserve.small_batch_linear_isa()
-        _log_once("cpu", "small-batch linear: C++ CPU kernel (%s), ready in %.1f s",
-                  isa, time.perf_counter() - t0)
-        return op
-    except Exception as e:  # no compiler, no ninja, build error: all fall back to torch
-        lines = str(e).splitlines()
-        why = [ln for ln in lines if "error" in ln.lower()][:5] or lines[:1]
-        _log_once("cpu", "small-batch linear: C++ CPU kernel unavailable (%s); using F.linear. %s",
-                  type(e).__name__, " | ".join(why), level=logging.WARNING)
-        return None
-
-
-def cpu_kernel() -> Optional[Callable[..., torch.Tensor]]:
-    """The compiled CPU op (built on the first call), or None if disabled or unavailable."""
-    if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
-        _log_once("disabled", "small-batch linear: F.linear (%s is set)", DISABLE_ENV)
-        return None
-    with _load_lock:  # one build per process even if several threads ask at once
-        return _load_cpu_kernel()
-
-
-def cpu_kernel_isa() -> Optional[str]:
-    """The compiled kernel's vector paths, e.g. "avx512 (f32 fma, bf16 dpbf16)"; None without."""
-    return torch.ops.kvserve.small_batch_linear_isa() if cpu_kernel() is not None else None
+_KERNEL = CpuKernel("linear.cpp", op="small_batch_linear", isa_op="small_batch_linear_isa",
+                    what="small-batch linear", fallback="F.linear")
+cpu_kernel: Callable[[], Optional[Callable[..., torch.Tensor]]] = _KERNEL.get
+cpu_kernel_isa: Callable[[], Optional[str]] = _KERNEL.isa
 
 
 def _kernel_applies(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> bool:
