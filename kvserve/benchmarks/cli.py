@@ -7,7 +7,6 @@ mode registers its flags through its module's `add_cli_args` and runs through it
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from types import ModuleType
 from typing import Any, Optional
@@ -46,14 +45,8 @@ def make_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[list[str]] = None) -> int:
     """Run one bench mode; argv is `[MODE, flags...]` (without the leading `bench`)."""
-    logging.basicConfig(level=logging.INFO,
-                        format="%(levelname)s %(asctime)s %(name)s: %(message)s")
-    args = make_parser().parse_args(["bench", *(sys.argv[1:] if argv is None else argv)])
-    try:
-        return args.func(args)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    from kvserve.entrypoints.cli import main as kvserve_main
+    return kvserve_main(["bench", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Iterable
 
 from kvserve.config import CacheConfig, SchedulerConfig
 from kvserve.core.kv_cache_manager import KVCacheManager
@@ -69,13 +69,11 @@ def check_stop(request: Request, max_model_len: int) -> bool:
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
         self.config = scheduler_config
-        self.block_size = cache_config.block_size
-        self.enable_caching = cache_config.enable_prefix_caching
         self.max_model_len = scheduler_config.max_model_len
         self.num_blocks = cache_config.num_blocks
         self.kv_cache_manager = KVCacheManager(
-            num_blocks=cache_config.num_blocks, block_size=self.block_size,
-            enable_caching=self.enable_caching, max_model_len=self.max_model_len)
+            num_blocks=cache_config.num_blocks, block_size=cache_config.block_size,
+            enable_caching=cache_config.enable_prefix_caching, max_model_len=self.max_model_len)
         self.requests: dict[str, Request] = {}
         self.waiting = create_request_queue(scheduler_config.policy)
         self.running: list[Request] = []

@@ -367,24 +367,32 @@ def _sync_output_reader(r: BackgroundResources, sock: zmq.Socket,
             if sock not in events or r.closed:
                 return
             frames = sock.recv_multipart(copy=False)
-            if _is_dead_message(frames):
-                r.mark_dead("The engine core failed.", _dead_traceback(frames))
+            if not _dispatch_output(r, frames, decoder):
                 return
-            outputs: EngineCoreOutputs = decoder.decode(frames)
-            if outputs.utility_output is not None:
-                call_id, failure, result = MPClient._utility_result(outputs.utility_output)
-                fut = r.utility_futures.pop(call_id, None)
-                if fut is not None:
-                    if failure is not None:
-                        fut.set_exception(RuntimeError(failure))
-                    else:
-                        fut.set_result(result)
-                continue
-            r.outputs_queue.put_nowait(outputs)
     except Exception as e:
         if not r.closed:
             logger.exception("Engine core output reader failed.")
             r.mark_dead(f"Reading the engine core's outputs failed: {type(e).__name__}: {e}")
+
+
+def _dispatch_output(r: BackgroundResources, frames: list, decoder: MsgpackDecoder) -> bool:
+    """One message from the output socket (either reader): a utility result to its future,
+    step outputs to outputs_queue. False when the engine announced its death."""
+    if _is_dead_message(frames):
+        r.mark_dead("The engine core failed.", _dead_traceback(frames))
+        return False
+    outputs: EngineCoreOutputs = decoder.decode(frames)
+    if outputs.utility_output is None:
+        r.outputs_queue.put_nowait(outputs)
+        return True
+    call_id, failure, result = MPClient._utility_result(outputs.utility_output)
+    fut = r.utility_futures.pop(call_id, None)
+    if fut is not None and not fut.done():
+        if failure is not None:
+            fut.set_exception(RuntimeError(failure))
+        else:
+            fut.set_result(result)
+    return True
 
 
 def _sync_on_dead(r: BackgroundResources) -> None:
@@ -485,20 +493,8 @@ async def _async_output_reader(r: BackgroundResources, sock: zmq.asyncio.Socket,
     try:
         while True:
             frames = await sock.recv_multipart(copy=False)
-            if _is_dead_message(frames):
-                r.mark_dead("The engine core failed.", _dead_traceback(frames))
+            if not _dispatch_output(r, frames, decoder):
                 return
-            outputs: EngineCoreOutputs = decoder.decode(frames)
-            if outputs.utility_output is not None:
-                call_id, failure, result = MPClient._utility_result(outputs.utility_output)
-                fut = r.utility_futures.pop(call_id, None)
-                if fut is not None and not fut.done():
-                    if failure is not None:
-                        fut.set_exception(RuntimeError(failure))
-                    else:
-                        fut.set_result(result)
-                continue
-            r.outputs_queue.put_nowait(outputs)
     except asyncio.CancelledError:
         raise
     except Exception as e:

@@ -18,11 +18,10 @@ from kvserve.sampling_params import SamplingParams
 
 class InputBatch:
     def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int,
-                 vocab_size: int, device: torch.device, base_seed: int) -> None:
+                 vocab_size: int, device: torch.device) -> None:
         self.max_num_reqs = max_num_reqs
         self.vocab_size = vocab_size
         self.device = device
-        self.base_seed = base_seed
         self.req_ids: list[str] = []
         self.req_id_to_index: dict[str, int] = {}
 

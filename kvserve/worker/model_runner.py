@@ -56,7 +56,7 @@ class ModelRunner:
         self.input_batch = InputBatch(
             max_num_reqs=config.scheduler_config.max_num_seqs, max_model_len=self.max_model_len,
             max_blocks_per_req=self.max_blocks_per_req, vocab_size=self.vocab_size,
-            device=device, base_seed=mc.seed)
+            device=device)
 
     # ------------------------------------------------------------------ set-up
     def load_model(self) -> None:
@@ -162,7 +162,6 @@ class ModelRunner:
             tables = ib.block_table[rows[:num_decodes], :cdiv(max_len, bs)]
             meta.decode_block_tables = torch.from_numpy(np.ascontiguousarray(tables)).to(dev)
             meta.decode_seq_lens = torch.from_numpy(dec_lens).to(dev)
-            meta.decode_max_seq_len = max_len
         for i in range(num_decodes, len(rows)):
             meta.prefill_query_starts.append(int(starts[i]))
             meta.prefill_query_lens.append(int(qlens[i]))

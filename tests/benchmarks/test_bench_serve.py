@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -19,7 +19,8 @@ import pytest
 from kvserve.benchmarks import serve as bench_serve
 from kvserve.benchmarks.cli import main as bench_main
 from kvserve.benchmarks.datasets import SampleRequest
-from tests.entrypoints.conftest import SERVER_ENGINE_ARGS, RemoteServer
+# The live-server fixture of the server tests (module-scoped, killed at teardown).
+from tests.entrypoints.conftest import RemoteServer, server  # noqa: F401
 
 NUM_PROMPTS = 6
 INPUT_LEN = 16
@@ -30,15 +31,6 @@ TOP_KEYS = ("completed", "failed", "duration", "total_input_tokens", "total_outp
             "request_throughput", "request_goodput", "output_throughput",
             "total_token_throughput", "max_output_tokens_per_s", "max_concurrent_requests",
             "model_id", "num_prompts", "request_rate", "burstiness", "max_concurrency")
-
-
-@pytest.fixture(scope="module")
-def server(tiny_llama: str) -> Iterator[RemoteServer]:
-    srv = RemoteServer(tiny_llama, [*SERVER_ENGINE_ARGS, "--uvicorn-log-level", "warning"])
-    try:
-        yield srv
-    finally:
-        srv.close()
 
 
 def _serve_flags(server: RemoteServer, num_prompts: int = NUM_PROMPTS) -> list[str]:

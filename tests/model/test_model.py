@@ -103,7 +103,6 @@ def run_step(model: torch.nn.Module, caches: list[torch.Tensor],
             tables[i, :len(seq.blocks)] = torch.tensor(seq.blocks)
         seq_lens = torch.tensor([p + 1 for _, p in decodes])
         meta.decode_block_tables, meta.decode_seq_lens = tables, seq_lens
-        meta.decode_max_seq_len = int(seq_lens.max())
     hidden = model(torch.cat(ids), torch.cat(positions), caches, meta)
     return model.compute_logits(hidden)
 

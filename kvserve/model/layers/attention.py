@@ -32,7 +32,6 @@ class AttentionMetadata:
     # Decodes: one row per decode request.
     decode_block_tables: Optional[torch.Tensor] = None   # [Nd, max_blocks] int64
     decode_seq_lens: Optional[torch.Tensor] = None       # [Nd] int64, including the new token
-    decode_max_seq_len: int = 0
     # Prefill chunks, in token order after the decodes.
     prefill_query_starts: list[int] = field(default_factory=list)
     prefill_query_lens: list[int] = field(default_factory=list)
