@@ -32,6 +32,7 @@ import os
 import pickle
 import queue
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -57,6 +58,10 @@ ENGINE_CORE_DEAD = b"ENGINE_CORE_DEAD"
 HANDSHAKE_TIMEOUT_S = 5 * 60
 # After the frontend died: how long a clean shut-down may take before the process hard-exits.
 _ORPHAN_GRACE_S = 10.0
+# After a fatal error: how long flushing ENGINE_CORE_DEAD and shutting down may take before
+# the process hard-exits. A dead engine must not linger (once in CI it took over 30 s to
+# leave through interpreter finalisation).
+_FATAL_GRACE_S = 5.0
 # Sent through input_queue by an IO thread that failed; the busy loop re-raises the error.
 _IO_THREAD_FAILED = "IO_THREAD_FAILED"
 # Sent through input_queue when a signal arrived: wakes the busy loop so that the main thread
@@ -387,6 +392,7 @@ def run_engine_core(handshake_address: str, engine_index: int = 0,
         else:
             logger.exception("Engine core encountered a fatal error.")
             engine.send_engine_dead(traceback.format_exc())
+            _hard_exit_after(_FATAL_GRACE_S, exit_code)
     finally:
         exiting = True
         if engine is not None:
@@ -395,4 +401,26 @@ def run_engine_core(handshake_address: str, engine_index: int = 0,
             except Exception:
                 logger.exception("Engine core shut-down failed.")
     if exit_code:
-        raise SystemExit(exit_code)
+        # ENGINE_CORE_DEAD is delivered and the executor is down: nothing is left that needs
+        # the interpreter's finalisation, which can stall on threads and native pools.
+        _flush_and_exit(exit_code)
+
+
+def _hard_exit_after(seconds: float, code: int) -> None:
+    timer = threading.Timer(seconds, _flush_and_exit, args=(code,))
+    timer.daemon = True
+    timer.start()
+
+
+def _flush_and_exit(code: int) -> None:
+    for handler in logging.getLogger().handlers:
+        try:
+            handler.flush()
+        except Exception:
+            pass
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    os._exit(code)
