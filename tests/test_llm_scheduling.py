@@ -78,6 +78,13 @@ def test_priority_policy(tiny_llama: str, baseline: list) -> None:
     assert first_token[-1] < first_token[0]
     # The 4 most urgent run first: all of them see a token before any of the 4 least urgent.
     assert max(first_token[-4:]) < min(first_token[:4])
+    # first_scheduled_time comes from the engine core's SCHEDULED event: after arrival, before
+    # the first token, and in priority order for the first and last four.
+    for o in outs:
+        m = o.metrics
+        assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time, m
+    scheduled = [o.metrics.first_scheduled_time for o in outs]
+    assert max(scheduled[-4:]) < min(scheduled[:4])
     assert_all_blocks_free(llm)
 
 

@@ -73,6 +73,17 @@ class Request:
         self.num_preemptions = 0
         # Chained hashes of this request's full blocks, extended as tokens are appended.
         self.block_hashes: list = []
+        # (EngineCoreEventType, time.monotonic()) not yet sent to the frontend.
+        self.events: list[tuple[int, float]] = []
+
+    def record_event(self, event_type: int) -> None:
+        self.events.append((int(event_type), time.monotonic()))
+
+    def take_events(self) -> Optional[list[tuple[int, float]]]:
+        if not self.events:
+            return None
+        events, self.events = self.events, []
+        return events
 
     # ------------------------------------------------------------------
     @property

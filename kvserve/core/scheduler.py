@@ -18,7 +18,8 @@ from kvserve.core.request import Request, RequestStatus
 from kvserve.core.request_queue import create_request_queue
 from kvserve.core.sched_output import (CachedRequestData, ModelRunnerOutput, NewRequestData,
                                        SchedulerOutput)
-from kvserve.engine.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason
+from kvserve.engine.messages import (EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs,
+                                     FinishReason)
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +93,7 @@ class Scheduler:
             raise ValueError(f"Request id {request.request_id!r} is already in use.")
         self.requests[request.request_id] = request
         self.waiting.add(request)
+        request.record_event(EngineCoreEventType.QUEUED)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[str]:
         """Finish requests from outside the step (abort, stop string). Unknown ids are ignored."""
@@ -193,6 +195,7 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.prepend(request)
+        request.record_event(EngineCoreEventType.PREEMPTED)
 
     def _schedule_waiting(self, budget: int, num_scheduled: dict[str, int],
                           new_blocks: dict[str, list[int]], scheduled_new: list[Request]) -> int:
@@ -213,6 +216,7 @@ class Scheduler:
             if blocks is None:
                 break
             self.waiting.pop()
+            request.record_event(EngineCoreEventType.SCHEDULED)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_computed
             if request.num_cached_tokens < 0:
@@ -285,7 +289,8 @@ class Scheduler:
                     new_prompt_logprobs=new_prompt_logprobs,
                     finish_reason=_FINISH_REASON.get(request.status),
                     stop_reason=request.stop_reason,
-                    num_cached_tokens=max(request.num_cached_tokens, 0)))
+                    num_cached_tokens=max(request.num_cached_tokens, 0),
+                    events=request.take_events()))
             if finished:
                 self.running.remove(request)
                 self._free_request(request)

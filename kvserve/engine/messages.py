@@ -35,6 +35,14 @@ class FinishReason(enum.IntEnum):
         return ("stop", "length", "abort", "error")[self.value]
 
 
+class EngineCoreEventType(enum.IntEnum):
+    """What happened to a request in the engine core (vLLM's names); with a time.monotonic()
+    timestamp, which the frontend on the same host can compare with its own clock."""
+    QUEUED = 1
+    SCHEDULED = 2
+    PREEMPTED = 3
+
+
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):  # type: ignore[call-arg]
     request_id: str
     new_token_ids: list[int]
@@ -44,6 +52,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):  # 
     finish_reason: Optional[FinishReason] = None
     stop_reason: Any = None             # int token id or str
     num_cached_tokens: int = 0
+    # (EngineCoreEventType, monotonic time) since the request's previous output.
+    events: Optional[list[tuple[int, float]]] = None
 
     @property
     def finished(self) -> bool:

@@ -20,7 +20,8 @@ from typing import Optional, Union
 import msgspec
 
 from kvserve.engine.detokenizer import IncrementalDetokenizer
-from kvserve.engine.messages import EngineCoreOutput, EngineCoreRequest, FinishReason
+from kvserve.engine.messages import (EngineCoreEventType, EngineCoreOutput, EngineCoreRequest,
+                                     FinishReason)
 from kvserve.outputs import (CompletionOutput, Logprob, PromptLogprobs, RequestMetrics,
                              RequestOutput, SampleLogprobs)
 from kvserve.sampling_params import RequestOutputKind, SamplingParams
@@ -145,6 +146,12 @@ class FinishedRequestStats:
     num_prompt_tokens: int
     num_generation_tokens: int
     first_token_latency: float
+    # From the engine core's events (vLLM's definitions); None when not known (e.g. a request
+    # that finished before it was ever scheduled).
+    queued_time: Optional[float] = None       # first SCHEDULED - QUEUED
+    prefill_time: Optional[float] = None      # first token - first SCHEDULED
+    decode_time: Optional[float] = None       # last token - first token
+    inference_time: Optional[float] = None    # last token - first SCHEDULED
 
 
 @dataclass
@@ -297,6 +304,9 @@ class RequestState:
         self.added_monotonic = time.monotonic()
         self.first_token_monotonic: Optional[float] = None
         self.last_token_monotonic: Optional[float] = None
+        # From the engine core's events, in its (the host's) monotonic clock.
+        self.queued_ts: Optional[float] = None
+        self.scheduled_ts: Optional[float] = None
 
     @property
     def finished(self) -> bool:
@@ -404,6 +414,8 @@ class OutputProcessor:
             stop_reason = eco.stop_reason
             if eco.num_cached_tokens:
                 state.num_cached_tokens = eco.num_cached_tokens
+            if eco.events:
+                self._record_events(state, eco.events, now, now_mono)
             if new_ids:
                 self._record_token_times(state, len(new_ids), now, now_mono, stats)
 
@@ -466,6 +478,17 @@ class OutputProcessor:
         if stats is not None:
             stats.num_generation_tokens += num_new
 
+    @staticmethod
+    def _record_events(state: RequestState, events: list[tuple[int, float]], now: float,
+                       now_mono: float) -> None:
+        for event_type, ts in events:
+            if event_type == EngineCoreEventType.QUEUED:
+                state.queued_ts = ts
+            elif event_type == EngineCoreEventType.SCHEDULED and state.scheduled_ts is None:
+                state.scheduled_ts = ts
+                # RequestMetrics holds wall-clock times: shift by the clocks' offset.
+                state.metrics.first_scheduled_time = now - (now_mono - ts)
+
     def _finish(self, state: RequestState, finish_reason: str, stop_reason: Union[int, str, None],
                 now: float, now_mono: float, stats: Optional[IterationStats]) -> None:
         state.finish_reason = finish_reason
@@ -473,12 +496,21 @@ class OutputProcessor:
         state.metrics.finished_time = now
         self.request_states.pop(state.request_id, None)
         if stats is not None:
-            first = state.first_token_monotonic
-            stats.finished_requests.append(FinishedRequestStats(
+            first, last = state.first_token_monotonic, state.last_token_monotonic
+            finished = FinishedRequestStats(
                 finish_reason=finish_reason, e2e_latency=now_mono - state.added_monotonic,
                 num_prompt_tokens=len(state.prompt_token_ids),
                 num_generation_tokens=state.detokenizer.num_output_tokens,
-                first_token_latency=(first - state.added_monotonic) if first is not None else 0.0))
+                first_token_latency=(first - state.added_monotonic) if first is not None else 0.0)
+            sched = state.scheduled_ts
+            if sched is not None:
+                if state.queued_ts is not None:
+                    finished.queued_time = max(sched - state.queued_ts, 0.0)
+                if first is not None and last is not None:
+                    finished.prefill_time = max(first - sched, 0.0)
+                    finished.decode_time = last - first
+                    finished.inference_time = max(last - sched, 0.0)
+            stats.finished_requests.append(finished)
 
     def _emit(self, state: RequestState, request_outputs: list[RequestOutput],
               touched_parents: dict[str, ParentRequest]) -> None:

@@ -108,6 +108,15 @@ class PrometheusStatLogger(StatLoggerBase):
         self.hist_queue = histogram("request_queue_time_seconds",
                                     "Histogram of time spent in WAITING phase for request.",
                                     REQUEST_LATENCY_BUCKETS)
+        self.hist_prefill = histogram("request_prefill_time_seconds",
+                                      "Histogram of time spent in PREFILL phase for request.",
+                                      REQUEST_LATENCY_BUCKETS)
+        self.hist_decode = histogram("request_decode_time_seconds",
+                                     "Histogram of time spent in DECODE phase for request.",
+                                     REQUEST_LATENCY_BUCKETS)
+        self.hist_inference = histogram("request_inference_time_seconds",
+                                        "Histogram of time spent in RUNNING phase for request.",
+                                        REQUEST_LATENCY_BUCKETS)
         # Sizes.
         token_buckets = build_1_2_5_buckets(max_model_len)
         self.hist_prompt_tokens = histogram("request_prompt_tokens",
@@ -164,9 +173,12 @@ class PrometheusStatLogger(StatLoggerBase):
             if req.num_generation_tokens > 1:
                 self.hist_tpot.observe((req.e2e_latency - req.first_token_latency)
                                        / (req.num_generation_tokens - 1))
-            queued = getattr(req, "queued_time", None)
-            if queued is not None:
-                self.hist_queue.observe(queued)
+            for hist, value in ((self.hist_queue, req.queued_time),
+                                (self.hist_prefill, req.prefill_time),
+                                (self.hist_decode, req.decode_time),
+                                (self.hist_inference, req.inference_time)):
+                if value is not None:
+                    hist.observe(value)
 
     # ------------------------------------------------------------------ exposition
     def render(self) -> tuple[bytes, str]:

@@ -379,9 +379,13 @@ def test_disconnected_clients_free_their_blocks(server: RemoteServer, model_name
 def test_metrics_names_labels_and_counts(server: RemoteServer, client: openai.OpenAI,
                                          model_name: str, tokenizer: Tokenizer) -> None:
     labels = {"model_name": model_name, "engine": "0"}
+    phases = [f"kvserve:request_{p}_time_seconds_{s}" for p in ("queue", "prefill", "decode",
+                                                                  "inference")
+              for s in ("count", "sum")]
     before = {n: metric(server, n, **labels) for n in (
         "kvserve:prompt_tokens_total", "kvserve:generation_tokens_total",
-        "kvserve:time_to_first_token_seconds_count", "kvserve:e2e_request_latency_seconds_count")}
+        "kvserve:time_to_first_token_seconds_count", "kvserve:e2e_request_latency_seconds_count",
+        "kvserve:e2e_request_latency_seconds_sum", *phases)}
     length_before = metric(server, "kvserve:request_success_total", finished_reason="length", **labels)
     prompt = "Counting tokens in the metrics"
     client.completions.create(model=model_name, prompt=prompt, max_tokens=7, temperature=0,
@@ -397,6 +401,19 @@ def test_metrics_names_labels_and_counts(server: RemoteServer, client: openai.Op
         "kvserve:e2e_request_latency_seconds_count"] == 1
     assert metric(server, "kvserve:request_success_total", finished_reason="length",
                   **labels) == length_before + 1
+    # Queue / prefill / decode / inference times, from the engine core's events: one sample
+    # each, none negative, queue + inference within the end-to-end latency.
+    delta = {n: metric(server, n, **labels) - before[n] for n in phases}
+    for p in ("queue", "prefill", "decode", "inference"):
+        assert delta[f"kvserve:request_{p}_time_seconds_count"] == 1, p
+        assert delta[f"kvserve:request_{p}_time_seconds_sum"] >= 0, p
+    e2e = metric(server, "kvserve:e2e_request_latency_seconds_sum", **labels) - before[
+        "kvserve:e2e_request_latency_seconds_sum"]
+    queue = delta["kvserve:request_queue_time_seconds_sum"]
+    inference = delta["kvserve:request_inference_time_seconds_sum"]
+    assert inference > 0 and queue + inference <= e2e + 1e-3, (queue, inference, e2e)
+    assert abs(delta["kvserve:request_prefill_time_seconds_sum"]
+               + delta["kvserve:request_decode_time_seconds_sum"] - inference) < 1e-3
     # Every vLLM metric name is exported with both labels.
     for name in ("kvserve:num_requests_running", "kvserve:num_requests_waiting",
                  "kvserve:kv_cache_usage_perc", "kvserve:prefix_cache_queries_total",

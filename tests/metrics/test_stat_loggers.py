@@ -53,7 +53,9 @@ def test_iteration_stats_fill_counters_and_histograms() -> None:
     it = IterationStats(num_generation_tokens=5, num_prompt_tokens=12,
                         time_to_first_tokens_iter=[0.02, 0.3], inter_token_latencies_iter=[0.01] * 3,
                         finished_requests=[
-                            FinishedRequestStats("stop", 1.0, 7, 5, 0.2),
+                            FinishedRequestStats("stop", 1.0, 7, 5, 0.2, queued_time=0.1,
+                                                 prefill_time=0.1, decode_time=0.8,
+                                                 inference_time=0.9),
                             FinishedRequestStats("length", 2.0, 5, 1, 0.5)])
     logger(None, it)
     assert value(logger, "kvserve:prompt_tokens_total") == 12
@@ -69,6 +71,11 @@ def test_iteration_stats_fill_counters_and_histograms() -> None:
     # Time per output token: (e2e - ttft) / (tokens - 1), for requests with 2+ tokens.
     assert value(logger, "kvserve:request_time_per_output_token_seconds_sum") == pytest.approx(0.2)
     assert value(logger, "kvserve:iteration_tokens_total_sum") == 17
+    # Phase times only where the engine's events gave them.
+    assert value(logger, "kvserve:request_queue_time_seconds_count") == 1
+    assert value(logger, "kvserve:request_queue_time_seconds_sum") == pytest.approx(0.1)
+    assert value(logger, "kvserve:request_decode_time_seconds_sum") == pytest.approx(0.8)
+    assert value(logger, "kvserve:request_inference_time_seconds_count") == 1
     # Buckets stop at max_num_batched_tokens.
     assert ("kvserve:iteration_tokens_total_bucket",
             tuple(sorted({"model_name": "m", "engine": "1", "le": "128.0"}.items()))) not in samples(logger)
