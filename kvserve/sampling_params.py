@@ -48,6 +48,9 @@ class SamplingParams(
     allowed_token_ids: Optional[list[int]] = None
     bad_words: Optional[list[str]] = None
     extra_args: Optional[dict[str, Any]] = None
+    # Set by the input processor from `bad_words` and the tokenizer (vLLM's
+    # _bad_words_token_ids): the token sequences the sampler forbids completing.
+    bad_words_token_ids: Optional[list[list[int]]] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -124,6 +127,23 @@ class SamplingParams(
     def clone(self) -> "SamplingParams":
         return msgspec.structs.replace(self)
 
+    def update_from_tokenizer(self, tokenizer: Any) -> None:
+        """Tokenize `bad_words` into `bad_words_token_ids`, as vLLM does: each word as it
+        starts a text and, when that is a different token sequence of the same length, as it
+        follows a space (mid-text), so both forms are forbidden."""
+        if not self.bad_words:
+            return
+        ids: list[list[int]] = []
+        for word in self.bad_words:
+            plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            if not plain:
+                raise ValueError(f"bad_words entry {word!r} encodes to no tokens.")
+            ids.append(plain)
+            spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+                ids.append(spaced)
+        self.bad_words_token_ids = ids
+
     def verify_against_vocab(self, vocab_size: int, max_logprobs: int) -> None:
         """Checks that need the model: token ids in range, logprob counts under the cap."""
         def check_ids(name: str, ids: Any) -> None:
@@ -134,6 +154,7 @@ class SamplingParams(
         check_ids("allowed_token_ids", self.allowed_token_ids)
         check_ids("logit_bias", (self.logit_bias or {}).keys())
         check_ids("stop_token_ids", self.stop_token_ids)
+        check_ids("bad_words", [t for seq in self.bad_words_token_ids or [] for t in seq])
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             if v is not None and v != -1 and v > max_logprobs:

@@ -83,6 +83,44 @@ def test_min_tokens_blocks_stop_tokens(llm: LLM) -> None:
     assert first not in out.token_ids[:3] and len(out.token_ids) >= 3
 
 
+def contains_run(tokens: list[int], run: list[int]) -> bool:
+    return any(tokens[i:i + len(run)] == run for i in range(len(tokens) - len(run) + 1))
+
+
+def test_bad_words(llm: LLM) -> None:
+    tok = llm.get_tokenizer()
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    prompt = "The capital of France is"
+    base = llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids
+
+    def bad_params(word: str) -> SamplingParams:
+        return SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, bad_words=[word])
+
+    def tokenized(word: str) -> list[list[int]]:
+        request, _ = llm.llm_engine.process_inputs("bw", prompt, bad_params(word))
+        return request.sampling_params.bad_words_token_ids
+    # A word greedy decoding produces (the random model also emits ids the small tokenizer
+    # cannot decode): the first pair of output tokens whose text tokenizes back into a run of
+    # the output, preferring two-token words.
+    candidates = [tok.decode(base[i:i + 2]).strip() for i in range(len(base) - 1)]
+    candidates += [tok.decode(base[i:i + 1]).strip() for i in range(len(base))]
+    word = next(w for w in candidates if w and "\ufffd" not in w
+                and any(contains_run(base, s) for s in tokenized(w)))
+    bad = bad_params(word)
+    sequences = tokenized(word)
+    assert bad.bad_words_token_ids is None    # the caller's params stay as given
+    out = llm.generate(prompt, bad, use_tqdm=False)[0].outputs[0].token_ids
+    assert not any(contains_run(out, s) for s in sequences), (out, sequences)
+    # Up to the first place a bad word would complete, the output is the plain one.
+    first = min(i + len(s) - 1 for s in sequences for i in range(len(base))
+                if base[i:i + len(s)] == s)
+    assert out[:first] == base[:first] and out[first] != base[first]
+    # A word that cannot be tokenized into anything is a clear error.
+    with pytest.raises(ValueError, match="bad_words"):
+        llm.generate(prompt, SamplingParams(max_tokens=2, bad_words=[" "]), use_tqdm=False)
+    assert free_blocks_ok(llm)
+
+
 def test_n_copies(llm: LLM) -> None:
     out = llm.generate("Hello", SamplingParams(n=3, temperature=1.0, max_tokens=10, seed=5,
                                                ignore_eos=True), use_tqdm=False)

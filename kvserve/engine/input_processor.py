@@ -57,13 +57,19 @@ class InputProcessor:
         """
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}.")
+        orig_params = params
         prompt_text, prompt_token_ids, dict_salt = self._tokenize(prompt)
         self._validate_prompt(prompt_token_ids)
-        params.verify_against_vocab(self.model_config.vocab_size, self.model_config.max_logprobs)
-
         if params.max_tokens is None:
             params = msgspec.structs.replace(
                 params, max_tokens=self.max_model_len - len(prompt_token_ids))
+        if params.bad_words:
+            if self.tokenizer is None:
+                raise ValueError("bad_words needs a tokenizer; this engine has none.")
+            params = msgspec.structs.replace(params) if params is orig_params else params
+            params.update_from_tokenizer(self.tokenizer)
+        params.verify_against_vocab(self.model_config.vocab_size, self.model_config.max_logprobs)
+
         return EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=prompt_token_ids,

@@ -33,6 +33,8 @@ class SamplingMetadata:
     allowed_token_ids_mask: Optional[torch.Tensor] = None  # [B, V] bool, True = NOT allowed
     # Rows still under min_tokens: row index -> token ids to forbid (stop tokens, EOS).
     min_tokens: dict[int, set[int]] = field(default_factory=dict)
+    # Rows with bad_words: row index -> (forbidden token sequences, the row's output ids).
+    bad_words: dict[int, tuple[list[list[int]], list[int]]] = field(default_factory=dict)
 
     @property
     def no_penalties(self) -> bool:

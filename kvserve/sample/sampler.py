@@ -34,6 +34,7 @@ class Sampler(nn.Module):
         logits = apply_allowed_token_ids(logits, metadata.allowed_token_ids_mask)
         logits = apply_logit_bias(logits, metadata.logit_bias)
         logits = apply_min_tokens(logits, metadata.min_tokens)
+        logits = apply_bad_words(logits, metadata.bad_words)
         if not metadata.no_penalties:
             logits = apply_penalties(logits, metadata)
 
@@ -83,6 +84,27 @@ def apply_logit_bias(logits: torch.Tensor,
     return logits.index_put(_host_indices(rows, cols, logits.device),
                             _to_device(torch.tensor(vals, dtype=logits.dtype), logits.device),
                             accumulate=True)
+
+
+def apply_bad_words(logits: torch.Tensor,
+                    bad_words: dict[int, tuple[list[list[int]], list[int]]]) -> torch.Tensor:
+    """Forbid the token that would complete a bad word: a one-token word always, a longer one
+    when the row's last output tokens are the word's other tokens (vLLM's rule; only rows
+    that have bad_words are visited)."""
+    rows: list[int] = []
+    cols: list[int] = []
+    for i, (sequences, output) in bad_words.items():
+        for seq in sequences:
+            prefix = len(seq) - 1
+            if prefix > len(output):
+                continue
+            if prefix == 0 or output[-prefix:] == seq[:-1]:
+                rows.append(i)
+                cols.append(seq[-1])
+    if not rows:
+        return logits
+    return logits.index_put(_host_indices(rows, cols, logits.device),
+                            torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device))
 
 
 def apply_min_tokens(logits: torch.Tensor, min_tokens: dict[int, set[int]]) -> torch.Tensor:

@@ -166,6 +166,8 @@ class InputBatch:
                 if not p.ignore_eos:
                     forbid |= self.eos_token_ids[r]
                 min_tokens[i] = forbid
+        bad_words = {i: (p.bad_words_token_ids, self.output_token_ids[r])
+                     for i, (r, p) in enumerate(zip(rows, params)) if p.bad_words_token_ids}
 
         return SamplingMetadata(
             temperature=torch.from_numpy(temp.copy()).to(dev),
@@ -181,7 +183,7 @@ class InputBatch:
             output_token_ids=[self.output_token_ids[r] for r in rows] if use_penalties else [],
             logit_bias=[p.logit_bias for p in params] if any(p.logit_bias for p in params) else [],
             allowed_token_ids_mask=allowed_mask,
-            min_tokens=min_tokens)
+            min_tokens=min_tokens, bad_words=bad_words)
 
 
 def _position_seed(seed: int, position: int) -> int:

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from kvserve.sample.metadata import SamplingMetadata
-from kvserve.sample.sampler import (Sampler, apply_allowed_token_ids, apply_logit_bias,
-                                    apply_min_tokens, apply_penalties,
+from kvserve.sample.sampler import (Sampler, apply_allowed_token_ids, apply_bad_words,
+                                    apply_logit_bias, apply_min_tokens, apply_penalties,
                                     apply_sampling_transforms, apply_top_k_top_p)
 from kvserve.sampling_params import SamplingParams
 
@@ -347,6 +347,20 @@ def test_logit_bias_and_allowed_token_ids(device):
                          vocab, device)
     drawn = Sampler()(logits[3].expand(rows, -1), rand).sampled_token_ids.cpu()
     assert set(drawn.tolist()) == {1, 2, 3}
+
+
+def test_bad_words_forbid_the_completing_token(device):
+    logits = torch.zeros(4, 10, device=device)
+    words = [[3], [5, 6, 7], [8, 9]]
+    got = apply_bad_words(logits, {
+        0: (words, []),              # only the one-token word applies with no output yet
+        1: (words, [1, 5, 6]),       # ... 5 6 -> 7 would complete [5, 6, 7]
+        2: (words, [5, 4, 8]),       # ... 8 -> 9 would complete [8, 9]; [5, 6, 7] does not apply
+        # row 3 has no bad words
+    }).cpu()
+    forbidden = {(r, c) for r, c in zip(*torch.nonzero(got == NEG_INF, as_tuple=True))}
+    assert {(int(r), int(c)) for r, c in forbidden} == {(0, 3), (1, 3), (1, 7), (2, 3), (2, 9)}
+    assert torch.equal(apply_bad_words(logits, {}), logits)
 
 
 def test_min_tokens_forbids_stop_ids(device):

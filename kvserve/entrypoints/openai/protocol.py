@@ -132,6 +132,7 @@ class _SamplingRequest(OpenAIBaseModel):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     allowed_token_ids: Optional[list[int]] = None
+    bad_words: Optional[list[str]] = None
     prompt_logprobs: Optional[int] = None
     truncate_prompt_tokens: Optional[int] = Field(default=None, ge=-1)
     priority: int = 0
@@ -173,6 +174,7 @@ class _SamplingRequest(OpenAIBaseModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             logit_bias=self.logit_bias,
             allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
             # Streams get only what is new; a whole response needs only the end.
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
             **picked,
