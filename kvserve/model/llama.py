@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Iterable, Optional, Union
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvserve.config import ModelConfig
@@ -24,6 +23,7 @@ from kvserve.model.layers.linear import (MergedColumnParallelLinear, QKVParallel
                                          RowParallelLinear, default_weight_loader)
 from kvserve.model.layers.norm import RMSNorm
 from kvserve.model.layers.rotary import get_rope
+from kvserve.ops.fused import silu_and_mul
 
 
 @dataclass(frozen=True)
@@ -41,8 +41,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaAttention(nn.Module):

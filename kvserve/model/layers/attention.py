@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.ops import paged_decode_attention
+from kvserve.ops.fused import reshape_and_cache
 
 
 @dataclass
@@ -42,10 +43,7 @@ class AttentionMetadata:
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Write this step's K/V [T, Hkv, D] into the paged cache at slot_mapping (in place)."""
-    _, num_blocks, block_size, hkv, d = kv_cache.shape
-    flat = kv_cache.view(2, num_blocks * block_size, hkv, d)
-    flat[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
-    flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+    reshape_and_cache(k, v, kv_cache, slot_mapping)
 
 
 class Attention(nn.Module):

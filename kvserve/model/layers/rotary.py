@@ -2,7 +2,7 @@
 
 cos/sin for every position up to max_position are computed once in float32; a forward indexes
 them by `positions` [T], so tokens of different requests at different positions rotate in one
-vectorised op.
+call (kvserve.ops.fused.rotary_embedding: a C++ kernel on CPU, else torch ops).
 """
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ from typing import Any, Optional
 
 import torch
 from torch import nn
+
+from kvserve.ops.fused import rotary_embedding
 
 
 def rope_config(hf_config: dict) -> tuple[float, Optional[dict]]:
@@ -72,17 +74,9 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T]; q [T, Hq*D], k [T, Hk*D] (or already [T, H, D]) -> rotated, same shapes."""
-        cos = self.cos_cache[positions].unsqueeze(1).to(q.dtype)    # [T, 1, D/2]
-        sin = self.sin_cache[positions].unsqueeze(1).to(q.dtype)
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
-
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # HF: x * cat(cos, cos) + rotate_half(x) * cat(sin, sin), rotate_half(x) = cat(-x2, x1);
-        # written per half it is the same arithmetic, bit for bit.
-        shape = x.shape
-        x1, x2 = x.view(shape[0], -1, self.head_size).chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).view(shape)
+        """positions [T]; q [T, Hq*D], k [T, Hk*D] (or already [T, H, D]) -> rotated, same shapes.
+        The kernel rotates q and k in place; use the returned tensors."""
+        return rotary_embedding(positions, q, k, self.head_size, self.cos_cache, self.sin_cache)
 
     def extra_repr(self) -> str:
         return f"head_size={self.head_size}, max_position={self.cos_cache.shape[0]}"
