@@ -162,12 +162,13 @@ class ModelRunner:
             tables = ib.block_table[rows[:num_decodes], :cdiv(max_len, bs)]
             meta.decode_block_tables = torch.from_numpy(np.ascontiguousarray(tables)).to(dev)
             meta.decode_seq_lens = torch.from_numpy(dec_lens).to(dev)
-        for i in range(num_decodes, len(rows)):
-            meta.prefill_query_starts.append(int(starts[i]))
-            meta.prefill_query_lens.append(int(qlens[i]))
-            meta.prefill_context_lens.append(int(computed[i]))
-            blocks = ib.block_table[rows[i], :cdiv(int(seq_lens[i]), bs)]
-            meta.prefill_block_tables.append(torch.from_numpy(blocks.copy()).to(dev))
+        if num_decodes < len(rows):
+            p = slice(num_decodes, None)
+            meta.prefill_query_starts = torch.from_numpy(starts[p].copy()).to(dev)
+            meta.prefill_query_lens = torch.from_numpy(qlens[p].copy()).to(dev)
+            meta.prefill_context_lens = torch.from_numpy(computed[p].copy()).to(dev)
+            tables = ib.block_table[rows[p], :cdiv(int(seq_lens[p].max()), bs)]
+            meta.prefill_block_tables = torch.from_numpy(np.ascontiguousarray(tables)).to(dev)
         return StepInputs(
             req_ids=req_ids, rows=rows, query_lens=qlens, query_starts=starts,
             input_ids=torch.from_numpy(input_ids).to(dev),

@@ -22,6 +22,7 @@ from kvserve.model import demo
 from kvserve.model.layers.attention import AttentionMetadata
 from kvserve.model.loader import get_kv_cache_shape, load_model, num_kv_heads_per_rank
 from kvserve.model.registry import get_model_class
+from kvserve.ops.prefill_attention import stack_block_tables
 
 ATOL = 1e-4
 BLOCK_SIZE = 4
@@ -90,10 +91,7 @@ def run_step(model: torch.nn.Module, caches: list[torch.Tensor],
         offset += e - s
     meta = AttentionMetadata(
         num_decode_tokens=len(decodes), slot_mapping=torch.cat(slots), block_size=BLOCK_SIZE,
-        prefill_query_starts=starts,
-        prefill_query_lens=[e - s for _, s, e in prefills],
-        prefill_context_lens=[s for _, s, _ in prefills],
-        prefill_block_tables=[torch.tensor(seq.blocks) for seq, _, _ in prefills])
+        **prefill_metadata(starts, prefills))
     if decodes:
         # Pad block tables with block 0, which belongs to another sequence: the seq_lens mask
         # must hide it.
@@ -127,6 +125,17 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, atol: float = ATO
     assert actual.shape == expected.shape, (actual.shape, expected.shape)
     err = (actual - expected).abs().max().item()
     assert err <= atol, f"max |kvserve - HF| = {err:.3g} > {atol}"
+
+
+def prefill_metadata(starts: list[int], prefills: list) -> dict:
+    if not prefills:
+        return {}
+    return dict(
+        prefill_query_starts=torch.tensor(starts),
+        prefill_query_lens=torch.tensor([e - s for _, s, e in prefills]),
+        prefill_context_lens=torch.tensor([s for _, s, _ in prefills]),
+        prefill_block_tables=stack_block_tables([torch.tensor(seq.blocks)
+                                                 for seq, _, _ in prefills]))
 
 
 def check_prefill(path: str, prompt_len: int = 40) -> None:
