@@ -75,6 +75,11 @@ def load_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
         shown = ", ".join(never_loaded[:8]) + (" ..." if len(never_loaded) > 8 else "")
         raise ValueError(f"Checkpoint {model_config.model!r} has no weights for "
                          f"{len(never_loaded)} parameter(s) of {model_cls.__name__}: {shown}")
+    # Layout changes that need the loaded weights (vLLM's hook name), e.g. CPU prepacking.
+    for module in model.modules():
+        process = getattr(module, "process_weights_after_loading", None)
+        if process is not None:
+            process()
     return model.eval()
 
 

@@ -218,6 +218,13 @@ def test_checkpoint_variants_are_what_they_claim(make_checkpoint: Callable[..., 
     assert len([f for f in os.listdir(sharded) if f.endswith(".safetensors")]) > 1
     model, _ = load(make_checkpoint("llama", tie_word_embeddings=True))
     assert model.lm_head.weight is model.model.embed_tokens.weight
+    if torch.backends.mkldnn.is_available() and os.environ.get("KVSERVE_DISABLE_CPU_KERNELS") != "1":
+        # CPU: linear layers keep only oneDNN's prepacked weight; the tied LM head packs a
+        # copy and leaves the embedding's weight in place.
+        qkv = model.model.layers[0].self_attn.qkv_proj
+        assert qkv.weight_packed is not None and qkv.weight.numel() == 0
+        assert model.lm_head.weight_packed is not None
+        assert model.model.embed_tokens.weight.numel() > 0
     model, _ = load(make_checkpoint("qwen3", head_dim=32))
     assert model.model.layers[0].self_attn.q_norm.weight.shape == (32,)
 

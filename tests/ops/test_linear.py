@@ -109,6 +109,40 @@ def test_empty_and_mixed_dtypes() -> None:
     torch.testing.assert_close(kl.linear(x, w.double()), F.linear(x, w.double()))
 
 
+needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(),
+                                  reason="torch built without oneDNN")
+
+
+@needs_onednn
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("k,n", SHAPES)
+def test_packed_matches_float64(dtype: torch.dtype, k: int, n: int) -> None:
+    """oneDNN-prepacked weights (what the model's linear layers use on CPU): every batch size,
+    with and without bias, 1-D / 3-D inputs."""
+    for m in [0, 1, 3, 8, 17, 64, 300]:
+        for bias in (False, True):
+            x, w, b = make_case(m, k, n, dtype, bias, seed=m)
+            packed = kl.pack_weight(w)
+            assert packed is not None
+            out = kl.packed_linear(x, packed, b)
+            if m:
+                check(out, x, w, b)
+            else:
+                assert out.shape == (0, n)
+    x, w, _ = make_case(6, k, n, dtype, False)
+    packed = kl.pack_weight(w)
+    torch.testing.assert_close(kl.packed_linear(x.view(2, 3, k), packed),
+                               kl.packed_linear(x, packed).view(2, 3, n))
+    # A non-contiguous input (a slice of a wider activation) reads the right elements.
+    wide = torch.cat([x, torch.randn(6, 5).to(dtype)], dim=1)
+    torch.testing.assert_close(kl.packed_linear(wide[:, :k], packed), kl.packed_linear(x, packed))
+
+
+def test_pack_weight_declines() -> None:
+    assert kl.pack_weight(torch.randn(4, 3, dtype=torch.float64)) is None
+    assert kl.pack_weight(torch.randn(4, 3, dtype=torch.float16)) is None
+
+
 @pytest.mark.timeout(120)
 def test_fallback_when_disabled() -> None:
     """KVSERVE_DISABLE_CPU_KERNELS=1: no build, F.linear, same results (checked in a fresh
@@ -124,6 +158,7 @@ def test_fallback_when_disabled() -> None:
             torch.testing.assert_close(kl.linear(x, w, b), F.linear(x, w, b), rtol=0, atol=0)
             torch.testing.assert_close(kl.small_batch_linear(x, w, b), F.linear(x, w, b),
                                        rtol=0, atol=0)
+        assert kl.pack_weight(torch.randn(4, 3)) is None     # no prepacking either
         print("ok")
     """)
     env = dict(os.environ, KVSERVE_DISABLE_CPU_KERNELS="1")

@@ -14,8 +14,9 @@ from torch import nn
 from kvserve.distributed.parallel_state import (get_tp_rank, get_tp_world_size,
                                                 tensor_model_parallel_all_gather,
                                                 tensor_model_parallel_all_reduce)
-from kvserve.ops.linear import linear as linear_op  # small-batch GEMV kernel on CPU
 from kvserve.model.layers.linear import copy_checked
+from kvserve.ops.linear import linear as linear_op  # small-batch GEMV kernel on CPU
+from kvserve.ops.linear import pack_weight, packed_linear
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -58,12 +59,30 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Vocab-sharded output projection. Tied models share the embedding's weight Parameter."""
 
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__(num_embeddings, embedding_dim)
+        self.tied = False
+        self.weight_packed: Optional[torch.Tensor] = None
+
     def tie_weights(self, embed_tokens: VocabParallelEmbedding) -> None:
         self.weight = embed_tokens.weight
+        self.tied = True
+
+    def process_weights_after_loading(self) -> None:
+        """On CPU, a oneDNN-prepacked copy for compute_logits (see ops.linear); the plain
+        weight is dropped unless the embedding shares it."""
+        packed = pack_weight(self.weight)
+        if packed is not None:
+            self.weight_packed = packed
+            if not self.tied:
+                self.weight.data = torch.empty(0, dtype=self.weight.dtype)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """hidden_states [N, hidden] -> float32 logits [N, vocab] over the full vocabulary."""
-        logits = linear_op(hidden_states, self.weight)
+        if self.weight_packed is not None:
+            logits = packed_linear(hidden_states, self.weight_packed)
+        else:
+            logits = linear_op(hidden_states, self.weight)
         logits = tensor_model_parallel_all_gather(logits, dim=-1)
         return logits[..., :self.num_embeddings].float()
 

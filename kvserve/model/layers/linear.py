@@ -22,6 +22,7 @@ from kvserve.distributed.parallel_state import (get_tp_rank, get_tp_world_size,
                                                 tensor_model_parallel_all_gather,
                                                 tensor_model_parallel_all_reduce)
 from kvserve.ops.linear import linear as linear_op  # small-batch GEMV kernel on CPU
+from kvserve.ops.linear import pack_weight, packed_linear
 
 
 def divide(numerator: int, denominator: int) -> int:
@@ -73,10 +74,24 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
+        self.weight_packed: Optional[torch.Tensor] = None
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
                       shard_id: Optional[Union[int, str]] = None) -> None:
         raise NotImplementedError
+
+    def process_weights_after_loading(self) -> None:
+        """On CPU, keep the weight only in oneDNN's prepacked layout (see ops.linear)."""
+        packed = pack_weight(self.weight)
+        if packed is not None:
+            self.weight_packed = packed
+            self.weight.data = torch.empty(0, dtype=self.weight.dtype)   # never read again
+
+    def apply_linear(self, x: torch.Tensor, with_bias: bool = True) -> torch.Tensor:
+        bias = self.bias if with_bias else None
+        if self.weight_packed is not None:
+            return packed_linear(x, self.weight_packed, bias)
+        return linear_op(x, self.weight, bias)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.input_size}, out_features={self.output_size}, "
@@ -91,7 +106,7 @@ class ReplicatedLinear(LinearBase):
         default_weight_loader(param, loaded_weight, shard_id)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear_op(x, self.weight, self.bias)
+        return self.apply_linear(x)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -109,7 +124,7 @@ class ColumnParallelLinear(LinearBase):
         copy_checked(param.data, shard(loaded_weight, 0, size * self.tp_size, self.tp_rank, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear_op(x, self.weight, self.bias)
+        y = self.apply_linear(x)
         return tensor_model_parallel_all_gather(y, dim=-1) if self.gather_output else y
 
 
@@ -195,6 +210,6 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return linear_op(x, self.weight, self.bias)
-        y = tensor_model_parallel_all_reduce(linear_op(x, self.weight))
+            return self.apply_linear(x)
+        y = tensor_model_parallel_all_reduce(self.apply_linear(x, with_bias=False))
         return y + self.bias if self.bias is not None else y
