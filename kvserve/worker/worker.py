@@ -46,11 +46,9 @@ class Worker:
             init_distributed(self.rank, pc.world_size, self.distributed_init_method, backend)
         torch.manual_seed(self.config.model_config.seed)
         if self.device.type == "cpu":
-            # Build (first run) or load the CPU attention kernel now, not in the first step.
-            from kvserve.ops import cpu_kernel
-            from kvserve.ops.linear import cpu_kernel as linear_kernel
-            cpu_kernel()
-            linear_kernel()
+            # Build (first run) or load the CPU kernels now, not in the first steps.
+            from kvserve.ops import load_cpu_kernels
+            load_cpu_kernels()
         self.model_runner = ModelRunner(self.config, self.device)
 
     def load_model(self) -> None:
