@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 
@@ -34,13 +34,19 @@ def resolve_dtype(dtype: Any, hf_config: dict, device: str) -> torch.dtype:
 class ModelConfig:
     model: str                       # resolved local path
     tokenizer: str
-    served_model_name: str
+    served_model_name: str           # the name the API reports (the first of served_model_names)
     hf_config: dict
     dtype: torch.dtype
     max_model_len: int
     seed: int = 0
     max_logprobs: int = 20
     generation_config: dict = field(default_factory=dict)
+    # Every name the API accepts for this model (vLLM's --served-model-name A B ...).
+    served_model_names: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.served_model_names:
+            self.served_model_names = [self.served_model_name]
 
     @property
     def architecture(self) -> str:
@@ -73,7 +79,8 @@ class ModelConfig:
         return int(hd) if hd else self.hidden_size // self.num_attention_heads
 
     @staticmethod
-    def from_path(path: str, *, tokenizer: Optional[str], served_model_name: Optional[str],
+    def from_path(path: str, *, tokenizer: Optional[str],
+                  served_model_name: Union[str, list[str], None],
                   dtype: Any, max_model_len: Optional[int], seed: int, max_logprobs: int,
                   device: str) -> "ModelConfig":
         cfg_file = os.path.join(path, "config.json")
@@ -97,9 +104,12 @@ class ModelConfig:
                              f"max_position_embeddings={derived_max}.")
         if max_model_len < 1:
             raise ValueError(f"max_model_len must be positive, got {max_model_len}.")
+        if isinstance(served_model_name, str):
+            served_model_name = [served_model_name]
+        names = [n for n in served_model_name or [] if n] or [path]
         return ModelConfig(
             model=path, tokenizer=tokenizer or path,
-            served_model_name=served_model_name or path,
+            served_model_name=names[0], served_model_names=names,
             hf_config=hf_config, dtype=resolve_dtype(dtype, hf_config, device),
             max_model_len=max_model_len, seed=seed, max_logprobs=max_logprobs,
             generation_config=gen_cfg)

@@ -9,7 +9,7 @@ import argparse
 import dataclasses
 import os
 from dataclasses import dataclass, fields
-from typing import Any, Optional, get_type_hints
+from typing import Any, Optional, Union, get_type_hints
 
 import torch
 
@@ -19,7 +19,8 @@ from kvserve.config import (CacheConfig, DeviceConfig, KVServeConfig, ModelConfi
 _HELP = {
     "model": "Path to a Hugging Face checkpoint directory, or 'demo' for the built-in demo model.",
     "tokenizer": "Tokenizer directory (defaults to the model directory).",
-    "served_model_name": "Model name reported by the API (defaults to the model argument).",
+    "served_model_name": "Model name(s) the API accepts; the first is the one reported "
+                         "(defaults to the model argument).",
     "dtype": "Weight and activation dtype: auto, float32, bfloat16, float16.",
     "max_model_len": "Context length (prompt + output). Defaults to the model's max_position_embeddings.",
     "block_size": "Tokens per KV cache block.",
@@ -43,13 +44,14 @@ _HELP = {
     "enforce_eager": "Never compile/capture graphs.",
 }
 _SHORT = {"tensor_parallel_size": "-tp", "pipeline_parallel_size": "-pp"}
+_MULTI = {"served_model_name"}     # flags that take one or more values, as in vLLM
 
 
 @dataclass
 class EngineArgs:
     model: str = "demo"
     tokenizer: Optional[str] = None
-    served_model_name: Optional[str] = None
+    served_model_name: Optional[Union[str, list[str]]] = None
     dtype: str = "auto"
     max_model_len: Optional[int] = None
     block_size: int = 16
@@ -88,7 +90,8 @@ class EngineArgs:
                                     default=f.default, help=help_text)
                 continue
             base = _base_type(hint)
-            parser.add_argument(*names, type=base, default=f.default,
+            nargs = "+" if f.name in _MULTI else None
+            parser.add_argument(*names, type=base, default=f.default, nargs=nargs,
                                 help=f"{help_text} (default: {f.default})")
         return parser
 

@@ -520,14 +520,24 @@ CUSTOM_TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{
 def test_second_server_api_key_queue_limit_template_dead_engine(tiny_llama: str,
                                                                  tokenizer: Tokenizer) -> None:
     """--api-key, --max-num-queued-requests 0 with one sequence at a time, --chat-template as a
-    string; then the engine core dies (503s), and SIGTERM still shuts everything down."""
+    string, two --served-model-name aliases; then the engine core dies (503s), and SIGTERM
+    still shuts everything down."""
     srv = RemoteServer(tiny_llama, [*SERVER_ENGINE_ARGS, "--uvicorn-log-level", "warning",
                                     "--api-key", "sesame", "--max-num-seqs", "1",
                                     "--max-num-queued-requests", "0",
-                                    "--chat-template", CUSTOM_TEMPLATE])
+                                    "--chat-template", CUSTOM_TEMPLATE,
+                                    "--served-model-name", "tiny", "tiny-alias"])
     try:
         good = openai.OpenAI(base_url=srv.url_v1, api_key="sesame", max_retries=0, timeout=60)
-        name = good.models.list().data[0].id
+        assert [m.id for m in good.models.list().data] == ["tiny", "tiny-alias"]
+        name = "tiny"
+        # Either name is accepted, and a response reports the name it was asked for.
+        assert good.completions.create(model="tiny-alias", prompt="x", max_tokens=1).model == \
+            "tiny-alias"
+        assert good.chat.completions.create(model="tiny", messages=MESSAGES,
+                                            max_tokens=1).model == "tiny"
+        with pytest.raises(openai.NotFoundError):
+            good.completions.create(model=tiny_llama, prompt="x", max_tokens=1)
         # 401 without the right key, on /v1/* only.
         with pytest.raises(openai.AuthenticationError) as e:
             openai.OpenAI(base_url=srv.url_v1, api_key="wrong", max_retries=0).models.list()

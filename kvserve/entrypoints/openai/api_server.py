@@ -338,7 +338,8 @@ def init_app_state(engine_client: Any, state: Any, args: argparse.Namespace) -> 
     """Wire the handlers and the stat loggers to one engine."""
     model_config = engine_client.model_config
     config = engine_client.config
-    models = OpenAIServingModels([model_config.served_model_name], model_config.model, model_config.max_model_len)
+    models = OpenAIServingModels(model_config.served_model_names, model_config.model,
+                                 model_config.max_model_len)
     sched = config.scheduler_config
     load = LoadTracker(sched.max_num_seqs, sched.max_num_queued_requests)
     chat_template = load_chat_template(getattr(args, "chat_template", None))

@@ -112,7 +112,7 @@ class OpenAIServingChat(OpenAIServing):
         generator = self.engine_client.generate(
             {"prompt_token_ids": ids, "prompt": text}, params, request_id,
             priority=request.priority, cache_salt=request.cache_salt)
-        ctx = _ChatContext(request, request_id, self.models.model_name, now(), role, echo_text, ids)
+        ctx = _ChatContext(request, request_id, self.models.response_model_name(request.model), now(), role, echo_text, ids)
         if request.stream:
             return StreamingResult(self._stream(ctx, generator, tracker, raw_request), tracker)
         final: Optional[RequestOutput] = None

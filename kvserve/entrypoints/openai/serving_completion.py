@@ -54,7 +54,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 {"prompt_token_ids": ids, **({"prompt": text} if text is not None else {})},
                 sp, rid, priority=request.priority, cache_salt=request.cache_salt)
             for ids, text, sp, rid in zip(prompt_ids, prompt_texts, params, engine_ids)]
-        ctx = _Context(request, request_id, self.models.model_name, now(), engine_ids,
+        ctx = _Context(request, request_id, self.models.response_model_name(request.model), now(), engine_ids,
                        prompt_texts, prompt_ids)
         if request.stream:
             return StreamingResult(self._stream(ctx, generators, tracker, raw_request), tracker)

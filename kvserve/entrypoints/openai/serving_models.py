@@ -20,6 +20,10 @@ class OpenAIServingModels:
     def model_name(self) -> str:
         return self.served_model_names[0]
 
+    def response_model_name(self, requested: Optional[str]) -> str:
+        """What a response reports: the name the request used, else the first (vLLM)."""
+        return requested if requested and requested in self.served_model_names else self.model_name
+
     def is_base_model(self, name: Optional[str]) -> bool:
         """A request may leave `model` out (vLLM then uses the served model); a name given
         must be one of ours."""
