@@ -95,7 +95,8 @@ def pack_weight(weight: torch.Tensor) -> Optional[torch.Tensor]:
     it does not apply: CUDA, dtypes other than float32/bfloat16, torch without oneDNN,
     KVSERVE_DISABLE_CPU_KERNELS=1, or a failure (logged once)."""
     if (weight.device.type != "cpu" or weight.dtype not in _KERNEL_DTYPES
-            or not torch.backends.mkldnn.is_available() or os.environ.get(DISABLE_ENV) == "1"):
+            or not torch.backends.mkldnn.is_available() or os.environ.get(DISABLE_ENV) == "1"
+            or not _packing_works(weight.dtype)):
         return None
     try:
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(),
@@ -103,6 +104,24 @@ def pack_weight(weight: torch.Tensor) -> Optional[torch.Tensor]:
     except Exception as e:    # an older / unusual torch build: keep the plain weight
         _log_pack_failure_once(f"{type(e).__name__}: {e}")
         return None
+
+
+@functools.lru_cache(maxsize=None)
+def _packing_works(dtype: torch.dtype) -> bool:
+    """Once per dtype: prepack a small weight and check one product against F.linear, so that
+    a torch build whose oneDNN lacks this path (another ISA, an older release) falls back at
+    load time instead of failing in the first step."""
+    try:
+        gen = torch.Generator().manual_seed(0)
+        w = torch.randn(24, 40, generator=gen).to(dtype)
+        x = torch.randn(3, 40, generator=gen).to(dtype)
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH_HINT)
+        torch.testing.assert_close(packed_linear(x, packed).float(), F.linear(x, w).float(),
+                                   rtol=2e-2, atol=2e-2)
+        return True
+    except Exception as e:
+        _log_pack_failure_once(f"{type(e).__name__}: {str(e)[:200]}")
+        return False
 
 
 @functools.lru_cache(maxsize=1)

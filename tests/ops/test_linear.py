@@ -138,9 +138,12 @@ def test_packed_matches_float64(dtype: torch.dtype, k: int, n: int) -> None:
     torch.testing.assert_close(kl.packed_linear(wide[:, :k], packed), kl.packed_linear(x, packed))
 
 
-def test_pack_weight_declines() -> None:
+def test_pack_weight_declines(monkeypatch: pytest.MonkeyPatch) -> None:
     assert kl.pack_weight(torch.randn(4, 3, dtype=torch.float64)) is None
     assert kl.pack_weight(torch.randn(4, 3, dtype=torch.float16)) is None
+    # A oneDNN without this path (the load-time self-check fails): the plain weight is kept.
+    monkeypatch.setattr(kl, "_packing_works", lambda dtype: False)
+    assert kl.pack_weight(torch.randn(4, 3)) is None
 
 
 @pytest.mark.timeout(120)
