@@ -105,18 +105,15 @@ class PrometheusStatLogger(StatLoggerBase):
         self.hist_e2e = histogram("e2e_request_latency_seconds",
                                   "Histogram of e2e request latency in seconds.",
                                   REQUEST_LATENCY_BUCKETS)
-        self.hist_queue = histogram("request_queue_time_seconds",
-                                    "Histogram of time spent in WAITING phase for request.",
-                                    REQUEST_LATENCY_BUCKETS)
-        self.hist_prefill = histogram("request_prefill_time_seconds",
-                                      "Histogram of time spent in PREFILL phase for request.",
-                                      REQUEST_LATENCY_BUCKETS)
-        self.hist_decode = histogram("request_decode_time_seconds",
-                                     "Histogram of time spent in DECODE phase for request.",
-                                     REQUEST_LATENCY_BUCKETS)
-        self.hist_inference = histogram("request_inference_time_seconds",
-                                        "Histogram of time spent in RUNNING phase for request.",
-                                        REQUEST_LATENCY_BUCKETS)
+        # A request's phases (FinishedRequestStats.<phase>_time, from the engine's events).
+        self.hist_phases = {
+            phase: histogram(f"request_{name}_time_seconds",
+                             f"Histogram of time spent in {label} phase for request.",
+                             REQUEST_LATENCY_BUCKETS)
+            for phase, name, label in (("queued", "queue", "WAITING"),
+                                       ("prefill", "prefill", "PREFILL"),
+                                       ("decode", "decode", "DECODE"),
+                                       ("inference", "inference", "RUNNING"))}
         # Sizes.
         token_buckets = build_1_2_5_buckets(max_model_len)
         self.hist_prompt_tokens = histogram("request_prompt_tokens",
@@ -173,10 +170,8 @@ class PrometheusStatLogger(StatLoggerBase):
             if req.num_generation_tokens > 1:
                 self.hist_tpot.observe((req.e2e_latency - req.first_token_latency)
                                        / (req.num_generation_tokens - 1))
-            for hist, value in ((self.hist_queue, req.queued_time),
-                                (self.hist_prefill, req.prefill_time),
-                                (self.hist_decode, req.decode_time),
-                                (self.hist_inference, req.inference_time)):
+            for phase, hist in self.hist_phases.items():
+                value = getattr(req, f"{phase}_time")
                 if value is not None:
                     hist.observe(value)
 
