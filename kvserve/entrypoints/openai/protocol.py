@@ -99,6 +99,11 @@ class UsageInfo(OpenAIBaseModel):
     completion_tokens: Optional[int] = 0
     prompt_tokens_details: Optional[PromptTokenUsageInfo] = None
 
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> "UsageInfo":
+        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                   total_tokens=prompt_tokens + completion_tokens)
+
 
 class ResponseFormat(OpenAIBaseModel):
     type: Literal["text", "json_object", "json_schema"]
@@ -267,14 +272,8 @@ class CompletionResponse(OpenAIBaseModel):
     system_fingerprint: Optional[str] = None
 
 
-class CompletionResponseStreamChoice(OpenAIBaseModel):
-    index: int
-    text: str
-    logprobs: Optional[CompletionLogProbs] = None
-    finish_reason: Optional[str] = None
-    stop_reason: Optional[Union[int, str]] = None
-    prompt_token_ids: Optional[list[int]] = None
-    token_ids: Optional[list[int]] = None
+class CompletionResponseStreamChoice(CompletionResponseChoice):
+    """A streamed choice has the same fields as a whole one (OpenAI's two schema names)."""
 
 
 class CompletionStreamResponse(OpenAIBaseModel):

@@ -8,6 +8,7 @@ carries the usage and no choices. This is the order OpenAI's API uses.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from contextlib import aclosing
 from typing import Any, AsyncGenerator, Optional, Union
 
@@ -146,8 +147,7 @@ class OpenAIServingChat(OpenAIServing):
         num_prompt = len(res.prompt_token_ids)
         return ChatCompletionResponse(
             id=ctx.request_id, created=ctx.created, model=ctx.model_name, choices=choices,
-            usage=UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_generated,
-                            total_tokens=num_prompt + num_generated),
+            usage=UsageInfo.of(num_prompt, num_generated),
             prompt_token_ids=res.prompt_token_ids if request.return_token_ids else None)
 
     # ------------------------------------------------------------------ stream
@@ -173,8 +173,7 @@ class OpenAIServingChat(OpenAIServing):
                                                 created=ctx.created, model=ctx.model_name,
                                                 choices=[choice])
             if continuous_usage:
-                resp.usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=sum(num_tokens),
-                                       total_tokens=num_prompt + sum(num_tokens))
+                resp.usage = UsageInfo.of(num_prompt, sum(num_tokens))
             return sse(resp.model_dump_json(exclude_unset=True))
 
         try:
@@ -206,8 +205,7 @@ class OpenAIServingChat(OpenAIServing):
                 resp = ChatCompletionStreamResponse(
                     id=ctx.request_id, object="chat.completion.chunk", created=ctx.created,
                     model=ctx.model_name, choices=[],
-                    usage=UsageInfo(prompt_tokens=num_prompt, completion_tokens=total,
-                                    total_tokens=num_prompt + total))
+                    usage=UsageInfo.of(num_prompt, total))
                 yield sse(resp.model_dump_json(exclude_unset=True))
         except Exception as e:
             yield sse(error_payload(e))
@@ -238,13 +236,12 @@ class OpenAIServingChat(OpenAIServing):
         return ChatCompletionLogProbs(content=content)
 
 
+@dataclass
 class _ChatContext:
-    def __init__(self, request: ChatCompletionRequest, request_id: str, model_name: str,
-                 created: int, role: str, echo_text: str, prompt_ids: list[int]) -> None:
-        self.request = request
-        self.request_id = request_id
-        self.model_name = model_name
-        self.created = created
-        self.role = role
-        self.echo_text = echo_text
-        self.prompt_ids = prompt_ids
+    request: ChatCompletionRequest
+    request_id: str
+    model_name: str
+    created: int
+    role: str
+    echo_text: str
+    prompt_ids: list[int]

@@ -6,6 +6,7 @@ Several prompts run concurrently as separate engine requests `{id}-{i}`; choice 
 from __future__ import annotations
 
 from contextlib import aclosing
+from dataclasses import dataclass
 from typing import Any, AsyncGenerator, Optional, Union
 
 from kvserve.entrypoints.openai.protocol import (CompletionLogProbs, CompletionRequest,
@@ -99,8 +100,7 @@ class OpenAIServingCompletion(OpenAIServing):
         choices.sort(key=lambda c: c.index)
         return CompletionResponse(
             id=ctx.request_id, created=ctx.created, model=ctx.model_name, choices=choices,
-            usage=UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=num_generated_tokens,
-                            total_tokens=num_prompt_tokens + num_generated_tokens))
+            usage=UsageInfo.of(num_prompt_tokens, num_generated_tokens))
 
     # ------------------------------------------------------------------ stream
     async def _stream(self, ctx: "_Context", generators: list, tracker: RequestTracker,
@@ -125,14 +125,14 @@ class OpenAIServingCompletion(OpenAIServing):
                         if chunk is None:
                             continue
                         if continuous_usage:
-                            chunk.usage = _usage(num_prompt_tokens[i],
+                            chunk.usage = UsageInfo.of(num_prompt_tokens[i],
                                                  state.num_tokens[i * n + out.index])
                         yield sse(chunk.model_dump_json(exclude_unset=True))
             if include_usage:
                 chunk = CompletionStreamResponse(
                     id=ctx.request_id, object="text_completion", created=ctx.created,
                     model=ctx.model_name, choices=[],
-                    usage=_usage(sum(num_prompt_tokens), sum(state.num_tokens)))
+                    usage=UsageInfo.of(sum(num_prompt_tokens), sum(state.num_tokens)))
                 yield sse(chunk.model_dump_json(exclude_unset=True))
         except Exception as e:
             yield sse(error_payload(e))
@@ -217,21 +217,14 @@ class _StreamState:
         self.prompt_logprobs: list[Optional[list]] = [None] * num_prompts
 
 
+@dataclass
 class _Context:
     """The per-request values both response shapes need."""
+    request: CompletionRequest
+    request_id: str
+    model_name: str
+    created: int
+    engine_ids: list[str]
+    prompt_texts: list[Optional[str]]
+    prompt_ids: list[list[int]]
 
-    def __init__(self, request: CompletionRequest, request_id: str, model_name: str, created: int,
-                 engine_ids: list[str], prompt_texts: list[Optional[str]],
-                 prompt_ids: list[list[int]]) -> None:
-        self.request = request
-        self.request_id = request_id
-        self.model_name = model_name
-        self.created = created
-        self.engine_ids = engine_ids
-        self.prompt_texts = prompt_texts
-        self.prompt_ids = prompt_ids
-
-
-def _usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
-    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                     total_tokens=prompt_tokens + completion_tokens)
