@@ -79,3 +79,29 @@ def assert_same_outputs(a: list[RequestOutput], b: list[RequestOutput], what: st
             assert cx.token_ids == cy.token_ids, f"{what}: request {i} differs"
             assert cx.text == cy.text
             assert cx.finish_reason == cy.finish_reason
+
+
+def scattered_paged_cache(token_counts: list[int], num_kv_heads: int, head_dim: int,
+                          block_size: int, dtype: torch.dtype, pad_blocks: int,
+                          gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """A paged KV cache [2, NB, BS, Hkv, D] and block tables [N, max blocks + pad_blocks] for
+    sequences of `token_counts` tokens, as the attention kernels see them in the engine: each
+    sequence's blocks scattered through the cache out of order, the table padded with ids of
+    blocks nobody owns, and every slot no sequence owns (other blocks, the tail of a last
+    block) NaN, so that reading one shows in the result."""
+    needed = [(n + block_size - 1) // block_size for n in token_counts]
+    num_blocks = sum(needed) + 5                        # 5 blocks nobody owns
+    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim,
+                           generator=gen).to(dtype)
+    perm = torch.randperm(num_blocks, generator=gen)    # scattered, out of order
+    owned, unused = perm[:sum(needed)], perm[sum(needed):]
+    kv_cache[:, unused] = float("nan")
+    tables = unused[torch.randint(len(unused), (len(token_counts), max(needed) + pad_blocks),
+                                  generator=gen)]
+    used = 0
+    for i, (n, nb) in enumerate(zip(token_counts, needed)):
+        tables[i, :nb] = owned[used:used + nb]
+        used += nb
+        kv_cache[:, tables[i, nb - 1], n - (nb - 1) * block_size:] = float("nan")
+    return kv_cache, tables
+

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from kvserve.ops import paged_attention as pa
+from tests.utils import scattered_paged_cache
 
 HAS_COMPILER = shutil.which(os.environ.get("CXX", "c++")) is not None
 needs_compiler = pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler")
@@ -50,21 +51,8 @@ def make_case(seq_lens: list[int], num_kv_heads: int, groups: int, head_dim: int
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """q, kv_cache, block_tables (padded to the longest + pad_blocks), seq_lens."""
     gen = torch.Generator().manual_seed(seed)
-    needed = [(n + block_size - 1) // block_size for n in seq_lens]
-    max_blocks = max(needed) + pad_blocks
-    num_blocks = sum(needed) + 5                        # 5 blocks nobody owns
-    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim,
-                           generator=gen).to(dtype)
-    perm = torch.randperm(num_blocks, generator=gen)    # scattered, out of order
-    owned, unused = perm[:sum(needed)], perm[sum(needed):]
-    kv_cache[:, unused] = float("nan")
-    tables = unused[torch.randint(len(unused), (len(seq_lens), max_blocks), generator=gen)]
-    start = 0
-    for i, (n, nb) in enumerate(zip(seq_lens, needed)):
-        tables[i, :nb] = owned[start:start + nb]
-        start += nb
-        last_fill = n - (nb - 1) * block_size
-        kv_cache[:, tables[i, nb - 1], last_fill:] = float("nan")   # past seq_len
+    kv_cache, tables = scattered_paged_cache(seq_lens, num_kv_heads, head_dim, block_size, dtype,
+                                             pad_blocks, gen)
     q = torch.randn(len(seq_lens), num_kv_heads * groups, head_dim, generator=gen).to(dtype)
     return q, kv_cache, tables, torch.tensor(seq_lens)
 

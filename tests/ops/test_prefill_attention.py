@@ -16,6 +16,7 @@ import torch
 
 from kvserve.ops import prefill_attention as pf
 from kvserve.ops.build import DISABLE_ENV
+from tests.utils import scattered_paged_cache
 
 HAS_COMPILER = shutil.which(os.environ.get("CXX", "c++")) is not None
 needs_compiler = pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler")
@@ -53,21 +54,8 @@ def make_case(chunks: Chunks, num_kv_heads: int, groups: int, head_dim: int, blo
     """q, kv_cache, query_starts, query_lens, context_lens, block_tables (shuffled block ids,
     padded with blocks nobody owns)."""
     gen = torch.Generator().manual_seed(seed)
-    totals = [c + n for c, n in chunks]
-    needed = [(t + block_size - 1) // block_size for t in totals]
-    num_blocks = sum(needed) + 5                        # 5 blocks nobody owns
-    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim,
-                           generator=gen).to(dtype)
-    perm = torch.randperm(num_blocks, generator=gen)    # scattered, out of order
-    owned, unused = perm[:sum(needed)], perm[sum(needed):]
-    kv_cache[:, unused] = float("nan")
-    tables = unused[torch.randint(len(unused), (len(chunks), max(needed) + pad_blocks),
-                                  generator=gen)]
-    used = 0
-    for p, (total, nb) in enumerate(zip(totals, needed)):
-        tables[p, :nb] = owned[used:used + nb]
-        used += nb
-        kv_cache[:, tables[p, nb - 1], total - (nb - 1) * block_size:] = float("nan")
+    kv_cache, tables = scattered_paged_cache([c + n for c, n in chunks], num_kv_heads, head_dim,
+                                             block_size, dtype, pad_blocks, gen)
     lens = [n for _, n in chunks]
     starts = [NUM_DECODES + sum(lens[:p]) for p in range(len(chunks))]
     q = torch.randn(NUM_DECODES + sum(lens), num_kv_heads * groups, head_dim,
