@@ -21,6 +21,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 DISABLE_ENV = "KVSERVE_DISABLE_CPU_KERNELS"
+# The dtypes every kernel (and oneDNN prepacking) handles; others take the torch paths.
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 CSRC_DIR = Path(__file__).parent / "csrc"
 # -march=native: a kernel is compiled on (and only for) the machine that runs it; the build
 # directory's name includes the CPU's feature flags, so a cache shared between hosts is safe.

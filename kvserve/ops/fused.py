@@ -26,9 +26,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from kvserve.ops.build import CpuKernel
+from kvserve.ops.build import KERNEL_DTYPES, CpuKernel
 
-_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 _KERNEL = CpuKernel("fused.cpp", op="rms_norm", isa_op="fused_isa",
                     what="fused norm/rotary/silu/cache-write ops", fallback="torch ops")
 cpu_kernel_isa = _KERNEL.isa
@@ -75,7 +74,7 @@ def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim of x (see rms_norm_torch for the arithmetic)."""
     ops = _ops()
-    if ops is not None and x.is_cpu and x.dtype in _KERNEL_DTYPES and weight.dtype is x.dtype:
+    if ops is not None and x.is_cpu and x.dtype in KERNEL_DTYPES and weight.dtype is x.dtype:
         return ops.rms_norm(x, weight, eps)
     return rms_norm_torch(x, weight, eps)
 
@@ -91,7 +90,7 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     """(rms_norm(x + residual), x + residual). The kernel works in place: x becomes the
     output and residual the sum (same shapes and dtype required, else the torch path)."""
     ops = _ops()
-    if (ops is not None and x.is_cpu and x.dtype in _KERNEL_DTYPES and residual.dtype is x.dtype
+    if (ops is not None and x.is_cpu and x.dtype in KERNEL_DTYPES and residual.dtype is x.dtype
             and weight.dtype is x.dtype):
         ops.fused_add_rms_norm(x, residual, weight, eps)
         return x, residual
@@ -123,7 +122,7 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
     """Rotate q [T, Hq*D] and k [T, Hk*D] (or [T, H, D]) at `positions` [T] with the float32
     tables cos/sin_cache [max_position, D/2]. The kernel rotates q and k in place."""
     ops = _ops()
-    if (ops is not None and q.is_cpu and q.dtype in _KERNEL_DTYPES and k.dtype is q.dtype
+    if (ops is not None and q.is_cpu and q.dtype in KERNEL_DTYPES and k.dtype is q.dtype
             and cos_cache.dtype is torch.float32):
         ops.rotary_embedding(positions, q, k, head_size, cos_cache, sin_cache)
         return q, k
@@ -141,7 +140,7 @@ def silu_and_mul_torch(x: torch.Tensor) -> torch.Tensor:
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x [..., 2I] = gate | up -> silu(gate) * up [..., I]."""
     ops = _ops()
-    if ops is not None and x.is_cpu and x.dtype in _KERNEL_DTYPES:
+    if ops is not None and x.is_cpu and x.dtype in KERNEL_DTYPES:
         return ops.silu_and_mul(x)
     return silu_and_mul_torch(x)
 
@@ -162,7 +161,7 @@ def reshape_and_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
     """kv_cache[0 / 1] at slot s = slot_mapping[t] (block s // BS, offset s % BS) = k[t] / v[t];
     k, v [T, Hkv, D], kv_cache [2, num_blocks, BS, Hkv, D], slot_mapping [T] int64."""
     ops = _ops()
-    if ops is not None and kv_cache.is_cpu and kv_cache.dtype in _KERNEL_DTYPES:
+    if ops is not None and kv_cache.is_cpu and kv_cache.dtype in KERNEL_DTYPES:
         ops.reshape_and_cache(k, v, kv_cache, slot_mapping)
         return
     reshape_and_cache_torch(k, v, kv_cache, slot_mapping)

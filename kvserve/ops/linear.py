@@ -23,11 +23,10 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from kvserve.ops.build import DISABLE_ENV, CpuKernel
+from kvserve.ops.build import DISABLE_ENV, KERNEL_DTYPES, CpuKernel
 
 logger = logging.getLogger(__name__)
 
-_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 # Largest row count linear() sends to the kernel. benchmarks/linear.py on the benchmark Llama's
 # shapes (one thread): bf16 beats F.linear at every M <= 8 (1.1-3x), at M = 16 loses on two of
 # five shapes (0.87-0.94x); f32 wins up to 16 (1.4-7x). One limit for both keeps it simple.
@@ -39,7 +38,7 @@ cpu_kernel_isa: Callable[[], Optional[str]] = _KERNEL.isa
 
 
 def _kernel_applies(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> bool:
-    return (x.device.type == "cpu" and x.dim() == 2 and weight.dtype in _KERNEL_DTYPES
+    return (x.device.type == "cpu" and x.dim() == 2 and weight.dtype in KERNEL_DTYPES
             and x.dtype == weight.dtype and weight.is_contiguous()
             and (bias is None or (bias.dtype == weight.dtype and bias.is_contiguous())))
 
@@ -94,7 +93,7 @@ def pack_weight(weight: torch.Tensor) -> Optional[torch.Tensor]:
     """oneDNN's prepacked copy of an nn.Linear weight [N, K] for packed_linear, or None where
     it does not apply: CUDA, dtypes other than float32/bfloat16, torch without oneDNN,
     KVSERVE_DISABLE_CPU_KERNELS=1, or a failure (logged once)."""
-    if (weight.device.type != "cpu" or weight.dtype not in _KERNEL_DTYPES
+    if (weight.device.type != "cpu" or weight.dtype not in KERNEL_DTYPES
             or not torch.backends.mkldnn.is_available() or os.environ.get(DISABLE_ENV) == "1"
             or not _packing_works(weight.dtype)):
         return None

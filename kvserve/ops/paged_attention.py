@@ -21,9 +21,9 @@ from typing import Callable, Optional
 
 import torch
 
-from kvserve.ops.build import DISABLE_ENV, CpuKernel  # noqa: F401  (DISABLE_ENV re-exported)
+# DISABLE_ENV is re-exported for callers of this module.
+from kvserve.ops.build import DISABLE_ENV, KERNEL_DTYPES, CpuKernel  # noqa: F401
 
-_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 _KERNEL = CpuKernel("paged_attention.cpp", op="paged_decode_attention",
                     isa_op="paged_attention_isa", what="paged decode attention",
                     fallback="the torch implementation")
@@ -35,7 +35,7 @@ cpu_kernel_isa: Callable[[], Optional[str]] = _KERNEL.isa
 def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """Decode attention over a paged KV cache (see the module docstring for shapes)."""
-    if q.device.type == "cpu" and kv_cache.dtype in _KERNEL_DTYPES:
+    if q.device.type == "cpu" and kv_cache.dtype in KERNEL_DTYPES:
         op = cpu_kernel()
         if op is not None:
             qc = q if q.dtype == kv_cache.dtype else q.to(kv_cache.dtype)

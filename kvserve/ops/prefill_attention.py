@@ -27,9 +27,8 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from kvserve.ops.build import CpuKernel
+from kvserve.ops.build import KERNEL_DTYPES, CpuKernel
 
-_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 _KERNEL = CpuKernel("prefill_attention.cpp", op="paged_prefill_attention",
                     isa_op="paged_prefill_attention_isa", what="paged prefill attention",
                     fallback="per-chunk F.scaled_dot_product_attention")
@@ -42,7 +41,7 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start
                             query_lens: torch.Tensor, context_lens: torch.Tensor,
                             block_tables: torch.Tensor, scale: float) -> torch.Tensor:
     """Prefill attention of every chunk over a paged KV cache (see the module docstring)."""
-    if q.device.type == "cpu" and kv_cache.dtype in _KERNEL_DTYPES:
+    if q.device.type == "cpu" and kv_cache.dtype in KERNEL_DTYPES:
         op = cpu_kernel()
         if op is not None:
             qc = q if q.dtype == kv_cache.dtype else q.to(kv_cache.dtype)
