@@ -9,7 +9,7 @@ def load_cpu_kernels() -> None:
     import torch
 
     from kvserve.ops import fused, linear, prefill_attention
-    for get in (cpu_kernel, fused.cpu_kernel_isa, prefill_attention.cpu_kernel):
+    for get in (cpu_kernel, fused.cpu_kernel, prefill_attention.cpu_kernel):
         get()
     if not torch.backends.mkldnn.is_available():
         linear.cpu_kernel()     # only used where oneDNN cannot prepack the weights

@@ -30,6 +30,7 @@ from kvserve.ops.build import KERNEL_DTYPES, CpuKernel
 
 _KERNEL = CpuKernel("fused.cpp", op="rms_norm", isa_op="fused_isa",
                     what="fused norm/rotary/silu/cache-write ops", fallback="torch ops")
+cpu_kernel = _KERNEL.get
 cpu_kernel_isa = _KERNEL.isa
 _enabled = True
 
