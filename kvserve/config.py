@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {
     "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
@@ -30,6 +33,29 @@ def resolve_dtype(dtype: Any, hf_config: dict, device: str) -> torch.dtype:
     return _DTYPES[dtype]
 
 
+def resolve_weight_dtype(dtype: Any, hf_config: dict, device: str) -> Optional[torch.dtype]:
+    """The 16-bit dtype weights keep in memory when math runs in float32, else None.
+
+    dtype "auto" on a CPU without bf16 instructions (below the avx512_bf16 tier): bf16 math
+    there is emulated (~4x slower than float32), so a bf16/fp16 checkpoint keeps its weights
+    16-bit (half the bytes per decode step) and activations, math and the KV cache are float32
+    (ModelConfig.dtype). An explicit dtype keeps its meaning."""
+    if dtype not in (None, "auto") or device != "cpu":
+        return None
+    name = str(hf_config.get("torch_dtype") or hf_config.get("dtype") or "float32")
+    stored = _DTYPES.get(name.replace("torch.", ""))
+    if stored not in (torch.bfloat16, torch.float16):
+        return None
+    from kvserve.ops import cpu_isa
+    if cpu_isa.has_native_bf16():
+        return None
+    logger.info("dtype=auto: %s checkpoint on a CPU without bf16 math (kernel tier %s): weights "
+                "stay %s in memory; activations, math and the KV cache are float32.",
+                name.replace("torch.", ""), cpu_isa.selected_tier() or "none",
+                name.replace("torch.", ""))
+    return stored
+
+
 @dataclass
 class ModelConfig:
     model: str                       # resolved local path
@@ -43,6 +69,9 @@ class ModelConfig:
     generation_config: dict = field(default_factory=dict)
     # Every name the API accepts for this model (vLLM's --served-model-name A B ...).
     served_model_names: list[str] = field(default_factory=list)
+    # Set when linear / embedding weights stay 16-bit in memory while `dtype` (activations,
+    # math, KV cache) is float32: resolve_weight_dtype.
+    weight_dtype: Optional[torch.dtype] = None
 
     def __post_init__(self) -> None:
         if not self.served_model_names:
@@ -107,10 +136,12 @@ class ModelConfig:
         if isinstance(served_model_name, str):
             served_model_name = [served_model_name]
         names = [n for n in served_model_name or [] if n] or [path]
+        weight_dtype = resolve_weight_dtype(dtype, hf_config, device)
         return ModelConfig(
             model=path, tokenizer=tokenizer or path,
-            served_model_name=names[0], served_model_names=names,
-            hf_config=hf_config, dtype=resolve_dtype(dtype, hf_config, device),
+            served_model_name=names[0], served_model_names=names, weight_dtype=weight_dtype,
+            hf_config=hf_config,
+            dtype=torch.float32 if weight_dtype else resolve_dtype(dtype, hf_config, device),
             max_model_len=max_model_len, seed=seed, max_logprobs=max_logprobs,
             generation_config=gen_cfg)
 

@@ -48,8 +48,10 @@ def _config_class(arch: str) -> Any:
 
 def build_hf_checkpoint(out_dir: str, arch: str, tokenizer_dir: str,
                         max_shard_size: Optional[str] = None, seed: int = 0,
+                        save_dtype: Optional[torch.dtype] = None,
                         **config_overrides: Any) -> str:
-    """Save a randomly initialised transformers model (float32) plus tokenizer files."""
+    """Save a randomly initialised transformers model (float32, or `save_dtype`: its config
+    then declares that dtype, as real bf16 checkpoints do) plus tokenizer files."""
     from transformers import AutoModelForCausalLM
 
     config = _config_class(arch)(**{**TINY_CONFIG, **config_overrides})
@@ -62,6 +64,8 @@ def build_hf_checkpoint(out_dir: str, arch: str, tokenizer_dir: str,
                 p.normal_(0.0, 0.1)
             elif "norm" in name:
                 p.normal_(1.0, 0.2)
+    if save_dtype is not None:
+        model = model.to(save_dtype)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(out_dir, **kwargs)     # safetensors is save_pretrained's default
     for name in os.listdir(tokenizer_dir):
@@ -83,15 +87,17 @@ def demo_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.fixture(scope="session")
 def make_checkpoint(tmp_path_factory: pytest.TempPathFactory,
                     demo_tokenizer_dir: str) -> Callable[..., str]:
-    """make_checkpoint(arch, max_shard_size=None, **config_overrides) -> checkpoint dir."""
+    """make_checkpoint(arch, max_shard_size=None, save_dtype=None, **config_overrides) -> dir."""
     built: dict[str, str] = {}
 
-    def make(arch: str, max_shard_size: Optional[str] = None, **config_overrides: Any) -> str:
-        key = json.dumps([arch, max_shard_size, config_overrides], sort_keys=True)
+    def make(arch: str, max_shard_size: Optional[str] = None,
+             save_dtype: Optional[torch.dtype] = None, **config_overrides: Any) -> str:
+        key = json.dumps([arch, max_shard_size, str(save_dtype), config_overrides], sort_keys=True)
         if key not in built:
             out = str(tmp_path_factory.mktemp(f"ckpt_{arch}"))
             built[key] = build_hf_checkpoint(out, arch, demo_tokenizer_dir,
-                                             max_shard_size=max_shard_size, **config_overrides)
+                                             max_shard_size=max_shard_size,
+                                             save_dtype=save_dtype, **config_overrides)
         return built[key]
 
     return make

@@ -12,6 +12,13 @@ from kvserve.outputs import RequestOutput
 LOGPROB_ATOL = 2e-3
 
 
+def kernel_isa_prefix() -> str:
+    """How the compiled kernels' `*_isa()` strings start for the selected ISA tier."""
+    from kvserve.ops import cpu_isa
+    tier = cpu_isa.selected_tier()
+    return "avx512" if tier and tier.startswith("avx512") else str(tier)
+
+
 def random_prompts(n: int, min_len: int, max_len: int, vocab: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     # Skip the special ids (0..4) so prompts look like text.

@@ -16,6 +16,7 @@ from safetensors import safe_open
 from torch import nn
 
 from kvserve.config import ModelConfig
+from kvserve.model.layers.compute_dtype import set_compute_dtype
 from kvserve.model.registry import get_model_class
 
 SAFE_WEIGHTS_NAME = "model.safetensors"
@@ -67,7 +68,8 @@ def load_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
     """Build the model for `model_config` on `device` and load this TP rank's weights."""
     model_cls = get_model_class(model_config.architecture)
     safetensors_files(model_config.model)           # fail before allocating anything
-    with _default_dtype(model_config.dtype), torch.device(device):
+    # 16-bit weights with float32 math: built (and loaded) 16-bit, then set_compute_dtype.
+    with _default_dtype(model_config.weight_dtype or model_config.dtype), torch.device(device):
         model = model_cls(model_config)
     loaded = model.load_weights(iterate_weights(model_config.model))
     never_loaded = sorted(set(name for name, _ in model.named_parameters()) - loaded)
@@ -75,6 +77,8 @@ def load_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
         shown = ", ".join(never_loaded[:8]) + (" ..." if len(never_loaded) > 8 else "")
         raise ValueError(f"Checkpoint {model_config.model!r} has no weights for "
                          f"{len(never_loaded)} parameter(s) of {model_cls.__name__}: {shown}")
+    if model_config.weight_dtype is not None:
+        set_compute_dtype(model, model_config.dtype)
     # Layout changes that need the loaded weights (vLLM's hook name), e.g. CPU prepacking.
     for module in model.modules():
         process = getattr(module, "process_weights_after_loading", None)

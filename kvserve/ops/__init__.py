@@ -6,13 +6,11 @@ from kvserve.ops.paged_attention import (cpu_kernel, cpu_kernel_isa, paged_decod
 def load_cpu_kernels() -> None:
     """Build (first run, ~10 s each) or load every CPU kernel now, so that the work happens at
     engine start-up rather than inside the first steps. Failures fall back as usual."""
-    import torch
-
-    from kvserve.ops import fused, linear, prefill_attention
-    for get in (cpu_kernel, fused.cpu_kernel, prefill_attention.cpu_kernel):
+    from kvserve.ops import cpu_isa, fused, linear, prefill_attention
+    cpu_isa.selected_tier()     # a bad KVSERVE_CPU_ISA is an error at start-up, not a fallback
+    # The linear kernel serves 16-bit weights with float32 math and unpacked weights.
+    for get in (cpu_kernel, fused.cpu_kernel, prefill_attention.cpu_kernel, linear.cpu_kernel):
         get()
-    if not torch.backends.mkldnn.is_available():
-        linear.cpu_kernel()     # only used where oneDNN cannot prepack the weights
 
 
 __all__ = ["cpu_kernel", "cpu_kernel_isa", "load_cpu_kernels", "paged_decode_attention",

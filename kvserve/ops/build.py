@@ -1,16 +1,20 @@
 """Building kvserve's C++ CPU kernels: compiled on first use, cached on disk, never fatal.
 
 Each kernel is one source in csrc/ that registers `torch.ops.kvserve.<op>` (plus an `<isa>` op
-naming its vector path). A failed build (no compiler, no ninja, a compile error) logs why once
-and returns None: callers then use their pure-torch path. KVSERVE_DISABLE_CPU_KERNELS=1 forces
-that path.
+naming its vector path). It is compiled for the ISA tier of cpu_isa.selected_tier() with that
+tier's explicit flags and cached on disk per (source, headers, flags, torch, tier). Where no
+kernel can be built at all (no C++ compiler or ninja, a CPU that is not x86-64) ONE warning says
+so for all kernels; a failed build (a compile error) logs why once per kernel. Either way the
+op is None and callers use their pure-torch path. KVSERVE_DISABLE_CPU_KERNELS=1 forces that path.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
 import platform
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -18,16 +22,18 @@ from typing import Callable, Optional
 
 import torch
 
+from kvserve.ops import cpu_isa
+
 logger = logging.getLogger(__name__)
 
 DISABLE_ENV = "KVSERVE_DISABLE_CPU_KERNELS"
 # The dtypes every kernel (and oneDNN prepacking) handles; others take the torch paths.
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 CSRC_DIR = Path(__file__).parent / "csrc"
-# -march=native: a kernel is compiled on (and only for) the machine that runs it; the build
-# directory's name includes the CPU's feature flags, so a cache shared between hosts is safe.
+# The ISA flags come from the tier (cpu_isa.tier_cflags), never -march=native: a build then runs
+# on every CPU of its tier, and a cache shared between hosts is keyed by tier.
 # -fopenmp: at::parallel_for is an inline OpenMP region in torch's headers.
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-DNDEBUG"]
+CFLAGS = ["-O3", "-fopenmp", "-DNDEBUG"]
 LDFLAGS = ["-fopenmp"]
 # torch serialises builds with a lock file in the build directory and waits for it to vanish;
 # a build killed outright (SIGKILL, OOM) leaves it behind and every later start would hang.
@@ -35,18 +41,25 @@ LDFLAGS = ["-fopenmp"]
 _STALE_LOCK_S = 600.0
 
 
-def cpu_fingerprint() -> str:
-    """What -march=native depends on: the ISA and its feature flags."""
-    flags = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    flags = line
-                    break
-    except OSError:
-        pass
-    return f"{platform.machine()} {platform.processor()} {flags}"
+@functools.lru_cache(maxsize=1)
+def unavailable_reason() -> Optional[str]:
+    """Why no kernel can be built in this process (None if they can): checked once, before
+    any compile, so that a missing compiler gives one warning rather than one per kernel."""
+    if not cpu_isa.is_x86_64():
+        return f"no kernels for this CPU ({platform.machine()}; they are built for x86-64)"
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        return f"no C++ compiler ({compiler!r} not found; set CXX)"
+    from torch.utils import cpp_extension
+    if not cpp_extension.is_ninja_available():
+        return "ninja is not installed (pip install ninja)"
+    return None
+
+
+@functools.lru_cache(maxsize=1)
+def _warn_unavailable_once(why: str) -> None:
+    logger.warning("C++ CPU kernels unavailable: %s. Every kernel uses its torch fallback "
+                   "(correct, slower).", why)
 
 
 def build_dir(name: str) -> str:
@@ -101,22 +114,31 @@ class CpuKernel:
             return self._op
 
     def _build(self) -> Optional[Callable[..., torch.Tensor]]:
+        why_not = unavailable_reason()
+        if why_not is not None:
+            _warn_unavailable_once(why_not)
+            return None
+        tier = cpu_isa.selected_tier()     # ValueError for a bad KVSERVE_CPU_ISA: not caught
+        assert tier is not None            # x86-64 always has one
         try:
             from torch.utils import cpp_extension
 
-            key = b"\0".join([self.source.read_bytes(), " ".join(CFLAGS + LDFLAGS).encode(),
-                              torch.__version__.encode(), cpu_fingerprint().encode()])
-            name = f"kvserve_{self.source.stem}_{hashlib.sha256(key).hexdigest()[:16]}"
+            cflags = CFLAGS + cpu_isa.tier_cflags(tier)
+            headers = [h.read_bytes() for h in sorted(CSRC_DIR.glob("*.h"))]
+            key = b"\0".join([self.source.read_bytes(), *headers,
+                              " ".join(cflags + LDFLAGS).encode(), torch.__version__.encode(),
+                              platform.machine().encode()])
+            name = f"kvserve_{self.source.stem}_{tier}_{hashlib.sha256(key).hexdigest()[:16]}"
             directory = build_dir(name)
             _remove_stale_lock(os.path.join(directory, "lock"))
             t0 = time.perf_counter()
-            cpp_extension.load(name=name, sources=[str(self.source)], extra_cflags=CFLAGS,
+            cpp_extension.load(name=name, sources=[str(self.source)], extra_cflags=cflags,
                                extra_ldflags=LDFLAGS, build_directory=directory,
                                is_python_module=False, verbose=False)
             op = getattr(torch.ops.kvserve, self.op)
             isa = getattr(torch.ops.kvserve, self.isa_op)()
-            self._log_once("cpu", "%s: C++ CPU kernel (%s), ready in %.1f s",
-                           self.what, isa, time.perf_counter() - t0)
+            self._log_once("cpu", "%s: C++ CPU kernel, tier %s (%s), ready in %.1f s",
+                           self.what, tier, isa, time.perf_counter() - t0)
             return op
         except Exception as e:  # no compiler, no ninja, build error: all fall back to torch
             # The build error's message is the whole build log; its error lines say why.

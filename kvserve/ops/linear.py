@@ -1,9 +1,15 @@
 """Small-batch linear (matrix-vector) for CPU decode: out = x @ weight.T + bias.
 
     x       [..., K]  float32 | bfloat16
-    weight  [N, K]    same dtype (nn.Linear layout)
-    bias    [N]       optional
-    -> out  [..., N]  same dtype
+    weight  [N, K]    x's dtype, or bfloat16 / float16 with float32 x (nn.Linear layout)
+    bias    [N]       optional, x's dtype
+    -> out  [..., N]  x's dtype
+
+A 16-bit weight with float32 x is dtype "auto" on a CPU without bf16 instructions: the weight
+stays 16-bit in memory (half the bytes to stream per decode step) and all math is float32.
+Small batches widen it in registers (the kernel's avx2 path); larger ones widen it to a
+temporary float32 copy and run torch's float32 GEMM (widened_linear) -- never an emulated bf16
+GEMM, and no resident float32 copy.
 
 At decode batch sizes a linear layer is a stream over its weight, so its speed is the memory
 bandwidth. torch's CPU matrix-vector path reaches about half of it here (../shared/PERF_NOTES.md:
@@ -37,10 +43,20 @@ cpu_kernel: Callable[[], Optional[Callable[..., torch.Tensor]]] = _KERNEL.get
 cpu_kernel_isa: Callable[[], Optional[str]] = _KERNEL.isa
 
 
+# 16-bit weight storages the kernel widens to float32 for float32 x.
+WIDENED_WEIGHT_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def is_widened(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """float32 activations with a 16-bit weight (widened to float32 for the math)."""
+    return x.dtype == torch.float32 and weight.dtype in WIDENED_WEIGHT_DTYPES
+
+
 def _kernel_applies(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> bool:
-    return (x.device.type == "cpu" and x.dim() == 2 and weight.dtype in KERNEL_DTYPES
-            and x.dtype == weight.dtype and weight.is_contiguous()
-            and (bias is None or (bias.dtype == weight.dtype and bias.is_contiguous())))
+    dtypes_ok = ((x.dtype == weight.dtype and weight.dtype in KERNEL_DTYPES)
+                 or is_widened(x, weight))
+    return (x.device.type == "cpu" and x.dim() == 2 and dtypes_ok and weight.is_contiguous()
+            and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous())))
 
 
 def small_batch_linear(x: torch.Tensor, weight: torch.Tensor,
@@ -52,7 +68,7 @@ def small_batch_linear(x: torch.Tensor, weight: torch.Tensor,
         op = cpu_kernel()
         if op is not None:
             return op(x.contiguous(), weight, bias)
-    return F.linear(x, weight, bias)
+    return _torch_linear(x, weight, bias)
 
 
 @functools.lru_cache(maxsize=1)
@@ -75,7 +91,24 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
             if op is not None:
                 out = op(x2.contiguous(), weight, bias)
                 return out if x.dim() == 2 else out.view(*x.shape[:-1], weight.shape[0])
+    return _torch_linear(x, weight, bias)
+
+
+def _torch_linear(x: torch.Tensor, weight: torch.Tensor,
+                  bias: Optional[torch.Tensor]) -> torch.Tensor:
+    if weight.dtype != x.dtype:
+        return widened_linear(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def widened_linear(x: torch.Tensor, weight: torch.Tensor,
+                   bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """F.linear with a 16-bit weight and float32 x: the weight is widened to a temporary
+    float32 copy for this call and torch's float32 GEMM does the math (no emulated bf16 GEMM,
+    no resident float32 copy). The copy costs ~10 bytes of traffic per weight element against
+    2 * rows FLOPs, a few % of a prefill-sized GEMM; widening tile by tile into L2-sized
+    buffers measured slower here (many narrow GEMMs plus strided output writes)."""
+    return F.linear(x, weight.to(x.dtype), bias)
 
 
 # ---------------------------------------------------------------------- prepacked weights

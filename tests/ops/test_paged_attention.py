@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from kvserve.ops import paged_attention as pa
-from tests.utils import scattered_paged_cache
+from tests.utils import kernel_isa_prefix, scattered_paged_cache
 
 HAS_COMPILER = shutil.which(os.environ.get("CXX", "c++")) is not None
 needs_compiler = pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler")
@@ -112,10 +112,8 @@ def test_kernel_other_shapes(kernel, dtype, head_dim, block_size):
 
 
 @needs_compiler
-def test_kernel_uses_avx512_where_available(kernel):
-    with open("/proc/cpuinfo") as f:
-        has_avx512 = " avx512f" in f.read()
-    assert torch.ops.kvserve.paged_attention_isa() == ("avx512" if has_avx512 else "generic")
+def test_kernel_uses_the_selected_tier(kernel):
+    assert torch.ops.kvserve.paged_attention_isa() == kernel_isa_prefix()
 
 
 @needs_compiler

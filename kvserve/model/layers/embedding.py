@@ -30,6 +30,8 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_end = min(self.vocab_start + self.shard_size, num_embeddings)
         self.weight = nn.Parameter(torch.empty(self.shard_size, embedding_dim), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
+        # Activations' dtype when it differs from the weight's (compute_dtype.py); None: same.
+        self.compute_dtype: Optional[torch.dtype] = None
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
                       shard_id: Optional[Union[int, str]] = None) -> None:
@@ -42,6 +44,10 @@ class VocabParallelEmbedding(nn.Module):
         param.data[n:].zero_()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        out = self._lookup(input_ids)
+        return out if self.compute_dtype in (None, out.dtype) else out.to(self.compute_dtype)
+
+    def _lookup(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
             return F.embedding(input_ids, self.weight)
         # Ids outside this rank's range look up row 0 and are zeroed; the all-reduce then
@@ -70,7 +76,10 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def process_weights_after_loading(self) -> None:
         """On CPU, a oneDNN-prepacked copy for compute_logits (see ops.linear); the plain
-        weight is dropped unless the embedding shares it."""
+        weight is dropped unless the embedding shares it. A 16-bit weight with float32 math
+        stays as it is (ops.linear widens it)."""
+        if self.compute_dtype not in (None, self.weight.dtype):
+            return
         packed = pack_weight(self.weight)
         if packed is not None:
             self.weight_packed = packed

@@ -75,13 +75,19 @@ class LinearBase(nn.Module):
         else:
             self.register_parameter("bias", None)
         self.weight_packed: Optional[torch.Tensor] = None
+        # Activations' dtype when it differs from the weight's (16-bit weight, float32 math;
+        # see compute_dtype.py); None: the weight's dtype.
+        self.compute_dtype: Optional[torch.dtype] = None
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
                       shard_id: Optional[Union[int, str]] = None) -> None:
         raise NotImplementedError
 
     def process_weights_after_loading(self) -> None:
-        """On CPU, keep the weight only in oneDNN's prepacked layout (see ops.linear)."""
+        """On CPU, keep the weight only in oneDNN's prepacked layout (see ops.linear); a
+        16-bit weight with float32 math stays as it is (ops.linear widens it)."""
+        if self.compute_dtype not in (None, self.weight.dtype):
+            return
         packed = pack_weight(self.weight)
         if packed is not None:
             self.weight_packed = packed

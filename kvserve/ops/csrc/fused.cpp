@@ -22,8 +22,8 @@
 // different order (one bf16 ulp, rarely). float32 agrees with torch to a few float32 ulps.
 //
 // Vector path: AVX-512 (F + BW + VL; AVX512_BF16 for the float -> bf16 rounding where present),
-// 16 lanes at a time with a masked tail, so odd sizes need no scalar loop. Everything else:
-// plain loops.
+// 16 lanes at a time with a masked tail, so odd sizes need no scalar loop. AVX2 (+ FMA, F16C):
+// 8 lanes, the tail through a small buffer (vec_avx2.h). Everything else: plain loops.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -45,6 +45,7 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define KVS_AVX512 1
 #endif
+#include "vec_avx2.h"
 
 namespace {
 
@@ -163,6 +164,20 @@ KVS_INLINE float sum_squares(const T* x, int64_t D) {
     a1 = _mm512_fmadd_ps(u, u, a1);
   }
   return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+#elif defined(KVS_AVX2)
+  using namespace kvs_avx2;
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= D; i += 16) {
+    const __m256 u = load8(x + i), v = load8(x + i + 8);
+    a0 = _mm256_fmadd_ps(u, u, a0);
+    a1 = _mm256_fmadd_ps(v, v, a1);
+  }
+  for (; i < D; i += 8) {
+    const __m256 u = i + 8 <= D ? load8(x + i) : load8(x + i, D - i);
+    a0 = _mm256_fmadd_ps(u, u, a0);
+  }
+  return hsum8(_mm256_add_ps(a0, a1));
 #else
   float acc = 0.f;
   for (int64_t i = 0; i < D; ++i) acc += to_f(x[i]) * to_f(x[i]);
@@ -181,6 +196,16 @@ KVS_INLINE void scale_row(const T* x, const T* w, T* out, int64_t D, float inv) 
   if (i < D) {
     const __mmask16 m = tail_mask(D - i);
     store(out + i, _mm512_mul_ps(load(w + i, m), vround<T>(_mm512_mul_ps(load(x + i, m), s))), m);
+  }
+#elif defined(KVS_AVX2)
+  using namespace kvs_avx2;
+  const __m256 s = _mm256_set1_ps(inv);
+  int64_t i = 0;
+  for (; i + 8 <= D; i += 8)
+    store8(out + i, _mm256_mul_ps(load8(w + i), round8<T>(_mm256_mul_ps(load8(x + i), s))));
+  if (i < D) {
+    const int64_t n = D - i;
+    store8(out + i, _mm256_mul_ps(load8(w + i, n), round8<T>(_mm256_mul_ps(load8(x + i, n), s))), n);
   }
 #else
   for (int64_t i = 0; i < D; ++i) out[i] = static_cast<T>(to_f(w[i]) * round_as<T>(to_f(x[i]) * inv));
@@ -213,6 +238,22 @@ KVS_INLINE float add_rows(const T* x, T* r, int64_t D) {
     a1 = _mm512_fmadd_ps(u, u, a1);
   }
   return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+#elif defined(KVS_AVX2)
+  using namespace kvs_avx2;
+  __m256 a0 = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= D; i += 8) {
+    const __m256 u = round8<T>(_mm256_add_ps(load8(x + i), load8(r + i)));
+    store8(r + i, u);
+    a0 = _mm256_fmadd_ps(u, u, a0);
+  }
+  if (i < D) {
+    const int64_t n = D - i;
+    const __m256 u = round8<T>(_mm256_add_ps(load8(x + i, n), load8(r + i, n)));
+    store8(r + i, u, n);
+    a0 = _mm256_fmadd_ps(u, u, a0);
+  }
+  return hsum8(a0);
 #else
   float acc = 0.f;
   for (int64_t i = 0; i < D; ++i) {
@@ -328,6 +369,27 @@ KVS_INLINE void rotate_head(T* x, const float* cos, const float* sin, int64_t ha
   };
   for (; i + 16 <= half; i += 16) step(i, static_cast<__mmask16>(0xFFFF));
   if (i < half) step(i, tail_mask(half - i));
+#elif defined(KVS_AVX2)
+  using namespace kvs_avx2;
+  auto step = [&](int64_t j, int64_t n) {  // n < 8: a partial tail
+    const bool full = n == 8;
+    const __m256 c = round8<T>(full ? load8(cos + j) : load8(cos + j, n));
+    const __m256 s = round8<T>(full ? load8(sin + j) : load8(sin + j, n));
+    const __m256 x1 = full ? load8(x + j) : load8(x + j, n);
+    const __m256 x2 = full ? load8(x2p + j) : load8(x2p + j, n);
+    const __m256 o1 = _mm256_sub_ps(round8<T>(_mm256_mul_ps(x1, c)), round8<T>(_mm256_mul_ps(x2, s)));
+    const __m256 o2 = _mm256_add_ps(round8<T>(_mm256_mul_ps(x2, c)), round8<T>(_mm256_mul_ps(x1, s)));
+    if (full) {
+      store8(x + j, o1);
+      store8(x2p + j, o2);
+    } else {
+      store8(x + j, o1, n);
+      store8(x2p + j, o2, n);
+    }
+  };
+  int64_t i = 0;
+  for (; i + 8 <= half; i += 8) step(i, 8);
+  if (i < half) step(i, half - i);
 #else
   for (int64_t i = 0; i < half; ++i) {
     const float c = round_as<T>(cos[i]), s = round_as<T>(sin[i]);
@@ -429,6 +491,18 @@ KVS_INLINE void silu_mul_row(const T* g, const T* u, T* out, int64_t I) {
   int64_t i = 0;
   for (; i + 16 <= I; i += 16) step(i, static_cast<__mmask16>(0xFFFF));
   if (i < I) step(i, tail_mask(I - i));
+#elif defined(KVS_AVX2)
+  using namespace kvs_avx2;
+  const __m256 one = _mm256_set1_ps(1.f);
+  auto silu = [&](__m256 x) {
+    return round8<T>(_mm256_div_ps(x, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), x)))));
+  };
+  int64_t i = 0;
+  for (; i + 8 <= I; i += 8) store8(out + i, _mm256_mul_ps(silu(load8(g + i)), load8(u + i)));
+  if (i < I) {
+    const int64_t n = I - i;
+    store8(out + i, _mm256_mul_ps(silu(load8(g + i, n)), load8(u + i, n)), n);
+  }
 #else
   for (int64_t i = 0; i < I; ++i) {
     const float x = to_f(g[i]);
@@ -539,6 +613,8 @@ std::string isa() {
   return "avx512 (bf16 rounding: avx512_bf16)";
 #elif defined(KVS_AVX512)
   return "avx512";
+#elif defined(KVS_AVX2)
+  return "avx2 (fma, f16c)";
 #else
   return "generic";
 #endif

@@ -1,9 +1,11 @@
 // Small-batch linear for CPU: out = x @ weight^T + bias, for the few rows of a decode step.
 //
 //   x       [M, K]   float32 | bfloat16, contiguous
-//   weight  [N, K]   same dtype, contiguous (nn.Linear layout)
-//   bias    [N]      same dtype, optional
-//   out     [M, N]   same dtype; everything accumulates in float32
+//   weight  [N, K]   x's dtype, or bfloat16 / float16 with float32 x (16-bit weights, float32
+//                    math: dtype "auto" on a CPU without bf16 instructions); contiguous
+//                    (nn.Linear layout)
+//   bias    [N]      x's dtype, optional
+//   out     [M, N]   x's dtype; everything accumulates in float32
 //
 // With M small the op is a stream over the weight (N * K elements read once) and the x rows
 // stay in L1, so the speed is the memory bandwidth. Each thread takes a contiguous run of
@@ -14,6 +16,10 @@
 // not be a multiple of the vector width: the tail is a masked (zero-filled) load. Batches
 // above 8 rows are done in chunks of 8 while the weight group is still in L1. Horizontal sums
 // are done four accumulators at a time (hsums), and chunks of 3+ rows prefetch the weight.
+//
+// AVX2 (the avx2 tier, and any x / weight pair the AVX-512 code does not cover): 8 lanes; a
+// 16-bit weight is widened to float32 in registers (bf16: a shift; fp16: F16C) and multiplied
+// with FMA, so a bf16 or fp16 weight streams half the bytes of a float32 one at float32 math.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -30,6 +36,9 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+#include <c10/util/Half.h>
+
+#include "vec_avx2.h"
 
 namespace {
 
@@ -49,17 +58,18 @@ constexpr int kPrefetchMinRows = 3;
 
 inline float to_float(float v) { return v; }
 inline float to_float(c10::BFloat16 v) { return static_cast<float>(v); }
+inline float to_float(c10::Half v) { return static_cast<float>(v); }
 
 // ------------------------------------------------------------------------------------------
 // Portable path: plain loops (any ISA, and bf16 without AVX512_BF16).
 
-template <typename T, int MB, int R>
-KVS_INLINE void dots_generic(const T* x, const T* w, int64_t K, float (&res)[MB][R]) {
+template <typename TX, typename TW, int MB, int R>
+KVS_INLINE void dots_generic(const TX* x, const TW* w, int64_t K, float (&res)[MB][R]) {
   for (int m = 0; m < MB; ++m)
     for (int r = 0; r < R; ++r) {
       float acc = 0.f;
-      const T* xr = x + m * K;
-      const T* wr = w + r * K;
+      const TX* xr = x + m * K;
+      const TW* wr = w + r * K;
       for (int64_t k = 0; k < K; ++k) acc += to_float(xr[k]) * to_float(wr[k]);
       res[m][r] = acc;
     }
@@ -160,53 +170,103 @@ KVS_INLINE void dots_avx512(const c10::BFloat16* x, const c10::BFloat16* w, int6
 }
 #endif
 
-template <typename T>
-constexpr bool has_vector_path() {
+#if defined(KVS_AVX2)
+// 8 lanes; the weight (any storage) widened in registers. Accumulator (m, r) is acc[m * R + r];
+// MB * R <= 8 so that accumulators, R weight vectors and one x vector fit in 16 registers.
+template <typename TX, typename TW, int MB, int R>
+KVS_INLINE void dots_avx2(const TX* x, const TW* w, int64_t K, float (&res)[MB][R]) {
+  using namespace kvs_avx2;
+  __m256 acc[MB * R];
+  for (int i = 0; i < MB * R; ++i) acc[i] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    if constexpr (MB >= kPrefetchMinRows)
+      for (int r = 0; r < R; ++r)
+        _mm_prefetch(reinterpret_cast<const char*>(w + r * K + k) + kPrefetchBytes, _MM_HINT_T0);
+    __m256 wv[R];
+    for (int r = 0; r < R; ++r) wv[r] = load8(w + r * K + k);
+    for (int m = 0; m < MB; ++m) {
+      const __m256 xv = load8(x + m * K + k);
+      for (int r = 0; r < R; ++r) acc[m * R + r] = _mm256_fmadd_ps(xv, wv[r], acc[m * R + r]);
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int r = 0; r < R; ++r) {
+      float t = hsum8(acc[m * R + r]);
+      for (int64_t j = k; j < K; ++j) t += to_float(x[m * K + j]) * to_float(w[r * K + j]);
+      res[m][r] = t;
+    }
+}
+#endif
+
+enum class Path { kGeneric, kAvx2, kAvx512 };
+
+// The vector path of an (x, weight) storage pair in this build: AVX-512 where the code above
+// covers the pair (float/float; bf16/bf16 with dpbf16), else AVX2 where the tier has it.
+template <typename TX, typename TW>
+constexpr Path path_of() {
 #if defined(KVS_HAVE_DPBF16)
-  return true;
+  if (std::is_same<TX, TW>::value && !std::is_same<TX, c10::Half>::value) return Path::kAvx512;
 #elif defined(__AVX512F__)
-  return std::is_same<T, float>::value;
+  if (std::is_same<TX, float>::value && std::is_same<TW, float>::value) return Path::kAvx512;
+#endif
+#if defined(KVS_AVX2)
+  return Path::kAvx2;
 #else
-  return false;
+  return Path::kGeneric;
 #endif
 }
 
 // R weight rows [n, n + R) against x rows [0, MB): write out[m, n + r] (+ bias).
-template <typename T, int MB, int R>
-KVS_INLINE void rows(const T* x, const T* w, const T* bias, T* out, int64_t n, int64_t N,
+template <typename TX, typename TW, int MB, int R>
+KVS_INLINE void rows(const TX* x, const TW* w, const TX* bias, TX* out, int64_t n, int64_t N,
                      int64_t K) {
   float res[MB][R];
-  if constexpr (has_vector_path<T>()) {
+  constexpr Path p = path_of<TX, TW>();
+  if constexpr (p == Path::kAvx512) {
 #if defined(__AVX512F__)
     dots_avx512<MB, R>(x, w + n * K, K, res);
 #endif
+  } else if constexpr (p == Path::kAvx2) {
+#if defined(KVS_AVX2)
+    dots_avx2<TX, TW, MB, R>(x, w + n * K, K, res);
+#endif
   } else {
-    dots_generic<T, MB, R>(x, w + n * K, K, res);
+    dots_generic<TX, TW, MB, R>(x, w + n * K, K, res);
   }
   for (int m = 0; m < MB; ++m)
     for (int r = 0; r < R; ++r) {
       const float b = bias != nullptr ? to_float(bias[n + r]) : 0.f;
-      out[m * N + n + r] = static_cast<T>(res[m][r] + b);
+      out[m * N + n + r] = static_cast<TX>(res[m][r] + b);
     }
 }
 
-// Weight rows [n0, n1) against an MB-row chunk of x. Up to 4 x rows: 4 weight rows at a time
-// (<= 16 accumulators); 5-8 x rows: 2 at a time (<= 16), leaving registers for the loads.
-template <typename T, int MB>
-void chunk(const T* x, const T* w, const T* bias, T* out, int64_t n0, int64_t n1, int64_t N,
-           int64_t K) {
-  constexpr int R = MB <= 4 ? 4 : 2;
-  int64_t n = n0;
-  for (; n + R <= n1; n += R) rows<T, MB, R>(x, w, bias, out, n, N, K);
-  for (; n < n1; ++n) rows<T, MB, 1>(x, w, bias, out, n, N, K);
+// Weight rows per pass for an MB-row chunk of x. AVX-512 (32 registers): up to 4 x rows, 4
+// weight rows at a time (<= 16 accumulators); 5-8 x rows: 2 at a time. AVX2 (16 registers):
+// at most 8 accumulators.
+template <typename TX, typename TW, int MB>
+constexpr int rows_per_pass() {
+  if constexpr (path_of<TX, TW>() == Path::kAvx2) return MB <= 2 ? 4 : (MB <= 4 ? 2 : 1);
+  return MB <= 4 ? 4 : 2;
 }
 
-template <typename T>
-void run(const T* x, const T* w, const T* bias, T* out, int64_t M, int64_t N, int64_t K) {
-  using ChunkFn = void (*)(const T*, const T*, const T*, T*, int64_t, int64_t, int64_t, int64_t);
-  static constexpr ChunkFn kChunks[kMaxChunk] = {chunk<T, 1>, chunk<T, 2>, chunk<T, 3>,
-                                                 chunk<T, 4>, chunk<T, 5>, chunk<T, 6>,
-                                                 chunk<T, 7>, chunk<T, 8>};
+// Weight rows [n0, n1) against an MB-row chunk of x.
+template <typename TX, typename TW, int MB>
+void chunk(const TX* x, const TW* w, const TX* bias, TX* out, int64_t n0, int64_t n1, int64_t N,
+           int64_t K) {
+  constexpr int R = rows_per_pass<TX, TW, MB>();
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) rows<TX, TW, MB, R>(x, w, bias, out, n, N, K);
+  for (; n < n1; ++n) rows<TX, TW, MB, 1>(x, w, bias, out, n, N, K);
+}
+
+template <typename TX, typename TW>
+void run(const TX* x, const TW* w, const TX* bias, TX* out, int64_t M, int64_t N, int64_t K) {
+  using ChunkFn = void (*)(const TX*, const TW*, const TX*, TX*, int64_t, int64_t, int64_t,
+                           int64_t);
+  static constexpr ChunkFn kChunks[kMaxChunk] = {
+      chunk<TX, TW, 1>, chunk<TX, TW, 2>, chunk<TX, TW, 3>, chunk<TX, TW, 4>,
+      chunk<TX, TW, 5>, chunk<TX, TW, 6>, chunk<TX, TW, 7>, chunk<TX, TW, 8>};
   const int64_t groups = (N + kGroupRows - 1) / kGroupRows;
   const int64_t grain = std::max<int64_t>(1, kMinElemsPerTask / (kGroupRows * std::max<int64_t>(K, 1)));
   at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
@@ -226,7 +286,14 @@ at::Tensor small_batch_linear(const at::Tensor& x, const at::Tensor& weight,
   TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(),
               "small_batch_linear (C++): CPU tensors only");
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2, "x must be [M, K] and weight [N, K]");
-  TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "x and weight dtypes differ");
+  const bool same = x.scalar_type() == weight.scalar_type();
+  const bool widened = x.scalar_type() == at::kFloat &&
+                       (weight.scalar_type() == at::kBFloat16 || weight.scalar_type() == at::kHalf);
+  TORCH_CHECK((same && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16)) ||
+                  widened,
+              "small_batch_linear: x / weight dtypes must be float32 / float32, bfloat16 / "
+              "bfloat16, or float32 / bfloat16 or float16, got ", x.scalar_type(), " / ",
+              weight.scalar_type());
   TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), "x and weight must be contiguous");
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   TORCH_CHECK(weight.size(1) == K, "in_features mismatch: x has ", K, ", weight has ",
@@ -242,17 +309,26 @@ at::Tensor small_batch_linear(const at::Tensor& x, const at::Tensor& weight,
   if (M == 0 || N == 0) return out;
   if (K == 0) return bias_ptr != nullptr ? out.copy_(bias->unsqueeze(0).expand({M, N}))
                                          : out.zero_();
-  switch (x.scalar_type()) {
+  const float* xf = x.scalar_type() == at::kFloat ? x.data_ptr<float>() : nullptr;
+  const float* bf = static_cast<const float*>(bias_ptr);
+  switch (weight.scalar_type()) {
     case at::kFloat:
-      run<float>(x.data_ptr<float>(), weight.data_ptr<float>(),
-                 static_cast<const float*>(bias_ptr), out.data_ptr<float>(), M, N, K);
+      run<float, float>(xf, weight.data_ptr<float>(), bf, out.data_ptr<float>(), M, N, K);
+      break;
+    case at::kHalf:
+      run<float, c10::Half>(xf, weight.data_ptr<c10::Half>(), bf, out.data_ptr<float>(), M, N, K);
       break;
     case at::kBFloat16:
-      run<c10::BFloat16>(x.data_ptr<c10::BFloat16>(), weight.data_ptr<c10::BFloat16>(),
-                         static_cast<const c10::BFloat16*>(bias_ptr),
-                         out.data_ptr<c10::BFloat16>(), M, N, K);
+      if (xf != nullptr)
+        run<float, c10::BFloat16>(xf, weight.data_ptr<c10::BFloat16>(), bf, out.data_ptr<float>(),
+                                  M, N, K);
+      else
+        run<c10::BFloat16, c10::BFloat16>(x.data_ptr<c10::BFloat16>(),
+                                          weight.data_ptr<c10::BFloat16>(),
+                                          static_cast<const c10::BFloat16*>(bias_ptr),
+                                          out.data_ptr<c10::BFloat16>(), M, N, K);
       break;
-    default: TORCH_CHECK(false, "small_batch_linear: unsupported dtype ", x.scalar_type());
+    default: TORCH_CHECK(false, "small_batch_linear: unsupported dtype ", weight.scalar_type());
   }
   return out;
 }
@@ -260,9 +336,11 @@ at::Tensor small_batch_linear(const at::Tensor& x, const at::Tensor& weight,
 // Which vector path this build took, per dtype (logged by the Python side).
 std::string isa() {
 #if defined(KVS_HAVE_DPBF16)
-  return "avx512 (f32 fma, bf16 dpbf16)";
+  return "avx512 (f32 fma, bf16 dpbf16, 16-bit weights with f32 x: avx2 widened)";
 #elif defined(__AVX512F__)
-  return "avx512 (f32 fma, bf16 generic)";
+  return "avx512 (f32 fma, bf16 and 16-bit weights: avx2 widened)";
+#elif defined(KVS_AVX2)
+  return "avx2 (fma; bf16/fp16 widened to f32 in registers)";
 #else
   return "generic";
 #endif

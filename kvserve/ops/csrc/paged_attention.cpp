@@ -36,6 +36,7 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+#include "vec_avx2.h"
 
 namespace {
 
@@ -136,6 +137,71 @@ struct GenericStep {
     }
   }
 };
+
+// ------------------------------------------------------------------------------------------
+// AVX2 block step (the avx2 tier, and head dims / dtypes the AVX-512 step does not cover):
+// head_dim a multiple of 8; the portable step's loops 8 floats wide, K/V widened in registers.
+
+#if defined(KVS_AVX2)
+template <typename T>
+struct Avx2Step {
+  static int64_t pos(int64_t d) { return d; }
+
+  static void run(const T* kb, const T* vb, int64_t stride, int64_t ntok, int64_t G, int64_t D,
+                  int64_t BS, Scratch& sc) {
+    using namespace kvs_avx2;
+    float* const s = sc.s.data();
+    float* const acc = sc.acc.data();
+    for (int64_t j = 0; j < ntok; ++j) {
+      const T* kr = kb + j * stride;
+      for (int64_t g = 0; g < G; ++g) {
+        const float* qg = sc.q.data() + g * D;
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+        int64_t d = 0;
+        for (; d + 16 <= D; d += 16) {
+          a0 = _mm256_fmadd_ps(load8(kr + d), _mm256_loadu_ps(qg + d), a0);
+          a1 = _mm256_fmadd_ps(load8(kr + d + 8), _mm256_loadu_ps(qg + d + 8), a1);
+        }
+        if (d < D) a0 = _mm256_fmadd_ps(load8(kr + d), _mm256_loadu_ps(qg + d), a0);
+        s[g * BS + j] = hsum8(_mm256_add_ps(a0, a1));
+      }
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      float* sg = s + g * BS;
+      float mx = sc.m[g];
+      for (int64_t j = 0; j < ntok; ++j) mx = std::max(mx, sg[j]);
+      const float alpha = std::exp(sc.m[g] - mx);  // exp(-inf) = 0 on the first block
+      sc.m[g] = mx;
+      const __m256 vmx = _mm256_set1_ps(mx);
+      __m256 vsum = _mm256_setzero_ps();
+      int64_t j = 0;
+      for (; j + 8 <= ntok; j += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + j), vmx));
+        _mm256_storeu_ps(sg + j, e);
+        vsum = _mm256_add_ps(vsum, e);
+      }
+      float sum = hsum8(vsum);
+      for (; j < ntok; ++j) sum += (sg[j] = std::exp(sg[j] - mx));
+      sc.l[g] = sc.l[g] * alpha + sum;
+      if (alpha != 1.f) {
+        const __m256 va = _mm256_set1_ps(alpha);
+        float* ag = acc + g * D;
+        for (int64_t d = 0; d < D; d += 8)
+          _mm256_storeu_ps(ag + d, _mm256_mul_ps(va, _mm256_loadu_ps(ag + d)));
+      }
+    }
+    for (int64_t j = 0; j < ntok; ++j) {
+      const T* vr = vb + j * stride;
+      for (int64_t g = 0; g < G; ++g) {
+        const __m256 p = _mm256_set1_ps(s[g * BS + j]);
+        float* ag = acc + g * D;
+        for (int64_t d = 0; d < D; d += 8)
+          _mm256_storeu_ps(ag + d, _mm256_fmadd_ps(p, load8(vr + d), _mm256_loadu_ps(ag + d)));
+      }
+    }
+  }
+};
+#endif
 
 // ------------------------------------------------------------------------------------------
 // AVX-512 block step: head_dim = 16 * NV, a K/V row lives in NV registers. Decode attention
@@ -474,6 +540,9 @@ void dispatch_head_dim(const Params& P) {
     default: break;
   }
 #endif
+#if defined(KVS_AVX2)
+  if (P.head_dim % 8 == 0) return run<T, Avx2Step<T>>(P);
+#endif
   run<T, GenericStep<T>>(P);
 }
 
@@ -542,6 +611,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& kv_c
 std::string isa() {
 #if defined(__AVX512F__)
   return "avx512";
+#elif defined(KVS_AVX2)
+  return "avx2";
 #else
   return "generic";
 #endif

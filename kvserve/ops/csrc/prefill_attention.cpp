@@ -29,6 +29,10 @@
 // lane's position; keys past the item's last lane's position are never read, and neither
 // are slots past context + query_len, so stale or NaN cache slots cannot leak in.
 //
+// AVX2 (the avx2 tier, and bfloat16 on AVX-512 without AVX512_BF16): lane by lane like the
+// portable item, with the dot products, exponentials and P V rows 8 floats wide (K and V
+// widened in registers), for any head_dim that is a multiple of 8.
+//
 // Work split: items (chunk, kv head, lane tile) are handed out one at a time from a shared
 // counter (see for_items).
 
@@ -52,6 +56,7 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+#include "vec_avx2.h"
 
 namespace {
 
@@ -157,6 +162,68 @@ void generic_item(const Params& P, const Item& it, GenericScratch& sc) {
     for (int64_t d = 0; d < D; ++d) O[g.out_off[lane] + d] = static_cast<T>(sc.o[d] / sum);
   }
 }
+
+// ------------------------------------------------------------------------------------------
+// AVX2 item: head_dim a multiple of 8; same steps as generic_item, vectorised along D.
+
+#if defined(KVS_AVX2)
+template <typename T>
+KVS_INLINE float dot_avx2(const float* q, const T* k, int64_t D) {
+  using namespace kvs_avx2;
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+  int64_t d = 0;
+  for (; d + 16 <= D; d += 16) {
+    a0 = _mm256_fmadd_ps(load8(k + d), _mm256_loadu_ps(q + d), a0);
+    a1 = _mm256_fmadd_ps(load8(k + d + 8), _mm256_loadu_ps(q + d + 8), a1);
+  }
+  if (d < D) a0 = _mm256_fmadd_ps(load8(k + d), _mm256_loadu_ps(q + d), a0);
+  return hsum8(_mm256_add_ps(a0, a1));
+}
+
+template <typename T>
+void avx2_item(const Params& P, const Item& it, GenericScratch& sc) {
+  using namespace kvs_avx2;
+  const ItemGeom g = geometry(P, it);
+  const int64_t D = P.head_dim;
+  const T* Q = static_cast<const T*>(P.q);
+  const T* K = static_cast<const T*>(P.k);
+  const T* V = static_cast<const T*>(P.v);
+  T* O = static_cast<T*>(P.out);
+  sc.s.resize(g.kmax);
+  float* const s = sc.s.data();
+  float* const o = sc.o.data();
+  for (int64_t lane = 0; lane < g.lanes; ++lane) {
+    const int64_t nkeys = g.pos[lane] + 1;
+    for (int64_t d = 0; d < D; ++d) sc.q[d] = to_float(Q[g.q_off[lane] + d]);
+    __m256 vmax = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+    int64_t j = 0;
+    for (; j < nkeys; ++j) {
+      s[j] = dot_avx2(sc.q.data(), K + key_offset(P, it.p, it.kh, j), D) * P.scale;
+      vmax = _mm256_max_ps(vmax, _mm256_set1_ps(s[j]));
+    }
+    const float mx = hmax8(vmax);
+    const __m256 vmx = _mm256_set1_ps(mx);
+    __m256 vsum = _mm256_setzero_ps();
+    for (j = 0; j + 8 <= nkeys; j += 8) {
+      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), vmx));
+      _mm256_storeu_ps(s + j, e);
+      vsum = _mm256_add_ps(vsum, e);
+    }
+    float sum = hsum8(vsum);
+    for (; j < nkeys; ++j) sum += (s[j] = std::exp(s[j] - mx));
+    for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(o + d, _mm256_setzero_ps());
+    for (j = 0; j < nkeys; ++j) {
+      const __m256 p = _mm256_set1_ps(s[j]);
+      const T* vr = V + key_offset(P, it.p, it.kh, j);
+      for (int64_t d = 0; d < D; d += 8)
+        _mm256_storeu_ps(o + d, _mm256_fmadd_ps(p, load8(vr + d), _mm256_loadu_ps(o + d)));
+    }
+    const __m256 inv = _mm256_set1_ps(1.f / sum);
+    for (int64_t d = 0; d < D; d += 8)
+      store8(O + g.out_off[lane] + d, _mm256_mul_ps(_mm256_loadu_ps(o + d), inv));
+  }
+}
+#endif
 
 // ------------------------------------------------------------------------------------------
 // AVX-512 item: head_dim = 16 * NV.
@@ -542,6 +609,17 @@ void run_generic(const Params& P) {
   });
 }
 
+#if defined(KVS_AVX2)
+template <typename T>
+void run_avx2(const Params& P) {
+  for_items(P, [&] {
+    return [&P, sc = GenericScratch(P.head_dim)](const Item& it) mutable {
+      avx2_item<T>(P, it, sc);
+    };
+  });
+}
+#endif
+
 #if defined(__AVX512F__)
 template <typename T, int NV>
 void run_avx512(const Params& P) {
@@ -574,6 +652,9 @@ void dispatch(const Params& P) {
       default: break;
     }
   }
+#endif
+#if defined(KVS_AVX2)
+  if (P.head_dim % 8 == 0) return run_avx2<T>(P);
 #endif
   run_generic<T>(P);
 }
@@ -685,7 +766,9 @@ std::string isa() {
 #if defined(KVS_HAVE_DPBF16)
   return "avx512 (f32 fma, bf16 dpbf16)";
 #elif defined(__AVX512F__)
-  return "avx512 (f32 fma, bf16 generic)";
+  return "avx512 (f32 fma, bf16 avx2)";
+#elif defined(KVS_AVX2)
+  return "avx2 (fma; bf16 widened in registers)";
 #else
   return "generic";
 #endif
