@@ -13,6 +13,11 @@ Issue 2's benchmark. The model is a random ~110M-parameter Llama (hidden 768, 12
 - batch-1 decode tokens/s (kvserve and Hugging Face, prefill excluded) against the bandwidth
   limit: measured memory read bandwidth / bytes of weights a decode step reads.
 
+dtype "auto" runs a bfloat16 copy of the checkpoint with dtype="auto" (what a user of a real
+bf16 checkpoint gets): on a CPU without bf16 instructions its weights stay bf16 (the limit is
+the 16-bit one) and the math and KV cache are float32. The kernels' ISA tier is the host's best
+or KVSERVE_CPU_ISA's (issue 16: run once per tier).
+
 Goals (issue 2): kvserve >= 4x Hugging Face in bfloat16, batch-1 bfloat16 decode >= 50% of
 the bandwidth limit.
 
@@ -36,7 +41,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from roofline import (DEFAULT_MODEL_DIR, decode_param_count, dtype_of,  # noqa: E402
-                      ensure_bench_model, kv_cache_bytes_for, load_hf_config,
+                      ensure_bench_model, ensure_checkpoint_as, kv_cache_bytes_for, load_hf_config,
                       machine_description, measure_memory_bandwidth, roofline_limits,
                       write_json)
 
@@ -79,6 +84,9 @@ def bench_dtype(model: str, dtype: str, requests: list[SampleRequest], args: arg
     from kvserve import LLM
     from kvserve.benchmarks.latency import measure_decode_throughput
 
+    weights = dtype
+    if dtype == "auto":     # a bf16 checkpoint, dtype="auto"; the KV cache may be float32
+        model, weights = ensure_checkpoint_as(model, "bfloat16"), "bfloat16"
     vocab = int(load_hf_config(model)["vocab_size"])
     expected = sum(r.expected_output_len for r in requests)
     lens = [r.prompt_len + r.expected_output_len for r in requests]
@@ -88,7 +96,8 @@ def bench_dtype(model: str, dtype: str, requests: list[SampleRequest], args: arg
     # kvserve: sized so that every request fits at once (no preemption).
     llm = LLM(model, dtype=dtype, max_model_len=max(lens + [batch1_len]) + 16,
               max_num_seqs=len(requests),
-              kv_cache_memory=kv_cache_bytes_for(model, dtype, lens + [batch1_len]),
+              kv_cache_memory=kv_cache_bytes_for(model, "float32" if dtype == "auto" else dtype,
+                                                 lens + [batch1_len]),
               seed=args.seed)
     try:
         elapsed, out_lens = run_kvserve(requests, llm, temperature=0.0)
@@ -109,7 +118,7 @@ def bench_dtype(model: str, dtype: str, requests: list[SampleRequest], args: arg
           flush=True)
 
     if not args.skip_hf:
-        hf = load_hf_model(model, dtype_of(dtype), resolve_device("auto"))
+        hf = load_hf_model(model, dtype_of(weights), resolve_device("auto"))
         per_bs = {}
         for bs in args.hf_batch_sizes:
             elapsed, out_lens = run_hf(requests, hf, bs)
@@ -128,7 +137,7 @@ def bench_dtype(model: str, dtype: str, requests: list[SampleRequest], args: arg
         del hf
         gc.collect()
 
-    limits = roofline_limits(model, dtype, bandwidth_gb_s, peak_gflop_s=float("nan"))
+    limits = roofline_limits(model, weights, bandwidth_gb_s, peak_gflop_s=float("nan"))
     entry["weight_bytes"] = limits["weight_bytes"]
     entry["batch1_decode_limit_tok_s"] = limits["batch1_decode_limit_tok_s"]
     entry["kvserve_batch1_fraction_of_limit"] = \

@@ -57,6 +57,33 @@ def ensure_bench_model(model_dir: str = DEFAULT_MODEL_DIR) -> str:
     return path
 
 
+def ensure_checkpoint_as(path: str, dtype: str) -> str:
+    """A copy of checkpoint `path` with its weights (and config's torch_dtype) in `dtype`, as
+    real 16-bit checkpoints ship: what dtype="auto" sees. Made once, beside `path`."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    out = f"{path}-{dtype}"
+    if os.path.isfile(os.path.join(out, "model.safetensors")):
+        return out
+    tmp = out + f".tmp-{os.getpid()}"
+    shutil.copytree(path, tmp, ignore=shutil.ignore_patterns("*.safetensors"))
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+    save_file({k: v.to(dtype_of(dtype)) if v.is_floating_point() else v
+               for k, v in tensors.items()}, os.path.join(tmp, "model.safetensors"),
+              metadata={"format": "pt"})
+    with open(os.path.join(tmp, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["torch_dtype"] = dtype
+    cfg.pop("dtype", None)
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+    os.replace(tmp, out)
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # Machine measurements
 
@@ -139,7 +166,12 @@ def machine_description() -> str:
                     break
     except OSError:
         pass
-    desc = f"{cpu}, {os.cpu_count()} CPUs, torch {torch.__version__}, {torch.get_num_threads()} threads"
+    from kvserve.ops import cpu_isa
+    flags = sorted(f for f in cpu_isa.cpu_flags()
+                   if f in ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "amx_bf16"))
+    desc = (f"{cpu} (flags: {' '.join(flags) or 'none of avx2/avx512'}), {os.cpu_count()} CPUs, "
+            f"torch {torch.__version__}, {torch.get_num_threads()} threads, kernel tier "
+            f"{cpu_isa.selected_tier()}")
     if torch.cuda.is_available():
         desc += f", GPU {torch.cuda.get_device_name()}"
     return desc

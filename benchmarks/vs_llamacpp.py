@@ -30,8 +30,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from roofline import (DEFAULT_MODEL_DIR, ensure_bench_model, load_hf_config,  # noqa: E402
-                      machine_description, write_json)
+from roofline import (DEFAULT_MODEL_DIR, ensure_bench_model, ensure_checkpoint_as,  # noqa: E402
+                      load_hf_config, machine_description, write_json)
 
 INSTALL_HINT = """\
 {what} is not installed, so this comparison cannot run. Install it with
@@ -40,8 +40,10 @@ INSTALL_HINT = """\
 
 {extra}then run this script again."""
 
-GGUF_TYPES = {"float32": "F32", "bfloat16": "BF16"}
-FILE_TYPES = {"float32": "ALL_F32", "bfloat16": "MOSTLY_BF16"}
+# "float16": llama.cpp on F16 weights against kvserve's dtype="auto" on a float16 copy of the
+# checkpoint (16-bit weights, float32 math where the CPU has no bf16 instructions; issue 16).
+GGUF_TYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+FILE_TYPES = {"float32": "ALL_F32", "bfloat16": "MOSTLY_BF16", "float16": "MOSTLY_F16"}
 
 
 def _missing(module: str) -> bool:
@@ -93,6 +95,10 @@ def _gguf_data(t: torch.Tensor, dtype: str) -> tuple[np.ndarray, Any]:
 
     if dtype == "bfloat16":
         t = t.to(torch.bfloat16)
+    if dtype == "float16":
+        t = t.to(torch.float16)
+        if t.dim() >= 2:
+            return t.contiguous().numpy(), gguf.GGMLQuantizationType.F16
     if t.dim() <= 1 or dtype == "float32":
         return t.to(torch.float32).contiguous().numpy(), gguf.GGMLQuantizationType.F32
     bits = t.to(torch.bfloat16).contiguous().view(torch.int16).numpy()
@@ -257,7 +263,14 @@ def bench_dtype(model: str, dtype: str, gguf_path: str, args: argparse.Namespace
               args.decode_prompt_len + max(args.decode_tokens + 1, args.check_tokens)) + 16
     entry: dict[str, Any] = {"gguf": gguf_path, "threads": threads}
 
-    llm = LLM(model, dtype=dtype, max_model_len=ctx, max_num_seqs=1, enable_prefix_caching=False)
+    if dtype == "float16":      # a float16 checkpoint as users get it: dtype="auto"
+        llm = LLM(ensure_checkpoint_as(model, "float16"), dtype="auto", max_model_len=ctx,
+                  max_num_seqs=1, enable_prefix_caching=False)
+        entry["kvserve_dtype"] = (f"auto (weights {llm.llm_engine.config.model_config.weight_dtype}"
+                                  f", math {llm.llm_engine.config.model_config.dtype})")
+    else:
+        llm = LLM(model, dtype=dtype, max_model_len=ctx, max_num_seqs=1,
+                  enable_prefix_caching=False)
     try:
         check_prompt = random_token_prompts(llm, 1, args.decode_prompt_len, seed=7)[0]["prompt_token_ids"]
         ref = llm.generate([{"prompt_token_ids": check_prompt}],

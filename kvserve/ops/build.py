@@ -132,8 +132,10 @@ class CpuKernel:
             directory = build_dir(name)
             _remove_stale_lock(os.path.join(directory, "lock"))
             t0 = time.perf_counter()
-            cpp_extension.load(name=name, sources=[str(self.source)], extra_cflags=cflags,
-                               extra_ldflags=LDFLAGS, build_directory=directory,
+            # Copies: cpp_extension.load appends to the lists it is given, which would change
+            # the next kernel's cache key (and rebuild it) if LDFLAGS itself were passed.
+            cpp_extension.load(name=name, sources=[str(self.source)], extra_cflags=list(cflags),
+                               extra_ldflags=list(LDFLAGS), build_directory=directory,
                                is_python_module=False, verbose=False)
             op = getattr(torch.ops.kvserve, self.op)
             isa = getattr(torch.ops.kvserve, self.isa_op)()

@@ -1,0 +1,144 @@
+"""ISA tiers (kvserve.ops.cpu_isa): detection, KVSERVE_CPU_ISA, the fallback without a compiler,
+and every kernel + dtype="auto" on every tier the host supports (the host's best tier runs in
+this process; each other one in a pytest subprocess). Tiers above the host's are compile-checked
+(built, not loaded) where the compiler can target them."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from kvserve.config import resolve_weight_dtype
+from kvserve.ops import build, cpu_isa
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HAS_COMPILER = shutil.which(os.environ.get("CXX", "c++")) is not None
+AVX2 = {"avx2", "fma", "f16c"}
+AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
+x86_only = pytest.mark.skipif(not cpu_isa.is_x86_64(), reason="ISA tiers are for x86-64")
+
+
+@x86_only
+def test_tiers_from_flags() -> None:
+    assert cpu_isa.supported_tiers(frozenset({"sse2"})) == ["generic"]
+    assert cpu_isa.supported_tiers(frozenset(AVX2 - {"f16c"})) == ["generic"]   # all three
+    assert cpu_isa.supported_tiers(frozenset(AVX2)) == ["generic", "avx2"]
+    assert cpu_isa.supported_tiers(frozenset(AVX512 | {"avx512_bf16"})) == list(cpu_isa.TIERS)
+    assert cpu_isa.supported_tiers(frozenset(AVX2 | {"avx512f"})) == ["generic", "avx2"]
+
+
+@x86_only
+def test_forced_tier(monkeypatch: pytest.MonkeyPatch) -> None:
+    host = cpu_isa.supported_tiers()
+    for tier in host:
+        monkeypatch.setenv(cpu_isa.ISA_ENV, tier)
+        assert cpu_isa.selected_tier() == tier
+    monkeypatch.setenv(cpu_isa.ISA_ENV, "avx3")
+    with pytest.raises(ValueError, match="not a CPU ISA tier"):
+        cpu_isa.selected_tier()
+    above = [t for t in cpu_isa.TIERS if t not in host]
+    if above:
+        monkeypatch.setenv(cpu_isa.ISA_ENV, above[0])
+        with pytest.raises(ValueError, match="asks for more than this CPU has"):
+            cpu_isa.selected_tier()
+        from kvserve.ops import load_cpu_kernels     # an error at start-up, not a fallback
+        with pytest.raises(ValueError, match=above[0]):
+            load_cpu_kernels()
+    monkeypatch.delenv(cpu_isa.ISA_ENV)
+    assert cpu_isa.selected_tier() == host[-1]
+
+
+@x86_only
+def test_auto_dtype_follows_the_tier(monkeypatch: pytest.MonkeyPatch) -> None:
+    bf16_ckpt, f32_ckpt = {"torch_dtype": "bfloat16"}, {"torch_dtype": "float32"}
+    monkeypatch.setenv(cpu_isa.ISA_ENV, "generic")       # no bf16 math
+    assert resolve_weight_dtype("auto", bf16_ckpt, "cpu") == torch.bfloat16
+    assert resolve_weight_dtype("auto", {"torch_dtype": "float16"}, "cpu") == torch.float16
+    assert resolve_weight_dtype("auto", f32_ckpt, "cpu") is None
+    assert resolve_weight_dtype("bfloat16", bf16_ckpt, "cpu") is None   # explicit: as before
+    assert resolve_weight_dtype("auto", bf16_ckpt, "cuda") is None
+    if "avx512_bf16" in cpu_isa.supported_tiers():
+        monkeypatch.setenv(cpu_isa.ISA_ENV, "avx512_bf16")
+        assert resolve_weight_dtype("auto", bf16_ckpt, "cpu") is None
+
+
+NO_COMPILER_SCRIPT = textwrap.dedent("""
+    import logging, sys, torch
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    from kvserve import LLM, SamplingParams
+    from kvserve.ops import fused, linear, load_cpu_kernels, paged_attention, prefill_attention
+    load_cpu_kernels()
+    assert all(get() is None for get in (fused.cpu_kernel, linear.cpu_kernel,
+               paged_attention.cpu_kernel, prefill_attention.cpu_kernel))
+    x, w = torch.randn(3, 64), torch.randn(64)
+    assert torch.equal(fused.rms_norm(x, w, 1e-6), fused.rms_norm_torch(x, w, 1e-6))
+    out = LLM(sys.argv[1], dtype="auto", max_model_len=128, kv_cache_memory=8 << 20).generate(
+        {"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=4, temperature=0.0),
+        use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+    print("NO_COMPILER_OK")
+""")
+
+
+def test_no_compiler_one_warning_and_torch_fallbacks(make_checkpoint, tmp_path) -> None:
+    """CXX pointing at a missing binary (a user without a compiler): one warning per process for
+    all the kernels, the torch paths, a working engine -- never a crash."""
+    path = make_checkpoint("llama", save_dtype=torch.bfloat16)
+    env = dict(os.environ, CXX=str(tmp_path / "no-such-c++"),
+               KVSERVE_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=REPO)
+    env.pop("TORCH_EXTENSIONS_DIR", None)
+    env.pop(build.DISABLE_ENV, None)
+    proc = subprocess.run([sys.executable, "-c", NO_COMPILER_SCRIPT, path], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "NO_COMPILER_OK" in proc.stdout, proc.stderr[-3000:]
+    warnings = [ln for ln in proc.stderr.splitlines() if "C++ CPU kernels unavailable" in ln]
+    # Once per process that loads kernels: this script's and the engine core's.
+    engine = [ln for ln in warnings if "EngineCore" in ln]
+    assert len(engine) == 1 and len(warnings) == 2, proc.stderr[-3000:]
+    assert all("no C++ compiler" in ln and "no-such-c++" in ln for ln in warnings)
+
+
+OTHER_TIERS = [t for t in cpu_isa.supported_tiers() if t != cpu_isa.selected_tier()] \
+    if cpu_isa.is_x86_64() and not os.environ.get(cpu_isa.ISA_ENV) else []
+
+
+@pytest.mark.timeout(1500)     # builds every kernel for that tier first (~10-30 s each)
+@pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler")
+@pytest.mark.parametrize("tier", OTHER_TIERS or [pytest.param(None, marks=pytest.mark.skip(
+    reason="the host supports one tier only, or KVSERVE_CPU_ISA is set"))])
+def test_other_tier_runs_every_kernel(tier: str) -> None:
+    """The kernels' and dtype="auto"'s tests once more on a lower tier (forced with
+    KVSERVE_CPU_ISA) -- what an AVX2 or older CPU runs."""
+    env = dict(os.environ, **{cpu_isa.ISA_ENV: tier})
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+         "tests/ops/test_tier_kernels.py", "tests/test_auto_dtype.py"],
+        env=env, cwd=REPO, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout and " failed" not in proc.stdout
+
+
+ABOVE_HOST = [t for t in cpu_isa.TIERS if t not in cpu_isa.supported_tiers()] \
+    if cpu_isa.is_x86_64() else []
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler")
+@pytest.mark.parametrize("tier", ABOVE_HOST or [pytest.param(None, marks=pytest.mark.skip(
+    reason="the host runs every tier: they are tested, not only compiled"))])
+def test_tiers_above_the_host_compile(tier: str) -> None:
+    """This CPU cannot run these tiers (their tests skip here), but their code must still
+    compile: every kernel source with the tier's flags, no linking or loading."""
+    from torch.utils import cpp_extension
+    incs = [f"-I{p}" for p in cpp_extension.include_paths()]
+    for source in sorted(build.CSRC_DIR.glob("*.cpp")):
+        cmd = [os.environ.get("CXX", "c++"), "-std=c++17", "-fsyntax-only", "-fopenmp",
+               *cpu_isa.tier_cflags(tier), *incs, f"-D_GLIBCXX_USE_CXX11_ABI="
+               f"{int(torch._C._GLIBCXX_USE_CXX11_ABI)}", str(source)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, f"{source.name} [{tier}]: {proc.stderr[-3000:]}"
