@@ -12,7 +12,10 @@ exact values kvserve computes with. Then, per dtype, with the same number of thr
     python benchmarks/vs_llamacpp.py [--model PATH] [--dtypes float32 bfloat16]
         [--prompt-len 512] [--decode-tokens 128] [--output-json out.json]
 
-Without --model it uses the ~110M-parameter Llama of offline_vs_hf.py. Needs
+Without --model it uses the ~110M-parameter Llama of offline_vs_hf.py. `--model demo` (or a
+.gguf path) runs kvserve on the GGUF file itself and llama.cpp on the same weights dequantized
+(by kvserve's GGUF loader) and written back as F32 / BF16 GGUF; `--offline-requests N` adds
+kvserve's offline throughput; `--kvserve-only` skips llama.cpp. Needs
 `pip install gguf llama-cpp-python` (llama-cpp-python builds from source: about 6 minutes on
 2 cores); without them the script says so and exits 0. `--export-only` writes and checks the
 GGUF files without llama-cpp-python.
@@ -253,6 +256,29 @@ class LlamaCppRunner:
         self.llm.close()
 
 
+def measure_offline(model: str, dtype: str, args: argparse.Namespace) -> dict[str, Any]:
+    """kvserve offline throughput: --offline-requests random-token prompts of
+    --decode-prompt-len tokens, --decode-tokens greedy output tokens each, all submitted at
+    once. (llama-cpp-python runs one sequence at a time: its offline rate is its batch-1 rate.)"""
+    from kvserve import LLM, SamplingParams
+    from kvserve.benchmarks.latency import random_token_prompts
+
+    llm = LLM(model, dtype=dtype, max_model_len=args.decode_prompt_len + args.decode_tokens + 16,
+              enable_prefix_caching=False)
+    try:
+        prompts = random_token_prompts(llm, args.offline_requests, args.decode_prompt_len, seed=17)
+        params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=args.decode_tokens,
+                                detokenize=False)
+        llm.generate(prompts[:2], params, use_tqdm=False)                       # warm-up
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+    finally:
+        llm.shutdown()
+    return {"kvserve_offline_tok_s": sum(len(o.outputs[0].token_ids) for o in outs) / elapsed,
+            "offline_requests": args.offline_requests}
+
+
 def bench_dtype(model: str, dtype: str, gguf_path: str, args: argparse.Namespace) -> dict[str, Any]:
     from kvserve import LLM, SamplingParams
     from kvserve.benchmarks.latency import (measure_decode_throughput,
@@ -263,6 +289,8 @@ def bench_dtype(model: str, dtype: str, gguf_path: str, args: argparse.Namespace
               args.decode_prompt_len + max(args.decode_tokens + 1, args.check_tokens)) + 16
     entry: dict[str, Any] = {"gguf": gguf_path, "threads": threads}
 
+    if args.offline_requests:
+        entry.update(measure_offline(model, dtype, args))
     if dtype == "float16":      # a float16 checkpoint as users get it: dtype="auto"
         llm = LLM(ensure_checkpoint_as(model, "float16"), dtype="auto", max_model_len=ctx,
                   max_num_seqs=1, enable_prefix_caching=False)
@@ -286,6 +314,8 @@ def bench_dtype(model: str, dtype: str, gguf_path: str, args: argparse.Namespace
                        random_token_prompts(llm, args.num_iters, args.decode_prompt_len, seed=13)]
     finally:
         llm.shutdown()
+    if args.kvserve_only:
+        return entry
 
     runner = LlamaCppRunner(gguf_path, ctx, threads)
     try:
@@ -309,18 +339,30 @@ def format_report(result: dict[str, Any]) -> str:
              "| dtype | kvserve decode tok/s | llama.cpp decode tok/s | ratio | kvserve prefill "
              "tok/s | llama.cpp prefill tok/s | ratio | greedy agreement |",
              "|---|---|---|---|---|---|---|---|"]
+    if any("llamacpp_decode_tok_s" not in e for e in result["dtypes"].values()):
+        lines[2:] = ["| dtype | kvserve decode tok/s | kvserve prefill tok/s | kvserve offline tok/s |",
+                     "|---|---|---|---|"]
+        for dtype, e in result["dtypes"].items():
+            lines.append(f"| {dtype} | {e['kvserve_decode_tok_s']:.1f} | "
+                         f"{e['kvserve_prefill_tok_s']:.0f} | {e.get('kvserve_offline_tok_s', 0):.1f} |")
+        return "\n".join(lines)
     for dtype, e in result["dtypes"].items():
         lines.append(
             f"| {dtype} | {e['kvserve_decode_tok_s']:.1f} | {e['llamacpp_decode_tok_s']:.1f} | "
             f"{e['decode_ratio']:.2f}x | {e['kvserve_prefill_tok_s']:.0f} | "
             f"{e['llamacpp_prefill_tok_s']:.0f} | {e['prefill_ratio']:.2f}x | "
-            f"{e['greedy_tokens_agreeing']}/{e['greedy_tokens_checked']} |")
+            f"{e['greedy_tokens_agreeing']}/{e['greedy_tokens_checked']} |"
+            + (f" kvserve offline {e['kvserve_offline_tok_s']:.1f} tok/s |"
+               if "kvserve_offline_tok_s" in e else ""))
     return "\n".join(lines)
 
 
 def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default=None, help="Checkpoint directory (default: the ~110M Llama).")
+    p.add_argument("--model", default=None,
+                   help="Checkpoint directory, a .gguf file (dequantized once to float32 for the "
+                        "llama.cpp side; kvserve loads the file itself) or 'demo' (the demo GGUF). "
+                        "Default: the ~110M Llama.")
     p.add_argument("--model-dir", default=DEFAULT_MODEL_DIR,
                    help="Where the default model and the GGUF files are kept.")
     p.add_argument("--gguf-dir", default=None, help="Where to write GGUF files (default: --model-dir).")
@@ -330,6 +372,10 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-tokens", type=int, default=128, help="Decode: steps timed.")
     p.add_argument("--check-tokens", type=int, default=16, help="Greedy tokens compared.")
     p.add_argument("--num-iters", type=int, default=3, help="Best of this many runs.")
+    p.add_argument("--offline-requests", type=int, default=0,
+                   help="Also measure kvserve offline throughput on this many requests.")
+    p.add_argument("--kvserve-only", action="store_true",
+                   help="Measure kvserve only (no llama-cpp-python needed).")
     p.add_argument("--export-only", action="store_true",
                    help="Write and verify the GGUF files; no llama-cpp-python needed.")
     p.add_argument("--output-json", default=None)
@@ -342,15 +388,24 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(INSTALL_HINT.format(what="The gguf package (GGUF export)", pkg="gguf",
                                   extra=""))
         return 0
-    if not args.export_only and _missing("llama_cpp"):
+    if not (args.export_only or args.kvserve_only) and _missing("llama_cpp"):
         print(INSTALL_HINT.format(
             what="llama-cpp-python", pkg="llama-cpp-python",
             extra="(it compiles llama.cpp from source: about 6 minutes on 2 cores), "))
         return 0
     model = args.model or ensure_bench_model(args.model_dir)
+    kvserve_model = model
+    if model == "demo" or model.endswith(".gguf"):
+        from gguf_load import dequantize_to_checkpoint
+
+        from kvserve.model.demo import fetch_demo_gguf
+        kvserve_model = os.path.abspath(fetch_demo_gguf() if model == "demo" else model)
+        model = dequantize_to_checkpoint(kvserve_model, os.path.join(
+            args.model_dir, os.path.basename(kvserve_model)[:-len(".gguf")] + "-f32"))
     gguf_dir = args.gguf_dir or args.model_dir
     os.makedirs(gguf_dir, exist_ok=True)
-    result: dict[str, Any] = {"machine": machine_description(), "model": model, "dtypes": {}}
+    result: dict[str, Any] = {"machine": machine_description(), "model": kvserve_model,
+                              "dtypes": {}}
     for dtype in args.dtypes:
         path = os.path.join(gguf_dir, f"{os.path.basename(os.path.normpath(model))}-{GGUF_TYPES[dtype].lower()}.gguf")
         if not os.path.isfile(path) or os.path.getmtime(path) < os.path.getmtime(
@@ -360,7 +415,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             n = check_gguf(path, model, dtype)
             print(f"{path}: {n} tensors equal to the checkpoint's ({dtype})")
             continue
-        result["dtypes"][dtype] = bench_dtype(model, dtype, path, args)
+        result["dtypes"][dtype] = bench_dtype(kvserve_model, dtype, path, args)
         print(f"[{dtype}] done", flush=True)
     if not args.export_only:
         print(format_report(result))

@@ -72,6 +72,7 @@ class ModelConfig:
     # Set when linear / embedding weights stay 16-bit in memory while `dtype` (activations,
     # math, KV cache) is float32: resolve_weight_dtype.
     weight_dtype: Optional[torch.dtype] = None
+    load_format: str = "auto"        # "auto" | "safetensors" | "gguf" (vLLM's --load-format)
 
     def __post_init__(self) -> None:
         if not self.served_model_names:
@@ -107,24 +108,23 @@ class ModelConfig:
         hd = self.hf_config.get("head_dim")
         return int(hd) if hd else self.hidden_size // self.num_attention_heads
 
+    @property
+    def is_gguf(self) -> bool:
+        return self.load_format == "gguf"
+
     @staticmethod
     def from_path(path: str, *, tokenizer: Optional[str],
                   served_model_name: Union[str, list[str], None],
                   dtype: Any, max_model_len: Optional[int], seed: int, max_logprobs: int,
-                  device: str) -> "ModelConfig":
-        cfg_file = os.path.join(path, "config.json")
-        if not os.path.isdir(path):
-            raise ValueError(f"Model path {path!r} is not a directory (a Hugging Face checkpoint "
-                             f"directory with config.json, *.safetensors and tokenizer.json, or 'demo').")
-        if not os.path.isfile(cfg_file):
-            raise ValueError(f"Model directory {path!r} is missing config.json.")
-        with open(cfg_file) as f:
-            hf_config = json.load(f)
-        gen_cfg: dict = {}
-        gen_file = os.path.join(path, "generation_config.json")
-        if os.path.isfile(gen_file):
-            with open(gen_file) as f:
-                gen_cfg = json.load(f)
+                  device: str, load_format: str = "auto",
+                  hf_config_path: Optional[str] = None) -> "ModelConfig":
+        from kvserve.model.gguf import is_gguf
+
+        if load_format not in LOAD_FORMATS:
+            raise ValueError(f"Unknown load_format {load_format!r}; supported: "
+                             f"{', '.join(LOAD_FORMATS)}.")
+        gguf = is_gguf(path, load_format)
+        hf_config, gen_cfg = load_hf_config(path, hf_config_path, gguf)
         derived_max = int(hf_config.get("max_position_embeddings") or 2048)
         if max_model_len is None:
             max_model_len = derived_max
@@ -143,7 +143,50 @@ class ModelConfig:
             hf_config=hf_config,
             dtype=torch.float32 if weight_dtype else resolve_dtype(dtype, hf_config, device),
             max_model_len=max_model_len, seed=seed, max_logprobs=max_logprobs,
-            generation_config=gen_cfg)
+            generation_config=gen_cfg, load_format="gguf" if gguf else "safetensors")
+
+
+LOAD_FORMATS = ("auto", "safetensors", "gguf")
+
+
+def _read_json_file(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+def load_hf_config(path: str, hf_config_path: Optional[str] = None,
+                   gguf: Optional[bool] = None) -> tuple[dict, dict]:
+    """(config.json, generation_config.json) of a checkpoint directory or a GGUF file.
+
+    `hf_config_path` (vLLM's --hf-config-path): a directory whose config.json (and
+    generation_config.json) is used instead of the model's own, e.g. where a GGUF file's
+    metadata does not say everything."""
+    from kvserve.model.gguf import (check_gguf_supported, gguf_hf_config, is_gguf,
+                                    read_gguf_metadata)
+
+    if gguf is None:
+        gguf = is_gguf(path)
+    if gguf:
+        if not os.path.isfile(path):
+            raise ValueError(f"GGUF model {path!r} is not a file.")
+        meta = read_gguf_metadata(path)
+        check_gguf_supported(meta, use_hf_config=hf_config_path is not None)
+    elif not os.path.isdir(path):
+        raise ValueError(f"Model path {path!r} is not a directory (a Hugging Face checkpoint "
+                         f"directory with config.json, *.safetensors and tokenizer.json, a .gguf "
+                         f"file, or 'demo').")
+    config_dir = hf_config_path or (None if gguf else path)
+    gen_cfg: dict = {}
+    if config_dir is None:
+        return gguf_hf_config(meta), gen_cfg
+    cfg_file = os.path.join(config_dir, "config.json")
+    if not os.path.isfile(cfg_file):
+        raise ValueError(f"{'Model' if config_dir == path else 'hf_config_path'} directory "
+                         f"{config_dir!r} is missing config.json.")
+    gen_file = os.path.join(config_dir, "generation_config.json")
+    if os.path.isfile(gen_file):
+        gen_cfg = _read_json_file(gen_file)
+    return _read_json_file(cfg_file), gen_cfg
 
 
 @dataclass

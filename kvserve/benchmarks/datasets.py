@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import random
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
@@ -165,8 +164,9 @@ def add_dataset_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _model_vocab_size(model_path: str) -> int:
-    with open(os.path.join(model_path, "config.json")) as f:
-        cfg = json.load(f)
+    from kvserve.config import load_hf_config
+
+    cfg, _ = load_hf_config(model_path)
     cfg = cfg.get("text_config", cfg)
     return int(cfg["vocab_size"])
 

@@ -446,7 +446,7 @@ def resolve_tokenizer_path(args: argparse.Namespace, card: Optional[dict[str, An
             if args.tokenizer:
                 raise
             continue
-        if not os.path.isfile(os.path.join(path, "config.json")):
+        if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
             raise ValueError(f"{path} has no config.json (needed for the model's vocabulary "
                              "size): pass --tokenizer CHECKPOINT_DIR.")
         return path

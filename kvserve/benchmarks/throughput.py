@@ -15,7 +15,7 @@ Results use vLLM's keys (`elapsed_time`, `num_requests`, `total_num_tokens`,
 from __future__ import annotations
 
 import argparse
-import json
+import os
 import time
 from typing import Any, Optional, Sequence
 
@@ -85,7 +85,11 @@ def run_kvserve(requests: Sequence[SampleRequest], llm: Any, n: int = 1,
 def load_hf_model(model_path: str, dtype: torch.dtype, device: str) -> Any:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+    if os.path.isfile(model_path):       # GGUF: transformers dequantizes it itself
+        model = AutoModelForCausalLM.from_pretrained(
+            os.path.dirname(model_path), gguf_file=os.path.basename(model_path), dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
     return model.to(device).eval()
 
 
@@ -158,18 +162,19 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def main(args: argparse.Namespace) -> int:
-    from kvserve.config import resolve_dtype
+    from kvserve.config import load_hf_config, resolve_dtype
     from kvserve.model.demo import resolve_model_path
+    from kvserve.model.gguf import is_gguf
     from kvserve.tokenizer import Tokenizer
 
     if args.n < 1:
         raise ValueError(f"n must be >= 1, got {args.n}.")
     engine_args = EngineArgs.from_cli_args(args)
-    model_path = resolve_model_path(engine_args.model)
+    model_path = resolve_model_path(engine_args.model, engine_args.load_format)
     tokenizer = Tokenizer.from_pretrained(
         resolve_model_path(engine_args.tokenizer) if engine_args.tokenizer else model_path)
-    with open(f"{model_path}/config.json") as f:
-        hf_config = json.load(f)
+    hf_config, _ = load_hf_config(model_path, engine_args.hf_config_path,
+                                  is_gguf(model_path, engine_args.load_format))
     max_model_len = engine_args.max_model_len or int(hf_config["max_position_embeddings"])
     requests = get_samples(args, model_path, tokenizer, max_model_len)
     extra: dict[str, Any] = {"dataset_name": args.dataset_name, "model": engine_args.model}

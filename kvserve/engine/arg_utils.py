@@ -17,8 +17,13 @@ from kvserve.config import (CacheConfig, DeviceConfig, KVServeConfig, ModelConfi
                             ParallelConfig, SchedulerConfig)
 
 _HELP = {
-    "model": "Path to a Hugging Face checkpoint directory, or 'demo' for the built-in demo model.",
-    "tokenizer": "Tokenizer directory (defaults to the model directory).",
+    "model": "Path to a Hugging Face checkpoint directory or a .gguf file, 'demo' for the built-in "
+             "demo model (SmolLM2-135M-Instruct, fetched once) or 'demo-random' (a tiny random Llama).",
+    "tokenizer": "Tokenizer directory (defaults to the model directory; for a GGUF model, the "
+                 "tokenizer in its metadata).",
+    "load_format": "auto, safetensors or gguf (auto: gguf for a path ending in .gguf).",
+    "hf_config_path": "Directory whose config.json replaces the model's (for GGUF files whose "
+                      "metadata is not enough).",
     "served_model_name": "Model name(s) the API accepts; the first is the one reported "
                          "(defaults to the model argument).",
     "dtype": "Weight and activation dtype: auto, float32, bfloat16, float16.",
@@ -51,6 +56,8 @@ _MULTI = {"served_model_name"}     # flags that take one or more values, as in v
 class EngineArgs:
     model: str = "demo"
     tokenizer: Optional[str] = None
+    load_format: str = "auto"
+    hf_config_path: Optional[str] = None
     served_model_name: Optional[Union[str, list[str]]] = None
     dtype: str = "auto"
     max_model_len: Optional[int] = None
@@ -121,13 +128,15 @@ class EngineArgs:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
             raise ValueError(f"Unknown device {device!r}; supported: auto, cpu, cuda.")
-        path = resolve_model_path(self.model)
+        path = resolve_model_path(self.model, self.load_format)
         tok_path = resolve_model_path(self.tokenizer) if self.tokenizer else path
         model_config = ModelConfig.from_path(
             path, tokenizer=tok_path,
             served_model_name=self.served_model_name or self.model,
             dtype=self.dtype, max_model_len=self.max_model_len, seed=self.seed,
-            max_logprobs=self.max_logprobs, device=device)
+            max_logprobs=self.max_logprobs, device=device, load_format=self.load_format,
+            hf_config_path=(os.path.abspath(os.path.expanduser(self.hf_config_path))
+                            if self.hf_config_path else None))
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}.")
         if self.scheduling_policy not in ("fcfs", "priority"):

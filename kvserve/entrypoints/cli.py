@@ -56,7 +56,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     """`kvserve serve` flags (vLLM's names), then every engine flag."""
-    parser.add_argument("model", help="Path to a Hugging Face checkpoint directory, or 'demo'.")
+    parser.add_argument("model", help="Path to a Hugging Face checkpoint directory or .gguf file, "
+                                      "or 'demo' / 'demo-random'.")
     g = parser.add_argument_group("server")
     g.add_argument("--host", type=str, default=None,
                    help="Address to listen on (default: all interfaces).")

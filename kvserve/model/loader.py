@@ -1,4 +1,5 @@
-"""Build a model from a local Hugging Face checkpoint directory (config.json + safetensors).
+"""Build a model from a local Hugging Face checkpoint directory (config.json + safetensors)
+or a GGUF file (`gguf.py`).
 
 The model is constructed directly on the target device in the target dtype, then each
 checkpoint tensor is read on its own (never the whole checkpoint at once) and handed to its
@@ -64,14 +65,23 @@ def iterate_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
+def checkpoint_weights(model_config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's (HF name, tensor) stream: safetensors, or a GGUF file dequantized."""
+    if model_config.is_gguf:
+        from kvserve.model.gguf import iterate_gguf_weights
+        return iterate_gguf_weights(model_config.model, model_config.hf_config)
+    safetensors_files(model_config.model)           # fail before allocating anything
+    return iterate_weights(model_config.model)
+
+
 def load_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
     """Build the model for `model_config` on `device` and load this TP rank's weights."""
     model_cls = get_model_class(model_config.architecture)
-    safetensors_files(model_config.model)           # fail before allocating anything
+    weights = checkpoint_weights(model_config)     # fails before allocating anything
     # 16-bit weights with float32 math: built (and loaded) 16-bit, then set_compute_dtype.
     with _default_dtype(model_config.weight_dtype or model_config.dtype), torch.device(device):
         model = model_cls(model_config)
-    loaded = model.load_weights(iterate_weights(model_config.model))
+    loaded = model.load_weights(weights)
     never_loaded = sorted(set(name for name, _ in model.named_parameters()) - loaded)
     if never_loaded:
         shown = ", ".join(never_loaded[:8]) + (" ..." if len(never_loaded) > 8 else "")

@@ -254,12 +254,12 @@ def test_kv_cache_shape_helpers(tiny_llama: str, tiny_qwen3: str) -> None:
 # The demo model
 
 
-def test_demo_model_builds_once_and_matches_hf(tmp_path, monkeypatch) -> None:
+def test_random_demo_model_builds_once_and_matches_hf(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))
     paths: list[str] = []
     # Two concurrent first uses: both get the same complete directory, no temp dirs remain.
-    threads = [threading.Thread(target=lambda: paths.append(demo.resolve_model_path("demo")))
-               for _ in range(2)]
+    threads = [threading.Thread(
+        target=lambda: paths.append(demo.resolve_model_path(demo.DEMO_RANDOM))) for _ in range(2)]
     for t in threads:
         t.start()
     for t in threads:
@@ -269,7 +269,7 @@ def test_demo_model_builds_once_and_matches_hf(tmp_path, monkeypatch) -> None:
     assert os.listdir(tmp_path) == [os.path.basename(path)]
     assert f"demo-v{demo.DEMO_VERSION}-" in os.path.basename(path)
     mtime = os.path.getmtime(os.path.join(path, "model.safetensors"))
-    assert demo.resolve_model_path("demo") == path
+    assert demo.resolve_model_path("demo-random") == path
     assert os.path.getmtime(os.path.join(path, "model.safetensors")) == mtime
 
     with open(os.path.join(path, "config.json")) as f:

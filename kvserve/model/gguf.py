@@ -1,0 +1,309 @@
+"""GGUF checkpoints (llama.cpp's single-file format), read with the `gguf` package.
+
+A GGUF file carries the model's hyper-parameters and tokenizer as metadata and its tensors
+under llama.cpp's names, possibly block-quantized. Here it becomes what the rest of kvserve
+already understands: an HF-style config dict (`gguf_hf_config`) and a stream of HF-named
+float32 tensors (`iterate_gguf_weights`), dequantized one tensor at a time, so that loading
+peaks at about one model in the run dtype plus one float32 tensor. The tokenizer lives in
+`gguf_tokenizer.py`.
+
+llama.cpp's converter reorders the rows of q_proj / k_proj for the "llama" architecture
+(Hugging Face's rotary layout rotates the two halves of a head, llama.cpp's adjacent pairs);
+loading undoes that. Qwen2 / Qwen3 files are stored in Hugging Face's layout already.
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, Iterator, Optional
+
+import numpy as np
+import torch
+
+GGUF_EXTENSION = ".gguf"
+
+# GGUF `general.architecture` -> (HF `architectures` entry, `model_type`). Mistral files say
+# "llama": llama.cpp converts them as Llama, and they are the same network here.
+GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
+    "llama": ("LlamaForCausalLM", "llama"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+}
+# Architectures whose q/k rows llama.cpp's converter permutes.
+_PERMUTED_ARCHITECTURES = {"llama"}
+
+# Tensor types dequantized at load (by `gguf.quants.dequantize`).
+SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+
+# llama.cpp tensor name -> HF name; "{i}" is the layer index.
+_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+_GLOBAL_RE = re.compile(r"^(\w+)\.(weight|bias)$")
+
+
+def is_gguf(model: str, load_format: str = "auto") -> bool:
+    """Whether `model` is to be loaded as GGUF: --load-format gguf, or a path ending in .gguf."""
+    return load_format == "gguf" or (load_format == "auto" and model.endswith(GGUF_EXTENSION))
+
+
+def hf_tensor_name(gguf_name: str) -> Optional[str]:
+    """The Hugging Face name of a llama.cpp tensor name (None when it has none)."""
+    m = _LAYER_RE.match(gguf_name)
+    if m:
+        layer, part, kind = m.groups()
+        hf = _LAYER_NAMES.get(part)
+        return None if hf is None else f"model.layers.{layer}.{hf}.{kind}"
+    m = _GLOBAL_RE.match(gguf_name)
+    if m and m.group(1) in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[m.group(1)]}.{m.group(2)}"
+    return None
+
+
+@dataclass(frozen=True)
+class GGUFTensorInfo:
+    """Where one tensor lies in the file, as the reader found it."""
+    name: str
+    type_name: str                 # GGMLQuantizationType name, e.g. "Q4_1"
+    shape: tuple[int, ...]         # PyTorch order (GGUF lists dimensions innermost first)
+    data_offset: int               # byte offset of its data in the file
+    data_shape: tuple[int, ...]    # the reader's view of the data: rows x bytes for quantized types
+    data_dtype: str                # that view's numpy dtype
+
+
+@dataclass(frozen=True)
+class GGUFMetadata:
+    """Everything but the tensor data: metadata values and tensor descriptions."""
+    path: str
+    fields: dict[str, Any]
+    tensors: tuple[GGUFTensorInfo, ...]
+
+    @property
+    def architecture(self) -> str:
+        return str(self.fields.get("general.architecture", ""))
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """An architecture key without its prefix: get("block_count") -> llama.block_count."""
+        return self.fields.get(f"{self.architecture}.{key}", default)
+
+
+def open_reader(path: str) -> Any:
+    """A `gguf.GGUFReader` on `path`; a file that is not GGUF, or truncated, is a ValueError."""
+    import gguf
+
+    if not os.path.isfile(path):
+        raise ValueError(f"GGUF file {path!r} does not exist.")
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as e:     # the reader raises whatever its parsing ran into
+        raise ValueError(f"{path!r} is not a readable GGUF file (truncated or corrupt?): "
+                         f"{type(e).__name__}: {e}") from None
+    for t in reader.tensors:   # a file cut inside the tensor data still parses its header
+        if t.data.nbytes != int(t.n_bytes):
+            raise ValueError(f"GGUF file {path!r} is truncated: tensor {t.name!r} has "
+                             f"{t.data.nbytes} of its {int(t.n_bytes)} bytes.")
+    return reader
+
+
+def read_gguf_metadata(path: str) -> GGUFMetadata:
+    """The file's metadata. The reader takes several seconds to parse a 49k-token vocabulary,
+    so the result is kept per process and, as JSON, in kvserve's cache directory (keyed by the
+    file's path, size and modification time) for the next process."""
+    path = os.path.abspath(path)
+    try:
+        st = os.stat(path)
+    except OSError:
+        raise ValueError(f"GGUF file {path!r} does not exist.") from None
+    return _read_gguf_metadata(path, st.st_size, st.st_mtime_ns)
+
+
+_METADATA_CACHE_VERSION = 1
+
+
+@lru_cache(maxsize=4)
+def _read_gguf_metadata(path: str, size: int, mtime_ns: int) -> GGUFMetadata:
+    import hashlib
+    import json
+
+    from kvserve.model.demo import cache_dir
+
+    key = hashlib.sha256(f"{_METADATA_CACHE_VERSION}|{path}|{size}|{mtime_ns}".encode()).hexdigest()
+    cached = os.path.join(cache_dir(), "gguf-metadata", key[:24] + ".json")
+    if os.path.isfile(cached):
+        with open(cached, encoding="utf-8") as f:
+            data = json.load(f)
+        tensors = tuple(GGUFTensorInfo(t[0], t[1], tuple(t[2]), t[3], tuple(t[4]), t[5])
+                        for t in data["tensors"])
+        return GGUFMetadata(path, data["fields"], tensors)
+    meta = _parse_gguf_metadata(path)
+    try:
+        os.makedirs(os.path.dirname(cached), exist_ok=True)
+        tmp = f"{cached}.tmp-{os.getpid()}"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump({"fields": meta.fields, "tensors": [
+                [t.name, t.type_name, t.shape, t.data_offset, t.data_shape, t.data_dtype]
+                for t in meta.tensors]}, f, default=lambda o: o.tolist())  # numpy scalars, arrays
+        os.replace(tmp, cached)
+    except OSError:
+        pass          # a read-only cache directory only costs the next process the parse
+    return meta
+
+
+def _parse_gguf_metadata(path: str) -> GGUFMetadata:
+    reader = open_reader(path)
+    fields = {}
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF."):
+            continue
+        try:
+            fields[name] = field.contents()
+        except Exception as e:
+            raise ValueError(f"GGUF file {path!r}: cannot read metadata {name!r}: {e}") from None
+    tensors = tuple(GGUFTensorInfo(t.name, t.tensor_type.name,
+                                   tuple(int(d) for d in reversed(t.shape)), int(t.data_offset),
+                                   tuple(int(d) for d in t.data.shape), t.data.dtype.str)
+                    for t in reader.tensors)
+    return GGUFMetadata(path, fields, tensors)
+
+
+def check_gguf_supported(meta: GGUFMetadata, use_hf_config: bool = False) -> None:
+    """Raise a ValueError naming what kvserve cannot load: architecture, tensor types,
+    tensors with no counterpart in the model."""
+    arch = meta.architecture
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(f"GGUF architecture {arch!r} ({meta.path}) is not supported. Supported "
+                         f"GGUF architectures: {', '.join(sorted(GGUF_ARCHITECTURES))} "
+                         f"(Mistral files use 'llama').")
+    bad_types = sorted({t.type_name for t in meta.tensors} - set(SUPPORTED_TENSOR_TYPES))
+    if bad_types:
+        names = [t.name for t in meta.tensors if t.type_name in bad_types][:3]
+        raise ValueError(f"GGUF tensor type(s) {', '.join(bad_types)} in {meta.path} (e.g. "
+                         f"{', '.join(names)}) are not supported. Supported types: "
+                         f"{', '.join(SUPPORTED_TENSOR_TYPES)}.")
+    for t in meta.tensors:
+        if t.name == "rope_freqs.weight":
+            if use_hf_config:
+                continue     # the HF config states the rope scaling these factors encode
+            raise ValueError(f"GGUF file {meta.path} has per-frequency rope factors "
+                             f"(rope_freqs.weight, Llama 3.1-style rope scaling) that its metadata "
+                             f"does not describe: pass --hf-config-path with the model's "
+                             f"config.json.")
+        if hf_tensor_name(t.name) is None:
+            raise ValueError(f"GGUF tensor {t.name!r} in {meta.path} has no counterpart in "
+                             f"kvserve's {arch} model.")
+
+
+def _rope_scaling(meta: GGUFMetadata) -> Optional[dict]:
+    kind = meta.get("rope.scaling.type")
+    if kind in (None, "none"):
+        return None
+    raise ValueError(f"GGUF file {meta.path}: rope scaling type {kind!r} is not supported; pass "
+                     f"--hf-config-path with a config.json whose rope_scaling kvserve supports.")
+
+
+def _torch_dtype_name(meta: GGUFMetadata) -> str:
+    """The run dtype 'auto' picks: the file's float type; float32 for quantized files, which
+    are dequantized exactly into it."""
+    types = {t.type_name for t in meta.tensors if len(t.shape) > 1}
+    if types == {"BF16"}:
+        return "bfloat16"
+    if types == {"F16"}:
+        return "float16"
+    return "float32"
+
+
+def gguf_hf_config(meta: GGUFMetadata) -> dict[str, Any]:
+    """An HF-style config.json dict from the GGUF metadata."""
+    check_gguf_supported(meta)
+    architecture, model_type = GGUF_ARCHITECTURES[meta.architecture]
+    names = {t.name for t in meta.tensors}
+    n_heads = int(meta.get("attention.head_count"))
+    hidden = int(meta.get("embedding_length"))
+    vocab = meta.get("vocab_size") or len(meta.fields.get("tokenizer.ggml.tokens") or [])
+    if not vocab:
+        embd = next((t for t in meta.tensors if t.name == "token_embd.weight"), None)
+        vocab = embd.shape[0] if embd else 0
+    config: dict[str, Any] = {
+        "architectures": [architecture], "model_type": model_type,
+        "hidden_size": hidden,
+        "intermediate_size": int(meta.get("feed_forward_length")),
+        "num_hidden_layers": int(meta.get("block_count")),
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": int(meta.get("attention.head_count_kv") or n_heads),
+        "head_dim": int(meta.get("attention.key_length") or hidden // n_heads),
+        "hidden_act": "silu",
+        "max_position_embeddings": int(meta.get("context_length") or 2048),
+        "rms_norm_eps": float(meta.get("attention.layer_norm_rms_epsilon") or 1e-6),
+        "rope_theta": float(meta.get("rope.freq_base") or 10000.0),
+        "rope_scaling": _rope_scaling(meta),
+        "vocab_size": int(vocab),
+        "tie_word_embeddings": "output.weight" not in names,
+        "attention_bias": "blk.0.attn_q.bias" in names,
+        "torch_dtype": _torch_dtype_name(meta),
+    }
+    if model_type == "llama":
+        config["mlp_bias"] = "blk.0.ffn_up.bias" in names
+    else:
+        config["use_sliding_window"] = False
+    for key in ("bos_token_id", "eos_token_id"):
+        value = meta.fields.get(f"tokenizer.ggml.{key}")
+        if value is not None:
+            config[key] = int(value)
+    return config
+
+
+def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row permutation (its converter's `LlamaModel.permute`): within each
+    head, rows stored as interleaved pairs go back to Hugging Face's two halves."""
+    return (w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))
+
+
+def iterate_gguf_weights(path: str, hf_config: dict) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, float32 tensor) for every tensor of the file, dequantized one at a time
+    (the caller copies each into its parameter before the next is made). The data is read
+    through a memory map at the offsets the reader found (see `read_gguf_metadata`)."""
+    import gguf
+    from gguf.quants import dequantize
+
+    meta = read_gguf_metadata(path)
+    permuted = meta.architecture in _PERMUTED_ARCHITECTURES
+    n_head = int(hf_config["num_attention_heads"])
+    n_kv = int(hf_config.get("num_key_value_heads") or n_head)
+    mapped = np.memmap(meta.path, mode="r")
+    for t in meta.tensors:
+        name = hf_tensor_name(t.name)
+        if name is None:
+            continue                 # rope_freqs: check_gguf_supported allowed it (HF config)
+        dtype = np.dtype(t.data_dtype)
+        nbytes = int(np.prod(t.data_shape)) * dtype.itemsize
+        raw = mapped[t.data_offset:t.data_offset + nbytes].view(dtype).reshape(t.data_shape)
+        data = dequantize(raw, gguf.GGMLQuantizationType[t.type_name])
+        if data.dtype != np.float32 or not data.flags.writeable:   # F32 / F16: file views
+            data = data.astype(np.float32)
+        data = data.reshape(t.shape)
+        tensor = torch.from_numpy(data)
+        if permuted and ".q_proj." in name:
+            tensor = unpermute_qk(tensor, n_head)
+        elif permuted and ".k_proj." in name:
+            tensor = unpermute_qk(tensor, n_kv)
+        yield name, tensor
+    del mapped
