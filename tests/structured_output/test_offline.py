@@ -148,11 +148,21 @@ def _steps_and_outputs(tiny_llama: str, jump_forward: bool) -> tuple[int, list[s
             engine.add_request(str(i), {"prompt_token_ids": [5 + i, 9, 300]}, SamplingParams(
                 temperature=1.0, seed=i, max_tokens=200,
                 structured_outputs=SO(json=LONG_KEYS, disable_any_whitespace=True)))
+        core = engine.engine_core.engine_core
+        batch = core.model_executor.worker.model_runner.input_batch
         while engine.has_unfinished_requests():
             steps += 1
             for out in engine.step():
                 if out.finished:
                     texts[out.request_id] = out.outputs[0].text
+            # The workers hold every token the engine core appended, jump-forward ones too
+            # (after the step that ships them: tokens still pending are not counted).
+            for req in core.scheduler.running:
+                row = batch.req_id_to_index[req.request_id]
+                pending = len(req.structured_output_request.pending_tokens)
+                n = int(batch.num_tokens[row])
+                assert n + pending == req.num_tokens, (n, pending, req.num_tokens)
+                assert batch.token_ids[row, :n].tolist() == req.all_token_ids[:n]
         assert_all_blocks_free(llm)
         return steps, [texts[str(i)] for i in range(4)]
     finally:
