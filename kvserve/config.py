@@ -230,6 +230,47 @@ class DeviceConfig:
         return torch.device(self.device)
 
 
+_SO_BACKENDS = ("auto", "xgrammar", "guidance")
+
+
+@dataclass
+class StructuredOutputsConfig:
+    """`--structured-outputs-config` (JSON): vLLM's backend and whitespace settings, plus ours:
+    `enable_jump_forward` (append the tokens a grammar forces without a model step each)."""
+    backend: str = "auto"                   # auto | xgrammar | guidance
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    enable_jump_forward: bool = False
+    max_compile_threads: int = 2
+
+    def __post_init__(self) -> None:
+        if self.backend not in _SO_BACKENDS:
+            raise ValueError(f"structured outputs backend must be one of {list(_SO_BACKENDS)}, "
+                             f"got {self.backend!r}.")
+        if self.max_compile_threads < 1:
+            raise ValueError(f"max_compile_threads must be >= 1, got {self.max_compile_threads}.")
+
+    @staticmethod
+    def parse(value: Union[None, str, dict, "StructuredOutputsConfig"]) -> "StructuredOutputsConfig":
+        if value is None:
+            return StructuredOutputsConfig()
+        if isinstance(value, StructuredOutputsConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--structured-outputs-config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"structured_outputs_config must be a JSON object, got {value!r}.")
+        known = {f for f in StructuredOutputsConfig.__dataclass_fields__}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"Unknown structured_outputs_config key(s) {unknown}; known: "
+                             f"{sorted(known)}.")
+        return StructuredOutputsConfig(**value)
+
+
 @dataclass
 class KVServeConfig:
     """Everything an engine needs, passed whole to EngineCore, executors and workers."""
@@ -241,3 +282,5 @@ class KVServeConfig:
     multiprocessing: bool = False
     disable_log_stats: bool = True
     enforce_eager: bool = True
+    structured_outputs_config: StructuredOutputsConfig = field(
+        default_factory=StructuredOutputsConfig)

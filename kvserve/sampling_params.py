@@ -16,6 +16,52 @@ class RequestOutputKind(enum.IntEnum):
     FINAL_ONLY = 2   # one output, when the request finishes
 
 
+class StructuredOutputsParams(
+        msgspec.Struct,
+        omit_defaults=True,  # type: ignore[call-arg]
+        dict=True):  # type: ignore[call-arg]
+    """One output constraint (vLLM's names): exactly one of json, regex, choice, grammar,
+    json_object, structural_tag. The grammar itself is checked by the input processor (it
+    needs the backend); here only the shape of the request."""
+
+    json: Optional[Union[str, dict[str, Any]]] = None   # a JSON schema (object or its text)
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None                       # EBNF (GBNF-style) grammar
+    json_object: Optional[bool] = None                  # any JSON object
+    structural_tag: Optional[str] = None                # xgrammar structural tag, as JSON text
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        kinds = self.kinds()
+        if len(kinds) != 1:
+            raise ValueError(
+                "structured_outputs must set exactly one of json, regex, choice, grammar, "
+                f"json_object, structural_tag; got {kinds or 'none'}.")
+        if self.choice is not None:
+            if not self.choice or not all(isinstance(c, str) for c in self.choice):
+                raise ValueError(f"structured_outputs.choice must be a non-empty list of "
+                                 f"strings, got {self.choice!r}.")
+        for name in ("regex", "grammar", "structural_tag"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string, "
+                                 f"got {value!r}.")
+
+    def kinds(self) -> list[str]:
+        return [k for k in _CONSTRAINT_KINDS
+                if getattr(self, k) is not None and getattr(self, k) is not False]
+
+    @property
+    def kind(self) -> str:
+        return self.kinds()[0]
+
+
+_CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
 class SamplingParams(
         msgspec.Struct,
         omit_defaults=True,  # type: ignore[call-arg]
@@ -51,6 +97,7 @@ class SamplingParams(
     # Set by the input processor from `bad_words` and the tokenizer (vLLM's
     # _bad_words_token_ids): the token sequences the sampler forbids completing.
     bad_words_token_ids: Optional[list[list[int]]] = None
+    structured_outputs: Optional[StructuredOutputsParams] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -61,6 +108,8 @@ class SamplingParams(
             self.stop_token_ids = []
         if self.top_k is None or self.top_k < 0:
             self.top_k = 0  # vLLM accepts -1 for "off"
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if self.logit_bias:
             # JSON object keys arrive as strings; values are clamped like vLLM does.
             self.logit_bias = {

@@ -8,15 +8,19 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from kvserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kvserve.structured_output.request import StructuredOutputRequest
 
 
 class RequestStatus(enum.IntEnum):
     WAITING = 0
     RUNNING = 1
     PREEMPTED = 2
+    WAITING_FOR_FSM = 3     # its grammar is compiling; not schedulable yet
     # Everything above FINISHED_STOPPED is finished.
     FINISHED_STOPPED = 10
     FINISHED_LENGTH_CAPPED = 11
@@ -75,6 +79,12 @@ class Request:
         self.block_hashes: list = []
         # (EngineCoreEventType, time.monotonic()) not yet sent to the frontend.
         self.events: list[tuple[int, float]] = []
+        # Set by the StructuredOutputManager for requests with structured_outputs.
+        self.structured_output_request: Optional["StructuredOutputRequest"] = None
+
+    @property
+    def use_structured_output(self) -> bool:
+        return self.sampling_params.structured_outputs is not None
 
     def record_event(self, event_type: int) -> None:
         self.events.append((int(event_type), time.monotonic()))

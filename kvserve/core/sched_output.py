@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+import numpy as np
+
 from kvserve.sampling_params import SamplingParams
 
 
@@ -29,6 +31,9 @@ class CachedRequestData:
     req_ids: list[str] = field(default_factory=list)
     new_block_ids: list[list[int]] = field(default_factory=list)  # blocks appended this step
     num_computed_tokens: list[int] = field(default_factory=list)
+    # Tokens the engine core appended itself (jump-forward decoding) that the workers have
+    # not seen: per request, appended before this step's tokens are computed.
+    new_token_ids: list[list[int]] = field(default_factory=list)
 
 
 @dataclass
@@ -40,6 +45,10 @@ class SchedulerOutput:
     finished_req_ids: set[str]            # drop these from the workers' persistent batch
     preempted_req_ids: set[str] = field(default_factory=set)
     step_id: int = 0
+    # Structured outputs: int32 [len(ids), ceil(V/32)], row i for request
+    # structured_output_request_ids[i] (only constrained requests that sample this step).
+    grammar_bitmask: Optional[np.ndarray] = None
+    structured_output_request_ids: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

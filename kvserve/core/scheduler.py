@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable, Optional
 
 from kvserve.config import CacheConfig, SchedulerConfig
 from kvserve.core.kv_cache_manager import KVCacheManager
@@ -20,6 +20,9 @@ from kvserve.core.sched_output import (CachedRequestData, ModelRunnerOutput, New
                                        SchedulerOutput)
 from kvserve.engine.messages import (EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs,
                                      FinishReason)
+
+if TYPE_CHECKING:
+    from kvserve.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -68,8 +71,17 @@ def check_stop(request: Request, max_model_len: int) -> bool:
 
 
 class Scheduler:
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
+                 structured_output_manager: Optional["StructuredOutputManager"] = None,
+                 enable_jump_forward: bool = False) -> None:
         self.config = scheduler_config
+        self.structured_output_manager = structured_output_manager
+        self.enable_jump_forward = enable_jump_forward
+        # Requests whose grammar is compiling (WAITING_FOR_FSM), in arrival order; they join
+        # the waiting queue when it is ready, so nothing queues behind a slow compile.
+        self.waiting_for_fsm: list[Request] = []
+        # Requests whose grammar failed to compile: reported (finish_reason "error") next update.
+        self._failed: list[Request] = []
         self.max_model_len = scheduler_config.max_model_len
         self.num_blocks = cache_config.num_blocks
         self.kv_cache_manager = KVCacheManager(
@@ -91,8 +103,15 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"Request id {request.request_id!r} is already in use.")
+        if request.use_structured_output:
+            if self.structured_output_manager is None:
+                raise ValueError("This engine has no structured output support.")
+            self.structured_output_manager.grammar_init(request)
+            request.status = RequestStatus.WAITING_FOR_FSM
+            self.waiting_for_fsm.append(request)
+        else:
+            self.waiting.add(request)
         self.requests[request.request_id] = request
-        self.waiting.add(request)
         request.record_event(EngineCoreEventType.QUEUED)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[str]:
@@ -104,6 +123,8 @@ class Scheduler:
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
+            elif request.status == RequestStatus.WAITING_FOR_FSM:
+                self.waiting_for_fsm.remove(request)
             else:
                 self.waiting.remove(request)
             request.status = status
@@ -113,19 +134,24 @@ class Scheduler:
 
     def _free_request(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
+        if request.structured_output_request is not None:
+            assert self.structured_output_manager is not None
+            self.structured_output_manager.drop(request)
         del self.requests[request.request_id]
         if request.request_id in self._on_workers:
             self._on_workers.discard(request.request_id)
             self.finished_req_ids.add(request.request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests or self._failed)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
 
     # ------------------------------------------------------------------ schedule
     def schedule(self) -> SchedulerOutput:
+        if self.waiting_for_fsm:
+            self._admit_compiled()
         budget = self.config.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         new_blocks: dict[str, list[int]] = {}
@@ -142,6 +168,28 @@ class Scheduler:
             self.requests[rid].num_computed_tokens += n
         self.finished_req_ids = set()
         return output
+
+    def _admit_compiled(self) -> None:
+        """Requests whose grammar is ready join the waiting queue; failed ones finish."""
+        assert self.structured_output_manager is not None
+        still_compiling = []
+        for request in self.waiting_for_fsm:
+            if not self.structured_output_manager.take_ready(request):
+                still_compiling.append(request)
+                continue
+            so_req = request.structured_output_request
+            assert so_req is not None
+            if so_req.error is not None:
+                logger.warning("Request %s: grammar compilation failed: %s",
+                               request.request_id, so_req.error)
+                request.status = RequestStatus.FINISHED_ERROR
+                request.stop_reason = f"grammar compilation failed: {so_req.error}"
+                self._free_request(request)
+                self._failed.append(request)
+                continue
+            request.status = RequestStatus.WAITING
+            self.waiting.add(request)
+        self.waiting_for_fsm = still_compiling
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
         n = request.num_tokens - request.num_computed_tokens
@@ -241,6 +289,8 @@ class Scheduler:
                 num_computed_tokens=r.num_computed_tokens,
                 eos_token_ids=[] if r.sampling_params.ignore_eos else sorted(r.eos_token_ids)))
             self._on_workers.add(r.request_id)
+            if r.structured_output_request is not None:   # token_ids above carry them
+                r.structured_output_request.pending_tokens = []
         new_ids = {r.request_id for r in scheduled_new}
         cached = CachedRequestData()
         for rid, blocks in new_blocks.items():
@@ -248,7 +298,13 @@ class Scheduler:
                 continue
             cached.req_ids.append(rid)
             cached.new_block_ids.append(blocks)
-            cached.num_computed_tokens.append(self.requests[rid].num_computed_tokens)
+            request = self.requests[rid]
+            cached.num_computed_tokens.append(request.num_computed_tokens)
+            so_req = request.structured_output_request
+            pending = so_req.pending_tokens if so_req is not None else []
+            cached.new_token_ids.append(pending)
+            if pending:
+                so_req.pending_tokens = []
         self._step_id += 1
         return SchedulerOutput(
             scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached,
@@ -260,7 +316,8 @@ class Scheduler:
     # ------------------------------------------------------------------ update
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> EngineCoreOutputs:
-        outputs: list[EngineCoreOutput] = []
+        outputs = [self._error_output(r) for r in self._failed]
+        self._failed = []
         for idx, rid in enumerate(runner_output.req_ids):
             request = self.requests.get(rid)
             if request is None or request.status != RequestStatus.RUNNING:
@@ -272,6 +329,8 @@ class Scheduler:
                 new_tokens.append(token)
                 if check_stop(request, self.max_model_len):
                     break
+            if request.structured_output_request is not None and new_tokens:
+                new_tokens.extend(self._advance_grammar(request, new_tokens))
             new_logprobs = None
             if runner_output.logprobs and rid in runner_output.logprobs and new_tokens:
                 lp = runner_output.logprobs[rid]
@@ -296,13 +355,53 @@ class Scheduler:
                 self._free_request(request)
         return EngineCoreOutputs(outputs=outputs)
 
+    def _advance_grammar(self, request: Request, new_tokens: list[int]) -> list[int]:
+        """Move the request's matcher over its new tokens; a finished grammar stops the
+        request. Returns the tokens jump-forward decoding appended (the grammar forced them)."""
+        mgr = self.structured_output_manager
+        assert mgr is not None
+        if not mgr.accept_tokens(request, new_tokens):
+            # Cannot happen with the bitmask applied; finish rather than produce invalid output.
+            logger.error("Request %s: token(s) %s refused by its grammar.", request.request_id,
+                         new_tokens)
+            if not request.is_finished():
+                request.status = RequestStatus.FINISHED_ERROR
+                request.stop_reason = "a sampled token was refused by the grammar"
+            return []
+        if request.is_finished():
+            return []
+        if mgr.is_terminated(request):
+            request.status = RequestStatus.FINISHED_STOPPED
+            return []
+        if not self.enable_jump_forward or request.sampling_params.logprobs is not None:
+            return []
+        forced = mgr.jump_forward_tokens(request)
+        appended: list[int] = []
+        for token in forced:
+            request.append_output_token_ids([token])
+            appended.append(token)
+            if check_stop(request, self.max_model_len):
+                break
+        if appended and not request.is_finished() and mgr.is_terminated(request):
+            request.status = RequestStatus.FINISHED_STOPPED
+        assert request.structured_output_request is not None
+        request.structured_output_request.pending_tokens.extend(appended)
+        return appended
+
+    @staticmethod
+    def _error_output(request: Request) -> EngineCoreOutput:
+        return EngineCoreOutput(request_id=request.request_id, new_token_ids=[],
+                                finish_reason=FinishReason.ERROR, stop_reason=request.stop_reason,
+                                events=request.take_events())
+
     # ------------------------------------------------------------------ stats
     def make_stats(self) -> SchedulerStats:
         pc = self.kv_cache_manager.make_prefix_cache_stats()   # delta since the last call
         self.prefix_cache_queries += pc.queries
         self.prefix_cache_hits += pc.hits
         return SchedulerStats(
-            num_running_reqs=len(self.running), num_waiting_reqs=len(self.waiting),
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting) + len(self.waiting_for_fsm),
             kv_cache_usage=self.kv_cache_manager.usage,
             num_free_blocks=self.kv_cache_manager.num_free_blocks, num_total_blocks=self.num_blocks,
             prefix_cache_queries=self.prefix_cache_queries, prefix_cache_hits=self.prefix_cache_hits,

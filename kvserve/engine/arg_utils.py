@@ -14,7 +14,7 @@ from typing import Any, Optional, Union, get_type_hints
 import torch
 
 from kvserve.config import (CacheConfig, DeviceConfig, KVServeConfig, ModelConfig,
-                            ParallelConfig, SchedulerConfig)
+                            ParallelConfig, SchedulerConfig, StructuredOutputsConfig)
 
 _HELP = {
     "model": "Path to a Hugging Face checkpoint directory or a .gguf file, 'demo' for the built-in "
@@ -47,6 +47,9 @@ _HELP = {
     "multiprocessing": "Run the engine core in its own process (default; env KVSERVE_ENABLE_MULTIPROCESSING=0 turns it off).",
     "disable_log_stats": "Do not log periodic throughput statistics.",
     "enforce_eager": "Never compile/capture graphs.",
+    "structured_outputs_config": "Structured outputs settings as JSON, e.g. "
+                                 "'{\"backend\": \"xgrammar\", \"disable_any_whitespace\": true, "
+                                 "\"enable_jump_forward\": true}'.",
 }
 _SHORT = {"tensor_parallel_size": "-tp", "pipeline_parallel_size": "-pp"}
 _MULTI = {"served_model_name"}     # flags that take one or more values, as in vLLM
@@ -80,6 +83,7 @@ class EngineArgs:
     multiprocessing: bool = True
     disable_log_stats: bool = True
     enforce_eager: bool = True
+    structured_outputs_config: Optional[Union[str, dict]] = None
 
     # ------------------------------------------------------------------
     @staticmethod
@@ -180,6 +184,7 @@ class EngineArgs:
             multiprocessing=self.multiprocessing and os.environ.get("KVSERVE_ENABLE_MULTIPROCESSING", "1") != "0",
             disable_log_stats=self.disable_log_stats,
             enforce_eager=self.enforce_eager,
+            structured_outputs_config=StructuredOutputsConfig.parse(self.structured_outputs_config),
         )
 
 

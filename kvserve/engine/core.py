@@ -7,9 +7,11 @@ from typing import Any, Optional
 
 from kvserve.config import KVServeConfig
 from kvserve.core.request import Request, RequestStatus
+from kvserve.core.sched_output import SchedulerOutput
 from kvserve.core.scheduler import Scheduler
 from kvserve.engine.messages import EngineCoreOutputs, EngineCoreRequest
 from kvserve.executor.base import Executor
+from kvserve.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +30,11 @@ class EngineCore:
             self.model_executor.shutdown()
             raise
         config.cache_config.num_blocks = num_blocks
-        self.scheduler = Scheduler(config.scheduler_config, config.cache_config)
+        so_config = config.structured_outputs_config
+        self.structured_output_manager = StructuredOutputManager(config)
+        self.scheduler = Scheduler(config.scheduler_config, config.cache_config,
+                                   structured_output_manager=self.structured_output_manager,
+                                   enable_jump_forward=so_config.enable_jump_forward)
         self.log_stats = not config.disable_log_stats
         logger.info("Engine core ready in %.2f s", time.perf_counter() - start)
 
@@ -63,12 +69,24 @@ class EngineCore:
         if not self.scheduler.has_unfinished_requests():
             return EngineCoreOutputs(timestamp=time.monotonic())
         scheduler_output = self.scheduler.schedule()
+        if self.scheduler.waiting_for_fsm or self.structured_output_manager.num_active:
+            self._attach_grammar_bitmask(scheduler_output)
         runner_output = self.model_executor.execute_model(scheduler_output)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         outputs.timestamp = time.monotonic()
         if self.log_stats:
             outputs.scheduler_stats = self.scheduler.make_stats().to_dict()
         return outputs
+
+    def _attach_grammar_bitmask(self, scheduler_output: SchedulerOutput) -> None:
+        mgr = self.structured_output_manager
+        if scheduler_output.is_empty:
+            # Everything left is waiting for a grammar: wait for one (briefly) instead of
+            # spinning the loop against the compile threads.
+            mgr.wait_for_any(self.scheduler.waiting_for_fsm, timeout=0.01)
+            return
+        scheduler_output.grammar_bitmask, scheduler_output.structured_output_request_ids = (
+            mgr.grammar_bitmask(self.scheduler.requests, scheduler_output.num_scheduled_tokens))
 
     # ------------------------------------------------------------------ utilities
     def reset_prefix_cache(self) -> bool:
@@ -78,4 +96,5 @@ class EngineCore:
         return self.scheduler.make_stats().to_dict()
 
     def shutdown(self) -> None:
+        self.structured_output_manager.shutdown()
         self.model_executor.shutdown()

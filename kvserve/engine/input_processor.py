@@ -13,7 +13,7 @@ from typing import Any, Optional, Union
 
 import msgspec
 
-from kvserve.config import ModelConfig
+from kvserve.config import ModelConfig, StructuredOutputsConfig
 from kvserve.engine.messages import EngineCoreRequest
 from kvserve.sampling_params import SamplingParams
 from kvserve.tokenizer import Tokenizer
@@ -26,8 +26,10 @@ _PROMPT_KEYS = {"prompt", "prompt_token_ids", "cache_salt"}
 
 
 class InputProcessor:
-    def __init__(self, model_config: ModelConfig, tokenizer: Optional[Tokenizer]) -> None:
+    def __init__(self, model_config: ModelConfig, tokenizer: Optional[Tokenizer],
+                 structured_outputs_config: Optional[StructuredOutputsConfig] = None) -> None:
         self.model_config = model_config
+        self.structured_outputs_config = structured_outputs_config or StructuredOutputsConfig()
         self.tokenizer = tokenizer
         self.max_model_len = model_config.max_model_len
         # Model and tokenizer vocabularies can differ (padded embedding tables, tokens only one
@@ -69,6 +71,8 @@ class InputProcessor:
             params = msgspec.structs.replace(params) if params is orig_params else params
             params.update_from_tokenizer(self.tokenizer)
         params.verify_against_vocab(self.model_config.vocab_size, self.model_config.max_logprobs)
+        if params.structured_outputs is not None:
+            self._validate_structured_outputs(params)
 
         return EngineCoreRequest(
             request_id=request_id,
@@ -79,6 +83,20 @@ class InputProcessor:
             priority=priority,
             cache_salt=cache_salt if cache_salt is not None else dict_salt,
         ), prompt_text
+
+    def _validate_structured_outputs(self, params: SamplingParams) -> None:
+        """The backend's cheap checks (parse the schema / regex / grammar, no token masks): a
+        bad constraint is a ValueError here, before anything is scheduled. The engine core
+        compiles it later, off its busy loop."""
+        if self.tokenizer is None:
+            raise ValueError("structured_outputs needs a tokenizer; this engine has none.")
+        backend = self.structured_outputs_config.backend
+        if backend == "guidance":
+            raise ValueError("The 'guidance' structured outputs backend is not available in "
+                             "kvserve yet; use 'xgrammar' (or 'auto').")
+        from kvserve.structured_output.backend_xgrammar import validate_xgrammar_params
+        assert params.structured_outputs is not None
+        validate_xgrammar_params(params.structured_outputs)
 
     # ------------------------------------------------------------------ helpers
     def _tokenize(self, prompt: PromptType) -> tuple[Optional[str], list[int], Optional[str]]:

@@ -19,7 +19,8 @@ class LLMEngine:
     def __init__(self, config: KVServeConfig) -> None:
         self.config = config
         self.tokenizer = Tokenizer.from_pretrained(config.model_config.tokenizer)
-        self.input_processor = InputProcessor(config.model_config, self.tokenizer)
+        self.input_processor = InputProcessor(config.model_config, self.tokenizer,
+                                              config.structured_outputs_config)
         self.output_processor = OutputProcessor(self.tokenizer, log_stats=not config.disable_log_stats)
         self.engine_core = EngineCoreClient.make_client(config)
 

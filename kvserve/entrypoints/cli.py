@@ -77,6 +77,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                    help="Do not log every HTTP request.")
     g.add_argument("--log-stats-interval", type=float, default=5.0,
                    help="Seconds between throughput log lines (default: 5).")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="Let the model call tools on its own (tool_choice='auto'); needs "
+                        "--tool-call-parser.")
+    g.add_argument("--tool-call-parser", type=str, default=None, choices=["hermes"],
+                   help="How tool calls are written in the model's text (hermes: "
+                        "<tool_call>{...}</tool_call>).")
     EngineArgs.add_cli_args(parser, skip=("model",))
     # A server logs throughput and exports metrics unless told not to.
     parser.set_defaults(disable_log_stats=False)

@@ -18,6 +18,7 @@ from kvserve.config import KVServeConfig
 from kvserve.core.sched_output import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from kvserve.model.layers.attention import AttentionMetadata
 from kvserve.sample.sampler import Sampler
+from kvserve.structured_output.bitmask import apply_grammar_bitmask
 from kvserve.worker.input_batch import InputBatch
 
 logger = logging.getLogger(__name__)
@@ -96,6 +97,8 @@ class ModelRunner:
         logprobs: dict[str, LogprobsLists] = {}
         if len(sample_rows):
             logits = self.model.compute_logits(hidden[step.logits_indices])
+            if scheduler_output.grammar_bitmask is not None:
+                logits = self._apply_grammar_bitmask(scheduler_output, step, logits)
             metadata = ib.make_sampling_metadata(sample_rows)
             out = self.sampler(logits, metadata)
             tokens = out.sampled_token_ids.tolist()
@@ -124,11 +127,24 @@ class ModelRunner:
         for new in so.scheduled_new_reqs:
             ib.add_request(new)
         cached = so.scheduled_cached_reqs
-        for rid, blocks, num_computed in zip(cached.req_ids, cached.new_block_ids,
-                                             cached.num_computed_tokens):
+        new_tokens = cached.new_token_ids or [[]] * len(cached.req_ids)
+        for rid, blocks, num_computed, tokens in zip(cached.req_ids, cached.new_block_ids,
+                                                     cached.num_computed_tokens, new_tokens):
             row = ib.req_id_to_index[rid]
             ib.append_blocks(row, blocks)
             ib.num_computed_tokens[row] = num_computed
+            for token in tokens:   # appended by the engine core (jump-forward decoding)
+                ib.append_token(row, token)
+
+    @staticmethod
+    def _apply_grammar_bitmask(so: SchedulerOutput, step: StepInputs,
+                               logits: torch.Tensor) -> torch.Tensor:
+        """The structured output requests' rows of the bitmask, onto their logits rows."""
+        sampling_ids = [step.req_ids[i] for i in np.nonzero(step.sample_mask)[0]]
+        logits_row = {rid: j for j, rid in enumerate(sampling_ids)}
+        rows = np.fromiter((logits_row[rid] for rid in so.structured_output_request_ids),
+                           np.int64, len(so.structured_output_request_ids))
+        return apply_grammar_bitmask(logits, so.grammar_bitmask, rows)
 
     def _prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
         ib, bs, dev = self.input_batch, self.block_size, self.device

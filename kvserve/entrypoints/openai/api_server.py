@@ -365,7 +365,9 @@ def init_app_state(engine_client: Any, state: Any, args: argparse.Namespace) -> 
     state.serving_completion = OpenAIServingCompletion(engine_client, models, load, default_sampling)
     state.serving_chat = OpenAIServingChat(engine_client, models, load, default_sampling,
                                            chat_template=chat_template,
-                                           response_role=getattr(args, "response_role", "assistant"))
+                                           response_role=getattr(args, "response_role", "assistant"),
+                                           enable_auto_tools=getattr(args, "enable_auto_tool_choice", False),
+                                           tool_parser=getattr(args, "tool_call_parser", None))
     state.serving_tokenization = OpenAIServingTokenization(engine_client, models, load,
                                                            chat_template=chat_template)
 
@@ -392,6 +394,8 @@ async def run_server(args: argparse.Namespace) -> None:
     from kvserve.engine.arg_utils import EngineArgs
     from kvserve.engine.async_llm import AsyncLLM
 
+    if getattr(args, "enable_auto_tool_choice", False) and not getattr(args, "tool_call_parser", None):
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (e.g. hermes).")
     if args.chat_template is not None:
         load_chat_template(args.chat_template)   # a bad path fails before the model loads
     sock = _bind_socket(args.host, args.port)

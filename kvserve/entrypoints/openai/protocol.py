@@ -17,7 +17,8 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from kvserve.sampling_params import RequestOutputKind, SamplingParams
+from kvserve.entrypoints.openai.tool_calls import tool_choice_schema
+from kvserve.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 # The generation_config.json keys that become default sampling values (vLLM's list).
 DEFAULT_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -107,7 +108,18 @@ class UsageInfo(OpenAIBaseModel):
 
 class ResponseFormat(OpenAIBaseModel):
     type: Literal["text", "json_object", "json_schema"]
+    # OpenAI's shape: {"name": ..., "schema": {...}, "strict": ...}
     json_schema: Optional[dict[str, Any]] = None
+
+    def to_structured_outputs(self) -> Optional[StructuredOutputsParams]:
+        if self.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if self.type == "json_schema":
+            schema = (self.json_schema or {}).get("schema")
+            if schema is None:
+                raise ValueError("response_format json_schema needs json_schema.schema.")
+            return StructuredOutputsParams(json=schema)
+        return None
 
 
 class _SamplingRequest(OpenAIBaseModel):
@@ -144,15 +156,13 @@ class _SamplingRequest(OpenAIBaseModel):
     request_id: Optional[str] = None
     cache_salt: Optional[str] = None
     return_token_ids: Optional[bool] = None
+    # vLLM's extra body field: {json | regex | choice | grammar | json_object | structural_tag}
+    structured_outputs: Optional[dict[str, Any]] = None
 
     @model_validator(mode="after")
     def _check_stream_options(self) -> "_SamplingRequest":
         if self.stream_options is not None and not self.stream:
             raise ValueError("Stream options can only be defined when `stream=True`.")
-        if self.response_format is not None and self.response_format.type != "text":
-            # Structured outputs need grammar-constrained sampling, which the engine lacks.
-            raise ValueError(f"response_format type {self.response_format.type!r} is not "
-                             f"supported yet; only 'text' is.")
         if self.cache_salt is not None and not self.cache_salt:
             raise ValueError("cache_salt must be a non-empty string.")
         if self.truncate_prompt_tokens == 0:
@@ -182,8 +192,25 @@ class _SamplingRequest(OpenAIBaseModel):
             bad_words=self.bad_words,
             # Streams get only what is new; a whole response needs only the end.
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
+            structured_outputs=self.structured_outputs_params(),
             **picked,
         )
+
+    def structured_outputs_params(self) -> Optional[StructuredOutputsParams]:
+        """`response_format` (json_schema / json_object) or `structured_outputs`; one only."""
+        from_format = self.response_format.to_structured_outputs() if self.response_format else None
+        if self.structured_outputs is not None:
+            if from_format is not None:
+                raise ValueError("Set either response_format or structured_outputs, not both.")
+            if not isinstance(self.structured_outputs, dict):
+                raise ValueError("structured_outputs must be an object.")
+            known = set(StructuredOutputsParams.__struct_fields__)
+            unknown = sorted(set(self.structured_outputs) - known)
+            if unknown:
+                raise ValueError(f"Unknown structured_outputs field(s) {unknown}; known: "
+                                 f"{sorted(known)}.")
+            return StructuredOutputsParams(**self.structured_outputs)
+        return from_format
 
 
 def _logit_bias_keys_are_ids(logit_bias: Optional[dict[str, float]]) -> None:
@@ -321,11 +348,26 @@ class ChatCompletionRequest(_SamplingRequest):
             raise ValueError("Cannot set both `continue_final_message` and "
                              "`add_generation_prompt` to True.")
         choice = self.tool_choice
-        if isinstance(choice, dict) or choice not in (None, "none", "auto"):
-            # Forcing a tool call needs tool-call parsing / guided decoding, which we lack.
-            raise ValueError(f"tool_choice={choice!r} is not supported; use 'none' or 'auto'.")
+        if not isinstance(choice, dict) and choice not in (None, "none", "auto", "required"):
+            raise ValueError(f"tool_choice={choice!r} is not supported; use 'none', 'auto', "
+                             f"'required' or a named function.")
+        if self.forced_tool_schema() is not None and (
+                self.response_format is not None and self.response_format.type != "text"
+                or self.structured_outputs is not None):
+            raise ValueError("A forced tool_choice cannot be combined with response_format or "
+                             "structured_outputs.")
         _logit_bias_keys_are_ids(self.logit_bias)
         return self
+
+    def forced_tool_schema(self) -> Optional[dict[str, Any]]:
+        """The schema a named / required tool_choice imposes (None when not forced)."""
+        return tool_choice_schema(self.tools, self.tool_choice)
+
+    def structured_outputs_params(self) -> Optional[StructuredOutputsParams]:
+        schema = self.forced_tool_schema()
+        if schema is not None:
+            return StructuredOutputsParams(json=schema)
+        return super().structured_outputs_params()
 
     def requested_max_tokens(self) -> Optional[int]:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -383,6 +425,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
 class DeltaMessage(OpenAIBaseModel):
     role: Optional[str] = None
     content: Optional[str] = None
+    tool_calls: Optional[list[dict[str, Any]]] = None
 
 
 class ChatCompletionResponseStreamChoice(OpenAIBaseModel):

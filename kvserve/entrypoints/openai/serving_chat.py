@@ -24,6 +24,8 @@ from kvserve.entrypoints.openai.serving_engine import (SSE_DONE, LoadTracker, Op
                                                        StreamingResult, clamp_logprob,
                                                        error_payload, now, sse, to_serving_error)
 from kvserve.entrypoints.openai.serving_models import OpenAIServingModels
+from kvserve.entrypoints.openai.tool_calls import (ToolCallStreamer, named_tool, parse_forced,
+                                                   parse_hermes)
 from kvserve.outputs import Logprob, RequestOutput
 from kvserve.tokenizer import Tokenizer
 
@@ -83,16 +85,34 @@ class OpenAIServingChat(OpenAIServing):
 
     def __init__(self, engine_client: Any, models: OpenAIServingModels, load: LoadTracker,
                  default_sampling_params: Optional[dict[str, Any]] = None,
-                 chat_template: Optional[str] = None, response_role: str = "assistant") -> None:
+                 chat_template: Optional[str] = None, response_role: str = "assistant",
+                 enable_auto_tools: bool = False, tool_parser: Optional[str] = None) -> None:
         super().__init__(engine_client, models, load, default_sampling_params)
         self.chat_template = chat_template
         self.response_role = response_role
+        self.enable_auto_tools = enable_auto_tools
+        self.tool_parser = tool_parser
+
+    def _tool_mode(self, request: ChatCompletionRequest) -> Optional[str]:
+        """How this request's tool calls are produced: "named", "required", "hermes" or None."""
+        choice = request.tool_choice
+        if named_tool(choice) is not None:
+            return "named"
+        if choice == "required":
+            return "required"
+        if choice == "auto" and request.tools:
+            if not (self.enable_auto_tools and self.tool_parser):
+                raise ServingError('"auto" tool choice requires --enable-auto-tool-choice and '
+                                   '--tool-call-parser to be set', param="tool_choice")
+            return self.tool_parser
+        return None
 
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Any = None
                                      ) -> Union[ChatCompletionResponse, StreamingResult]:
         self.check_model(request.model)
         self.check_engine()
         request_id = self.make_request_id(request, raw_request)
+        tool_mode = self._tool_mode(request)
         messages = normalize_messages(request.messages)
         text = render_chat(
             self.tokenizer, messages, chat_template=request.chat_template or self.chat_template,
@@ -113,7 +133,8 @@ class OpenAIServingChat(OpenAIServing):
         generator = self.engine_client.generate(
             {"prompt_token_ids": ids, "prompt": text}, params, request_id,
             priority=request.priority, cache_salt=request.cache_salt)
-        ctx = _ChatContext(request, request_id, self.models.response_model_name(request.model), now(), role, echo_text, ids)
+        ctx = _ChatContext(request, request_id, self.models.response_model_name(request.model),
+                           now(), role, echo_text, ids, tool_mode)
         if request.stream:
             return StreamingResult(self._stream(ctx, generator, tracker, raw_request), tracker)
         final: Optional[RequestOutput] = None
@@ -140,9 +161,17 @@ class OpenAIServingChat(OpenAIServing):
             logprobs = None
             if request.logprobs and out.logprobs is not None:
                 logprobs = self._logprobs(out.token_ids, out.logprobs, request.top_logprobs or 0)
+            message = ChatMessage(role=ctx.role, content=ctx.echo_text + out.text)
+            finish_reason = out.finish_reason
+            if ctx.tool_mode is not None:
+                parsed = (parse_hermes(out.text) if ctx.tool_mode == "hermes"
+                          else parse_forced(out.text, request.tool_choice))
+                message.content, message.tool_calls = parsed.content, parsed.tool_calls
+                if parsed.tool_calls and ctx.tool_mode != "named" and finish_reason == "stop":
+                    finish_reason = "tool_calls"   # vLLM's: a named call finishes with "stop"
             choices.append(ChatCompletionResponseChoice(
-                index=out.index, message=ChatMessage(role=ctx.role, content=ctx.echo_text + out.text),
-                logprobs=logprobs, finish_reason=out.finish_reason, stop_reason=out.stop_reason,
+                index=out.index, message=message,
+                logprobs=logprobs, finish_reason=finish_reason, stop_reason=out.stop_reason,
                 token_ids=out.token_ids if request.return_token_ids else None))
         num_prompt = len(res.prompt_token_ids)
         return ChatCompletionResponse(
@@ -176,6 +205,8 @@ class OpenAIServingChat(OpenAIServing):
                 resp.usage = UsageInfo.of(num_prompt, sum(num_tokens))
             return sse(resp.model_dump_json(exclude_unset=True))
 
+        streamers = [ToolCallStreamer(request.tool_choice, ctx.tool_mode) if ctx.tool_mode else None
+                     for _ in range(n)]
         try:
             for j in range(n):
                 yield chunk(j, DeltaMessage(role=ctx.role, content=""))
@@ -194,11 +225,15 @@ class OpenAIServingChat(OpenAIServing):
                         if request.logprobs and out.logprobs:
                             logprobs = self._logprobs(out.token_ids, out.logprobs,
                                                       request.top_logprobs or 0)
-                        if out.text or logprobs is not None:
-                            yield chunk(j, DeltaMessage(content=out.text), logprobs,
+                        delta, finish_reason = DeltaMessage(content=out.text), out.finish_reason
+                        if streamers[j] is not None:
+                            delta, finish_reason = _tool_delta(streamers[j], out.text,
+                                                               finish_reason)
+                        if delta.content or delta.tool_calls or logprobs is not None:
+                            yield chunk(j, delta, logprobs,
                                         token_ids=out.token_ids if request.return_token_ids else None)
-                        if out.finish_reason is not None:
-                            yield chunk(j, DeltaMessage(), finish_reason=out.finish_reason,
+                        if finish_reason is not None:
+                            yield chunk(j, DeltaMessage(), finish_reason=finish_reason,
                                         stop_reason=out.stop_reason)
             if include_usage:
                 total = sum(num_tokens)
@@ -236,6 +271,15 @@ class OpenAIServingChat(OpenAIServing):
         return ChatCompletionLogProbs(content=content)
 
 
+def _tool_delta(streamer: ToolCallStreamer, text: str,
+                finish_reason: Optional[str]) -> tuple[DeltaMessage, Optional[str]]:
+    content, calls = streamer.feed(text, finished=finish_reason is not None)
+    delta = DeltaMessage(content=content or None, tool_calls=calls or None)
+    if finish_reason == "stop" and streamer.num_calls and streamer.mode != "named":
+        finish_reason = "tool_calls"
+    return delta, finish_reason
+
+
 @dataclass
 class _ChatContext:
     request: ChatCompletionRequest
@@ -245,3 +289,4 @@ class _ChatContext:
     role: str
     echo_text: str
     prompt_ids: list[int]
+    tool_mode: Optional[str] = None

@@ -1,0 +1,185 @@
+"""StructuredOutputManager: grammars for the engine core, never compiled on the busy loop.
+
+    add_request ─► grammar_init: look up (kind, spec) in the cache of compile futures, else
+                   submit a compile to the thread pool; the request waits (WAITING_FOR_FSM)
+    schedule    ─► take_ready: requests whose future is done become WAITING (or fail)
+    after schedule ► grammar_bitmask: one int32 [rows, ceil(V/32)] for the constrained requests
+                   that sample this step, shipped to the workers with the SchedulerOutput
+    update      ─► accept_tokens per sampled token; a terminated matcher ends the request
+
+The backend (xgrammar) and its tokenizer info are built once, on the first structured request,
+inside the pool as well.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from typing import TYPE_CHECKING, Any, Iterable, Optional
+
+import numpy as np
+
+from kvserve.config import KVServeConfig
+from kvserve.structured_output.request import StructuredOutputRequest, grammar_key
+
+if TYPE_CHECKING:
+    from kvserve.core.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+class StructuredOutputManager:
+    def __init__(self, config: KVServeConfig, stop_token_ids: Optional[list[int]] = None) -> None:
+        self.config = config
+        self.so_config = config.structured_outputs_config
+        self.vocab_size = config.model_config.vocab_size
+        self._stop_token_ids = stop_token_ids
+        self._executor = ThreadPoolExecutor(max_workers=self.so_config.max_compile_threads,
+                                            thread_name_prefix="kvserve-grammar")
+        self._backend: Any = None
+        self._backend_lock = threading.Lock()
+        self._tokenizer: Any = None
+        # (kind, spec) -> Future of the compiled grammar; failed compiles are dropped.
+        self._compiled: dict[tuple[str, Any], Future] = {}
+        self._bitmask: Optional[np.ndarray] = None
+        self._num_active = 0
+
+    # ------------------------------------------------------------------ compile
+    @property
+    def backend(self) -> Any:
+        with self._backend_lock:
+            if self._backend is None:
+                self._backend = self._make_backend()
+            return self._backend
+
+    def _make_backend(self) -> Any:
+        from kvserve.structured_output.backend_xgrammar import XgrammarBackend, import_xgrammar
+        from kvserve.tokenizer import Tokenizer
+        if self.so_config.backend == "guidance":
+            raise ValueError("The 'guidance' structured outputs backend is not available in "
+                             "kvserve yet; use 'xgrammar' (or 'auto').")
+        import_xgrammar()
+        self._tokenizer = Tokenizer.from_pretrained(self.config.model_config.tokenizer)
+        stop = self._stop_token_ids
+        if stop is None:
+            stop = sorted(self._tokenizer.eos_token_ids)
+        return XgrammarBackend(self._tokenizer, self.vocab_size, stop,
+                               max_threads=self.so_config.max_compile_threads)
+
+    def grammar_init(self, request: "Request") -> None:
+        params = request.sampling_params.structured_outputs
+        assert params is not None
+        key = grammar_key(params, self.so_config.disable_any_whitespace)
+        so_req = StructuredOutputRequest(params=params, key=key)
+        future = self._compiled.get(key)
+        if future is None or (future.done() and future.exception() is not None):
+            future = self._executor.submit(self._compile, key)
+            self._compiled[key] = future
+        so_req.future = future
+        request.structured_output_request = so_req
+
+    def _compile(self, key: tuple[str, Any]) -> Any:
+        return self.backend.compile_grammar(*key)
+
+    def take_ready(self, request: "Request") -> bool:
+        """True once the request's grammar is compiled (its matcher is then set) or failed
+        (`error` is then set)."""
+        so_req = request.structured_output_request
+        assert so_req is not None
+        if not so_req.is_ready():
+            return False
+        if so_req.grammar is None and so_req.error is None:
+            assert so_req.future is not None
+            exc = so_req.future.exception()
+            if exc is not None:
+                self._compiled.pop(so_req.key, None)
+                so_req.error = f"{type(exc).__name__}: {exc}" if not isinstance(
+                    exc, ValueError) else str(exc)
+            else:
+                so_req.grammar = self.backend.make_grammar(so_req.future.result())
+                self._num_active += 1
+        return True
+
+    def drop(self, request: "Request") -> None:
+        """A finished or aborted request: a compile nobody else waits for is cancelled when it
+        has not started (a started one finishes into the cache)."""
+        so_req = request.structured_output_request
+        if so_req is None:
+            return
+        if so_req.future is not None and not so_req.future.done():
+            if self._compiled.get(so_req.key) is so_req.future and so_req.future.cancel():
+                self._compiled.pop(so_req.key, None)
+        if so_req.grammar is not None:
+            self._num_active -= 1
+            so_req.grammar = None
+
+    @property
+    def num_active(self) -> int:
+        """Requests holding a matcher (the step computes a bitmask only when some do)."""
+        return self._num_active
+
+    def wait_for_any(self, requests: list["Request"], timeout: float) -> None:
+        futures = [r.structured_output_request.future for r in requests
+                   if r.structured_output_request is not None
+                   and r.structured_output_request.future is not None]
+        if futures:
+            wait(futures, timeout=timeout, return_when=FIRST_COMPLETED)
+
+    # ------------------------------------------------------------------ per step
+    def grammar_bitmask(self, requests: dict[str, "Request"], scheduled: Iterable[str]
+                        ) -> tuple[Optional[np.ndarray], list[str]]:
+        """One bitmask row per constrained request that samples this step (its computed
+        tokens have caught up with its tokens), and the request id of each row."""
+        ids: list[str] = []
+        grammars = []
+        for rid in scheduled:
+            req = requests[rid]
+            so_req = req.structured_output_request
+            if so_req is None or so_req.grammar is None or req.num_computed_tokens < req.num_tokens:
+                continue
+            ids.append(rid)
+            grammars.append(so_req.grammar)
+        if not ids:
+            return None, ids
+        backend = self.backend
+        if self._bitmask is None or self._bitmask.shape[0] < len(ids):
+            rows = max(len(ids), self.config.scheduler_config.max_num_seqs)
+            self._bitmask = np.empty((rows, backend.num_bitmask_words()), dtype=np.int32)
+        backend.fill_bitmasks(grammars, self._bitmask)
+        # A copy: the buffer is refilled next step while the workers may still hold this one.
+        return self._bitmask[:len(ids)].copy(), ids
+
+    def accept_tokens(self, request: "Request", tokens: list[int]) -> bool:
+        so_req = request.structured_output_request
+        assert so_req is not None and so_req.grammar is not None
+        return so_req.grammar.accept_tokens(request.request_id, tokens)
+
+    def is_terminated(self, request: "Request") -> bool:
+        so_req = request.structured_output_request
+        return so_req is not None and so_req.grammar is not None and so_req.grammar.is_terminated()
+
+    def jump_forward_tokens(self, request: "Request") -> list[int]:
+        """The tokens the grammar forces next, accepted into the matcher.
+
+        Tokenization: the forced string is encoded on its own (no merge with the token before
+        it), and only the prefix of that encoding the matcher accepts is kept, so the output
+        always stays inside the grammar; the model then continues from exactly these tokens.
+        """
+        so_req = request.structured_output_request
+        if so_req is None or so_req.grammar is None or so_req.grammar.is_terminated():
+            return []
+        text = so_req.grammar.jump_forward_string()
+        if not text:
+            return []
+        tokens = self._tokenizer.encode(text, add_special_tokens=False)
+        # The last token may be one that a longer string would merge with: leave it to the model.
+        tokens = tokens[:-1]
+        kept = []
+        for t in tokens:
+            if not so_req.grammar.accept_tokens(request.request_id, [t]):
+                break
+            kept.append(t)
+        return kept
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
