@@ -11,6 +11,7 @@ import time
 from typing import Iterator, Optional
 
 import httpx
+import openai
 import pytest
 
 # The engine flags every test server uses: small, float32, deterministic.
@@ -120,3 +121,15 @@ def server(tiny_llama: str) -> Iterator[RemoteServer]:
         yield srv
     finally:
         srv.close()
+
+
+@pytest.fixture(scope="module")
+def client(server: RemoteServer) -> openai.OpenAI:
+    """The official client on the module's `server`. No retries: a 503 must reach the test,
+    not be retried away."""
+    return openai.OpenAI(base_url=server.url_v1, api_key="EMPTY", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def model_name(client: openai.OpenAI) -> str:
+    return client.models.list().data[0].id

@@ -28,17 +28,6 @@ MESSAGES = [{"role": "user", "content": "Hello, who are you?"}]
 
 # ---------------------------------------------------------------------- fixtures / helpers
 @pytest.fixture(scope="module")
-def client(server: RemoteServer) -> openai.OpenAI:
-    # No retries: a 503 must reach the test, not be retried away.
-    return openai.OpenAI(base_url=server.url_v1, api_key="EMPTY", max_retries=0, timeout=60)
-
-
-@pytest.fixture(scope="module")
-def model_name(client: openai.OpenAI) -> str:
-    return client.models.list().data[0].id
-
-
-@pytest.fixture(scope="module")
 def tokenizer(tiny_llama: str) -> Tokenizer:
     return Tokenizer.from_pretrained(tiny_llama)
 

@@ -1,7 +1,6 @@
 """Structured outputs and tool calls through a real `kvserve serve` and the official client."""
 from __future__ import annotations
 
-import json
 import re
 from typing import Any, Iterator
 
@@ -45,31 +44,21 @@ def server(tiny_llama: str) -> Iterator[RemoteServer]:
         srv.close()
 
 
-@pytest.fixture(scope="module")
-def client(server: RemoteServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url_v1, api_key="EMPTY", max_retries=0, timeout=60)
-
-
-@pytest.fixture(scope="module")
-def model(client: openai.OpenAI) -> str:
-    return client.models.list().data[0].id
-
-
-def _chat(client: openai.OpenAI, model: str, seed: int, **kw: Any) -> Any:
+def _chat(client: openai.OpenAI, model_name: str, seed: int, **kw: Any) -> Any:
     kw.setdefault("max_tokens", 80)
-    return client.chat.completions.create(model=model, messages=MESSAGES, temperature=1.0,
+    return client.chat.completions.create(model=model_name, messages=MESSAGES, temperature=1.0,
                                           seed=seed, **kw)
 
 
-def test_chat_response_format_json_schema_and_json_object(client: openai.OpenAI, model: str) -> None:
+def test_chat_response_format_json_schema_and_json_object(client: openai.OpenAI, model_name: str) -> None:
     finished = 0
     for seed in range(6):
         fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON_SCHEMA}}
-        choice = _chat(client, model, seed, response_format=fmt).choices[0]
+        choice = _chat(client, model_name, seed, response_format=fmt).choices[0]
         if choice.finish_reason == "stop":
             finished += 1
             jsonschema.validate(load_json(choice.message.content), PERSON_SCHEMA)
-        obj = _chat(client, model, seed, response_format={"type": "json_object"}).choices[0]
+        obj = _chat(client, model_name, seed, response_format={"type": "json_object"}).choices[0]
         if obj.finish_reason == "stop":
             assert isinstance(load_json(obj.message.content), dict)
     assert finished >= 2
@@ -77,11 +66,11 @@ def test_chat_response_format_json_schema_and_json_object(client: openai.OpenAI,
 
 @pytest.mark.parametrize("kind,spec", [("regex", REGEX), ("choice", CHOICES), ("grammar", EBNF),
                                        ("json", PERSON_SCHEMA)])
-def test_completions_structured_outputs_extra_body(client: openai.OpenAI, model: str,
+def test_completions_structured_outputs_extra_body(client: openai.OpenAI, model_name: str,
                                                    kind: str, spec: Any) -> None:
     finished = 0
     for seed in range(6):
-        c = client.completions.create(model=model, prompt="Answer:", temperature=1.0, seed=seed,
+        c = client.completions.create(model=model_name, prompt="Answer:", temperature=1.0, seed=seed,
                                       max_tokens=60, extra_body={"structured_outputs": {kind: spec}}
                                       ).choices[0]
         if c.finish_reason == "stop":
@@ -90,10 +79,10 @@ def test_completions_structured_outputs_extra_body(client: openai.OpenAI, model:
     assert finished >= 2
 
 
-def test_streaming_is_valid_too(client: openai.OpenAI, model: str) -> None:
+def test_streaming_is_valid_too(client: openai.OpenAI, model_name: str) -> None:
     for seed in range(3):
         stream = client.chat.completions.create(
-            model=model, messages=MESSAGES, temperature=1.0, seed=seed, max_tokens=40, stream=True,
+            model=model_name, messages=MESSAGES, temperature=1.0, seed=seed, max_tokens=40, stream=True,
             extra_body={"structured_outputs": {"choice": CHOICES}})
         text, finish = "", None
         for chunk in stream:
@@ -101,7 +90,7 @@ def test_streaming_is_valid_too(client: openai.OpenAI, model: str) -> None:
                 text += ch.delta.content or ""
                 finish = ch.finish_reason or finish
         assert finish == "stop" and text in CHOICES, (text, finish)
-        stream = client.completions.create(model=model, prompt="x", temperature=1.0, seed=seed,
+        stream = client.completions.create(model=model_name, prompt="x", temperature=1.0, seed=seed,
                                            max_tokens=20, stream=True,
                                            extra_body={"structured_outputs": {"regex": REGEX}})
         text = "".join(ch.text for chunk in stream for ch in chunk.choices)
@@ -113,26 +102,26 @@ def _check_call(call: Any) -> None:
     jsonschema.validate(load_json(call.function.arguments), PARAMS[call.function.name])
 
 
-def test_tool_choice_required_and_named(client: openai.OpenAI, model: str) -> None:
+def test_tool_choice_required_and_named(client: openai.OpenAI, model_name: str) -> None:
     got_required = 0
     for seed in range(4):
-        r = _chat(client, model, seed, tools=TOOLS, tool_choice="required").choices[0]
+        r = _chat(client, model_name, seed, tools=TOOLS, tool_choice="required").choices[0]
         if r.finish_reason == "tool_calls":
             got_required += 1
             assert r.message.tool_calls and r.message.content is None
             for call in r.message.tool_calls:
                 _check_call(call)
         named = {"type": "function", "function": {"name": "get_time"}}
-        n = _chat(client, model, seed, tools=TOOLS, tool_choice=named).choices[0]
+        n = _chat(client, model_name, seed, tools=TOOLS, tool_choice=named).choices[0]
         if n.finish_reason == "stop":
             assert [c.function.name for c in n.message.tool_calls] == ["get_time"]
             _check_call(n.message.tool_calls[0])
     assert got_required >= 1
 
 
-def test_tool_choice_auto_hermes_whole_and_streamed(client: openai.OpenAI, model: str) -> None:
+def test_tool_choice_auto_hermes_whole_and_streamed(client: openai.OpenAI, model_name: str) -> None:
     extra = {"structured_outputs": {"regex": HERMES_REGEX}}
-    r = _chat(client, model, 0, tools=TOOLS, tool_choice="auto", max_tokens=120,
+    r = _chat(client, model_name, 0, tools=TOOLS, tool_choice="auto", max_tokens=120,
               extra_body=extra).choices[0]
     assert r.finish_reason == "tool_calls", r
     assert re.fullmatch("[a-z]{1,4}", r.message.content)
@@ -141,7 +130,7 @@ def test_tool_choice_auto_hermes_whole_and_streamed(client: openai.OpenAI, model
     _check_call(call)
 
     stream = client.chat.completions.create(
-        model=model, messages=MESSAGES, temperature=1.0, seed=0, max_tokens=120, stream=True,
+        model=model_name, messages=MESSAGES, temperature=1.0, seed=0, max_tokens=120, stream=True,
         tools=TOOLS, tool_choice="auto", extra_body=extra)
     content, calls, finish = "", {}, None
     for chunk in stream:
@@ -159,7 +148,7 @@ def test_tool_choice_auto_hermes_whole_and_streamed(client: openai.OpenAI, model
 
     # Named calls stream their arguments piece by piece.
     stream = client.chat.completions.create(
-        model=model, messages=MESSAGES, temperature=1.0, seed=1, max_tokens=80, stream=True,
+        model=model_name, messages=MESSAGES, temperature=1.0, seed=1, max_tokens=80, stream=True,
         tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}})
     args, name = "", ""
     for chunk in stream:
@@ -188,10 +177,10 @@ BAD_REQUESTS = [
 
 
 @pytest.mark.parametrize("kw,words", BAD_REQUESTS, ids=[w for _, w in BAD_REQUESTS])
-def test_bad_input_is_400_and_the_server_keeps_serving(client: openai.OpenAI, model: str,
+def test_bad_input_is_400_and_the_server_keeps_serving(client: openai.OpenAI, model_name: str,
                                                        kw: dict, words: str) -> None:
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=5, **kw)
+        client.chat.completions.create(model=model_name, messages=MESSAGES, max_tokens=5, **kw)
     assert words in str(e.value), str(e.value)
-    ok = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=3)
+    ok = client.chat.completions.create(model=model_name, messages=MESSAGES, max_tokens=3)
     assert ok.choices[0].finish_reason in ("stop", "length")
