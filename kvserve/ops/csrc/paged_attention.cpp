@@ -155,15 +155,7 @@ struct Avx2Step {
     for (int64_t j = 0; j < ntok; ++j) {
       const T* kr = kb + j * stride;
       for (int64_t g = 0; g < G; ++g) {
-        const float* qg = sc.q.data() + g * D;
-        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-        int64_t d = 0;
-        for (; d + 16 <= D; d += 16) {
-          a0 = _mm256_fmadd_ps(load8(kr + d), _mm256_loadu_ps(qg + d), a0);
-          a1 = _mm256_fmadd_ps(load8(kr + d + 8), _mm256_loadu_ps(qg + d + 8), a1);
-        }
-        if (d < D) a0 = _mm256_fmadd_ps(load8(kr + d), _mm256_loadu_ps(qg + d), a0);
-        s[g * BS + j] = hsum8(_mm256_add_ps(a0, a1));
+        s[g * BS + j] = dot8(sc.q.data() + g * D, kr, D);
       }
     }
     for (int64_t g = 0; g < G; ++g) {

@@ -168,19 +168,6 @@ void generic_item(const Params& P, const Item& it, GenericScratch& sc) {
 
 #if defined(KVS_AVX2)
 template <typename T>
-KVS_INLINE float dot_avx2(const float* q, const T* k, int64_t D) {
-  using namespace kvs_avx2;
-  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-  int64_t d = 0;
-  for (; d + 16 <= D; d += 16) {
-    a0 = _mm256_fmadd_ps(load8(k + d), _mm256_loadu_ps(q + d), a0);
-    a1 = _mm256_fmadd_ps(load8(k + d + 8), _mm256_loadu_ps(q + d + 8), a1);
-  }
-  if (d < D) a0 = _mm256_fmadd_ps(load8(k + d), _mm256_loadu_ps(q + d), a0);
-  return hsum8(_mm256_add_ps(a0, a1));
-}
-
-template <typename T>
 void avx2_item(const Params& P, const Item& it, GenericScratch& sc) {
   using namespace kvs_avx2;
   const ItemGeom g = geometry(P, it);
@@ -198,7 +185,7 @@ void avx2_item(const Params& P, const Item& it, GenericScratch& sc) {
     __m256 vmax = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
     int64_t j = 0;
     for (; j < nkeys; ++j) {
-      s[j] = dot_avx2(sc.q.data(), K + key_offset(P, it.p, it.kh, j), D) * P.scale;
+      s[j] = dot8(sc.q.data(), K + key_offset(P, it.p, it.kh, j), D) * P.scale;
       vmax = _mm256_max_ps(vmax, _mm256_set1_ps(s[j]));
     }
     const float mx = hmax8(vmax);

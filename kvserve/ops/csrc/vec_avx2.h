@@ -119,6 +119,19 @@ KVS_AVX2_INLINE __m256 exp8(__m256 x) {
   return _mm256_blendv_ps(e, _mm256_set1_ps(__builtin_huge_valf()), over);
 }
 
+// q . k over D values (D a multiple of 8): float32 q, k widened in registers, two FMA chains.
+template <typename T>
+KVS_AVX2_INLINE float dot8(const float* q, const T* k, int64_t D) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+  int64_t d = 0;
+  for (; d + 16 <= D; d += 16) {
+    a0 = _mm256_fmadd_ps(load8(k + d), _mm256_loadu_ps(q + d), a0);
+    a1 = _mm256_fmadd_ps(load8(k + d + 8), _mm256_loadu_ps(q + d + 8), a1);
+  }
+  if (d < D) a0 = _mm256_fmadd_ps(load8(k + d), _mm256_loadu_ps(q + d), a0);
+  return hsum8(_mm256_add_ps(a0, a1));
+}
+
 }  // namespace kvs_avx2
 
 #endif  // AVX2 + FMA + F16C
