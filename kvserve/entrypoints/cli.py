@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from typing import Optional
 
@@ -48,10 +49,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from kvserve.entrypoints.openai.api_server import run_server
     try:
-        asyncio.run(run_server(args))
+        return asyncio.run(run_server(args))
     except KeyboardInterrupt:   # uvicorn re-raises the SIGINT it handled, after shutting down
-        pass
-    return 0
+        return 0
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -75,6 +75,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     g.add_argument("--disable-uvicorn-access-log", action="store_true",
                    help="Do not log every HTTP request.")
+    g.add_argument("--keep-alive-on-engine-death", action="store_true",
+                   default=os.environ.get("KVSERVE_KEEP_ALIVE_ON_ENGINE_DEATH", "0") == "1",
+                   help="When the engine core dies, keep the server up answering 503 instead of "
+                        "exiting with status 1 so that an orchestrator restarts it (or set "
+                        "KVSERVE_KEEP_ALIVE_ON_ENGINE_DEATH=1, like vLLM's variable).")
     g.add_argument("--log-stats-interval", type=float, default=5.0,
                    help="Seconds between throughput log lines (default: 5).")
     g.add_argument("--enable-auto-tool-choice", action="store_true",

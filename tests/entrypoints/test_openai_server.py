@@ -12,6 +12,7 @@ import time
 from typing import Any, Callable, Iterator
 
 import httpx
+import jsonschema
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -502,6 +503,41 @@ def test_chat_cli_against_server(server: RemoteServer, client: openai.OpenAI,
     assert "".join(out) == want.choices[0].message.content + "\n"
 
 
+def test_error_bodies_and_health_match_the_document(server: RemoteServer, model_name: str) -> None:
+    """The real answers validate against the server's own /openapi.json."""
+    doc = httpx.get(server.url_for("/openapi.json"), timeout=10).json()
+
+    def check(r: httpx.Response, path: str, method: str = "post") -> None:
+        spec = doc["paths"][path][method]["responses"][str(r.status_code)]
+        assert r.headers["content-type"].split(";")[0] in spec["content"], r.headers
+        if r.headers["content-type"].startswith("application/json"):
+            schema = dict(spec["content"]["application/json"]["schema"],
+                          components=doc["components"])
+            jsonschema.validate(r.json(), schema)
+
+    url = server.url_for("/v1/completions")
+    cases = [({"model": model_name, "prompt": ""}, 400),
+             ({"model": model_name, "prompt": [[]]}, 400),
+             ({"model": model_name, "prompt": "x", "temperature": -1}, 400),
+             ({"model": "no-such-model", "prompt": "x", "max_tokens": 1}, 404),
+             ({"model": model_name, "prompt": "x", "max_tokens": 1}, 200)]
+    for body, status in cases:
+        r = httpx.post(url, json=body, timeout=30)
+        assert r.status_code == status, (body, r.text)
+        check(r, "/v1/completions")
+    r = httpx.post(server.url_for("/v1/chat/completions"), json={"model": model_name,
+                                                                 "messages": []}, timeout=30)
+    assert r.status_code == 400 and "at least one message" in r.text
+    check(r, "/v1/chat/completions")
+    r = httpx.post(url, content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400
+    check(r, "/v1/completions")
+    for method in ("get", "post"):
+        r = httpx.request(method.upper(), server.url_for("/ping"), timeout=10)
+        assert r.status_code == 200 and r.content == b""
+        check(r, "/ping", method)
+
+
 # ---------------------------------------------------------------------- a second server
 CUSTOM_TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
 
@@ -510,10 +546,11 @@ def test_second_server_api_key_queue_limit_template_dead_engine(tiny_llama: str,
                                                                  tokenizer: Tokenizer) -> None:
     """--api-key, --max-num-queued-requests 0 with one sequence at a time, --chat-template as a
     string, two --served-model-name aliases; then the engine core dies (503s), and SIGTERM
-    still shuts everything down."""
+    still shuts everything down. --keep-alive-on-engine-death keeps it answering 503
+    after the death (the default, exiting, is in test_server_lifecycle.py)."""
     srv = RemoteServer(tiny_llama, [*SERVER_ENGINE_ARGS, "--uvicorn-log-level", "warning",
-                                    "--api-key", "sesame", "--max-num-seqs", "1",
-                                    "--max-num-queued-requests", "0",
+                                    "--keep-alive-on-engine-death", "--api-key", "sesame",
+                                    "--max-num-seqs", "1", "--max-num-queued-requests", "0",
                                     "--chat-template", CUSTOM_TEMPLATE,
                                     "--served-model-name", "tiny", "tiny-alias"])
     try:
@@ -560,7 +597,8 @@ def test_second_server_api_key_queue_limit_template_dead_engine(tiny_llama: str,
         assert t["tokens"] == tokenizer.encode(f"<user>{MESSAGES[0]['content']}\n",
                                                add_special_tokens=False)
 
-        # The engine core dies: /health says 503, requests get 503, the server stays up.
+        # The engine core dies: /health says 503, requests get 503, the server stays up
+        # (--keep-alive-on-engine-death), well past the default's exit delay.
         import psutil
         core = [p for p in psutil.Process(srv.proc.pid).children(recursive=True)
                 if "spawn_main" in " ".join(p.cmdline())]
@@ -571,6 +609,8 @@ def test_second_server_api_key_queue_limit_template_dead_engine(tiny_llama: str,
         with pytest.raises(openai.APIStatusError) as e:
             good.completions.create(model=name, prompt="Anyone?", max_tokens=2)
         assert e.value.status_code == 503
+        time.sleep(2)
+        assert srv.proc.poll() is None
         assert good.models.list().data[0].id == name
 
         # SIGTERM: the server and its engine core process exit, nothing is left.

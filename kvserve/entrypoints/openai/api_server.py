@@ -17,6 +17,11 @@ generator is cancelled by Starlette when the connection drops.
 
 SIGINT / SIGTERM: uvicorn stops accepting, the lifespan exit shuts the engine down (the
 engine core process with it), and the process exits.
+
+The engine core dies: open streams end with an error event (then `[DONE]`), and the server
+exits with status 1 so that an orchestrator restarts it (vLLM's default);
+`--keep-alive-on-engine-death` keeps it up answering 503 instead. The OpenAPI document
+(openapi.py) lists the statuses and media types the routes really send.
 """
 from __future__ import annotations
 
@@ -38,6 +43,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 import kvserve
+from kvserve.entrypoints.openai.openapi import install_openapi
 from kvserve.entrypoints.openai.protocol import (DEFAULT_SAMPLING_KEYS, ChatCompletionRequest,
                                                  CompletionRequest, DetokenizeRequest,
                                                  TokenizeRequest)
@@ -58,6 +64,8 @@ TIMEOUT_KEEP_ALIVE = 5  # seconds
 TIMEOUT_GRACEFUL_SHUTDOWN = 10  # seconds
 # 499: nginx's "client closed request"; nobody reads it, but logs show what happened.
 STATUS_CLIENT_CLOSED = 499
+ENGINE_DEATH_POLL_S = 0.5
+ENGINE_DEATH_GRACE_S = 1.0
 
 router = APIRouter()
 
@@ -169,11 +177,16 @@ async def health(raw_request: Request) -> Response:
         await _state(raw_request).engine_client.check_health()
     except Exception as e:
         return error_json(f"The engine is dead: {e}", HTTPStatus.SERVICE_UNAVAILABLE)
-    return Response(status_code=200)
+    return Response(status_code=200, media_type="text/plain")
 
 
-@router.api_route("/ping", methods=["GET", "POST"])
+@router.get("/ping")
 async def ping(raw_request: Request) -> Response:
+    return await health(raw_request)
+
+
+@router.post("/ping")
+async def ping_post(raw_request: Request) -> Response:   # SageMaker's health check is a POST
     return await health(raw_request)
 
 
@@ -295,12 +308,38 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     interval = getattr(state, "log_interval", 0.0)
     if interval and not getattr(state, "disable_log_stats", True):
         log_task = asyncio.create_task(_log_stats_periodically(state, interval))
+    death_task = asyncio.create_task(_watch_engine_death(state))
     try:
         yield
     finally:
+        death_task.cancel()
         if log_task is not None:
             log_task.cancel()
         shutdown_engine(state)
+
+
+async def _watch_engine_death(state: Any) -> None:
+    """vLLM's default: once the engine core is dead the server exits (status 1), so that an
+    orchestrator restarts it instead of it answering 503 forever. Open streams first get
+    their error event (the output handler has already failed them). The engine client's
+    monitor thread notices a dead core within a second; polling its flag costs nothing."""
+    engine = getattr(state, "engine_client", None)
+    if engine is None:
+        return
+    # errored is also true after our own shutdown(); that is not a death.
+    while not (engine.errored and not getattr(state, "engine_shut_down", False)):
+        await asyncio.sleep(ENGINE_DEATH_POLL_S)
+    state.engine_died = True
+    if getattr(state, "keep_alive_on_engine_death", False):
+        logger.error("The engine core is dead; staying up (--keep-alive-on-engine-death): "
+                     "every request gets 503 until the server is restarted.")
+        return
+    logger.error("The engine core is dead: shutting the server down (exit status 1). Pass "
+                 "--keep-alive-on-engine-death to keep answering 503 instead.")
+    await asyncio.sleep(ENGINE_DEATH_GRACE_S)    # let open streams write their error event
+    server = getattr(state, "server", None)
+    if server is not None:
+        server.should_exit = True
 
 
 async def _log_stats_periodically(state: Any, interval: float) -> None:
@@ -326,6 +365,7 @@ def build_app(args: argparse.Namespace) -> FastAPI:
     app = FastAPI(title="kvserve OpenAI-compatible API", version=kvserve.__version__,
                   lifespan=_lifespan, root_path=getattr(args, "root_path", None) or "")
     app.include_router(router)
+    install_openapi(app)
     app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
     app.add_exception_handler(StarletteHTTPException, _http_error)  # type: ignore[arg-type]
     api_key = getattr(args, "api_key", None) or os.environ.get("KVSERVE_API_KEY")
@@ -388,7 +428,8 @@ def _bind_socket(host: Optional[str], port: int) -> socket.socket:
     return sock
 
 
-async def run_server(args: argparse.Namespace) -> None:
+async def run_server(args: argparse.Namespace) -> int:
+    """Serve until SIGINT/SIGTERM (returns 0) or the engine core's death (returns 1)."""
     import uvicorn
 
     from kvserve.engine.arg_utils import EngineArgs
@@ -410,6 +451,8 @@ async def run_server(args: argparse.Namespace) -> None:
                                 timeout_keep_alive=TIMEOUT_KEEP_ALIVE,
                                 timeout_graceful_shutdown=TIMEOUT_GRACEFUL_SHUTDOWN)
         server = uvicorn.Server(config)
+        app.state.server = server
+        app.state.keep_alive_on_engine_death = getattr(args, "keep_alive_on_engine_death", False)
         host, port = sock.getsockname()[:2]
         logger.info("Starting kvserve API server (model %r) on http://%s:%d", engine_args.model,
                     host, port)
@@ -417,3 +460,4 @@ async def run_server(args: argparse.Namespace) -> None:
     finally:
         shutdown_engine(app.state)
         sock.close()
+    return 1 if getattr(app.state, "engine_died", False) else 0

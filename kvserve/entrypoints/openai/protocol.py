@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
 
 from kvserve.entrypoints.openai.tool_calls import tool_choice_schema
 from kvserve.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
@@ -223,9 +223,26 @@ def _logit_bias_keys_are_ids(logit_bias: Optional[dict[str, float]]) -> None:
 
 
 # ---------------------------------------------------------------------- completions
+# Non-empty prompts, as constraints in the schema too (clients and fuzzers read them there);
+# the "before" validators give the clear message first.
+_TokenIds = Annotated[list[int], Field(min_length=1)]
+_PromptText = Annotated[str, Field(min_length=1)]
+Prompt = Union[_TokenIds, Annotated[list[_TokenIds], Field(min_length=1)], _PromptText,
+               Annotated[list[_PromptText], Field(min_length=1)]]
+ChatMessage = Annotated[dict[str, Any], WithJsonSchema({
+    "type": "object", "required": ["role"], "additionalProperties": True,
+    "properties": {"role": {"type": "string"}}})]
+
+
+def _is_empty_prompt(p: Any) -> bool:
+    return isinstance(p, (str, list)) and (
+        len(p) == 0 or (isinstance(p, list) and any(isinstance(x, (str, list)) and len(x) == 0
+                                                    for x in p)))
+
+
 class CompletionRequest(_SamplingRequest):
     # https://platform.openai.com/docs/api-reference/completions/create
-    prompt: Union[list[int], list[list[int]], str, list[str]]
+    prompt: Prompt
     echo: Optional[bool] = False
     logprobs: Optional[int] = None
     max_tokens: Optional[int] = None
@@ -241,12 +258,15 @@ class CompletionRequest(_SamplingRequest):
             raise ValueError(f"best_of={self.best_of} is not supported (only best_of == n).")
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must be a non-negative integer, got {self.logprobs}.")
-        p = self.prompt
-        if (isinstance(p, (str, list)) and len(p) == 0) or (
-                isinstance(p, list) and any(len(x) == 0 for x in p if isinstance(x, (str, list)))):
-            raise ValueError("prompt must not be empty.")
         _logit_bias_keys_are_ids(self.logit_bias)
         return self
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_not_empty(cls, p: Any) -> Any:
+        if _is_empty_prompt(p):
+            raise ValueError("prompt must not be empty.")
+        return p
 
     def prompts(self) -> list[Union[str, list[int]]]:
         """The prompts as a list: each a string or a list of token ids."""
@@ -315,7 +335,7 @@ class CompletionStreamResponse(OpenAIBaseModel):
 # ---------------------------------------------------------------------- chat
 class ChatCompletionRequest(_SamplingRequest):
     # https://platform.openai.com/docs/api-reference/chat/create
-    messages: list[dict[str, Any]]
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
     logprobs: Optional[bool] = False
     top_logprobs: Optional[int] = 0
     max_tokens: Optional[int] = Field(default=None, description="Deprecated: max_completion_tokens.")
@@ -332,10 +352,15 @@ class ChatCompletionRequest(_SamplingRequest):
     chat_template_kwargs: Optional[dict[str, Any]] = None
     documents: Optional[list[dict[str, str]]] = None
 
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _messages_not_empty(cls, m: Any) -> Any:
+        if isinstance(m, list) and not m:
+            raise ValueError("messages must contain at least one message.")
+        return m
+
     @model_validator(mode="after")
     def _check_chat(self) -> "ChatCompletionRequest":
-        if not self.messages:
-            raise ValueError("messages must contain at least one message.")
         for i, m in enumerate(self.messages):
             if "role" not in m:
                 raise ValueError(f"messages[{i}] has no 'role'.")
