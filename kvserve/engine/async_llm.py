@@ -158,8 +158,17 @@ class AsyncLLM:
         """Abort requests (user ids; a parent id aborts all its n children). Their streams end
         with a final output whose finish_reason is "abort"."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        self.output_processor.abort_requests(ids)
+        # Aborted requests are finished requests too (request_success{finished_reason="abort"},
+        # latencies): without this they would vanish from the metrics.
+        stats = IterationStats() if self.output_processor.log_stats else None
+        self.output_processor.abort_requests(ids, stats)
         await self.engine_core.abort_requests_async(self.output_processor.last_aborted_child_ids)
+        if stats is not None and stats.finished_requests:
+            for stat_logger in self.stat_loggers:
+                try:
+                    stat_logger(None, stats)
+                except Exception:
+                    logger.exception("A stat logger failed.")
 
     # ------------------------------------------------------------------ output handler
     def _run_output_handler(self) -> None:

@@ -439,9 +439,11 @@ class OutputProcessor:
             self._emit_parent(parent, now, request_outputs)
         return OutputProcessorOutput(request_outputs, reqs_to_abort, stats)
 
-    def abort_requests(self, request_ids: list[str]) -> list[RequestOutput]:
+    def abort_requests(self, request_ids: list[str],
+                       stats: Optional[IterationStats] = None) -> list[RequestOutput]:
         """Finish these requests with "abort" (user ids; a parent id aborts its children).
-        Returns their final outputs; `last_aborted_child_ids` lists the engine-core ids."""
+        Returns their final outputs; `last_aborted_child_ids` lists the engine-core ids;
+        `stats`, when given, gets each one's finished-request record."""
         now, now_mono = time.time(), time.monotonic()
         request_outputs: list[RequestOutput] = []
         touched_parents: dict[str, ParentRequest] = {}
@@ -455,7 +457,7 @@ class OutputProcessor:
                     continue
                 core_ids.append(cid)
                 state.detokenizer.update([], False, finished=True)
-                self._finish(state, str(FinishReason.ABORT), None, now, now_mono, None)
+                self._finish(state, str(FinishReason.ABORT), None, now, now_mono, stats)
                 self._emit(state, request_outputs, touched_parents)
         for parent in touched_parents.values():
             self._emit_parent(parent, now, request_outputs)
