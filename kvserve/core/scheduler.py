@@ -76,7 +76,8 @@ def check_stop(request: Request, max_model_len: int) -> bool:
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  structured_output_manager: Optional["StructuredOutputManager"] = None,
-                 enable_jump_forward: bool = False, num_spec_tokens: int = 0) -> None:
+                 enable_jump_forward: bool = False, num_spec_tokens: int = 0,
+                 num_lookahead_tokens: int = 0) -> None:
         self.config = scheduler_config
         self.structured_output_manager = structured_output_manager
         self.enable_jump_forward = enable_jump_forward
@@ -103,6 +104,8 @@ class Scheduler:
         self._step_id = 0
         # Speculative decoding: drafts scheduled in the step being built, and the counters.
         self._spec_scheduled: dict[str, list[int]] = {}
+        # Slots past the scheduled tokens that a draft model writes its drafts' KV into.
+        self.num_lookahead_tokens = num_lookahead_tokens
         self.spec_decoding_stats = SpecDecodingStats(num_spec_tokens) if num_spec_tokens else None
 
     # ------------------------------------------------------------------ requests in / out
@@ -219,7 +222,8 @@ class Scheduler:
             spec = self._spec_tokens_to_schedule(request, n, budget)
             n += len(spec)
             while True:
-                blocks = self.kv_cache_manager.allocate_slots(request, n)
+                blocks = self.kv_cache_manager.allocate_slots(
+                    request, n, num_lookahead_tokens=self.num_lookahead_tokens)
                 if blocks is not None:
                     break
                 victim = self._pick_victim()
@@ -289,7 +293,8 @@ class Scheduler:
                 n = budget
             blocks = self.kv_cache_manager.allocate_slots(
                 request, n, num_new_computed_tokens=num_computed,
-                new_computed_blocks=computed_blocks)
+                new_computed_blocks=computed_blocks,
+                num_lookahead_tokens=self.num_lookahead_tokens)
             if blocks is None:
                 break
             self.waiting.pop()

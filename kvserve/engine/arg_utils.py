@@ -175,7 +175,8 @@ class EngineArgs:
         spec_config = SpeculativeConfig.parse(self.speculative_config)
         if spec_config is not None:
             spec_config.verify_with_target(model_config.hf_config, model_config.tokenizer,
-                                           parallel.tensor_parallel_size)
+                                           parallel.tensor_parallel_size,
+                                           model_config.max_model_len)
         return KVServeConfig(
             model_config=model_config,
             cache_config=CacheConfig(

@@ -10,6 +10,7 @@ if TYPE_CHECKING:
     import torch
 
     from kvserve.config import KVServeConfig
+    from kvserve.spec_decode.base import Proposer
     from kvserve.spec_decode.runner import SpecDecodeRunner
 
 
@@ -20,10 +21,12 @@ def make_spec_decode_runner(config: "KVServeConfig",
     if spec is None:
         return None
     from kvserve.spec_decode.runner import SpecDecodeRunner
+    proposer: "Proposer"
     if spec.method == "ngram":
         from kvserve.spec_decode.ngram import NgramProposer
         proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max,
                                  spec.num_speculative_tokens)
     else:
-        raise ValueError(f"speculative method {spec.method!r} has no proposer yet.")
+        from kvserve.spec_decode.draft_model import DraftModelProposer
+        proposer = DraftModelProposer(config, device)
     return SpecDecodeRunner(spec, config.model_config.max_model_len, device, proposer)

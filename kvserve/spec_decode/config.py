@@ -12,6 +12,8 @@ from dataclasses import dataclass, fields
 from typing import Any, Optional, Union
 
 SPEC_METHODS = ("ngram", "draft_model")
+# vLLM's other methods: named, so that asking for one says "not yet" rather than "unknown".
+_NOT_YET = ("eagle", "eagle3", "medusa", "mtp", "suffix")
 
 
 @dataclass
@@ -33,6 +35,9 @@ class SpeculativeConfig:
     probe_interval: int = 16
 
     def __post_init__(self) -> None:
+        if self.method in _NOT_YET:
+            raise ValueError(f"Speculative decoding method {self.method!r} is not supported by "
+                             f"kvserve yet; supported: {', '.join(SPEC_METHODS)}.")
         if self.method not in SPEC_METHODS:
             raise ValueError(f"Unknown speculative decoding method {self.method!r}; supported: "
                              f"{', '.join(SPEC_METHODS)}.")
@@ -77,8 +82,14 @@ class SpeculativeConfig:
         if tp is not None and tp < 1:
             raise ValueError(f"draft_tensor_parallel_size must be >= 1, got {tp}.")
 
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """KV slots allocated past each step's tokens: a draft model writes its drafts' KV
+        there while proposing (n-gram writes none)."""
+        return 0 if self.method == "ngram" else self.num_speculative_tokens
+
     def verify_with_target(self, target_hf_config: dict, target_tokenizer: str,
-                           tensor_parallel_size: int) -> None:
+                           tensor_parallel_size: int, max_model_len: int) -> None:
         """A draft model must share the target's vocabulary and tokenizer."""
         if self.method == "ngram":
             return
@@ -88,6 +99,10 @@ class SpeculativeConfig:
         if int(draft_cfg.get("vocab_size", -1)) != int(target_hf_config["vocab_size"]):
             raise ValueError(f"Draft model vocab_size ({draft_cfg.get('vocab_size')}) differs "
                              f"from the target's ({target_hf_config['vocab_size']}).")
+        draft_max = int(draft_cfg.get("max_position_embeddings") or 2048)
+        if draft_max < max_model_len:
+            raise ValueError(f"Draft model max_position_embeddings ({draft_max}) is smaller "
+                             f"than max_model_len ({max_model_len}).")
         draft_tok = _tokenizer_vocab(self.model)
         target_tok = _tokenizer_vocab(target_tokenizer)
         if draft_tok is not None and target_tok is not None and draft_tok != target_tok:

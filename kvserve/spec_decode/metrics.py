@@ -8,7 +8,6 @@ The scheduler keeps cumulative counts; they travel in SchedulerStats.spec_decodi
 """
 from __future__ import annotations
 
-import logging
 from typing import Optional
 
 
@@ -65,8 +64,3 @@ class SpecDecodingLogging:
                 f"Accepted: {accepted} tokens, Drafted: {drafted} tokens, "
                 f"Per-position acceptance rate: {', '.join(f'{r:.3f}' for r in per_pos)}, "
                 f"Avg Draft acceptance rate: {100.0 * accepted / max(drafted, 1):.1f}%")
-
-
-def log_spec_decoding(log: logging.Logger, line: Optional[str]) -> None:
-    if line:
-        log.info(line)

@@ -8,8 +8,13 @@ the latest occurrence is the one that continues it.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
+
+if TYPE_CHECKING:
+    from kvserve.worker.input_batch import InputBatch
 
 
 class NgramProposer:
@@ -19,8 +24,17 @@ class NgramProposer:
         self.max_n = prompt_lookup_max
         self.k = num_speculative_tokens
 
-    def propose(self, token_ids: np.ndarray, num_tokens: np.ndarray,
+    def propose(self, ib: "InputBatch", rows: np.ndarray,
                 num_drafts: np.ndarray) -> list[list[int]]:
+        num_tokens = ib.num_tokens[rows]
+        L = int(num_tokens.max()) if len(rows) else 0
+        return self.propose_tokens(ib.token_ids[rows, :L], num_tokens, num_drafts)
+
+    def drop(self, req_ids: set[str]) -> None:
+        pass   # stateless
+
+    def propose_tokens(self, token_ids: np.ndarray, num_tokens: np.ndarray,
+                       num_drafts: np.ndarray) -> list[list[int]]:
         """token_ids [B, L] (row b valid up to num_tokens[b]); num_drafts [B]: how many
         tokens row b may get (0: none). Returns up to num_drafts[b] tokens per row."""
         B = token_ids.shape[0]

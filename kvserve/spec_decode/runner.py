@@ -24,6 +24,7 @@ import torch
 from kvserve.core.sched_output import LogprobsLists, SchedulerOutput
 from kvserve.sample.rejection_sampler import RejectionSampler, SpecDecodeMetadata
 from kvserve.spec_decode.adaptive import SpecDecodeController
+from kvserve.spec_decode.base import Proposer
 from kvserve.spec_decode.config import SpeculativeConfig
 from kvserve.worker.input_batch import InputBatch, _position_seed
 
@@ -40,7 +41,7 @@ class SpecLayout:
 
 class SpecDecodeRunner:
     def __init__(self, config: SpeculativeConfig, max_model_len: int,
-                 device: torch.device, proposer: object) -> None:
+                 device: torch.device, proposer: "Proposer") -> None:
         self.config = config
         self.max_model_len = max_model_len
         self.device = device
@@ -59,6 +60,21 @@ class SpecDecodeRunner:
 
     def drop(self, req_ids: set[str]) -> None:
         self.controller.drop(req_ids)
+        self.proposer.drop(req_ids)
+
+    # A proposer with its own model (draft_model) loads it and sizes its KV cache with the
+    # target's: the same number of blocks, indexed by the same block ids.
+    def load_model(self) -> None:
+        if hasattr(self.proposer, "load_model"):
+            self.proposer.load_model()
+
+    def kv_cache_bytes_per_block(self) -> int:
+        get = getattr(self.proposer, "kv_cache_bytes_per_block", None)
+        return get() if get is not None else 0
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        if hasattr(self.proposer, "initialize_kv_cache"):
+            self.proposer.initialize_kv_cache(num_blocks)
 
     # ------------------------------------------------------------------ layout
     @staticmethod
@@ -130,7 +146,6 @@ class SpecDecodeRunner:
         for i, row in enumerate(sample_rows):
             if num_drafts[i] and not can_draft(int(row)):
                 num_drafts[i] = 0
-        num_tokens = ib.num_tokens[sample_rows]
-        num_drafts = np.minimum(num_drafts, self.max_model_len - num_tokens)
-        L = int(num_tokens.max())
-        return self.proposer.propose(ib.token_ids[sample_rows, :L], num_tokens, num_drafts)
+        # Draft positions num_tokens .. num_tokens + k - 1 must stay below max_model_len.
+        num_drafts = np.minimum(num_drafts, self.max_model_len - ib.num_tokens[sample_rows])
+        return self.proposer.propose(ib, sample_rows, num_drafts)

@@ -65,6 +65,8 @@ class ModelRunner:
     def load_model(self) -> None:
         from kvserve.model.loader import load_model
         self.model = load_model(self.config.model_config, self.device)
+        if self.spec_decode is not None:
+            self.spec_decode.load_model()
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         from kvserve.model.loader import get_kv_cache_shape
@@ -74,7 +76,8 @@ class ModelRunner:
     def kv_cache_bytes_per_block(self) -> int:
         shape = self.kv_cache_shape(1)
         per_layer = int(np.prod(shape)) * torch.empty((), dtype=self.dtype).element_size()
-        return per_layer * self.config.model_config.num_layers
+        draft = self.spec_decode.kv_cache_bytes_per_block() if self.spec_decode else 0
+        return per_layer * self.config.model_config.num_layers + draft
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         # Zeroed, not empty: masked-out slots are multiplied by 0 in attention, and garbage
@@ -82,6 +85,8 @@ class ModelRunner:
         shape = self.kv_cache_shape(num_blocks)
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
                           for _ in range(self.config.model_config.num_layers)]
+        if self.spec_decode is not None:
+            self.spec_decode.initialize_kv_cache(num_blocks)
 
     # ------------------------------------------------------------------ step
     @torch.inference_mode()

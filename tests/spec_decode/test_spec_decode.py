@@ -4,25 +4,22 @@ the acceptance metrics add up, and every KV block is freed."""
 from __future__ import annotations
 
 import math
+import re
 from collections import Counter
 
 import pytest
 
 from kvserve import LLM, SamplingParams
-from tests.utils import assert_same_outputs, random_prompts
+from kvserve.metrics.loggers import LoggingStatLogger
+from kvserve.metrics.prometheus import PrometheusStatLogger
+from kvserve.sampling_params import StructuredOutputsParams as SO
+from tests.structured_output.conftest import REGEX
+from tests.spec_decode.conftest import BASE, GREEDY, prompts
+from tests.utils import assert_same_outputs
 
-BASE = dict(dtype="float32", max_model_len=512, kv_cache_memory=32 << 20, seed=0)
 # Adaptive rule off (batch size and acceptance EMA): every request drafts whenever it can.
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
          "prompt_lookup_max": 4, "disable_by_batch_size": None, "min_acceptance_rate": 0.0}
-GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-
-
-def prompts() -> list[dict]:
-    """Random prompts, and prompts made of a short phrase repeated (n-gram matches at once)."""
-    plain = random_prompts(8, 10, 60, vocab=1024, seed=1)
-    repeated = [p * 4 for p in random_prompts(8, 4, 9, vocab=1024, seed=2)]
-    return [{"prompt_token_ids": p} for p in plain + repeated]
 
 
 def assert_all_blocks_free(llm: LLM) -> None:
@@ -42,12 +39,25 @@ def assert_spec_metrics_add_up(llm: LLM, min_accepted: int = 1) -> dict:
     return spec
 
 
-@pytest.fixture(scope="module")
-def baseline(tiny_llama: str) -> list:
-    llm = LLM(tiny_llama, **BASE)
-    outs = llm.generate(prompts(), GREEDY, use_tqdm=False)
-    llm.shutdown()
-    return outs
+def check_metric_exports(stats: dict, spec: dict) -> None:
+    """The engine's counters, exported as vLLM names them: Prometheus and the log line."""
+    prom = PrometheusStatLogger("m")
+    prom.update_scheduler_stats(stats)
+    prom.update_scheduler_stats(stats)          # a repeated report counts nothing twice
+    text = prom.render()[0].decode()
+    for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+        line = f'kvserve:spec_decode_{key}_total{{engine="0",model_name="m"}} {float(spec[key])}'
+        assert line in text, (line, text)
+    for pos, count in enumerate(spec["num_accepted_tokens_per_pos"]):
+        line = (f'kvserve:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",'
+                f'model_name="m",position="{pos}"}} {float(count)}')
+        assert line in text, line
+    message = LoggingStatLogger(log_interval=1.0)
+    message.record(stats, None)
+    out = message.log()
+    mean = 1 + spec["num_accepted_tokens"] / spec["num_drafts"]
+    assert f"SpecDecoding metrics: Mean acceptance length: {mean:.2f}" in out, out
+    assert "Per-position acceptance rate: " in out
 
 
 @pytest.mark.parametrize("kw", [
@@ -59,7 +69,9 @@ def test_greedy_identical(tiny_llama: str, baseline: list, kw: dict) -> None:
     llm = LLM(tiny_llama, **BASE, **kw, speculative_config=NGRAM)
     outs = llm.generate(prompts(), GREEDY, use_tqdm=False)
     assert_same_outputs(baseline, outs, f"ngram {kw}")
-    assert_spec_metrics_add_up(llm, min_accepted=20)
+    spec = assert_spec_metrics_add_up(llm, min_accepted=20)
+    if not kw:
+        check_metric_exports(llm.get_stats(), spec)
     if "num_gpu_blocks_override" in kw:
         assert llm.get_stats()["num_preemptions"] > 0
     assert_all_blocks_free(llm)
@@ -80,7 +92,7 @@ def test_greedy_identical_with_prefix_cache_hits(tiny_llama: str, baseline: list
 
 def test_stops_logprobs_and_n_mid_acceptance(tiny_llama: str, baseline: list) -> None:
     """max_tokens, stop token ids and stop strings landing inside an accepted run; logprobs of
-    every accepted token; n > 1 with seeds."""
+    every accepted token; grammar-constrained requests beside drafting ones; n > 1 with seeds."""
     plain = LLM(tiny_llama, **BASE)
     spec = LLM(tiny_llama, **BASE, speculative_config=NGRAM)
     ps = prompts()
@@ -104,6 +116,16 @@ def test_stops_logprobs_and_n_mid_acceptance(tiny_llama: str, baseline: list) ->
                     for t in lx:
                         assert abs(lx[t].logprob - ly[t].logprob) < 1e-4
                         assert lx[t].rank == ly[t].rank
+    # Grammar-constrained requests run without drafts (the others in the batch draft).
+    constrained = [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True,
+                                  structured_outputs=SO(regex=REGEX)) if i % 2 else GREEDY
+                   for i in range(len(ps))]
+    a = plain.generate(ps, constrained, use_tqdm=False)
+    b = spec.generate(ps, constrained, use_tqdm=False)
+    assert_same_outputs(a, b, "structured outputs")
+    for out, params in zip(b, constrained):
+        if params.structured_outputs is not None and out.outputs[0].finish_reason == "stop":
+            assert re.fullmatch(REGEX, out.outputs[0].text), out.outputs[0].text
     # Seeded sampling with drafts is reproducible, whatever else is in the batch.
     one = spec.generate(ps[-1:], seeded, use_tqdm=False)[0]
     many = spec.generate(ps, seeded, use_tqdm=False)[-1]
@@ -153,9 +175,6 @@ def test_sampling_distribution_unchanged(peaked_llama: str) -> None:
     spec = LLM(peaked_llama, **BASE, speculative_config={**NGRAM, "prompt_lookup_min": 1})
     got = _sample_tokens(spec, prompt, n)
     stats = assert_spec_metrics_add_up(spec)
-    print("spec decoding stats:", stats)
-    assert stats["num_drafts"] >= n // 4, stats          # many requests drafted
-    assert stats["num_accepted_tokens"] < stats["num_draft_tokens"]   # and some were rejected
     spec.shutdown()
     for pos in (1, 2):
         stat, df = _two_sample_chi_square(Counter(t[pos] for t in ref),
@@ -163,3 +182,6 @@ def test_sampling_distribution_unchanged(peaked_llama: str) -> None:
         assert df >= 3, "the test model's distribution is too peaked to test anything"
         # ~5 standard deviations above the chi-square mean.
         assert stat < df + 5 * math.sqrt(2 * df), (pos, stat, df)
+    # Checked after the distributions, so that a wrong acceptance rule fails on them.
+    assert stats["num_drafts"] >= n // 4, stats          # many requests drafted
+    assert stats["num_accepted_tokens"] < stats["num_draft_tokens"]   # and some were rejected
