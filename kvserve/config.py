@@ -9,6 +9,8 @@ from typing import Any, Optional, Union
 
 import torch
 
+from kvserve.spec_decode.config import SpeculativeConfig
+
 logger = logging.getLogger(__name__)
 
 _DTYPES = {
@@ -284,3 +286,4 @@ class KVServeConfig:
     enforce_eager: bool = True
     structured_outputs_config: StructuredOutputsConfig = field(
         default_factory=StructuredOutputsConfig)
+    speculative_config: Optional["SpeculativeConfig"] = None

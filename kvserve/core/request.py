@@ -79,6 +79,8 @@ class Request:
         self.block_hashes: list = []
         # (EngineCoreEventType, time.monotonic()) not yet sent to the frontend.
         self.events: list[tuple[int, float]] = []
+        # Draft tokens proposed for the next step (speculative decoding); not yet outputs.
+        self.spec_token_ids: list[int] = []
         # Set by the StructuredOutputManager for requests with structured_outputs.
         self.structured_output_request: Optional["StructuredOutputRequest"] = None
 

@@ -49,6 +49,9 @@ class SchedulerOutput:
     # structured_output_request_ids[i] (only constrained requests that sample this step).
     grammar_bitmask: Optional[np.ndarray] = None
     structured_output_request_ids: list[str] = field(default_factory=list)
+    # Speculative decoding: request id -> the draft tokens scheduled after its last token
+    # (they count in num_scheduled_tokens; only requests with drafts appear).
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -72,3 +75,5 @@ class ModelRunnerOutput:
     logprobs: Optional[dict[str, LogprobsLists]] = None
     # For requests that asked for prompt logprobs: this step's chunk of them (positions 1..).
     prompt_logprobs: Optional[dict[str, LogprobsLists]] = None
+    # Speculative decoding: draft tokens proposed for each request in req_ids (for the next step).
+    spec_token_ids: Optional[list[list[int]]] = None

@@ -20,6 +20,7 @@ from kvserve.core.sched_output import (CachedRequestData, ModelRunnerOutput, New
                                        SchedulerOutput)
 from kvserve.engine.messages import (EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs,
                                      FinishReason)
+from kvserve.spec_decode.metrics import SpecDecodingStats
 
 if TYPE_CHECKING:
     from kvserve.structured_output.manager import StructuredOutputManager
@@ -46,6 +47,8 @@ class SchedulerStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
+    # Speculative decoding counters (cumulative; absent without speculation).
+    spec_decoding: Optional[dict] = None
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -73,7 +76,8 @@ def check_stop(request: Request, max_model_len: int) -> bool:
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  structured_output_manager: Optional["StructuredOutputManager"] = None,
-                 enable_jump_forward: bool = False) -> None:
+                 enable_jump_forward: bool = False, num_spec_tokens: int = 0,
+                 num_lookahead_tokens: int = 0) -> None:
         self.config = scheduler_config
         self.structured_output_manager = structured_output_manager
         self.enable_jump_forward = enable_jump_forward
@@ -98,6 +102,11 @@ class Scheduler:
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         self._step_id = 0
+        # Speculative decoding: drafts scheduled in the step being built, and the counters.
+        self._spec_scheduled: dict[str, list[int]] = {}
+        # Slots past the scheduled tokens that a draft model writes its drafts' KV into.
+        self.num_lookahead_tokens = num_lookahead_tokens
+        self.spec_decoding_stats = SpecDecodingStats(num_spec_tokens) if num_spec_tokens else None
 
     # ------------------------------------------------------------------ requests in / out
     def add_request(self, request: Request) -> None:
@@ -156,6 +165,7 @@ class Scheduler:
         num_scheduled: dict[str, int] = {}
         new_blocks: dict[str, list[int]] = {}
         preempted: list[Request] = []
+        self._spec_scheduled = {}
 
         budget = self._schedule_running(budget, num_scheduled, new_blocks, preempted)
         scheduled_new: list[Request] = []
@@ -165,7 +175,9 @@ class Scheduler:
         output = self._make_output(num_scheduled, new_blocks, scheduled_new, preempted)
         # Advance progress now: the workers compute these tokens in this step.
         for rid, n in num_scheduled.items():
-            self.requests[rid].num_computed_tokens += n
+            request = self.requests[rid]
+            request.num_computed_tokens += n   # drafts included: rejected ones roll back
+            request.spec_token_ids = []
         self.finished_req_ids = set()
         return output
 
@@ -207,8 +219,11 @@ class Scheduler:
             if n <= 0:
                 i += 1
                 continue
+            spec = self._spec_tokens_to_schedule(request, n, budget)
+            n += len(spec)
             while True:
-                blocks = self.kv_cache_manager.allocate_slots(request, n)
+                blocks = self.kv_cache_manager.allocate_slots(
+                    request, n, num_lookahead_tokens=self.num_lookahead_tokens)
                 if blocks is not None:
                     break
                 victim = self._pick_victim()
@@ -216,6 +231,7 @@ class Scheduler:
                 if victim.request_id in num_scheduled:   # already scheduled this step: undo
                     budget += num_scheduled.pop(victim.request_id)
                     new_blocks.pop(victim.request_id, None)
+                    self._spec_scheduled.pop(victim.request_id, None)
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is request:
@@ -226,9 +242,25 @@ class Scheduler:
                 break
             num_scheduled[request.request_id] = n
             new_blocks[request.request_id] = [b.block_id for b in blocks]
+            if spec:
+                self._spec_scheduled[request.request_id] = spec
             budget -= n
             i += 1
         return budget
+
+    def _spec_tokens_to_schedule(self, request: Request, num_new_tokens: int,
+                                 budget: int) -> list[int]:
+        """The request's drafts that run this step: only after its one new (decode) token,
+        within the token budget, max_model_len, and max_tokens (a step yields at most
+        drafts + 1 tokens). Constrained requests never draft (see the issue notes)."""
+        drafts = request.spec_token_ids
+        if (not drafts or num_new_tokens != 1
+                or request.num_tokens - request.num_computed_tokens != 1
+                or request.structured_output_request is not None):
+            return []
+        room = min(budget - 1, self.max_model_len - request.num_tokens,
+                   request.max_tokens - request.num_output_tokens - 1)
+        return drafts[:max(room, 0)]
 
     def _pick_victim(self) -> Request:
         if self.config.policy == "priority":
@@ -240,6 +272,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.prepend(request)
@@ -260,7 +293,8 @@ class Scheduler:
                 n = budget
             blocks = self.kv_cache_manager.allocate_slots(
                 request, n, num_new_computed_tokens=num_computed,
-                new_computed_blocks=computed_blocks)
+                new_computed_blocks=computed_blocks,
+                num_lookahead_tokens=self.num_lookahead_tokens)
             if blocks is None:
                 break
             self.waiting.pop()
@@ -311,7 +345,7 @@ class Scheduler:
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             finished_req_ids=set(self.finished_req_ids), preempted_req_ids=preempted_ids,
-            step_id=self._step_id)
+            step_id=self._step_id, scheduled_spec_decode_tokens=self._spec_scheduled)
 
     # ------------------------------------------------------------------ update
     def update_from_output(self, scheduler_output: SchedulerOutput,
@@ -323,6 +357,9 @@ class Scheduler:
             if request is None or request.status != RequestStatus.RUNNING:
                 continue   # aborted or preempted while the step ran
             sampled = runner_output.sampled_token_ids[idx]
+            if rid in scheduler_output.scheduled_spec_decode_tokens:
+                self._after_spec_step(request, len(scheduler_output.scheduled_spec_decode_tokens[rid]),
+                                      len(sampled))
             new_tokens: list[int] = []
             for token in sampled:
                 request.append_output_token_ids([token])
@@ -342,6 +379,8 @@ class Scheduler:
                 new_prompt_logprobs = list(zip(plp.logprob_token_ids, plp.logprobs,
                                                plp.sampled_token_ranks))
             finished = request.is_finished()
+            if runner_output.spec_token_ids is not None and not finished:
+                request.spec_token_ids = runner_output.spec_token_ids[idx]
             if new_tokens or new_prompt_logprobs or finished:
                 outputs.append(EngineCoreOutput(
                     request_id=rid, new_token_ids=new_tokens, new_logprobs=new_logprobs,
@@ -354,6 +393,14 @@ class Scheduler:
                 self.running.remove(request)
                 self._free_request(request)
         return EngineCoreOutputs(outputs=outputs)
+
+    def _after_spec_step(self, request: Request, num_draft: int, num_sampled: int) -> None:
+        """Roll back the rejected drafts' positions (their KV slots are rewritten next step;
+        only blocks full of accepted tokens were ever cached) and count the acceptance."""
+        num_accepted = max(num_sampled - 1, 0)
+        request.num_computed_tokens -= num_draft - num_accepted
+        if self.spec_decoding_stats is not None:
+            self.spec_decoding_stats.observe(num_draft, num_accepted)
 
     def _advance_grammar(self, request: Request, new_tokens: list[int]) -> list[int]:
         """Move the request's matcher over its new tokens; a finished grammar stops the
@@ -405,7 +452,9 @@ class Scheduler:
             kv_cache_usage=self.kv_cache_manager.usage,
             num_free_blocks=self.kv_cache_manager.num_free_blocks, num_total_blocks=self.num_blocks,
             prefix_cache_queries=self.prefix_cache_queries, prefix_cache_hits=self.prefix_cache_hits,
-            num_preemptions=self.num_preemptions)
+            num_preemptions=self.num_preemptions,
+            spec_decoding=(self.spec_decoding_stats.to_dict()
+                           if self.spec_decoding_stats is not None else None))
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()

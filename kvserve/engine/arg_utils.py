@@ -14,7 +14,8 @@ from typing import Any, Optional, Union, get_type_hints
 import torch
 
 from kvserve.config import (CacheConfig, DeviceConfig, KVServeConfig, ModelConfig,
-                            ParallelConfig, SchedulerConfig, StructuredOutputsConfig)
+                            ParallelConfig, SchedulerConfig, SpeculativeConfig,
+                            StructuredOutputsConfig)
 
 _HELP = {
     "model": "Path to a Hugging Face checkpoint directory or a .gguf file, 'demo' for the built-in "
@@ -50,6 +51,10 @@ _HELP = {
     "structured_outputs_config": "Structured outputs settings as JSON, e.g. "
                                  "'{\"backend\": \"xgrammar\", \"disable_any_whitespace\": true, "
                                  "\"enable_jump_forward\": true}'.",
+    "speculative_config": "Speculative decoding settings as JSON, e.g. '{\"method\": \"ngram\", "
+                          "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}' or "
+                          "'{\"method\": \"draft_model\", \"model\": \"/path\", "
+                          "\"num_speculative_tokens\": 3}'.",
 }
 _SHORT = {"tensor_parallel_size": "-tp", "pipeline_parallel_size": "-pp"}
 _MULTI = {"served_model_name"}     # flags that take one or more values, as in vLLM
@@ -84,6 +89,7 @@ class EngineArgs:
     disable_log_stats: bool = True
     enforce_eager: bool = True
     structured_outputs_config: Optional[Union[str, dict]] = None
+    speculative_config: Optional[Union[str, dict]] = None
 
     # ------------------------------------------------------------------
     @staticmethod
@@ -166,6 +172,11 @@ class EngineArgs:
             pipeline_parallel_size=self.pipeline_parallel_size,
             distributed_executor_backend=self.distributed_executor_backend)
         _verify_parallel(model_config, parallel)
+        spec_config = SpeculativeConfig.parse(self.speculative_config)
+        if spec_config is not None:
+            spec_config.verify_with_target(model_config.hf_config, model_config.tokenizer,
+                                           parallel.tensor_parallel_size,
+                                           model_config.max_model_len)
         return KVServeConfig(
             model_config=model_config,
             cache_config=CacheConfig(
@@ -185,6 +196,7 @@ class EngineArgs:
             disable_log_stats=self.disable_log_stats,
             enforce_eager=self.enforce_eager,
             structured_outputs_config=StructuredOutputsConfig.parse(self.structured_outputs_config),
+            speculative_config=spec_config,
         )
 
 

@@ -31,10 +31,13 @@ class EngineCore:
             raise
         config.cache_config.num_blocks = num_blocks
         so_config = config.structured_outputs_config
+        spec = config.speculative_config
         self.structured_output_manager = StructuredOutputManager(config)
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config,
                                    structured_output_manager=self.structured_output_manager,
-                                   enable_jump_forward=so_config.enable_jump_forward)
+                                   enable_jump_forward=so_config.enable_jump_forward,
+                                   num_spec_tokens=spec.num_speculative_tokens if spec else 0,
+                                   num_lookahead_tokens=spec.num_lookahead_tokens if spec else 0)
         self.log_stats = not config.disable_log_stats
         logger.info("Engine core ready in %.2f s", time.perf_counter() - start)
 

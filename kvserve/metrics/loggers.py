@@ -12,6 +12,8 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
+from kvserve.spec_decode.metrics import SpecDecodingLogging
+
 logger = logging.getLogger("kvserve.metrics")
 
 
@@ -56,6 +58,7 @@ class LoggingStatLogger(StatLoggerBase):
         self._last_queries = 0
         self._last_hits = 0
         self._hit_window: collections.deque[tuple[int, int]] = collections.deque(maxlen=hit_rate_window)
+        self._spec_logging = SpecDecodingLogging()
 
     def record(self, scheduler_stats: Optional[dict], iteration_stats: Any) -> None:
         with self._lock:
@@ -89,6 +92,7 @@ class LoggingStatLogger(StatLoggerBase):
             hit_rate = 100.0 * sum(h for _, h in self._hit_window) / window_q if window_q else 0.0
             idle = prompt_tp == 0 and gen_tp == 0 and self._last_throughputs == (0.0, 0.0)
             self._last_throughputs = (prompt_tp, gen_tp)
+            spec_line = self._spec_logging.make_line(stats.get("spec_decoding"), elapsed)
         message = (
             f"Engine {self.engine_index:03d}: Avg prompt throughput: {prompt_tp:.1f} tokens/s, "
             f"Avg generation throughput: {gen_tp:.1f} tokens/s, "
@@ -97,4 +101,7 @@ class LoggingStatLogger(StatLoggerBase):
             f"KV cache usage: {100.0 * float(stats.get('kv_cache_usage', 0.0)):.1f}%, "
             f"Prefix cache hit rate: {hit_rate:.1f}%")
         self._logger.log(logging.DEBUG if idle else logging.INFO, message)
+        if spec_line:
+            self._logger.info(spec_line)
+            message += "\n" + spec_line
         return message

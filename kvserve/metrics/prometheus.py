@@ -121,6 +121,14 @@ class PrometheusStatLogger(StatLoggerBase):
         self.hist_generation_tokens = histogram("request_generation_tokens",
                                                 "Number of generation tokens processed.",
                                                 token_buckets)
+        self._spec_counters = {
+            key: counter(f"spec_decode_{key}", doc) for key, doc in (
+                ("num_drafts", "Number of spec decoding drafts."),
+                ("num_draft_tokens", "Number of draft tokens."),
+                ("num_accepted_tokens", "Number of accepted tokens."))}
+        self._spec_per_pos = Counter(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                     "Accepted tokens per draft position.",
+                                     labels + ["position"], registry=reg)
         iteration_buckets = [b for b in ITERATION_TOKEN_BUCKETS
                              if max_num_batched_tokens is None or b <= max_num_batched_tokens]
         self.hist_iteration_tokens = histogram("iteration_tokens_total",
@@ -149,6 +157,25 @@ class PrometheusStatLogger(StatLoggerBase):
                 if total > last:
                     self._last_totals[key] = total
                     counter.inc(total - last)
+            if stats.get("spec_decoding"):
+                self._update_spec_decoding(stats["spec_decoding"])
+
+    def _update_spec_decoding(self, spec: dict) -> None:
+        """Cumulative speculative decoding totals -> counters (caller holds the lock)."""
+        totals = {key: int(spec[key]) for key in self._spec_counters}
+        totals.update({f"pos{i}": int(v)
+                       for i, v in enumerate(spec["num_accepted_tokens_per_pos"])})
+        for key, total in totals.items():
+            last = self._last_totals.get("spec_" + key, 0)
+            if key.startswith("pos"):   # every position exported, at 0 until one is accepted
+                self._spec_per_pos.labels(*self._label_values, key[3:])
+            if total <= last:
+                continue
+            self._last_totals["spec_" + key] = total
+            if key.startswith("pos"):
+                self._spec_per_pos.labels(*self._label_values, key[3:]).inc(total - last)
+            else:
+                self._spec_counters[key].inc(total - last)
 
     def _record_iteration(self, it: Any) -> None:
         if it.num_prompt_tokens:

@@ -31,13 +31,7 @@ class Sampler(nn.Module):
         raw_logprobs = (logits.log_softmax(dim=-1)
                         if metadata.max_num_logprobs is not None else None)
 
-        logits = apply_allowed_token_ids(logits, metadata.allowed_token_ids_mask)
-        logits = apply_logit_bias(logits, metadata.logit_bias)
-        logits = apply_min_tokens(logits, metadata.min_tokens)
-        logits = apply_bad_words(logits, metadata.bad_words)
-        if not metadata.no_penalties:
-            logits = apply_penalties(logits, metadata)
-
+        logits = process_logits(logits, metadata)
         sampled = self.sample(logits, metadata)
         if raw_logprobs is None:
             return SamplerOutput(sampled_token_ids=sampled)
@@ -61,6 +55,18 @@ class Sampler(nn.Module):
 
 
 # ---------------------------------------------------------------- constraints and penalties
+def process_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """Constraints and penalties, in vLLM's order: what greedy takes the argmax of and what
+    temperature / min_p / top-k / top-p then shape (shared with the rejection sampler)."""
+    logits = apply_allowed_token_ids(logits, metadata.allowed_token_ids_mask)
+    logits = apply_logit_bias(logits, metadata.logit_bias)
+    logits = apply_min_tokens(logits, metadata.min_tokens)
+    logits = apply_bad_words(logits, metadata.bad_words)
+    if not metadata.no_penalties:
+        logits = apply_penalties(logits, metadata)
+    return logits
+
+
 def apply_allowed_token_ids(logits: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
     """`mask` [B, V] bool is True where a token is NOT allowed."""
     if mask is None:

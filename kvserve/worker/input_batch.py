@@ -121,9 +121,18 @@ class InputBatch:
         self.output_token_ids[row].append(token)
 
     # ------------------------------------------------------------------ sampling
-    def make_sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
-        """Sampling settings for `rows` (the rows that sample this step, in logits order)."""
+    def make_sampling_metadata(self, rows: np.ndarray,
+                               draft_prefixes: Optional[list[list[int]]] = None) -> SamplingMetadata:
+        """Sampling settings for `rows` (the rows that sample this step, in logits order).
+
+        Speculative decoding passes a row once per scored position, with `draft_prefixes[i]`
+        the drafts before that position: they count as output (penalties, min_tokens, bad
+        words) exactly as they would had they been sampled one at a time."""
         dev = self.device
+        if draft_prefixes is None:
+            outputs = [self.output_token_ids[r] for r in rows]
+        else:
+            outputs = [self.output_token_ids[r] + d for r, d in zip(rows, draft_prefixes)]
         temp = self.temperature[rows]
         greedy = temp == 0.0
         top_p, top_k, min_p = self.top_p[rows], self.top_k[rows], self.min_p[rows]
@@ -134,7 +143,7 @@ class InputBatch:
             if gen is not None:
                 # Seed from (request seed, output position): a seeded request samples the same
                 # tokens whatever its batch, and also after preemption and recompute.
-                gen.manual_seed(_position_seed(params[i].seed, len(self.output_token_ids[r])))
+                gen.manual_seed(_position_seed(params[i].seed, len(outputs[i])))
                 generators[i] = gen
         logprob_counts = [p.logprobs for p in params if p.logprobs is not None]
         max_lp: Optional[int] = None
@@ -161,13 +170,13 @@ class InputBatch:
                     allowed_mask[i, p.allowed_token_ids] = False
         min_tokens = {}
         for i, (r, p) in enumerate(zip(rows, params)):
-            if p.min_tokens and len(self.output_token_ids[r]) < p.min_tokens:
+            if p.min_tokens and len(outputs[i]) < p.min_tokens:
                 forbid = set(p.stop_token_ids or [])
                 if not p.ignore_eos:
                     forbid |= self.eos_token_ids[r]
                 min_tokens[i] = forbid
-        bad_words = {i: (p.bad_words_token_ids, self.output_token_ids[r])
-                     for i, (r, p) in enumerate(zip(rows, params)) if p.bad_words_token_ids}
+        bad_words = {i: (p.bad_words_token_ids, outputs[i])
+                     for i, p in enumerate(params) if p.bad_words_token_ids}
 
         return SamplingMetadata(
             temperature=torch.from_numpy(temp.copy()).to(dev),
@@ -180,7 +189,7 @@ class InputBatch:
             frequency_penalties=torch.from_numpy(frequency.copy()).to(dev) if use_penalties else None,
             repetition_penalties=torch.from_numpy(repetition.copy()).to(dev) if use_penalties else None,
             prompt_token_ids=prompt_ids,
-            output_token_ids=[self.output_token_ids[r] for r in rows] if use_penalties else [],
+            output_token_ids=outputs if use_penalties else [],
             logit_bias=[p.logit_bias for p in params] if any(p.logit_bias for p in params) else [],
             allowed_token_ids_mask=allowed_mask,
             min_tokens=min_tokens, bad_words=bad_words)

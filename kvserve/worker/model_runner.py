@@ -18,6 +18,7 @@ from kvserve.config import KVServeConfig
 from kvserve.core.sched_output import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from kvserve.model.layers.attention import AttentionMetadata
 from kvserve.sample.sampler import Sampler
+from kvserve.spec_decode import make_spec_decode_runner
 from kvserve.structured_output.bitmask import apply_grammar_bitmask
 from kvserve.worker.input_batch import InputBatch
 
@@ -54,6 +55,7 @@ class ModelRunner:
         self.model: Optional[torch.nn.Module] = None
         self.kv_caches: list[torch.Tensor] = []
         self.sampler = Sampler()
+        self.spec_decode = make_spec_decode_runner(config, device)
         self.input_batch = InputBatch(
             max_num_reqs=config.scheduler_config.max_num_seqs, max_model_len=self.max_model_len,
             max_blocks_per_req=self.max_blocks_per_req, vocab_size=self.vocab_size,
@@ -63,6 +65,8 @@ class ModelRunner:
     def load_model(self) -> None:
         from kvserve.model.loader import load_model
         self.model = load_model(self.config.model_config, self.device)
+        if self.spec_decode is not None:
+            self.spec_decode.load_model()
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         from kvserve.model.loader import get_kv_cache_shape
@@ -72,7 +76,8 @@ class ModelRunner:
     def kv_cache_bytes_per_block(self) -> int:
         shape = self.kv_cache_shape(1)
         per_layer = int(np.prod(shape)) * torch.empty((), dtype=self.dtype).element_size()
-        return per_layer * self.config.model_config.num_layers
+        draft = self.spec_decode.kv_cache_bytes_per_block() if self.spec_decode else 0
+        return per_layer * self.config.model_config.num_layers + draft
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         # Zeroed, not empty: masked-out slots are multiplied by 0 in attention, and garbage
@@ -80,6 +85,8 @@ class ModelRunner:
         shape = self.kv_cache_shape(num_blocks)
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
                           for _ in range(self.config.model_config.num_layers)]
+        if self.spec_decode is not None:
+            self.spec_decode.initialize_kv_cache(num_blocks)
 
     # ------------------------------------------------------------------ step
     @torch.inference_mode()
@@ -95,10 +102,14 @@ class ModelRunner:
         sample_rows = step.rows[step.sample_mask]
         sampled_lists: list[list[int]] = [[] for _ in step.req_ids]
         logprobs: dict[str, LogprobsLists] = {}
-        if len(sample_rows):
+        if len(sample_rows) and scheduler_output.scheduled_spec_decode_tokens:
+            self._sample_spec_step(scheduler_output, step, hidden, sampled_lists, logprobs)
+        elif len(sample_rows):
             logits = self.model.compute_logits(hidden[step.logits_indices])
             if scheduler_output.grammar_bitmask is not None:
-                logits = self._apply_grammar_bitmask(scheduler_output, step, logits)
+                sampling_ids = [step.req_ids[i] for i in np.nonzero(step.sample_mask)[0]]
+                logits = self._apply_grammar_bitmask(
+                    scheduler_output, {rid: j for j, rid in enumerate(sampling_ids)}, logits)
             metadata = ib.make_sampling_metadata(sample_rows)
             out = self.sampler(logits, metadata)
             tokens = out.sampled_token_ids.tolist()
@@ -119,11 +130,51 @@ class ModelRunner:
         prompt_logprobs = self._prompt_logprobs(step, hidden)
         return ModelRunnerOutput(
             req_ids=step.req_ids, sampled_token_ids=sampled_lists,
-            logprobs=logprobs or None, prompt_logprobs=prompt_logprobs or None)
+            logprobs=logprobs or None, prompt_logprobs=prompt_logprobs or None,
+            spec_token_ids=self._propose_drafts(step, sample_rows))
+
+    def _sample_spec_step(self, so: SchedulerOutput, step: StepInputs, hidden: torch.Tensor,
+                          sampled_lists: list[list[int]],
+                          logprobs: dict[str, LogprobsLists]) -> None:
+        """A step with draft tokens: score every draft + bonus position, rejection-sample."""
+        assert self.spec_decode is not None and self.model is not None
+        ib = self.input_batch
+        layout = self.spec_decode.layout(step.req_ids, step.sample_mask,
+                                         step.query_starts + step.query_lens, so)
+        logits = self.model.compute_logits(
+            hidden[torch.from_numpy(layout.logits_indices).to(self.device)])
+        sample_idx = np.nonzero(step.sample_mask)[0]
+        if so.grammar_bitmask is not None:   # constrained requests have no drafts: bonus row
+            bonus_row = {step.req_ids[i]: int(layout.row_starts[s])
+                         for s, i in enumerate(sample_idx)}
+            logits = self._apply_grammar_bitmask(so, bonus_row, logits)
+        sample_rows = step.rows[sample_idx]
+        tokens, lps = self.spec_decode.sample(logits, layout, ib, sample_rows)
+        for s, (i, row) in enumerate(zip(sample_idx, sample_rows)):
+            for tok in tokens[s]:
+                ib.append_token(int(row), tok)
+            sampled_lists[i] = tokens[s]
+            if lps[s] is not None:
+                logprobs[step.req_ids[i]] = lps[s]
+
+    def _propose_drafts(self, step: StepInputs,
+                        sample_rows: np.ndarray) -> Optional[list[list[int]]]:
+        if self.spec_decode is None:
+            return None
+        ib = self.input_batch
+        drafts = self.spec_decode.propose(
+            ib, sample_rows, len(step.req_ids),
+            can_draft=lambda row: ib.params[row].structured_outputs is None)
+        out: list[list[int]] = [[] for _ in step.req_ids]
+        for i, d in zip(np.nonzero(step.sample_mask)[0], drafts):
+            out[i] = d
+        return out
 
     def _update_states(self, so: SchedulerOutput) -> None:
         ib = self.input_batch
         ib.remove_requests(so.finished_req_ids | so.preempted_req_ids)
+        if self.spec_decode is not None:
+            self.spec_decode.drop(so.finished_req_ids | so.preempted_req_ids)
         for new in so.scheduled_new_reqs:
             ib.add_request(new)
         cached = so.scheduled_cached_reqs
@@ -135,13 +186,13 @@ class ModelRunner:
             ib.num_computed_tokens[row] = num_computed
             for token in tokens:   # appended by the engine core (jump-forward decoding)
                 ib.append_token(row, token)
+        if self.spec_decode is not None and so.scheduled_spec_decode_tokens:
+            self.spec_decode.write_drafts(ib, so)
 
     @staticmethod
-    def _apply_grammar_bitmask(so: SchedulerOutput, step: StepInputs,
+    def _apply_grammar_bitmask(so: SchedulerOutput, logits_row: dict[str, int],
                                logits: torch.Tensor) -> torch.Tensor:
         """The structured output requests' rows of the bitmask, onto their logits rows."""
-        sampling_ids = [step.req_ids[i] for i in np.nonzero(step.sample_mask)[0]]
-        logits_row = {rid: j for j, rid in enumerate(sampling_ids)}
         rows = np.fromiter((logits_row[rid] for rid in so.structured_output_request_ids),
                            np.int64, len(so.structured_output_request_ids))
         return apply_grammar_bitmask(logits, so.grammar_bitmask, rows)

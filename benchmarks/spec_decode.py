@@ -1,0 +1,157 @@
+"""Speculative decoding: decode speed with and without it, back to back in one process.
+
+Workloads (greedy, ignore_eos; tok/s = output tokens / wall time of `generate`):
+- batch 1, random prompt, ~110M random Llama (roofline.py): plain vs n-gram;
+- batch 1, repetitive prompt (a phrase repeated) on the same model: plain vs n-gram;
+- batch 1, copy task on the real demo model (SmolLM2-135M-Instruct, GGUF): the answer repeats
+  the prompt's code, as in code editing — plain vs n-gram;
+- batch 1, draft model: a small random draft (2 layers, hidden 256, same vocabulary) and the
+  target as its own draft (every draft accepted: the machinery's overhead);
+- batch 32, random prompts (low acceptance): plain vs n-gram with the adaptive rule (default
+  config) and with it off.
+
+    python benchmarks/spec_decode.py [--dtype float32] [--max-tokens 96] [--batch 32]
+                                     [--skip-demo] [--output-json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import sys
+import time
+from typing import Any, Optional
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.roofline import DEFAULT_MODEL_DIR, ensure_bench_model  # noqa: E402
+from kvserve import LLM, SamplingParams  # noqa: E402
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
+         "prompt_lookup_max": 4}
+NO_ADAPT = {"disable_by_batch_size": None, "min_acceptance_rate": 0.0}
+CODE = '''def merge_sorted(a, b):
+    out = []
+    i = j = 0
+    while i < len(a) and j < len(b):
+        if a[i] <= b[j]:
+            out.append(a[i])
+            i += 1
+        else:
+            out.append(b[j])
+            j += 1
+    out.extend(a[i:])
+    out.extend(b[j:])
+    return out
+'''
+
+
+def ensure_small_draft(model_dir: str = DEFAULT_MODEL_DIR) -> str:
+    """A random 2-layer Llama with the benchmark model's vocabulary (and tokenizer)."""
+    import shutil
+
+    from kvserve.model.demo import build_random_checkpoint
+    path = os.path.join(model_dir, "llama-draft-random-v1")
+    if not os.path.isfile(os.path.join(path, "model.safetensors")):
+        tmp = path + f".tmp-{os.getpid()}"
+        build_random_checkpoint(tmp, arch="llama", hidden_size=256, num_layers=2, num_heads=4,
+                                num_kv_heads=4, intermediate_size=512, vocab_size=32000,
+                                max_position_embeddings=2048, tie_word_embeddings=False,
+                                dtype="float32", seed=1)
+        target = ensure_bench_model(model_dir)
+        for name in os.listdir(target):
+            if name.startswith("tokenizer") or name == "special_tokens_map.json":
+                shutil.copy(os.path.join(target, name), tmp)
+        os.replace(tmp, path)
+    return path
+
+
+def run(model: str, prompts: list[Any], max_tokens: int, dtype: str,
+        spec: Optional[dict], **kw: Any) -> dict:
+    llm = LLM(model, dtype=dtype, max_model_len=1024, seed=0, speculative_config=spec, **kw)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - start
+    stats = llm.get_stats().get("spec_decoding")
+    llm.shutdown()
+    n = sum(len(o.outputs[0].token_ids) for o in outs)
+    result = {"tok_s": n / wall, "wall_s": wall, "tokens": [o.outputs[0].token_ids for o in outs]}
+    if stats and stats["num_drafts"]:
+        result["mean_acceptance_length"] = 1 + stats["num_accepted_tokens"] / stats["num_drafts"]
+        result["acceptance_rate"] = stats["num_accepted_tokens"] / stats["num_draft_tokens"]
+        result["num_drafts"] = stats["num_drafts"]
+    return result
+
+
+def compare(name: str, model: str, prompts: list[Any], args: argparse.Namespace,
+            variants: dict[str, Optional[dict]], **kw: Any) -> dict:
+    rows = {label: run(model, prompts, args.max_tokens, args.dtype, spec, **kw)
+            for label, spec in variants.items()}
+    base = rows["plain"]
+    print(f"\n{name}")
+    for label, r in rows.items():
+        same = r["tokens"] == base["tokens"]
+        acc = (f", mean acceptance length {r['mean_acceptance_length']:.2f}, acceptance "
+               f"{100 * r['acceptance_rate']:.0f}%") if "num_drafts" in r else ""
+        print(f"  {label:<22} {r['tok_s']:7.1f} tok/s  x{r['tok_s'] / base['tok_s']:.2f}"
+              f"  same tokens: {same}{acc}")
+    for r in rows.values():
+        r.pop("tokens")
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--skip-demo", action="store_true")
+    p.add_argument("--only", default=None, help="comma list: random,repetitive,demo,draft,batch")
+    p.add_argument("--output-json", default=None)
+    args = p.parse_args()
+    only = set(args.only.split(",")) if args.only else None
+    model = ensure_bench_model()
+    rng = random.Random(0)
+    random_prompt = [{"prompt_token_ids": [rng.randrange(100, 32000) for _ in range(32)]}]
+    phrase = [rng.randrange(100, 32000) for _ in range(12)]
+    repetitive = [{"prompt_token_ids": phrase * 6}]
+    results: dict[str, Any] = {"cpu": platform.processor() or platform.machine(),
+                               "dtype": args.dtype, "max_tokens": args.max_tokens}
+    ng = {"plain": None, "ngram": NGRAM}
+    if only is None or "random" in only:
+        results["batch1_random"] = compare("batch 1, random prompt", model, random_prompt,
+                                           args, ng)
+    if only is None or "repetitive" in only:
+        results["batch1_repetitive"] = compare("batch 1, repetitive prompt", model, repetitive,
+                                               args, ng)
+    if not args.skip_demo and (only is None or "demo" in only):
+        copy = [{"prompt": "<|im_start|>user\nRepeat this code exactly, without any change:\n\n"
+                           + CODE + "<|im_end|>\n<|im_start|>assistant\n"}]
+        results["batch1_demo_copy"] = compare("batch 1, copy task, demo model (SmolLM2-135M)",
+                                              "demo", copy, args, ng)
+    if only is None or "draft" in only:
+        results["batch1_draft_model"] = compare(
+            "batch 1, draft model", model, random_prompt, args,
+            {"plain": None,
+             "small draft (adaptive)": {"method": "draft_model", "model": ensure_small_draft(),
+                                        "num_speculative_tokens": 3},
+             "target as own draft": {"method": "draft_model", "model": model,
+                                     "num_speculative_tokens": 3}})
+    if only is None or "batch" in only:
+        prompts = [{"prompt_token_ids": [rng.randrange(100, 32000) for _ in range(32)]}
+                   for _ in range(args.batch)]
+        results[f"batch{args.batch}_random"] = compare(
+            f"batch {args.batch}, random prompts (low acceptance)", model, prompts, args,
+            {"plain": None, "ngram (adaptive)": NGRAM, "ngram (no adaptive rule)":
+             {**NGRAM, **NO_ADAPT}})
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,144 @@
+"""SpeculativeConfig: vLLM's `speculative_config` (JSON on the CLI, a dict for `LLM(...)`).
+
+Validated when the engine config is built, before any process starts: an unknown method, a
+non-positive `num_speculative_tokens`, bad n-gram windows, a draft checkpoint that is missing
+or whose vocabulary / tokenizer differs from the target's are all `ValueError`s.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, fields
+from typing import Any, Optional, Union
+
+SPEC_METHODS = ("ngram", "draft_model")
+# vLLM's other methods: named, so that asking for one says "not yet" rather than "unknown".
+_NOT_YET = ("eagle", "eagle3", "medusa", "mtp", "suffix")
+
+
+@dataclass
+class SpeculativeConfig:
+    method: str = "ngram"
+    num_speculative_tokens: int = 3
+    # n-gram prompt lookup: the longest then shorter suffixes of the context, down to min.
+    prompt_lookup_min: Optional[int] = None
+    prompt_lookup_max: Optional[int] = None
+    # draft_model: a checkpoint directory sharing the target's tokenizer and vocabulary.
+    model: Optional[str] = None
+    draft_tensor_parallel_size: Optional[int] = None
+    # Adaptive speculation ("never slower", see kvserve/spec_decode/adaptive.py):
+    # no drafts in a step with more running requests than this (vLLM's field name).
+    disable_by_batch_size: Optional[int] = 4
+    # A request stops drafting while the EMA of its per-step acceptance rate is below this
+    # (0 turns the rule off); it probes again every `probe_interval` steps.
+    min_acceptance_rate: float = 0.25
+    probe_interval: int = 16
+
+    def __post_init__(self) -> None:
+        if self.method in _NOT_YET:
+            raise ValueError(f"Speculative decoding method {self.method!r} is not supported by "
+                             f"kvserve yet; supported: {', '.join(SPEC_METHODS)}.")
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"Unknown speculative decoding method {self.method!r}; supported: "
+                             f"{', '.join(SPEC_METHODS)}.")
+        if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
+            raise ValueError("num_speculative_tokens must be an integer >= 1, got "
+                             f"{self.num_speculative_tokens!r}.")
+        if self.method == "ngram":
+            self._init_ngram()
+        else:
+            self._init_draft_model()
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            raise ValueError("disable_by_batch_size must be >= 1 or null, got "
+                             f"{self.disable_by_batch_size}.")
+        if not 0.0 <= self.min_acceptance_rate <= 1.0:
+            raise ValueError(f"min_acceptance_rate must be in [0, 1], got {self.min_acceptance_rate}.")
+        if self.probe_interval < 1:
+            raise ValueError(f"probe_interval must be >= 1, got {self.probe_interval}.")
+
+    def _init_ngram(self) -> None:
+        # vLLM's defaults: neither given -> 5 and 5; one given -> the other equals it.
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if lo is None and hi is None:
+            lo = hi = 5
+        lo = hi if lo is None else lo
+        hi = lo if hi is None else hi
+        if lo < 1 or hi < lo:
+            raise ValueError(f"prompt_lookup_min ({lo}) must be >= 1 and <= prompt_lookup_max "
+                             f"({hi}).")
+        self.prompt_lookup_min, self.prompt_lookup_max = lo, hi
+        if self.model is not None:
+            raise ValueError("speculative method 'ngram' takes no draft 'model'.")
+
+    def _init_draft_model(self) -> None:
+        if not self.model:
+            raise ValueError(f"speculative method {self.method!r} needs 'model' (the draft "
+                             "checkpoint directory).")
+        path = os.path.abspath(os.path.expanduser(self.model))
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise ValueError(f"Draft model {self.model!r} not found: {path} has no config.json.")
+        self.model = path
+        tp = self.draft_tensor_parallel_size
+        if tp is not None and tp < 1:
+            raise ValueError(f"draft_tensor_parallel_size must be >= 1, got {tp}.")
+
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """KV slots allocated past each step's tokens: a draft model writes its drafts' KV
+        there while proposing (n-gram writes none)."""
+        return 0 if self.method == "ngram" else self.num_speculative_tokens
+
+    def verify_with_target(self, target_hf_config: dict, target_tokenizer: str,
+                           tensor_parallel_size: int, max_model_len: int) -> None:
+        """A draft model must share the target's vocabulary and tokenizer."""
+        if self.method == "ngram":
+            return
+        assert self.model is not None
+        with open(os.path.join(self.model, "config.json")) as f:
+            draft_cfg = json.load(f)
+        if int(draft_cfg.get("vocab_size", -1)) != int(target_hf_config["vocab_size"]):
+            raise ValueError(f"Draft model vocab_size ({draft_cfg.get('vocab_size')}) differs "
+                             f"from the target's ({target_hf_config['vocab_size']}).")
+        draft_max = int(draft_cfg.get("max_position_embeddings") or 2048)
+        if draft_max < max_model_len:
+            raise ValueError(f"Draft model max_position_embeddings ({draft_max}) is smaller "
+                             f"than max_model_len ({max_model_len}).")
+        draft_tok = _tokenizer_vocab(self.model)
+        target_tok = _tokenizer_vocab(target_tokenizer)
+        if draft_tok is not None and target_tok is not None and draft_tok != target_tok:
+            raise ValueError(f"Draft model {self.model!r} has a different tokenizer from the "
+                             "target model's (speculation needs the same token ids).")
+        tp = self.draft_tensor_parallel_size
+        if tp is None:
+            self.draft_tensor_parallel_size = tensor_parallel_size
+        elif tp != tensor_parallel_size:
+            raise ValueError(f"draft_tensor_parallel_size ({tp}) must equal the target's "
+                             f"tensor_parallel_size ({tensor_parallel_size}): the draft runs "
+                             "on the same worker ranks.")
+
+    @staticmethod
+    def parse(value: Union[None, str, dict, "SpeculativeConfig"]) -> Optional["SpeculativeConfig"]:
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--speculative-config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {value!r}.")
+        known = {f.name for f in fields(SpeculativeConfig)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"Unknown speculative_config key(s) {unknown}; known: {sorted(known)}.")
+        return SpeculativeConfig(**value)
+
+
+def _tokenizer_vocab(path: str) -> Optional[Any]:
+    """The vocabulary of a tokenizer.json (None when there is none to compare)."""
+    file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else None
+    if file is None or not os.path.isfile(file):
+        return None
+    with open(file) as f:
+        tok = json.load(f)
+    return ((tok.get("model") or {}).get("vocab"), tok.get("added_tokens"))

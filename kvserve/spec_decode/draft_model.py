@@ -1,0 +1,139 @@
+"""Draft-model proposer: a smaller checkpoint with the target's tokenizer proposes k tokens
+greedily (argmax: a deterministic proposal, so q is one-hot and the rejection sampler stays
+exact), one batched forward per draft position.
+
+Its KV cache is its own tensors, indexed by the target's block ids and slot mapping: a
+request's block table covers the draft's positions too, because the scheduler allocates
+`num_speculative_tokens` lookahead slots for every request (kv_cache_manager.allocate_slots).
+
+    draft KV valid for positions < valid[req]     (everything before the last step's drafts)
+    propose: feed positions [valid, num_tokens)   (the step's new tokens; all of them for a new
+                                                   or resumed request) -> draft 0
+             then k - 1 single-token steps        -> drafts 1..k-1
+             valid = num_tokens                   (the fed drafts may be rejected: their KV is
+                                                   rewritten next time)
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+import torch
+
+from kvserve.config import KVServeConfig, ModelConfig
+from kvserve.model.layers.attention import AttentionMetadata
+from kvserve.worker.input_batch import InputBatch
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class DraftModelProposer:
+    def __init__(self, config: KVServeConfig, device: torch.device) -> None:
+        spec = config.speculative_config
+        assert spec is not None and spec.model is not None
+        target = config.model_config
+        self.device = device
+        self.block_size = config.cache_config.block_size
+        self.tp_size = config.parallel_config.tensor_parallel_size
+        self.model_config = ModelConfig.from_path(
+            spec.model, tokenizer=None, served_model_name=None, dtype=target.dtype,
+            max_model_len=target.max_model_len, seed=target.seed,
+            max_logprobs=target.max_logprobs, device=config.device_config.device)
+        self.model: Optional[torch.nn.Module] = None
+        self.kv_caches: list[torch.Tensor] = []
+        self._valid: dict[str, int] = {}
+
+    # ------------------------------------------------------------------ set-up
+    def load_model(self) -> None:
+        from kvserve.model.loader import load_model
+        self.model = load_model(self.model_config, self.device)
+
+    def kv_cache_bytes_per_block(self) -> int:
+        from kvserve.model.loader import get_kv_cache_shape
+        shape = get_kv_cache_shape(self.model_config, 1, self.block_size, self.tp_size)
+        elem = torch.empty((), dtype=self.model_config.dtype).element_size()
+        return int(np.prod(shape)) * elem * self.model_config.num_layers
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        from kvserve.model.loader import get_kv_cache_shape
+        shape = get_kv_cache_shape(self.model_config, num_blocks, self.block_size, self.tp_size)
+        self.kv_caches = [torch.zeros(shape, dtype=self.model_config.dtype, device=self.device)
+                          for _ in range(self.model_config.num_layers)]
+
+    def drop(self, req_ids: set[str]) -> None:
+        for rid in req_ids:
+            self._valid.pop(rid, None)
+
+    # ------------------------------------------------------------------ propose
+    def propose(self, ib: InputBatch, rows: np.ndarray, num_drafts: np.ndarray) -> list[list[int]]:
+        result: list[list[int]] = [[] for _ in rows]
+        active = np.nonzero(num_drafts > 0)[0]
+        if not len(active):
+            return result
+        rows_a, k = rows[active], num_drafts[active]
+        req_ids = [ib.req_ids[r] for r in rows_a]
+        n = ib.num_tokens[rows_a].astype(np.int64)
+        valid = np.minimum(np.fromiter((self._valid.get(r, 0) for r in req_ids), np.int64,
+                                       len(req_ids)), n - 1)
+        qlens = n - valid
+        owner = np.repeat(np.arange(len(rows_a)), qlens)
+        positions = valid[owner] + (np.arange(int(qlens.sum())) - (np.cumsum(qlens) - qlens)[owner])
+        input_ids = ib.token_ids[rows_a[owner], positions]
+        drafts = np.zeros((len(rows_a), int(k.max())), dtype=np.int64)
+        drafts[:, 0] = self._step(ib, rows_a, valid, qlens, input_ids, positions)
+        for j in range(1, int(k.max())):
+            on = np.nonzero(k > j)[0]
+            pos = n[on] + j - 1
+            drafts[on, j] = self._step(ib, rows_a[on], pos, np.ones(len(on), np.int64),
+                                       drafts[on, j - 1], pos)
+        for i, rid in enumerate(req_ids):
+            self._valid[rid] = int(n[i])
+            result[active[i]] = drafts[i, :k[i]].tolist()
+        return result
+
+    @torch.inference_mode()
+    def _step(self, ib: InputBatch, rows: np.ndarray, computed: np.ndarray, qlens: np.ndarray,
+              input_ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """One draft forward over `rows` (query tokens flattened in row order); returns the
+        argmax token after each row's last query token."""
+        assert self.model is not None
+        order = np.argsort(qlens != 1, kind="stable")      # single-token queries first
+        rank = np.empty_like(order)
+        rank[order] = np.arange(len(order))
+        token_order = np.argsort(rank[np.repeat(np.arange(len(rows)), qlens)], kind="stable")
+        rows_o, computed_o, qlens_o = rows[order], computed[order], qlens[order]
+        pos_o = positions[token_order]
+        meta = self._metadata(ib, rows_o, computed_o, qlens_o, pos_o)
+        hidden = self.model(torch.from_numpy(input_ids[token_order]).to(self.device),
+                            torch.from_numpy(pos_o).to(self.device), self.kv_caches, meta)
+        last = torch.from_numpy(np.cumsum(qlens_o) - 1).to(self.device)
+        tokens_o = self.model.compute_logits(hidden[last]).argmax(dim=-1).cpu().numpy()
+        tokens = np.empty_like(tokens_o)
+        tokens[order] = tokens_o
+        return tokens
+
+    def _metadata(self, ib: InputBatch, rows: np.ndarray, computed: np.ndarray,
+                  qlens: np.ndarray, positions: np.ndarray) -> AttentionMetadata:
+        bs, dev = self.block_size, self.device
+        tok_rows = np.repeat(rows, qlens)
+        slots = ib.block_table[tok_rows, positions // bs] * bs + positions % bs
+        num_decodes = int((qlens == 1).sum())
+        seq_lens = computed + qlens
+        meta = AttentionMetadata(num_decode_tokens=num_decodes,
+                                 slot_mapping=torch.from_numpy(slots).to(dev), block_size=bs)
+        if num_decodes:
+            d = slice(0, num_decodes)
+            tables = ib.block_table[rows[d], :cdiv(int(seq_lens[d].max()), bs)]
+            meta.decode_block_tables = torch.from_numpy(np.ascontiguousarray(tables)).to(dev)
+            meta.decode_seq_lens = torch.from_numpy(seq_lens[d].copy()).to(dev)
+        if num_decodes < len(rows):
+            p = slice(num_decodes, None)
+            starts = np.cumsum(qlens) - qlens
+            meta.prefill_query_starts = torch.from_numpy(starts[p].copy()).to(dev)
+            meta.prefill_query_lens = torch.from_numpy(qlens[p].copy()).to(dev)
+            meta.prefill_context_lens = torch.from_numpy(computed[p].copy()).to(dev)
+            tables = ib.block_table[rows[p], :cdiv(int(seq_lens[p].max()), bs)]
+            meta.prefill_block_tables = torch.from_numpy(np.ascontiguousarray(tables)).to(dev)
+        return meta

@@ -1,0 +1,151 @@
+"""SpecDecodeRunner: the model runner's side of speculative decoding.
+
+The ModelRunner calls it at four points of a step:
+
+    update states:   write_drafts()      drafts go after each request's last token in the
+                                         persistent batch (not counted in num_tokens)
+    prepare inputs:  layout()            which hidden states to score: each sampling request's
+                                         k drafts + 1 bonus position (k = 0 without drafts)
+    sample:          sample()            the RejectionSampler over those rows
+    after the step:  propose()           next step's drafts, from the proposer, as the
+                                         adaptive rule (adaptive.py) allows
+
+A request with drafts runs 1 + k query tokens: its last sampled token and its drafts, at
+positions num_tokens - 1 .. num_tokens - 1 + k, in the slots the scheduler allocated.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+
+from kvserve.core.sched_output import LogprobsLists, SchedulerOutput
+from kvserve.sample.rejection_sampler import RejectionSampler, SpecDecodeMetadata
+from kvserve.spec_decode.adaptive import SpecDecodeController
+from kvserve.spec_decode.base import Proposer
+from kvserve.spec_decode.config import SpeculativeConfig
+from kvserve.worker.input_batch import InputBatch, _position_seed
+
+
+@dataclass
+class SpecLayout:
+    """The step's scored rows: sampling request s owns logits rows
+    [row_starts[s], row_starts[s] + num_drafts[s]]."""
+    logits_indices: np.ndarray      # token index of every scored row
+    num_drafts: list[int]           # per sampling request
+    draft_token_ids: list[int]      # flattened, request-major
+    row_starts: np.ndarray          # per sampling request
+
+
+class SpecDecodeRunner:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int,
+                 device: torch.device, proposer: "Proposer") -> None:
+        self.config = config
+        self.max_model_len = max_model_len
+        self.device = device
+        self.proposer = proposer
+        self.rejection_sampler = RejectionSampler()
+        self.controller = SpecDecodeController(
+            config.num_speculative_tokens, config.disable_by_batch_size,
+            config.min_acceptance_rate, config.probe_interval)
+
+    # ------------------------------------------------------------------ states
+    def write_drafts(self, ib: InputBatch, so: SchedulerOutput) -> None:
+        for rid, drafts in so.scheduled_spec_decode_tokens.items():
+            row = ib.req_id_to_index[rid]
+            n = ib.num_tokens[row]
+            ib.token_ids[row, n:n + len(drafts)] = drafts
+
+    def drop(self, req_ids: set[str]) -> None:
+        self.controller.drop(req_ids)
+        self.proposer.drop(req_ids)
+
+    # A proposer with its own model (draft_model) loads it and sizes its KV cache with the
+    # target's: the same number of blocks, indexed by the same block ids.
+    def load_model(self) -> None:
+        if hasattr(self.proposer, "load_model"):
+            self.proposer.load_model()
+
+    def kv_cache_bytes_per_block(self) -> int:
+        get = getattr(self.proposer, "kv_cache_bytes_per_block", None)
+        return get() if get is not None else 0
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        if hasattr(self.proposer, "initialize_kv_cache"):
+            self.proposer.initialize_kv_cache(num_blocks)
+
+    # ------------------------------------------------------------------ layout
+    @staticmethod
+    def layout(req_ids: list[str], sample_mask: np.ndarray, query_ends: np.ndarray,
+               so: SchedulerOutput) -> SpecLayout:
+        sample_idx = np.nonzero(sample_mask)[0]
+        spec = so.scheduled_spec_decode_tokens
+        drafts = [spec.get(req_ids[i], []) for i in sample_idx]
+        k = np.fromiter((len(d) for d in drafts), np.int64, len(drafts))
+        ends = query_ends[sample_idx]
+        rows_per_req = k + 1
+        row_starts = np.cumsum(rows_per_req) - rows_per_req
+        owner = np.repeat(np.arange(len(k)), rows_per_req)
+        offset = np.arange(int(rows_per_req.sum())) - row_starts[owner]
+        logits_indices = (ends - 1 - k)[owner] + offset
+        return SpecLayout(logits_indices=logits_indices, num_drafts=k.tolist(),
+                          draft_token_ids=[t for d in drafts for t in d], row_starts=row_starts)
+
+    # ------------------------------------------------------------------ sample
+    def sample(self, logits: torch.Tensor, layout: SpecLayout, ib: InputBatch,
+               sample_rows: np.ndarray) -> tuple[list[list[int]], list[Optional[LogprobsLists]]]:
+        """Tokens per sampling request (accepted drafts + 1) and their logprobs (if asked)."""
+        k = layout.num_drafts
+        rows = np.repeat(sample_rows, np.asarray(k) + 1)
+        drafts_of = np.split(np.asarray(layout.draft_token_ids, dtype=np.int64),
+                             np.cumsum(k)[:-1]) if k else []
+        prefixes = [d[:j].tolist() for d in drafts_of for j in range(len(d) + 1)]
+        metadata = ib.make_sampling_metadata(rows, prefixes)
+        metadata.generators = {}
+        generators = {}
+        for s, row in enumerate(sample_rows):
+            gen = ib.generators[row]
+            if gen is not None:   # per-request seed, from the request's output position
+                gen.manual_seed(_position_seed(ib.params[row].seed, len(ib.output_token_ids[row])))
+                generators[s] = gen
+        spec_meta = SpecDecodeMetadata.make(k, layout.draft_token_ids, logits.device)
+        out = self.rejection_sampler(logits, metadata, spec_meta, generators)
+        tokens = out.output_token_ids.tolist()
+        counts = out.num_sampled.tolist()
+        sampled = [tokens[s][:counts[s]] for s in range(len(k))]
+        logprobs: list[Optional[LogprobsLists]] = [None] * len(k)
+        if out.logprobs is not None:
+            lp_ids, lp_vals = out.logprob_token_ids.tolist(), out.logprobs.tolist()
+            ranks = out.sampled_token_ranks.tolist()
+            for s, row in enumerate(sample_rows):
+                want = ib.params[row].logprobs
+                if want is None:
+                    continue
+                a = int(layout.row_starts[s])
+                b = a + counts[s]
+                width = len(lp_ids[a]) if want == -1 else want + 1
+                logprobs[s] = LogprobsLists([r[:width] for r in lp_ids[a:b]],
+                                            [r[:width] for r in lp_vals[a:b]], ranks[a:b])
+        for s, row in enumerate(sample_rows):
+            if k[s]:
+                self.controller.record(ib.req_ids[row], k[s], counts[s] - 1)
+        return sampled, logprobs
+
+    # ------------------------------------------------------------------ propose
+    def propose(self, ib: InputBatch, sample_rows: np.ndarray, batch_size: int,
+                can_draft: Callable[[int], bool]) -> list[list[int]]:
+        """Drafts for each sampling row (its tokens already include this step's)."""
+        if not len(sample_rows):
+            return []
+        req_ids = [ib.req_ids[r] for r in sample_rows]
+        num_drafts = self.controller.num_drafts(req_ids, batch_size)
+        if not num_drafts.any():
+            return [[] for _ in req_ids]
+        for i, row in enumerate(sample_rows):
+            if num_drafts[i] and not can_draft(int(row)):
+                num_drafts[i] = 0
+        # Draft positions num_tokens .. num_tokens + k - 1 must stay below max_model_len.
+        num_drafts = np.minimum(num_drafts, self.max_model_len - ib.num_tokens[sample_rows])
+        return self.proposer.propose(ib, sample_rows, num_drafts)
