@@ -166,6 +166,7 @@ class EngineArgs:
             pipeline_parallel_size=self.pipeline_parallel_size,
             distributed_executor_backend=self.distributed_executor_backend)
         _verify_parallel(model_config, parallel)
+        _verify_device_count(device, parallel)
         return KVServeConfig(
             model_config=model_config,
             cache_config=CacheConfig(
@@ -202,6 +203,20 @@ def _verify_parallel(model_config: ModelConfig, parallel: ParallelConfig) -> Non
                          f"divide one another.")
     if parallel.pipeline_parallel_size != 1:
         raise ValueError("pipeline_parallel_size > 1 is not supported yet.")
+
+
+def _verify_device_count(device: str, parallel: ParallelConfig) -> None:
+    """Each CUDA rank needs its own GPU: say so before any worker process starts (a worker
+    asking for a missing ordinal dies with "invalid device ordinal" instead)."""
+    if not device.startswith("cuda"):
+        return
+    visible = torch.cuda.device_count()
+    if parallel.world_size > visible:
+        raise ValueError(
+            f"tensor_parallel_size x pipeline_parallel_size = {parallel.world_size} ranks need "
+            f"{parallel.world_size} GPUs, but only {visible} visible (CUDA_VISIBLE_DEVICES="
+            f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); lower the parallel size or "
+            f"use device='cpu'.")
 
 
 def _base_type(hint: Any) -> Any:
