@@ -13,6 +13,7 @@ from typing import Any, Optional, Union, get_type_hints
 
 import torch
 
+from kvserve.attention.selector import resolve_backend_name
 from kvserve.config import (CacheConfig, DeviceConfig, KVServeConfig, ModelConfig,
                             ParallelConfig, SchedulerConfig, StructuredOutputsConfig)
 
@@ -46,7 +47,11 @@ _HELP = {
     "device": "cpu, cuda or auto.",
     "multiprocessing": "Run the engine core in its own process (default; env KVSERVE_ENABLE_MULTIPROCESSING=0 turns it off).",
     "disable_log_stats": "Do not log periodic throughput statistics.",
-    "enforce_eager": "Never compile/capture graphs.",
+    "enforce_eager": "Never capture CUDA graphs (all steps eager). No effect on CPU.",
+    "attention_backend": "CPU_ATTN (C++ kernels; default on CPU), TRITON_ATTN (Triton kernels; "
+                         "default on CUDA) or TORCH_SDPA (portable torch fallback).",
+    "gpu_memory_utilization": "Fraction of the GPU's memory for weights, activations (profiled) "
+                              "and the KV cache (CUDA only; --kv-cache-memory overrides).",
     "structured_outputs_config": "Structured outputs settings as JSON, e.g. "
                                  "'{\"backend\": \"xgrammar\", \"disable_any_whitespace\": true, "
                                  "\"enable_jump_forward\": true}'.",
@@ -82,7 +87,9 @@ class EngineArgs:
     device: str = "auto"
     multiprocessing: bool = True
     disable_log_stats: bool = True
-    enforce_eager: bool = True
+    enforce_eager: bool = False
+    attention_backend: Optional[str] = None
+    gpu_memory_utilization: float = 0.9
     structured_outputs_config: Optional[Union[str, dict]] = None
 
     # ------------------------------------------------------------------
@@ -167,12 +174,18 @@ class EngineArgs:
             distributed_executor_backend=self.distributed_executor_backend)
         _verify_parallel(model_config, parallel)
         _verify_device_count(device, parallel)
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got "
+                             f"{self.gpu_memory_utilization}.")
+        attention_backend = resolve_backend_name(self.attention_backend, device,
+                                                 self.block_size, model_config.head_dim)
         return KVServeConfig(
             model_config=model_config,
             cache_config=CacheConfig(
                 block_size=self.block_size, kv_cache_memory=self.kv_cache_memory,
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
-                enable_prefix_caching=self.enable_prefix_caching),
+                enable_prefix_caching=self.enable_prefix_caching,
+                gpu_memory_utilization=self.gpu_memory_utilization),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs, max_num_batched_tokens=batched,
                 max_model_len=max_len, enable_chunked_prefill=self.enable_chunked_prefill,
@@ -185,6 +198,7 @@ class EngineArgs:
             multiprocessing=self.multiprocessing and os.environ.get("KVSERVE_ENABLE_MULTIPROCESSING", "1") != "0",
             disable_log_stats=self.disable_log_stats,
             enforce_eager=self.enforce_eager,
+            attention_backend=attention_backend,
             structured_outputs_config=StructuredOutputsConfig.parse(self.structured_outputs_config),
         )
 
