@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 import torch
@@ -20,6 +20,9 @@ from kvserve.attention import CommonAttentionMetadata, get_attn_backend
 from kvserve.sample.sampler import Sampler
 from kvserve.structured_output.bitmask import apply_grammar_bitmask
 from kvserve.worker.input_batch import InputBatch
+
+if TYPE_CHECKING:
+    from kvserve.worker.cuda_graph import CUDAGraphRunner
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +59,7 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.sampler = Sampler()
         self.attn_backend = get_attn_backend(config.attention_backend, device)
+        self.cuda_graphs: Optional["CUDAGraphRunner"] = None   # set by capture_cuda_graphs
         self.input_batch = InputBatch(
             max_num_reqs=config.scheduler_config.max_num_seqs, max_model_len=self.max_model_len,
             max_blocks_per_req=self.max_blocks_per_req, vocab_size=self.vocab_size,
@@ -85,6 +89,25 @@ class ModelRunner:
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
                           for _ in range(self.config.model_config.num_layers)]
 
+    def capture_cuda_graphs(self) -> None:
+        """Capture the all-decode step per batch-size bucket (TRITON_ATTN on CUDA only)."""
+        from kvserve.worker.cuda_graph import CUDAGraphRunner, capture_sizes
+        if self.device.type != "cuda" or self.attn_backend.name != "TRITON_ATTN":
+            return
+        sizes = capture_sizes(self.config.scheduler_config.max_num_seqs)
+        assert self.model is not None
+        self.cuda_graphs = CUDAGraphRunner(self.model, self.kv_caches, sizes,
+                                           self.max_blocks_per_req, self.device)
+        self.cuda_graphs.capture()
+
+    def _forward(self, step: StepInputs) -> torch.Tensor:
+        """Replay a captured graph for an all-decode step that fits a bucket, else eager."""
+        assert self.model is not None
+        graphs = self.cuda_graphs
+        if graphs is not None and graphs.can_run(step.attn_metadata, len(step.input_ids)):
+            return graphs.run(step.input_ids, step.positions, step.attn_metadata)
+        return self.model(step.input_ids, step.positions, self.kv_caches, step.attn_metadata)
+
     # ------------------------------------------------------------------ step
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -93,7 +116,7 @@ class ModelRunner:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         step = self._prepare_inputs(scheduler_output)
         assert self.model is not None
-        hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.attn_metadata)
+        hidden = self._forward(step)
 
         ib = self.input_batch
         sample_rows = step.rows[step.sample_mask]
