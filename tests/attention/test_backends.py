@@ -48,6 +48,9 @@ def test_greedy_matches_transformers(tiny_llama: str, backend: str, caplog) -> N
         llm = LLM(tiny_llama, attention_backend=backend, max_num_batched_tokens=16,
                   **ENGINE_KW)
     assert f"Using {backend} attention backend" in caplog.text
+    runner = llm.llm_engine.engine_core.engine_core.model_executor.worker.model_runner
+    layers = [m for m in runner.model.modules() if hasattr(m, "backend")]
+    assert len(layers) == 2 and all(m.backend.name == backend for m in layers)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     for i, ((ref_tokens, ref_lps), out) in enumerate(zip(refs, outs)):
         check_greedy_close(ref_tokens, ref_lps, out, name=f"{backend}[{i}]")

@@ -42,6 +42,10 @@ def test_kv_cache_too_small_names_the_numbers() -> None:
                                          r"but only 0\.00 GiB is left: gpu_memory_utilization="
                                          r"0\.9 of 16\.00 GiB.*weights 13\.00 GiB"):
         check_kv_cache_fits(budget, 2 << 20, 512, 8192, p, 0.9)
+    # Room for some blocks, but fewer than one max_model_len request needs.
+    with pytest.raises(ValueError, match=r"needs 1\.00 GiB \(512 blocks\), but only 0\.50 GiB"):
+        check_kv_cache_fits(GiB // 2, 2 << 20, 512, 8192, p, 0.9)
+    assert check_kv_cache_fits(GiB, 2 << 20, 512, 8192, p, 0.9) == 512
 
 
 @needs_cuda
