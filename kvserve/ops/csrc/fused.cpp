@@ -52,10 +52,9 @@ namespace {
 #define KVS_INLINE inline __attribute__((always_inline))
 // The vector code of each op lives in its own (never inlined) function, called only after the
 // op's entry has validated every input: no error is thrown from a frame with vector spills
-// and a realigned stack, or from inside a parallel region. A TORCH_CHECK failure captures a
-// stack trace by unwinding through the frames above it, and the bad-input tests crashed the
-// process (SIGSEGV) on a Sapphire Rapids host whose tier (avx512_bf16) inlined those loops
-// into the entry points.
+// and a realigned stack (GCC 12 realigned every entry point when the loops were inlined), or
+// from inside a parallel region. The bad-input tests crashed with SIGSEGV instead of raising
+// on a Sapphire Rapids host (tier avx512_bf16); an error unwinds through these frames.
 #define KVS_NOINLINE __attribute__((noinline))
 
 using bf16 = c10::BFloat16;
