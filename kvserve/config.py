@@ -197,6 +197,7 @@ class CacheConfig:
     kv_cache_memory: Optional[int] = None       # bytes; None = default for the device
     num_gpu_blocks_override: Optional[int] = None
     enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.9         # CUDA: share of the GPU for everything
     num_blocks: int = 0                         # filled in once the worker has sized the cache
 
 
@@ -283,7 +284,8 @@ class KVServeConfig:
     device_config: DeviceConfig
     multiprocessing: bool = False
     disable_log_stats: bool = True
-    enforce_eager: bool = True
+    enforce_eager: bool = False                 # True: no CUDA graphs
+    attention_backend: str = "CPU_ATTN"         # resolved by kvserve.attention.selector
     structured_outputs_config: StructuredOutputsConfig = field(
         default_factory=StructuredOutputsConfig)
     speculative_config: Optional["SpeculativeConfig"] = None

@@ -13,6 +13,7 @@ from typing import Any, Optional, Union, get_type_hints
 
 import torch
 
+from kvserve.attention.selector import resolve_backend_name
 from kvserve.config import (CacheConfig, DeviceConfig, KVServeConfig, ModelConfig,
                             ParallelConfig, SchedulerConfig, SpeculativeConfig,
                             StructuredOutputsConfig)
@@ -47,7 +48,11 @@ _HELP = {
     "device": "cpu, cuda or auto.",
     "multiprocessing": "Run the engine core in its own process (default; env KVSERVE_ENABLE_MULTIPROCESSING=0 turns it off).",
     "disable_log_stats": "Do not log periodic throughput statistics.",
-    "enforce_eager": "Never compile/capture graphs.",
+    "enforce_eager": "Never capture CUDA graphs (all steps eager). No effect on CPU.",
+    "attention_backend": "CPU_ATTN (C++ kernels; default on CPU), TRITON_ATTN (Triton kernels; "
+                         "default on CUDA) or TORCH_SDPA (portable torch fallback).",
+    "gpu_memory_utilization": "Fraction of the GPU's memory for weights, activations (profiled) "
+                              "and the KV cache (CUDA only; --kv-cache-memory overrides).",
     "structured_outputs_config": "Structured outputs settings as JSON, e.g. "
                                  "'{\"backend\": \"xgrammar\", \"disable_any_whitespace\": true, "
                                  "\"enable_jump_forward\": true}'.",
@@ -87,7 +92,9 @@ class EngineArgs:
     device: str = "auto"
     multiprocessing: bool = True
     disable_log_stats: bool = True
-    enforce_eager: bool = True
+    enforce_eager: bool = False
+    attention_backend: Optional[str] = None
+    gpu_memory_utilization: float = 0.9
     structured_outputs_config: Optional[Union[str, dict]] = None
     speculative_config: Optional[Union[str, dict]] = None
 
@@ -172,6 +179,12 @@ class EngineArgs:
             pipeline_parallel_size=self.pipeline_parallel_size,
             distributed_executor_backend=self.distributed_executor_backend)
         _verify_parallel(model_config, parallel)
+        _verify_device_count(device, parallel)
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got "
+                             f"{self.gpu_memory_utilization}.")
+        attention_backend = resolve_backend_name(self.attention_backend, device,
+                                                 self.block_size, model_config.head_dim)
         spec_config = SpeculativeConfig.parse(self.speculative_config)
         if spec_config is not None:
             spec_config.verify_with_target(model_config.hf_config, model_config.tokenizer,
@@ -182,7 +195,8 @@ class EngineArgs:
             cache_config=CacheConfig(
                 block_size=self.block_size, kv_cache_memory=self.kv_cache_memory,
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
-                enable_prefix_caching=self.enable_prefix_caching),
+                enable_prefix_caching=self.enable_prefix_caching,
+                gpu_memory_utilization=self.gpu_memory_utilization),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs, max_num_batched_tokens=batched,
                 max_model_len=max_len, enable_chunked_prefill=self.enable_chunked_prefill,
@@ -195,6 +209,7 @@ class EngineArgs:
             multiprocessing=self.multiprocessing and os.environ.get("KVSERVE_ENABLE_MULTIPROCESSING", "1") != "0",
             disable_log_stats=self.disable_log_stats,
             enforce_eager=self.enforce_eager,
+            attention_backend=attention_backend,
             structured_outputs_config=StructuredOutputsConfig.parse(self.structured_outputs_config),
             speculative_config=spec_config,
         )
@@ -214,6 +229,20 @@ def _verify_parallel(model_config: ModelConfig, parallel: ParallelConfig) -> Non
                          f"divide one another.")
     if parallel.pipeline_parallel_size != 1:
         raise ValueError("pipeline_parallel_size > 1 is not supported yet.")
+
+
+def _verify_device_count(device: str, parallel: ParallelConfig) -> None:
+    """Each CUDA rank needs its own GPU: say so before any worker process starts (a worker
+    asking for a missing ordinal dies with "invalid device ordinal" instead)."""
+    if not device.startswith("cuda"):
+        return
+    visible = torch.cuda.device_count()
+    if parallel.world_size > visible:
+        raise ValueError(
+            f"tensor_parallel_size x pipeline_parallel_size = {parallel.world_size} ranks need "
+            f"{parallel.world_size} GPUs, but only {visible} visible (CUDA_VISIBLE_DEVICES="
+            f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); lower the parallel size or "
+            f"use device='cpu'.")
 
 
 def _base_type(hint: Any) -> Any:

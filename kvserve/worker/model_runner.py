@@ -9,18 +9,21 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 import torch
 
 from kvserve.config import KVServeConfig
 from kvserve.core.sched_output import LogprobsLists, ModelRunnerOutput, SchedulerOutput
-from kvserve.model.layers.attention import AttentionMetadata
+from kvserve.attention import CommonAttentionMetadata, get_attn_backend
 from kvserve.sample.sampler import Sampler
 from kvserve.spec_decode import make_spec_decode_runner
 from kvserve.structured_output.bitmask import apply_grammar_bitmask
 from kvserve.worker.input_batch import InputBatch
+
+if TYPE_CHECKING:
+    from kvserve.worker.cuda_graph import CUDAGraphRunner
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +40,8 @@ class StepInputs:
     query_starts: np.ndarray
     input_ids: torch.Tensor       # [T]
     positions: torch.Tensor       # [T]
-    attn_metadata: AttentionMetadata
+    attn_metadata: Any            # the attention backend's metadata for this step
+    common_attn_metadata: CommonAttentionMetadata
     sample_mask: np.ndarray       # [num_reqs] bool: this request samples a token this step
     logits_indices: torch.Tensor  # [num_sampling] token index of each sampling request's last token
 
@@ -56,6 +60,8 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.sampler = Sampler()
         self.spec_decode = make_spec_decode_runner(config, device)
+        self.attn_backend = get_attn_backend(config.attention_backend, device)
+        self.cuda_graphs: Optional["CUDAGraphRunner"] = None   # set by capture_cuda_graphs
         self.input_batch = InputBatch(
             max_num_reqs=config.scheduler_config.max_num_seqs, max_model_len=self.max_model_len,
             max_blocks_per_req=self.max_blocks_per_req, vocab_size=self.vocab_size,
@@ -67,6 +73,8 @@ class ModelRunner:
         self.model = load_model(self.config.model_config, self.device)
         if self.spec_decode is not None:
             self.spec_decode.load_model()
+        from kvserve.model.layers.attention import bind_attention_backend
+        bind_attention_backend(self.model, self.attn_backend)
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         from kvserve.model.loader import get_kv_cache_shape
@@ -88,6 +96,25 @@ class ModelRunner:
         if self.spec_decode is not None:
             self.spec_decode.initialize_kv_cache(num_blocks)
 
+    def capture_cuda_graphs(self) -> None:
+        """Capture the all-decode step per batch-size bucket (TRITON_ATTN on CUDA only)."""
+        from kvserve.worker.cuda_graph import CUDAGraphRunner, capture_sizes
+        if self.device.type != "cuda" or self.attn_backend.name != "TRITON_ATTN":
+            return
+        sizes = capture_sizes(self.config.scheduler_config.max_num_seqs)
+        assert self.model is not None
+        self.cuda_graphs = CUDAGraphRunner(self.model, self.kv_caches, sizes,
+                                           self.max_blocks_per_req, self.device)
+        self.cuda_graphs.capture()
+
+    def _forward(self, step: StepInputs) -> torch.Tensor:
+        """Replay a captured graph for an all-decode step that fits a bucket, else eager."""
+        assert self.model is not None
+        graphs = self.cuda_graphs
+        if graphs is not None and graphs.can_run(step.attn_metadata, len(step.input_ids)):
+            return graphs.run(step.input_ids, step.positions, step.attn_metadata)
+        return self.model(step.input_ids, step.positions, self.kv_caches, step.attn_metadata)
+
     # ------------------------------------------------------------------ step
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -96,7 +123,7 @@ class ModelRunner:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         step = self._prepare_inputs(scheduler_output)
         assert self.model is not None
-        hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.attn_metadata)
+        hidden = self._forward(step)
 
         ib = self.input_batch
         sample_rows = step.rows[step.sample_mask]
@@ -220,27 +247,16 @@ class ModelRunner:
         seq_lens = computed + qlens
         sample_mask = seq_lens >= ib.num_tokens[rows]
 
-        meta = AttentionMetadata(num_decode_tokens=num_decodes,
-                                 slot_mapping=torch.from_numpy(slot_mapping).to(dev),
-                                 block_size=bs)
-        if num_decodes:
-            dec_lens = seq_lens[:num_decodes]
-            max_len = int(dec_lens.max())
-            tables = ib.block_table[rows[:num_decodes], :cdiv(max_len, bs)]
-            meta.decode_block_tables = torch.from_numpy(np.ascontiguousarray(tables)).to(dev)
-            meta.decode_seq_lens = torch.from_numpy(dec_lens).to(dev)
-        if num_decodes < len(rows):
-            p = slice(num_decodes, None)
-            meta.prefill_query_starts = torch.from_numpy(starts[p].copy()).to(dev)
-            meta.prefill_query_lens = torch.from_numpy(qlens[p].copy()).to(dev)
-            meta.prefill_context_lens = torch.from_numpy(computed[p].copy()).to(dev)
-            tables = ib.block_table[rows[p], :cdiv(int(seq_lens[p].max()), bs)]
-            meta.prefill_block_tables = torch.from_numpy(np.ascontiguousarray(tables)).to(dev)
+        common = CommonAttentionMetadata(
+            num_decodes=num_decodes, query_starts=starts, query_lens=qlens,
+            context_lens=computed, slot_mapping=slot_mapping, block_size=bs,
+            block_table=ib.block_table[rows, :cdiv(int(seq_lens.max()), bs)])
+        meta = self.attn_backend.build_metadata(common)
         return StepInputs(
             req_ids=req_ids, rows=rows, query_lens=qlens, query_starts=starts,
             input_ids=torch.from_numpy(input_ids).to(dev),
             positions=torch.from_numpy(positions).to(dev),
-            attn_metadata=meta, sample_mask=sample_mask,
+            attn_metadata=meta, common_attn_metadata=common, sample_mask=sample_mask,
             logits_indices=torch.from_numpy(ends[sample_mask] - 1).to(dev))
 
     def _prompt_logprobs(self, step: StepInputs, hidden: torch.Tensor) -> dict[str, LogprobsLists]:

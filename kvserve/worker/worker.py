@@ -62,20 +62,27 @@ class Worker:
         if cc.num_gpu_blocks_override:
             return cc.num_gpu_blocks_override
         memory = cc.kv_cache_memory
-        if memory is None:
-            if self.device.type == "cuda":
-                free, _ = torch.cuda.mem_get_info(self.device)
-                memory = int(free * 0.9)
-            else:
-                import psutil
-                memory = min(_DEFAULT_CPU_KV_CACHE_BYTES, psutil.virtual_memory().available // 4)
         per_block = self.model_runner.kv_cache_bytes_per_block()
         useful = sc.max_num_seqs * self.model_runner.max_blocks_per_req
+        if memory is None and self.device.type == "cuda":
+            # Profiled: weights + the largest step's activations, under gpu_memory_utilization.
+            from kvserve.worker.gpu_memory import check_kv_cache_fits, profile_memory
+            budget, profile = profile_memory(self.model_runner, cc.gpu_memory_utilization)
+            blocks = check_kv_cache_fits(budget, per_block, self.model_runner.max_blocks_per_req,
+                                         self.model_runner.max_model_len, profile,
+                                         cc.gpu_memory_utilization)
+            logger.info("Available KV cache memory: %.2f GiB (%s)", budget / 2**30, profile)
+            return min(blocks, useful)
+        if memory is None:
+            import psutil
+            memory = min(_DEFAULT_CPU_KV_CACHE_BYTES, psutil.virtual_memory().available // 4)
         return max(1, min(memory // per_block, useful))
 
     def initialize_cache(self, num_blocks: int) -> None:
         assert self.model_runner is not None
         self.model_runner.initialize_kv_cache(num_blocks)
+        if self.device.type == "cuda" and not self.config.enforce_eager:
+            self.model_runner.capture_cuda_graphs()
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> Optional[ModelRunnerOutput]:
         assert self.model_runner is not None

@@ -288,7 +288,8 @@ def test_sigkill_engine_core_llm(tiny_llama: str) -> None:
 
 def test_error_inside_step_reports_engine_dead(tiny_llama: str) -> None:
     """An exception in a step is not swallowed: the engine sends its traceback and exits."""
-    llm = LLM(tiny_llama, multiprocessing=True, **ENGINE_KW)
+    # CPU: on CUDA the bad id is a device-side assert that poisons the whole CUDA context.
+    llm = LLM(tiny_llama, multiprocessing=True, **{**ENGINE_KW, "device": "cpu"})
     try:
         engine = llm.llm_engine
         proc = client_of(llm).resources.proc

@@ -27,8 +27,9 @@ from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 from tests.utils import check_greedy_close, random_prompts
 
+# TP on CPU (gloo): pinned, so that a GPU box runs these as here.
 ENGINE_KW = dict(dtype="float32", max_model_len=256, kv_cache_memory=16 << 20,
-                 multiprocessing=False)
+                 multiprocessing=False, device="cpu")
 PROMPTS = random_prompts(4, 3, 12, vocab=1024, seed=3)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, logprobs=5, ignore_eos=True)
 TP_LOGPROB_ATOL = 1e-3
@@ -297,6 +298,22 @@ def test_indivisible_head_count_fails_before_any_process(tiny_llama: str) -> Non
     with pytest.raises(ValueError, match=r"attention heads \(4\) must be divisible by "
                                          r"tensor_parallel_size \(3\)"):
         LLM(tiny_llama, tensor_parallel_size=3, **ENGINE_KW)
+    assert not watch.new_children()
+    watch.assert_clean(timeout=0)
+
+
+@pytest.mark.timeout(30)
+def test_more_cuda_ranks_than_gpus_fails_before_any_process(tiny_llama: str) -> None:
+    """TP ranks beyond the visible GPUs: a clear error naming both numbers, before any worker
+    process starts (on a CPU box none are visible; on a GPU box, one more than there are)."""
+    visible = torch.cuda.device_count()
+    tp = visible + 1 if visible + 1 in (1, 2, 4) else 2   # heads (4) must divide by tp
+    if tp <= visible:
+        pytest.skip(f"{visible} GPUs visible: cannot ask for more with 4 heads")
+    watch = LeakWatch()
+    with pytest.raises(ValueError, match=rf"{tp} ranks need {tp} GPUs, but only {visible} "
+                                         rf"visible"):
+        LLM(tiny_llama, tensor_parallel_size=tp, **{**ENGINE_KW, "device": "cuda"})
     assert not watch.new_children()
     watch.assert_clean(timeout=0)
 

@@ -50,6 +50,12 @@
 namespace {
 
 #define KVS_INLINE inline __attribute__((always_inline))
+// The vector code of each op lives in its own (never inlined) function, called only after the
+// op's entry has validated every input: no error is thrown from a frame with vector spills
+// and a realigned stack (GCC 12 realigned every entry point when the loops were inlined), or
+// from inside a parallel region. The bad-input tests crashed with SIGSEGV instead of raising
+// on a Sapphire Rapids host (tier avx512_bf16); an error unwinds through these frames.
+#define KVS_NOINLINE __attribute__((noinline))
 
 using bf16 = c10::BFloat16;
 
@@ -270,7 +276,7 @@ KVS_INLINE float inv_rms(float sum_sq, int64_t D, float eps) {
 }
 
 template <typename T>
-void rms_norm_impl(const at::Tensor& x, const at::Tensor& w, at::Tensor& out, double eps) {
+KVS_NOINLINE void rms_norm_impl(const at::Tensor& x, const at::Tensor& w, at::Tensor& out, double eps) {
   const int64_t D = x.size(-1), N = x.numel() / D;
   const Rows xr = rows_of(x);
   const T* xp = x.data_ptr<T>();
@@ -286,7 +292,7 @@ void rms_norm_impl(const at::Tensor& x, const at::Tensor& w, at::Tensor& out, do
 }
 
 template <typename T>
-void fused_add_rms_norm_impl(at::Tensor& x, at::Tensor& res, const at::Tensor& w, double eps) {
+KVS_NOINLINE void fused_add_rms_norm_impl(at::Tensor& x, at::Tensor& res, const at::Tensor& w, double eps) {
   const int64_t D = x.size(-1), N = x.numel() / D;
   const Rows xr = rows_of(x), rr = rows_of(res);
   T* xp = x.data_ptr<T>();
@@ -421,7 +427,7 @@ inline Heads heads_of(const at::Tensor& t, int64_t D, const char* name) {
 }
 
 template <typename T>
-void rotary_impl(const int64_t* pos, at::Tensor& q, at::Tensor& k, int64_t D,
+KVS_NOINLINE void rotary_impl(const int64_t* pos, at::Tensor& q, at::Tensor& k, int64_t D,
                  const float* cos, const float* sin) {
   const int64_t T_ = q.size(0), half = D / 2;
   const Heads hq = heads_of(q, D, "query"), hk = heads_of(k, D, "key");
@@ -512,7 +518,7 @@ KVS_INLINE void silu_mul_row(const T* g, const T* u, T* out, int64_t I) {
 }
 
 template <typename T>
-void silu_and_mul_impl(const at::Tensor& x, at::Tensor& out) {
+KVS_NOINLINE void silu_and_mul_impl(const at::Tensor& x, at::Tensor& out) {
   const int64_t I = out.size(-1), N = out.numel() / std::max<int64_t>(I, 1);
   const int64_t sx = x.dim() == 1 ? 0 : x.stride(0);
   const T* xp = x.data_ptr<T>();
@@ -544,7 +550,7 @@ at::Tensor silu_and_mul(const at::Tensor& x_in) {
 // slot_mapping[t]. Every slot is checked before anything is written.
 
 template <typename T>
-void cache_impl(const at::Tensor& k, const at::Tensor& v, at::Tensor& cache, const int64_t* slots,
+KVS_NOINLINE void cache_impl(const at::Tensor& k, const at::Tensor& v, at::Tensor& cache, const int64_t* slots,
                 int64_t T_) {
   const int64_t H = k.size(1), D = k.size(2), BS = cache.size(2);
   const int64_t sc0 = cache.stride(0), sc1 = cache.stride(1), sc2 = cache.stride(2),

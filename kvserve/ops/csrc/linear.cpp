@@ -261,6 +261,7 @@ void chunk(const TX* x, const TW* w, const TX* bias, TX* out, int64_t n0, int64_
 }
 
 template <typename TX, typename TW>
+__attribute__((noinline))  // vector code apart from the checking entry (see fused.cpp)
 void run(const TX* x, const TW* w, const TX* bias, TX* out, int64_t M, int64_t N, int64_t K) {
   using ChunkFn = void (*)(const TX*, const TW*, const TX*, TX*, int64_t, int64_t, int64_t,
                            int64_t);

@@ -67,14 +67,14 @@ struct Scratch {
       : q(G * D), acc(G * D), s(G * BS), m(G), l(G), tile(16 * D), qb(G * D) {}
 };
 
+#define KVS_NOINLINE __attribute__((noinline))  // see fused.cpp
+
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
 
+// Every block id read here was validated by the entry point (no error is raised in here).
 inline int64_t checked_block(const Params& P, int64_t n, int64_t b) {
-  const int64_t blk = P.block_tables[n * P.table_stride + b];
-  TORCH_CHECK(blk >= 0 && blk < P.num_blocks, "paged_decode_attention: block id ", blk,
-              " out of range [0, ", P.num_blocks, ") for sequence ", n);
-  return blk;
+  return P.block_tables[n * P.table_stride + b];
 }
 
 // Blocks are scattered through the cache and a kv head's rows in a block are Hkv * D apart, so
@@ -522,7 +522,7 @@ void run(const Params& P) {
 }
 
 template <typename T>
-void dispatch_head_dim(const Params& P) {
+KVS_NOINLINE void dispatch_head_dim(const Params& P) {
 #if defined(__AVX512F__)
   switch (P.head_dim) {
     case 32: return run<T, Avx512Step<T, 2>>(P);
@@ -561,9 +561,15 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& kv_c
   const int64_t MB = block_tables.size(1);
   {
     const int64_t* sl = seq_lens.data_ptr<int64_t>();
-    for (int64_t i = 0; i < N; ++i)
+    const int64_t* bt = block_tables.data_ptr<int64_t>();
+    // Validate everything the kernel will read: nothing is checked inside the parallel region.
+    for (int64_t i = 0; i < N; ++i) {
       TORCH_CHECK(sl[i] >= 0 && sl[i] <= MB * BS, "seq_lens[", i, "] = ", sl[i],
                   " does not fit in ", MB, " blocks of ", BS);
+      for (int64_t b = 0; b < (sl[i] + BS - 1) / BS; ++b)
+        TORCH_CHECK(bt[i * MB + b] >= 0 && bt[i * MB + b] < NB, "paged_decode_attention: block id ",
+                    bt[i * MB + b], " out of range [0, ", NB, ") for sequence ", i);
+    }
   }
   at::Tensor out = at::empty({N, H, D}, q.options());
   if (N == 0) return out;

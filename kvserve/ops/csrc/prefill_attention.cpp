@@ -61,6 +61,7 @@
 namespace {
 
 #define KVS_INLINE inline __attribute__((always_inline))
+#define KVS_NOINLINE __attribute__((noinline))  // see fused.cpp
 
 constexpr int64_t kLanes = 32;    // (token, head) rows per work item: two 16-lane vectors
 constexpr int64_t kKeyTile = 64;  // keys per online-softmax step
@@ -621,7 +622,7 @@ void run_avx512(const Params& P) {
 #endif
 
 template <typename T>
-void dispatch(const Params& P) {
+KVS_NOINLINE void dispatch(const Params& P) {
 #if defined(__AVX512F__)
   constexpr bool vector_ok =
 #if defined(KVS_HAVE_DPBF16)

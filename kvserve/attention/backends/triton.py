@@ -1,0 +1,89 @@
+"""TRITON_ATTN: Triton kernels over the paged cache (kvserve/attention/ops), default on CUDA.
+
+Per step: the KV write kernel, then either the split-KV decode kernel (every request decodes
+one token: the all-decode steps CUDA graphs capture) or the unified kernel (prefill chunks with
+context plus decode rows, in one launch). The metadata is a handful of int32 arrays; on CUDA
+they are packed into one pinned host buffer and copied to the device in one transfer.
+On CPU the kernels run under Triton's interpreter (TRITON_INTERPRET=1): tests only.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+import numpy as np
+import torch
+
+from kvserve.attention.backends.base import AttentionBackend, CommonAttentionMetadata
+
+if TYPE_CHECKING:
+    from kvserve.model.layers.attention import Attention
+
+
+@dataclass
+class TritonAttentionMetadata:
+    slot_mapping: torch.Tensor      # [T] int32, < 0 = do not write (padding rows)
+    query_start_loc: torch.Tensor   # [R + 1] int32
+    seq_lens: torch.Tensor          # [R] int32, 0 = padding request (CUDA graphs)
+    block_table: torch.Tensor       # [R, MB] int32
+    num_reqs: int
+    decode_only: bool               # every request has one query: the split-KV kernel
+
+
+class TritonAttentionBackend(AttentionBackend):
+    name = "TRITON_ATTN"
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(device)
+        # Importing the kernels defines them: compiled on a GPU, interpreted on CPU.
+        from kvserve.attention.ops import decode_attention, reshape_and_cache, unified_attention
+        self._ops = (reshape_and_cache.reshape_and_cache, unified_attention.unified_attention,
+                     decode_attention.split_kv_decode_attention,
+                     decode_attention.choose_num_splits)
+        self._staging: Optional[torch.Tensor] = None   # pinned, reused (CUDA)
+        # Split-KV programs to aim for: a few per streaming multiprocessor on a GPU; few under
+        # the CPU interpreter, where every program costs milliseconds.
+        self.target_programs = (
+            4 * torch.cuda.get_device_properties(device).multi_processor_count
+            if device.type == "cuda" else 8)
+
+    def _upload(self, host: np.ndarray) -> torch.Tensor:
+        """One host-to-device copy of the packed metadata (pinned staging on CUDA). The
+        previous step's copy has finished: its sampled tokens were read back since."""
+        buf = torch.from_numpy(host)
+        if self.device.type != "cuda":
+            return buf
+        if self._staging is None or self._staging.numel() < buf.numel():
+            self._staging = torch.empty(max(buf.numel(), 1 << 16), dtype=torch.int32,
+                                        pin_memory=True)
+        staged = self._staging[:buf.numel()]
+        staged.copy_(buf)
+        return staged.to(self.device, non_blocking=True)
+
+    def build_metadata(self, common: CommonAttentionMetadata) -> TritonAttentionMetadata:
+        R, T, bs = common.num_reqs, common.num_tokens, common.block_size
+        seq_lens = common.seq_lens
+        width = max(1, -(-int(seq_lens.max()) // bs)) if R else 1
+        sizes = (T, R + 1, R, R * width)
+        host = np.empty(sum(sizes), dtype=np.int32)
+        o = np.cumsum((0,) + sizes)
+        host[o[0]:o[1]] = common.slot_mapping
+        host[o[1]] = 0
+        np.cumsum(common.query_lens, out=host[o[1] + 1:o[2]])
+        host[o[2]:o[3]] = seq_lens
+        host[o[3]:o[4]].reshape(R, width)[:] = common.block_table[:, :width]
+        dev = self._upload(host)
+        return TritonAttentionMetadata(
+            slot_mapping=dev[o[0]:o[1]], query_start_loc=dev[o[1]:o[2]],
+            seq_lens=dev[o[2]:o[3]], block_table=dev[o[3]:o[4]].view(R, width),
+            num_reqs=R, decode_only=common.num_decodes == R)
+
+    def forward(self, layer: "Attention", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: torch.Tensor, meta: TritonAttentionMetadata) -> torch.Tensor:
+        write, unified, split_kv, num_splits = self._ops
+        write(k, v, kv_cache, meta.slot_mapping)
+        if meta.decode_only:
+            return split_kv(q, kv_cache, meta.seq_lens, meta.block_table, layer.scale,
+                            num_splits(meta.num_reqs, layer.num_kv_heads, self.target_programs))
+        return unified(q, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_table,
+                       layer.scale)

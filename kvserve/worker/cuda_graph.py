@@ -1,0 +1,106 @@
+"""CUDA graphs for all-decode steps (TRITON_ATTN on CUDA, unless enforce_eager).
+
+At start every batch-size bucket (vLLM's capture sizes 1, 2, 4, 8, 16, 24, ... up to
+max_num_seqs) is captured once: the whole forward pass, reading its inputs from static device
+buffers. A step whose requests all decode one token, and fit in a bucket, copies its inputs
+into those buffers (device to device: they were uploaded once by the runner), pads the rest
+of the bucket (slot -1: no KV write; seq_len 0: attends to nothing) and replays the bucket's
+graph. Mixed steps, and batches above the largest bucket, run eagerly.
+
+    static rows: [ r0 r1 r2 | pad pad pad ... ]   bucket 8 for 3 decodes; outputs [:3] used
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from typing import Optional
+
+import torch
+
+from kvserve.attention.backends.triton import TritonAttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    """vLLM's cudagraph_capture_sizes (1, 2, 4, then steps of 8 to 256 and of 16 to 512),
+    keeping those <= max_num_seqs."""
+    sizes = [1, 2, 4] + list(range(8, 257, 8)) + list(range(272, 513, 16))
+    return [s for s in sizes if s <= max_num_seqs]
+
+
+def padded_batch_size(num_reqs: int, sizes: list[int]) -> Optional[int]:
+    """The smallest bucket that holds num_reqs requests; None above the largest (eager)."""
+    i = bisect.bisect_left(sizes, num_reqs)
+    return sizes[i] if i < len(sizes) else None
+
+
+class CUDAGraphRunner:
+    """Captured decode forwards, one per bucket, over shared static input buffers."""
+
+    def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor],
+                 sizes: list[int], max_blocks_per_req: int, device: torch.device) -> None:
+        self.model, self.kv_caches, self.sizes = model, kv_caches, sorted(sizes)
+        b, mb = self.sizes[-1], max_blocks_per_req
+        self.input_ids = torch.zeros(b, dtype=torch.long, device=device)
+        self.positions = torch.zeros(b, dtype=torch.long, device=device)
+        self.slot_mapping = torch.full((b,), -1, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(b + 1, dtype=torch.int32, device=device)
+        self.seq_lens = torch.zeros(b, dtype=torch.int32, device=device)
+        self.block_table = torch.zeros(b, mb, dtype=torch.int32, device=device)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = None
+
+    def _metadata(self, b: int) -> TritonAttentionMetadata:
+        return TritonAttentionMetadata(
+            slot_mapping=self.slot_mapping[:b], query_start_loc=self.query_start_loc[:b + 1],
+            seq_lens=self.seq_lens[:b], block_table=self.block_table[:b], num_reqs=b,
+            decode_only=True)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every bucket, largest first (later ones reuse its memory pool)."""
+        from tqdm import tqdm
+
+        t0 = time.perf_counter()
+        before = torch.cuda.mem_get_info()[0]
+        for b in tqdm(sorted(self.sizes, reverse=True), desc="Capturing CUDA graphs (decode, FULL)"):
+            meta = self._metadata(b)
+            # Warm-up outside the graph: Triton compiles (and autotunes) here, not in capture.
+            self.model(self.input_ids[:b], self.positions[:b], self.kv_caches, meta)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                out = self.model(self.input_ids[:b], self.positions[:b], self.kv_caches, meta)
+            if self.pool is None:
+                self.pool = graph.pool()
+            self.graphs[b] = (graph, out)
+        torch.cuda.synchronize()
+        logger.info("Graph capturing finished in %.1f s, took %.2f GiB (%d sizes, up to %d).",
+                    time.perf_counter() - t0, (before - torch.cuda.mem_get_info()[0]) / 2**30,
+                    len(self.sizes), self.sizes[-1])
+
+    def can_run(self, meta: object, num_tokens: int) -> bool:
+        return (isinstance(meta, TritonAttentionMetadata) and meta.decode_only
+                and padded_batch_size(num_tokens, self.sizes) is not None
+                and meta.block_table.shape[1] <= self.block_table.shape[1])
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
+            meta: TritonAttentionMetadata) -> torch.Tensor:
+        """Replay the bucket of this all-decode step; returns hidden states [n, hidden]."""
+        n = input_ids.shape[0]
+        b = padded_batch_size(n, self.sizes)
+        assert b is not None
+        w = meta.block_table.shape[1]
+        self.input_ids[:n].copy_(input_ids, non_blocking=True)
+        self.positions[:n].copy_(positions, non_blocking=True)
+        self.slot_mapping[:n].copy_(meta.slot_mapping, non_blocking=True)
+        self.seq_lens[:n].copy_(meta.seq_lens, non_blocking=True)
+        self.block_table[:n, :w].copy_(meta.block_table, non_blocking=True)
+        if b > n:     # padding rows: write nothing, attend to nothing
+            self.slot_mapping[n:b].fill_(-1)
+            self.seq_lens[n:b].fill_(0)
+        graph, out = self.graphs[b]
+        graph.replay()
+        return out[:n]
