@@ -200,8 +200,16 @@ def _verify_parallel(model_config: ModelConfig, parallel: ParallelConfig) -> Non
     if (kv % tp) and (tp % kv):
         raise ValueError(f"Number of KV heads ({kv}) and tensor_parallel_size ({tp}) must "
                          f"divide one another.")
-    if parallel.pipeline_parallel_size != 1:
-        raise ValueError("pipeline_parallel_size > 1 is not supported yet.")
+    pp = parallel.pipeline_parallel_size
+    if pp < 1:
+        raise ValueError(f"pipeline_parallel_size must be >= 1, got {pp}.")
+    if pp > 1:
+        from kvserve.distributed.pp_utils import get_pp_partition
+        get_pp_partition(model_config.num_layers, pp)    # a layer count PP cannot split
+    backend = parallel.distributed_executor_backend
+    if backend == "uni" and parallel.world_size > 1:
+        raise ValueError(f"distributed_executor_backend='uni' runs one worker; tensor_parallel_size "
+                         f"x pipeline_parallel_size = {parallel.world_size} needs 'mp' or 'ray'.")
 
 
 def _base_type(hint: Any) -> Any:

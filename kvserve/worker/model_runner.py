@@ -16,6 +16,9 @@ import torch
 
 from kvserve.config import KVServeConfig
 from kvserve.core.sched_output import LogprobsLists, ModelRunnerOutput, SchedulerOutput
+from kvserve.distributed.parallel_state import (is_first_pp_rank, is_last_pp_rank, pp_recv,
+                                                pp_send)
+from kvserve.distributed.pp_utils import IntermediateTensors
 from kvserve.model.layers.attention import AttentionMetadata
 from kvserve.sample.sampler import Sampler
 from kvserve.structured_output.bitmask import apply_grammar_bitmask
@@ -54,6 +57,13 @@ class ModelRunner:
         self.model: Optional[torch.nn.Module] = None
         self.kv_caches: list[torch.Tensor] = []
         self.sampler = Sampler()
+        pc = config.parallel_config
+        # Pipeline stage (set by load_model, once the process groups exist).
+        self.is_first_stage = self.is_last_stage = True
+        self.num_local_layers = mc.num_layers
+        # With PP the engine core sends every sampled token back to all stages
+        # (new_token_ids); the last stage then must not append it a second time.
+        self.append_sampled_tokens = pc.pipeline_parallel_size == 1
         self.input_batch = InputBatch(
             max_num_reqs=config.scheduler_config.max_num_seqs, max_model_len=self.max_model_len,
             max_blocks_per_req=self.max_blocks_per_req, vocab_size=self.vocab_size,
@@ -62,7 +72,11 @@ class ModelRunner:
     # ------------------------------------------------------------------ set-up
     def load_model(self) -> None:
         from kvserve.model.loader import load_model
+        self.is_first_stage, self.is_last_stage = is_first_pp_rank(), is_last_pp_rank()
         self.model = load_model(self.config.model_config, self.device)
+        # This pipeline stage's layers: the KV cache holds only theirs.
+        self.num_local_layers = getattr(self.model, "num_local_layers",
+                                        self.config.model_config.num_layers)
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         from kvserve.model.loader import get_kv_cache_shape
@@ -72,14 +86,14 @@ class ModelRunner:
     def kv_cache_bytes_per_block(self) -> int:
         shape = self.kv_cache_shape(1)
         per_layer = int(np.prod(shape)) * torch.empty((), dtype=self.dtype).element_size()
-        return per_layer * self.config.model_config.num_layers
+        return per_layer * self.num_local_layers
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         # Zeroed, not empty: masked-out slots are multiplied by 0 in attention, and garbage
         # NaNs would survive that.
         shape = self.kv_cache_shape(num_blocks)
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
-                          for _ in range(self.config.model_config.num_layers)]
+                          for _ in range(self.num_local_layers)]
 
     # ------------------------------------------------------------------ step
     @torch.inference_mode()
@@ -89,7 +103,13 @@ class ModelRunner:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         step = self._prepare_inputs(scheduler_output)
         assert self.model is not None
-        hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.attn_metadata)
+        intermediate = None if self.is_first_stage else self._recv_intermediate(len(step.positions))
+        hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.attn_metadata,
+                            intermediate)
+        if not self.is_last_stage:
+            pp_send(hidden.pack())
+            self.input_batch.num_computed_tokens[step.rows] += step.query_lens
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
 
         ib = self.input_batch
         sample_rows = step.rows[step.sample_mask]
@@ -108,7 +128,8 @@ class ModelRunner:
                 lp_ids, lp_vals = out.logprob_token_ids.tolist(), out.logprobs.tolist()
                 ranks = out.sampled_token_ranks.tolist()
             for j, (i, row, tok) in enumerate(zip(sample_idx, sample_rows, tokens)):
-                ib.append_token(int(row), tok)
+                if self.append_sampled_tokens:
+                    ib.append_token(int(row), tok)
                 sampled_lists[i] = [tok]
                 k = ib.params[row].logprobs
                 if k is not None and lp_ids is not None:
@@ -120,6 +141,10 @@ class ModelRunner:
         return ModelRunnerOutput(
             req_ids=step.req_ids, sampled_token_ids=sampled_lists,
             logprobs=logprobs or None, prompt_logprobs=prompt_logprobs or None)
+
+    def _recv_intermediate(self, num_tokens: int) -> IntermediateTensors:
+        shape = (2, num_tokens, self.config.model_config.hidden_size)
+        return IntermediateTensors.unpack(pp_recv(shape, self.dtype, self.device))
 
     def _update_states(self, so: SchedulerOutput) -> None:
         ib = self.input_batch
@@ -133,7 +158,7 @@ class ModelRunner:
             row = ib.req_id_to_index[rid]
             ib.append_blocks(row, blocks)
             ib.num_computed_tokens[row] = num_computed
-            for token in tokens:   # appended by the engine core (jump-forward decoding)
+            for token in tokens:   # sampled on the last PP stage, or jump-forward tokens
                 ib.append_token(row, token)
 
     @staticmethod

@@ -29,6 +29,12 @@ class Worker:
     def is_driver(self) -> bool:
         return self.rank == 0
 
+    @property
+    def is_output_rank(self) -> bool:
+        """The rank that answers execute_model: the first TP rank of the last PP stage."""
+        pc = self.config.parallel_config
+        return self.rank == pc.world_size - pc.tensor_parallel_size
+
     def init_device(self) -> None:
         dc, pc = self.config.device_config, self.config.parallel_config
         if dc.device.startswith("cuda"):
@@ -43,7 +49,8 @@ class Worker:
             from kvserve.distributed.parallel_state import init_distributed
             backend = "nccl" if self.device.type == "cuda" else "gloo"
             assert self.distributed_init_method is not None
-            init_distributed(self.rank, pc.world_size, self.distributed_init_method, backend)
+            init_distributed(self.rank, pc.world_size, self.distributed_init_method, backend,
+                             tensor_parallel_size=pc.tensor_parallel_size)
         torch.manual_seed(self.config.model_config.seed)
         if self.device.type == "cpu":
             # Build (first run) or load the CPU kernels now, not in the first steps.
@@ -80,7 +87,12 @@ class Worker:
     def execute_model(self, scheduler_output: SchedulerOutput) -> Optional[ModelRunnerOutput]:
         assert self.model_runner is not None
         output = self.model_runner.execute_model(scheduler_output)
-        return output if self.is_driver else None
+        return output if self.is_output_rank else None
+
+    def get_num_local_layers(self) -> int:
+        """Decoder layers this rank's pipeline stage holds."""
+        assert self.model_runner is not None
+        return self.model_runner.num_local_layers
 
     def check_health(self) -> bool:
         return True
