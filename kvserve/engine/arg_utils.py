@@ -43,6 +43,8 @@ _HELP = {
     "tensor_parallel_size": "Number of tensor-parallel ranks (worker processes).",
     "pipeline_parallel_size": "Number of pipeline stages.",
     "distributed_executor_backend": "uni, mp or ray.",
+    "data_parallel_size": "Number of data-parallel engine cores behind the one frontend "
+                          "(requests go to the least loaded: 4 x waiting + running).",
     "device": "cpu, cuda or auto.",
     "multiprocessing": "Run the engine core in its own process (default; env KVSERVE_ENABLE_MULTIPROCESSING=0 turns it off).",
     "disable_log_stats": "Do not log periodic throughput statistics.",
@@ -51,7 +53,8 @@ _HELP = {
                                  "'{\"backend\": \"xgrammar\", \"disable_any_whitespace\": true, "
                                  "\"enable_jump_forward\": true}'.",
 }
-_SHORT = {"tensor_parallel_size": "-tp", "pipeline_parallel_size": "-pp"}
+_SHORT = {"tensor_parallel_size": "-tp", "pipeline_parallel_size": "-pp",
+          "data_parallel_size": "-dp"}
 _MULTI = {"served_model_name"}     # flags that take one or more values, as in vLLM
 
 
@@ -78,6 +81,7 @@ class EngineArgs:
     max_logprobs: int = 20
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
     distributed_executor_backend: Optional[str] = None
     device: str = "auto"
     multiprocessing: bool = True
@@ -164,6 +168,7 @@ class EngineArgs:
         parallel = ParallelConfig(
             tensor_parallel_size=self.tensor_parallel_size,
             pipeline_parallel_size=self.pipeline_parallel_size,
+            data_parallel_size=self.data_parallel_size,
             distributed_executor_backend=self.distributed_executor_backend)
         _verify_parallel(model_config, parallel)
         return KVServeConfig(
@@ -200,6 +205,8 @@ def _verify_parallel(model_config: ModelConfig, parallel: ParallelConfig) -> Non
     if (kv % tp) and (tp % kv):
         raise ValueError(f"Number of KV heads ({kv}) and tensor_parallel_size ({tp}) must "
                          f"divide one another.")
+    if parallel.data_parallel_size < 1:
+        raise ValueError(f"data_parallel_size must be >= 1, got {parallel.data_parallel_size}.")
     pp = parallel.pipeline_parallel_size
     if pp < 1:
         raise ValueError(f"pipeline_parallel_size must be >= 1, got {pp}.")
