@@ -25,7 +25,10 @@ class Executor(ABC):
         if backend == "mp":
             from kvserve.executor.multiproc import MultiprocExecutor
             return MultiprocExecutor
-        raise ValueError(f"Unknown distributed_executor_backend {backend!r}; supported: uni, mp.")
+        if backend == "ray":
+            from kvserve.executor.ray_executor import RayDistributedExecutor
+            return RayDistributedExecutor
+        raise ValueError(f"Unknown distributed_executor_backend {backend!r}; supported: uni, mp, ray.")
 
     @abstractmethod
     def _init_executor(self) -> None: ...
