@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import Optional
 
 import torch
@@ -24,6 +25,8 @@ class Worker:
         self.rank = rank
         self.distributed_init_method = distributed_init_method
         self.model_runner: Optional[ModelRunner] = None
+        # (start, end) time.time() of each execute_model while a benchmark records them.
+        self._timeline: Optional[list[tuple[float, float]]] = None
 
     @property
     def is_driver(self) -> bool:
@@ -86,8 +89,16 @@ class Worker:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> Optional[ModelRunnerOutput]:
         assert self.model_runner is not None
+        start = time.time() if self._timeline is not None else 0.0
         output = self.model_runner.execute_model(scheduler_output)
+        if self._timeline is not None:
+            self._timeline.append((start, time.time()))
         return output if self.is_output_rank else None
+
+    def record_timeline(self, on: bool) -> list[tuple[float, float]]:
+        """Benchmarks: start (on) or stop recording execute_model's times; returns them."""
+        timeline, self._timeline = self._timeline or [], [] if on else None
+        return timeline
 
     def get_num_local_layers(self) -> int:
         """Decoder layers this rank's pipeline stage holds."""

@@ -98,7 +98,7 @@ def test_scheduler_never_schedules_an_in_flight_request() -> None:
 
 # ---- end to end -------------------------------------------------------------------------------
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)
 def test_pp2_uneven_split_matches_one_process(llama3: str, reference) -> None:
     watch = LeakWatch()
     with LLM(llama3, pipeline_parallel_size=2, **ENGINE_KW) as llm:
@@ -124,7 +124,7 @@ def test_pp2_uneven_split_matches_one_process(llama3: str, reference) -> None:
     watch.assert_clean()
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(240)
 def test_tp2_pp2_and_partition_env(llama3: str, reference, monkeypatch) -> None:
     """4 processes (2 stages x 2 TP ranks) with the split given as 1 + 2 layers."""
     monkeypatch.setenv(PP_LAYER_PARTITION_ENV, "1,2")
@@ -139,7 +139,7 @@ def test_tp2_pp2_and_partition_env(llama3: str, reference, monkeypatch) -> None:
     watch.assert_clean()
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)
 def test_killed_stage_fails_fast_and_cleans_up(llama3: str) -> None:
     watch = LeakWatch()
     llm = LLM(llama3, pipeline_parallel_size=2, **ENGINE_KW)
