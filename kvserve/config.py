@@ -218,6 +218,12 @@ class ParallelConfig:
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
     distributed_executor_backend: Optional[str] = None   # None | "uni" | "mp" | "ray"
+    # Data parallelism (set by the frontend that launches the engines): the address of the
+    # DP group's rendezvous store, and of the coordinator's sockets.
+    data_parallel_master_addr: str = "127.0.0.1"
+    data_parallel_master_port: int = 0
+    dp_coordinator_input: Optional[str] = None     # engines PUSH counts / wave starts here
+    dp_coordinator_engines: Optional[str] = None   # engines SUBscribe to START_DP_WAVE here
 
     @property
     def world_size(self) -> int:

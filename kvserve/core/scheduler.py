@@ -77,8 +77,15 @@ class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  structured_output_manager: Optional["StructuredOutputManager"] = None,
                  enable_jump_forward: bool = False, num_spec_tokens: int = 0,
-                 num_lookahead_tokens: int = 0) -> None:
+                 num_lookahead_tokens: int = 0, send_sampled_tokens: bool = False) -> None:
         self.config = scheduler_config
+        # Pipeline parallelism: every stage (not only the sampling one) needs the sampled
+        # tokens, so cached requests carry the tokens the workers have not seen yet.
+        self.send_sampled_tokens = send_sampled_tokens
+        self._worker_num_tokens: dict[str, int] = {}
+        # Requests in a batch that is scheduled but not yet updated (the PP batch queue keeps
+        # several in flight): never scheduled again, nor preempted, until their output is in.
+        self.in_flight: set[str] = set()
         self.structured_output_manager = structured_output_manager
         self.enable_jump_forward = enable_jump_forward
         # Requests whose grammar is compiling (WAITING_FOR_FSM), in arrival order; they join
@@ -147,6 +154,7 @@ class Scheduler:
             assert self.structured_output_manager is not None
             self.structured_output_manager.drop(request)
         del self.requests[request.request_id]
+        self._worker_num_tokens.pop(request.request_id, None)
         if request.request_id in self._on_workers:
             self._on_workers.discard(request.request_id)
             self.finished_req_ids.add(request.request_id)
@@ -178,6 +186,7 @@ class Scheduler:
             request = self.requests[rid]
             request.num_computed_tokens += n   # drafts included: rejected ones roll back
             request.spec_token_ids = []
+        self.in_flight.update(num_scheduled)
         self.finished_req_ids = set()
         return output
 
@@ -215,6 +224,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if request.request_id in self.in_flight:
+                i += 1
+                continue
             n = self._num_new_tokens(request, budget)
             if n <= 0:
                 i += 1
@@ -226,7 +238,7 @@ class Scheduler:
                     request, n, num_lookahead_tokens=self.num_lookahead_tokens)
                 if blocks is not None:
                     break
-                victim = self._pick_victim()
+                victim = self._pick_victim(request)
                 victim_idx = self.running.index(victim)
                 if victim.request_id in num_scheduled:   # already scheduled this step: undo
                     budget += num_scheduled.pop(victim.request_id)
@@ -262,10 +274,13 @@ class Scheduler:
                    request.max_tokens - request.num_output_tokens - 1)
         return drafts[:max(room, 0)]
 
-    def _pick_victim(self) -> Request:
+    def _pick_victim(self, request: Request) -> Request:
+        # A request in an in-flight batch keeps its blocks until that batch's output is in.
+        candidates = [r for r in self.running if r.request_id not in self.in_flight
+                      or r is request] if self.in_flight else self.running
         if self.config.policy == "priority":
-            return max(self.running)   # lowest priority, latest arrival
-        return self.running[-1]
+            return max(candidates)   # lowest priority, latest arrival
+        return candidates[-1]
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
@@ -323,6 +338,7 @@ class Scheduler:
                 num_computed_tokens=r.num_computed_tokens,
                 eos_token_ids=[] if r.sampling_params.ignore_eos else sorted(r.eos_token_ids)))
             self._on_workers.add(r.request_id)
+            self._worker_num_tokens[r.request_id] = r.num_tokens
             if r.structured_output_request is not None:   # token_ids above carry them
                 r.structured_output_request.pending_tokens = []
         new_ids = {r.request_id for r in scheduled_new}
@@ -336,8 +352,11 @@ class Scheduler:
             cached.num_computed_tokens.append(request.num_computed_tokens)
             so_req = request.structured_output_request
             pending = so_req.pending_tokens if so_req is not None else []
-            cached.new_token_ids.append(pending)
-            if pending:
+            if self.send_sampled_tokens:   # sampled and jump-forward tokens alike
+                pending = request.all_token_ids[self._worker_num_tokens[rid]:]
+                self._worker_num_tokens[rid] = request.num_tokens
+            cached.new_token_ids.append(list(pending))
+            if so_req is not None and so_req.pending_tokens:
                 so_req.pending_tokens = []
         self._step_id += 1
         return SchedulerOutput(
@@ -352,6 +371,7 @@ class Scheduler:
                            runner_output: ModelRunnerOutput) -> EngineCoreOutputs:
         outputs = [self._error_output(r) for r in self._failed]
         self._failed = []
+        self.in_flight.difference_update(scheduler_output.num_scheduled_tokens)
         for idx, rid in enumerate(runner_output.req_ids):
             request = self.requests.get(rid)
             if request is None or request.status != RequestStatus.RUNNING:

@@ -1,9 +1,14 @@
-"""Tensor-parallel group state.
+"""Tensor- and pipeline-parallel group state.
 
-One small object (`_TP_STATE`) records this process's rank in the tensor-parallel group.
-Before `init_distributed` (or after `destroy_distributed`) the process is rank 0 of a group of
-one and every collective is a no-op, so the same layers run unchanged with and without TP.
-Pipeline parallelism is not supported, so the TP group is the whole world.
+Two small objects record this process's place: `_TP_STATE` (its rank in the tensor-parallel
+group) and `_PP_STATE` (its pipeline stage). Before `init_distributed` (or after
+`destroy_distributed`) the process is rank 0 of groups of one and every collective is a
+no-op, so the same layers run unchanged with and without TP / PP.
+
+Rank layout (vLLM's): global rank = pp_rank * tp_size + tp_rank. The TP group of a stage is
+its tp_size consecutive ranks; the next stage's peer of a rank is rank + tp_size.
+
+    tp=2, pp=2:   stage 0: ranks 0 1   ──send/recv──►   stage 1: ranks 2 3
 """
 from __future__ import annotations
 
@@ -25,12 +30,28 @@ class _TensorParallelState:
 _TP_STATE = _TensorParallelState()
 
 
-def init_distributed(rank: int, world_size: int, init_method: str, backend: str) -> None:
-    """Join the process group (`backend`: "gloo" on CPU, "nccl" on CUDA) and make it the TP group.
+@dataclass
+class _PipelineParallelState:
+    rank: int = 0          # this process's stage
+    world_size: int = 1    # number of stages
+    tp_size: int = 1       # global-rank distance between a rank and its peer in the next stage
+    global_rank: int = 0
+
+
+_PP_STATE = _PipelineParallelState()
+
+
+def init_distributed(rank: int, world_size: int, init_method: str, backend: str,
+                     tensor_parallel_size: Optional[int] = None) -> None:
+    """Join the process group (`backend`: "gloo" on CPU, "nccl" on CUDA) and make the TP and
+    PP groups: `tensor_parallel_size` ranks per stage (default: all of them, one stage).
 
     `init_method` is a torch.distributed URL ("tcp://host:port" or "file:///path"); each engine
     picks its own, so two engines on one machine never collide.
     """
+    tp = world_size if tensor_parallel_size is None else tensor_parallel_size
+    if tp < 1 or world_size % tp:
+        raise ValueError(f"world_size {world_size} is not a multiple of tensor_parallel_size {tp}.")
     if _TP_STATE.initialized:
         raise RuntimeError(f"Distributed state is already initialised (rank {_TP_STATE.rank} of "
                            f"{_TP_STATE.world_size}); call destroy_distributed() first.")
@@ -42,8 +63,20 @@ def init_distributed(rank: int, world_size: int, init_method: str, backend: str)
     elif (dist.get_rank(), dist.get_world_size()) != (rank, world_size):
         raise RuntimeError(f"torch.distributed is already initialised as rank {dist.get_rank()} "
                            f"of {dist.get_world_size()}, not rank {rank} of {world_size}.")
-    _TP_STATE.rank, _TP_STATE.world_size = rank, world_size
-    _TP_STATE.group, _TP_STATE.initialized = dist.group.WORLD, True
+    pp = world_size // tp
+    if pp == 1:
+        group: Optional[dist.ProcessGroup] = dist.group.WORLD
+    else:
+        # new_group is collective: every rank creates every stage's group, in the same order.
+        group = None
+        for stage in range(pp):
+            g = dist.new_group(list(range(stage * tp, (stage + 1) * tp)))
+            if stage == rank // tp:
+                group = g
+    _TP_STATE.rank, _TP_STATE.world_size = rank % tp, tp
+    _TP_STATE.group, _TP_STATE.initialized = group, True
+    _PP_STATE.rank, _PP_STATE.world_size = rank // tp, pp
+    _PP_STATE.tp_size, _PP_STATE.global_rank = tp, rank
 
 
 def destroy_distributed() -> None:
@@ -52,6 +85,7 @@ def destroy_distributed() -> None:
         dist.destroy_process_group()
     _TP_STATE.rank, _TP_STATE.world_size = 0, 1
     _TP_STATE.group, _TP_STATE.initialized = None, False
+    _PP_STATE.rank, _PP_STATE.world_size, _PP_STATE.tp_size, _PP_STATE.global_rank = 0, 1, 1, 0
 
 
 def is_distributed_initialized() -> bool:
@@ -68,6 +102,34 @@ def get_tp_world_size() -> int:
 
 def get_tp_group() -> Optional[dist.ProcessGroup]:
     return _TP_STATE.group
+
+
+def get_pp_rank() -> int:
+    return _PP_STATE.rank
+
+
+def get_pp_world_size() -> int:
+    return _PP_STATE.world_size
+
+
+def is_first_pp_rank() -> bool:
+    return _PP_STATE.rank == 0
+
+
+def is_last_pp_rank() -> bool:
+    return _PP_STATE.rank == _PP_STATE.world_size - 1
+
+
+def pp_send(x: torch.Tensor) -> None:
+    """Send `x` to this rank's peer in the next stage (blocking)."""
+    dist.send(x.contiguous(), dst=_PP_STATE.global_rank + _PP_STATE.tp_size)
+
+
+def pp_recv(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Receive a tensor of `shape` from this rank's peer in the previous stage."""
+    x = torch.empty(shape, dtype=dtype, device=device)
+    dist.recv(x, src=_PP_STATE.global_rank - _PP_STATE.tp_size)
+    return x
 
 
 def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:

@@ -45,6 +45,8 @@ _HELP = {
     "tensor_parallel_size": "Number of tensor-parallel ranks (worker processes).",
     "pipeline_parallel_size": "Number of pipeline stages.",
     "distributed_executor_backend": "uni, mp or ray.",
+    "data_parallel_size": "Number of data-parallel engine cores behind the one frontend "
+                          "(requests go to the least loaded: 4 x waiting + running).",
     "device": "cpu, cuda or auto.",
     "multiprocessing": "Run the engine core in its own process (default; env KVSERVE_ENABLE_MULTIPROCESSING=0 turns it off).",
     "disable_log_stats": "Do not log periodic throughput statistics.",
@@ -61,7 +63,8 @@ _HELP = {
                           "'{\"method\": \"draft_model\", \"model\": \"/path\", "
                           "\"num_speculative_tokens\": 3}'.",
 }
-_SHORT = {"tensor_parallel_size": "-tp", "pipeline_parallel_size": "-pp"}
+_SHORT = {"tensor_parallel_size": "-tp", "pipeline_parallel_size": "-pp",
+          "data_parallel_size": "-dp"}
 _MULTI = {"served_model_name"}     # flags that take one or more values, as in vLLM
 
 
@@ -88,6 +91,7 @@ class EngineArgs:
     max_logprobs: int = 20
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
     distributed_executor_backend: Optional[str] = None
     device: str = "auto"
     multiprocessing: bool = True
@@ -177,6 +181,7 @@ class EngineArgs:
         parallel = ParallelConfig(
             tensor_parallel_size=self.tensor_parallel_size,
             pipeline_parallel_size=self.pipeline_parallel_size,
+            data_parallel_size=self.data_parallel_size,
             distributed_executor_backend=self.distributed_executor_backend)
         _verify_parallel(model_config, parallel)
         _verify_device_count(device, parallel)
@@ -186,6 +191,9 @@ class EngineArgs:
         attention_backend = resolve_backend_name(self.attention_backend, device,
                                                  self.block_size, model_config.head_dim)
         spec_config = SpeculativeConfig.parse(self.speculative_config)
+        if spec_config is not None and parallel.pipeline_parallel_size > 1:
+            raise ValueError("Speculative decoding with pipeline parallelism "
+                             "(pipeline_parallel_size > 1) is not supported yet.")
         if spec_config is not None:
             spec_config.verify_with_target(model_config.hf_config, model_config.tokenizer,
                                            parallel.tensor_parallel_size,
@@ -227,8 +235,18 @@ def _verify_parallel(model_config: ModelConfig, parallel: ParallelConfig) -> Non
     if (kv % tp) and (tp % kv):
         raise ValueError(f"Number of KV heads ({kv}) and tensor_parallel_size ({tp}) must "
                          f"divide one another.")
-    if parallel.pipeline_parallel_size != 1:
-        raise ValueError("pipeline_parallel_size > 1 is not supported yet.")
+    if parallel.data_parallel_size < 1:
+        raise ValueError(f"data_parallel_size must be >= 1, got {parallel.data_parallel_size}.")
+    pp = parallel.pipeline_parallel_size
+    if pp < 1:
+        raise ValueError(f"pipeline_parallel_size must be >= 1, got {pp}.")
+    if pp > 1:
+        from kvserve.distributed.pp_utils import get_pp_partition
+        get_pp_partition(model_config.num_layers, pp)    # a layer count PP cannot split
+    backend = parallel.distributed_executor_backend
+    if backend == "uni" and parallel.world_size > 1:
+        raise ValueError(f"distributed_executor_backend='uni' runs one worker; tensor_parallel_size "
+                         f"x pipeline_parallel_size = {parallel.world_size} needs 'mp' or 'ray'.")
 
 
 def _verify_device_count(device: str, parallel: ParallelConfig) -> None:

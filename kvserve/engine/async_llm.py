@@ -22,6 +22,7 @@ from kvserve.config import KVServeConfig
 from kvserve.engine.arg_utils import EngineArgs
 from kvserve.engine.exceptions import EngineDeadError, EngineGenerateError
 from kvserve.engine.input_processor import InputProcessor, PromptType
+from kvserve.engine.messages import EngineCoreOutputs
 from kvserve.engine.mp_client import AsyncMPClient, cancel_task
 from kvserve.engine.output_processor import (IterationStats, OutputProcessor, ParentRequest,
                                              RequestOutputCollector)
@@ -54,7 +55,14 @@ class AsyncLLM:
         # runs with disable_log_stats=True.
         self.stat_loggers: list[StatLogger] = list(stat_loggers or [])
         self.last_scheduler_stats: Optional[dict] = None
-        self.engine_core = AsyncMPClient(config)
+        # Data parallelism: per engine index, the stat loggers of that engine's outputs
+        # (default: stat_loggers).
+        self.stat_loggers_per_engine: dict[int, list[StatLogger]] = {}
+        if config.parallel_config.data_parallel_size > 1:
+            from kvserve.engine.dp_client import DPAsyncMPClient
+            self.engine_core: AsyncMPClient = DPAsyncMPClient(config)
+        else:
+            self.engine_core = AsyncMPClient(config)
         self.output_handler: Optional[asyncio.Task] = None
         self._background_tasks: set[asyncio.Task] = set()
         self._shut_down = False
@@ -89,6 +97,9 @@ class AsyncLLM:
     async def check_health(self) -> None:
         if self.errored:
             raise self.dead_error
+        check = getattr(self.engine_core, "check_health_async", None)
+        if check is not None:     # DP: one dead engine is enough for 503
+            await check()
 
     # ------------------------------------------------------------------ requests
     async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
@@ -178,12 +189,16 @@ class AsyncLLM:
         engine_core = self.engine_core
         output_processor = self.output_processor
         stat_loggers = self.stat_loggers
+        per_engine = self.stat_loggers_per_engine
         holder = _StatsHolder(self)
 
         async def output_handler() -> None:
             try:
                 while True:
                     outputs = await engine_core.get_output_async()
+                    if not isinstance(outputs, EngineCoreOutputs):   # a DP engine died
+                        _fail_requests(output_processor, outputs.request_ids, outputs.message)
+                        continue
                     eco = outputs.outputs
                     iteration_stats: Optional[IterationStats] = None
                     for start in range(0, max(len(eco), 1), OUTPUT_PROC_CHUNK_SIZE):
@@ -197,7 +212,7 @@ class AsyncLLM:
                             await asyncio.sleep(0)
                     if outputs.scheduler_stats is not None:
                         holder.set(outputs.scheduler_stats)
-                    for stat_logger in stat_loggers:
+                    for stat_logger in per_engine.get(outputs.engine_index, stat_loggers):
                         try:
                             stat_logger(outputs.scheduler_stats, iteration_stats)
                         except Exception:
@@ -256,6 +271,19 @@ def _merge_stats(a: Optional[IterationStats],
     a.inter_token_latencies_iter += b.inter_token_latencies_iter
     a.finished_requests += b.finished_requests
     return a
+
+
+def _fail_requests(output_processor: OutputProcessor, request_ids: list[str],
+                   message: str) -> None:
+    """These (engine-core) requests' streams raise EngineDeadError; the others go on."""
+    for rid in request_ids:
+        state = output_processor.request_states.get(rid)
+        if state is None:
+            continue
+        queue = state.parent_req.queue if state.parent_req is not None else state.queue
+        output_processor.abort_requests([rid])
+        if queue is not None:     # after the abort: an error replaces a pending output
+            queue.put(EngineDeadError(message))
 
 
 def _propagate_error(output_processor: OutputProcessor, error: BaseException) -> None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from typing import Any, Optional
 
 from kvserve.config import KVServeConfig
@@ -37,7 +38,12 @@ class EngineCore:
                                    structured_output_manager=self.structured_output_manager,
                                    enable_jump_forward=so_config.enable_jump_forward,
                                    num_spec_tokens=spec.num_speculative_tokens if spec else 0,
-                                   num_lookahead_tokens=spec.num_lookahead_tokens if spec else 0)
+                                   num_lookahead_tokens=spec.num_lookahead_tokens if spec else 0,
+                                   send_sampled_tokens=config.parallel_config.pipeline_parallel_size > 1)
+        # Pipeline parallelism: up to one batch per stage in flight, so the stages overlap.
+        self.batch_queue_size = self.model_executor.max_concurrent_batches
+        self.batch_queue: Optional[deque[tuple[Any, SchedulerOutput]]] = (
+            deque() if self.batch_queue_size > 1 else None)
         self.log_stats = not config.disable_log_stats
         logger.info("Engine core ready in %.2f s", time.perf_counter() - start)
 
@@ -69,12 +75,39 @@ class EngineCore:
 
     # ------------------------------------------------------------------ the loop body
     def step(self) -> EngineCoreOutputs:
+        if self.batch_queue is not None:
+            return self.step_with_batch_queue()
         if not self.scheduler.has_unfinished_requests():
             return EngineCoreOutputs(timestamp=time.monotonic())
+        scheduler_output = self._schedule()
+        runner_output = self.model_executor.execute_model(scheduler_output)
+        return self._update(scheduler_output, runner_output)
+
+    def step_with_batch_queue(self) -> EngineCoreOutputs:
+        """Schedule a new batch while the queue has room (requests in flight are skipped by
+        the scheduler); when nothing new can be scheduled, wait for the oldest batch and
+        update from it. Returns empty outputs when this call only scheduled."""
+        assert self.batch_queue is not None
+        scheduled = False
+        if len(self.batch_queue) < self.batch_queue_size and self.scheduler.has_unfinished_requests():
+            scheduler_output = self._schedule()
+            scheduled = not scheduler_output.is_empty
+            # An empty batch still goes out when it tells the workers to drop requests.
+            if scheduled or scheduler_output.finished_req_ids or scheduler_output.preempted_req_ids:
+                future = self.model_executor.execute_model(scheduler_output, non_block=True)
+                self.batch_queue.append((future, scheduler_output))
+        if scheduled or not self.batch_queue:
+            return EngineCoreOutputs(timestamp=time.monotonic())
+        future, scheduler_output = self.batch_queue.popleft()
+        return self._update(scheduler_output, future.result())
+
+    def _schedule(self) -> SchedulerOutput:
         scheduler_output = self.scheduler.schedule()
         if self.scheduler.waiting_for_fsm or self.structured_output_manager.num_active:
             self._attach_grammar_bitmask(scheduler_output)
-        runner_output = self.model_executor.execute_model(scheduler_output)
+        return scheduler_output
+
+    def _update(self, scheduler_output: SchedulerOutput, runner_output: Any) -> EngineCoreOutputs:
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         outputs.timestamp = time.monotonic()
         if self.log_stats:

@@ -15,6 +15,9 @@ from kvserve.engine.messages import EngineCoreOutputs, EngineCoreRequest
 class EngineCoreClient(ABC):
     @staticmethod
     def make_client(config: KVServeConfig) -> "EngineCoreClient":
+        if config.parallel_config.data_parallel_size > 1:
+            raise ValueError("data_parallel_size > 1 runs behind the server (`kvserve serve -dp "
+                             "N`, AsyncLLM); the offline LLM / LLMEngine drive one engine core.")
         if config.multiprocessing:
             from kvserve.engine.mp_client import SyncMPClient
             return SyncMPClient(config)

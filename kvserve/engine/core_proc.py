@@ -186,6 +186,7 @@ class EngineCoreProc(EngineCore):
 
     def _process_engine_step(self) -> None:
         outputs = self.step()
+        outputs.engine_index = self.engine_index
         if outputs.outputs or outputs.finished_requests or outputs.scheduler_stats is not None:
             self.output_queue.put_nowait(outputs)
 
@@ -349,7 +350,7 @@ def _parent_is_dead() -> bool:
 
 
 def run_engine_core(handshake_address: str, engine_index: int = 0,
-                    log_level: Optional[int] = None) -> None:
+                    log_level: Optional[int] = None, data_parallel: bool = False) -> None:
     """Entry point of the engine core process (multiprocessing `spawn` target)."""
     if log_level is not None:
         logging.basicConfig(level=log_level,
@@ -380,7 +381,13 @@ def run_engine_core(handshake_address: str, engine_index: int = 0,
     engine: Optional[EngineCoreProc] = None
     exit_code = 0
     try:
-        engine = EngineCoreProc(handshake_address, engine_index, signal_wakeup_fd=wakeup_r)
+        engine_class = EngineCoreProc
+        if data_parallel:
+            from kvserve.engine.dp_core import DPEngineCoreProc
+            from kvserve.executor.multiproc import _set_process_name
+            _set_process_name(f"KVSEngine_DP{engine_index}")
+            engine_class = DPEngineCoreProc
+        engine = engine_class(handshake_address, engine_index, signal_wakeup_fd=wakeup_r)
         engine.run_busy_loop()
     except SystemExit:
         logger.debug("Engine core shutting down.")

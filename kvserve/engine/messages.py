@@ -67,6 +67,8 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):  #
     finished_requests: Optional[set[str]] = None
     scheduler_stats: Optional[dict] = None
     utility_output: Optional[Any] = None
+    # Which engine core sent them (data parallelism: one frontend, several engines).
+    engine_index: int = 0
 
 
 class EngineCoreRequestType(bytes, enum.Enum):
@@ -75,3 +77,5 @@ class EngineCoreRequestType(bytes, enum.Enum):
     ABORT = b"\x01"
     UTILITY = b"\x02"
     SHUTDOWN = b"\x03"
+    # From the DP coordinator (not the frontend): join wave N.
+    START_DP_WAVE = b"\x04"

@@ -73,7 +73,13 @@ class BackgroundResources:
     def __init__(self) -> None:
         self.ctx: Optional[zmq.Context] = None
         self.sockets: list[zmq.Socket] = []
-        self.proc: Optional[multiprocessing.process.BaseProcess] = None
+        self.proc: Optional[multiprocessing.process.BaseProcess] = None   # engine 0
+        self.procs: list[multiprocessing.process.BaseProcess] = []         # every engine
+        self.coordinator: Any = None           # DPCoordinator (data parallelism)
+        self.dp_store: Any = None              # the DP group's rendezvous TCPStore
+        # Data parallelism: engines that died while others live on, and what to do then.
+        self.dead_engines: set[int] = set()
+        self.on_engine_dead: Optional[Callable[[int, str], None]] = None
         self.ipc_dir: Optional[str] = None
         self.threads: list[threading.Thread] = []
         # Readable once close() starts: wakes the monitor and the sync output reader.
@@ -116,8 +122,10 @@ class BackgroundResources:
         _ACTIVE.discard(self)
         try:
             os.write(self.wake_w, b"x")
-            if self.proc is not None:
-                _stop_process(self.proc)
+            for proc in self.procs:
+                _stop_process(proc)
+            if self.coordinator is not None:
+                self.coordinator.shutdown()
             current = threading.current_thread()
             for t in self.threads:
                 if t is not current:
@@ -209,18 +217,28 @@ def _startup_error(status: dict) -> Exception:
     return RuntimeError(message)
 
 
-def _monitor_engine(resources: BackgroundResources, proc_sentinel: int, pid: int) -> None:
-    """Thread: notices the engine core process dying, whatever killed it."""
+def _monitor_engine(resources: BackgroundResources, proc_sentinel: int, pid: int,
+                    engine_index: int = 0) -> None:
+    """Thread: notices an engine core process dying, whatever killed it."""
     multiprocessing.connection.wait([proc_sentinel, resources.wake_r])
     if resources.closed:
         return
-    proc = resources.proc
+    proc = resources.procs[engine_index] if resources.procs else resources.proc
     exitcode = None
     if proc is not None:
         proc.join(1.0)      # the sentinel fires as the process exits, a moment before it is reaped
         exitcode = proc.exitcode
-    resources.mark_dead(f"Engine core process (pid {pid}) died unexpectedly "
-                        f"(exit code {exitcode}).")
+    name = f"Engine core process {engine_index}" if len(resources.procs) > 1 else "Engine core process"
+    message = f"{name} (pid {pid}) died unexpectedly (exit code {exitcode})."
+    with resources.lock:
+        resources.dead_engines.add(engine_index)
+        survivors = len(resources.procs) - len(resources.dead_engines)
+    if survivors > 0 and resources.on_engine_dead is not None:
+        # Data parallelism: fail this engine's requests; the others keep serving.
+        logger.error("%s The other %d engine(s) keep serving.", message, survivors)
+        resources.on_engine_dead(engine_index, message)
+        return
+    resources.mark_dead(message)
 
 
 class MPClient(EngineCoreClient):
@@ -233,7 +251,9 @@ class MPClient(EngineCoreClient):
         self.resources = r = BackgroundResources()
         self._finalizer = weakref.finalize(self, r.close)
         self._finalizer.atexit = False        # _close_all_at_exit does it, and earlier
-        self.engine_identity = engine_identity(0)
+        self.num_engines = config.parallel_config.data_parallel_size
+        self.engine_identities = [engine_identity(i) for i in range(self.num_engines)]
+        self.engine_identity = self.engine_identities[0]
         self._call_ids = itertools.count()
         try:
             r.ipc_dir = _make_ipc_dir()
@@ -249,46 +269,71 @@ class MPClient(EngineCoreClient):
             handshake = sync_ctx.socket(zmq.ROUTER)
             try:
                 handshake.bind(address["handshake"])
+                if self.num_engines > 1:
+                    self._start_dp_coordinator()
                 root = logging.getLogger()
-                proc = multiprocessing.get_context("spawn").Process(
-                    target=run_engine_core, name="EngineCore_0",
-                    kwargs=dict(handshake_address=address["handshake"], engine_index=0,
-                                # The child configures logging like ours, if ours is set up.
-                                log_level=(logging.getLogger("kvserve").getEffectiveLevel()
-                                           if root.handlers else None)))
-                proc.start()
-                r.proc = proc
+                for index in range(self.num_engines):
+                    proc = multiprocessing.get_context("spawn").Process(
+                        target=run_engine_core, name=f"EngineCore_{index}",
+                        kwargs=dict(handshake_address=address["handshake"], engine_index=index,
+                                    data_parallel=self.num_engines > 1,
+                                    # The child configures logging like ours, if ours is set up.
+                                    log_level=(logging.getLogger("kvserve").getEffectiveLevel()
+                                               if root.handlers else None)))
+                    proc.start()
+                    r.procs.append(proc)
+                r.proc = r.procs[0]
                 addresses = EngineZmqAddresses(inputs=[address["input"]],
                                                outputs=[address["output"]])
-                self._wait_for_engine_startup(handshake, proc, addresses)
+                self._wait_for_engine_startup(handshake, r.procs, addresses)
             finally:
                 handshake.close(linger=0)
-            # The engine's input DEALER registers itself; until then the ROUTER would drop
-            # messages addressed to it.
+            # The engines' input DEALERs register themselves; until then the ROUTER would
+            # drop messages addressed to them.
             input_sync = (zmq.Socket.shadow(self.input_socket.underlying) if asyncio_mode
                           else self.input_socket)
-            frames = self._recv_during_startup(input_sync, proc, "registration")
-            if frames[0] != self.engine_identity:
-                raise RuntimeError(f"Unexpected engine identity {frames[0]!r} on the input socket.")
+            registered: set[bytes] = set()
+            while len(registered) < self.num_engines:
+                frames = self._recv_during_startup(input_sync, r.procs, "registration")
+                if frames[0] not in self.engine_identities:
+                    raise RuntimeError(f"Unexpected engine identity {frames[0]!r} on the input socket.")
+                registered.add(frames[0])
         except BaseException:
             r.close()
             raise
 
+    def _start_dp_coordinator(self) -> None:
+        """Data parallelism: the coordinator process and the DP group's rendezvous store."""
+        import torch.distributed as dist
+
+        from kvserve.engine.coordinator import DPCoordinator
+        r, pc = self.resources, self.config.parallel_config
+        assert r.ipc_dir is not None
+        r.dp_store = dist.TCPStore(pc.data_parallel_master_addr, 0, is_master=True,
+                                   wait_for_workers=False)
+        pc.data_parallel_master_port = r.dp_store.port
+        r.coordinator = DPCoordinator(self.num_engines, r.ipc_dir)
+        pc.dp_coordinator_input = r.coordinator.input_address
+        pc.dp_coordinator_engines = r.coordinator.engines_address
+
     def _start_monitor(self) -> None:
         r = self.resources
-        assert r.proc is not None
-        t = threading.Thread(target=_monitor_engine, args=(r, r.proc.sentinel, r.proc.pid),
-                             daemon=True, name="EngineCoreMonitor")
-        t.start()
-        r.threads.append(t)
+        for index, proc in enumerate(r.procs):
+            t = threading.Thread(target=_monitor_engine,
+                                 args=(r, proc.sentinel, proc.pid, index),
+                                 daemon=True, name=f"EngineCoreMonitor_{index}")
+            t.start()
+            r.threads.append(t)
 
     # ------------------------------------------------------------------ start-up
     def _wait_for_engine_startup(self, handshake: zmq.Socket,
-                                 proc: multiprocessing.process.BaseProcess,
+                                 procs: list[multiprocessing.process.BaseProcess],
                                  addresses: EngineZmqAddresses) -> None:
-        """HELLO -> send addresses and config -> READY (or FAILED: raise the engine's error)."""
-        while True:
-            identity, msg = self._recv_during_startup(handshake, proc, "handshake")
+        """Per engine: HELLO -> send addresses and config -> READY (or FAILED: raise the
+        engine's error). Returns once every engine is READY."""
+        ready: set[bytes] = set()
+        while len(ready) < len(procs):
+            identity, msg = self._recv_during_startup(handshake, procs, "handshake")
             status = msgspec.msgpack.decode(msg)
             kind = status.get("status")
             if kind == "HELLO":
@@ -297,19 +342,20 @@ class MPClient(EngineCoreClient):
                 handshake.send_multipart([identity, msgspec.msgpack.encode(init)])
             elif kind == "READY":
                 self.config.cache_config.num_blocks = int(status["num_gpu_blocks"])
-                return
+                ready.add(identity)
             elif kind == "FAILED":
                 raise _startup_error(status)
             else:
                 raise RuntimeError(f"Unexpected handshake message from the engine core: {status!r}")
 
     @staticmethod
-    def _recv_during_startup(sock: zmq.Socket, proc: multiprocessing.process.BaseProcess,
+    def _recv_during_startup(sock: zmq.Socket, procs: list[multiprocessing.process.BaseProcess],
                              what: str) -> list[bytes]:
         """Wait for a message, but not for a process that has died or a hung start-up."""
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
-        poller.register(proc.sentinel, zmq.POLLIN)
+        for proc in procs:
+            poller.register(proc.sentinel, zmq.POLLIN)
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while True:
             remaining = deadline - time.monotonic()
@@ -320,7 +366,9 @@ class MPClient(EngineCoreClient):
             events = dict(poller.poll(timeout=remaining * 1000))
             if sock in events:
                 return sock.recv_multipart()
-            if proc.sentinel in events:
+            dead = [p for p in procs if p.sentinel in events]
+            if dead:
+                proc = dead[0]
                 # Its last message may still be on the way.
                 if sock.poll(timeout=500):
                     return sock.recv_multipart()
@@ -337,8 +385,9 @@ class MPClient(EngineCoreClient):
         if r.engine_dead or r.closed:
             raise r.make_dead_error()
 
-    def _frames(self, request_type: EngineCoreRequestType, obj: Any) -> list[Any]:
-        return [self.engine_identity, request_type.value, *self.encoder.encode(obj)]
+    def _frames(self, request_type: EngineCoreRequestType, obj: Any,
+                identity: Optional[bytes] = None) -> list[Any]:
+        return [identity or self.engine_identity, request_type.value, *self.encoder.encode(obj)]
 
     @property
     def is_dead(self) -> bool:
@@ -567,10 +616,12 @@ class AsyncMPClient(MPClient):
         if r.engine_dead:      # it died before we had a loop to tell
             r.outputs_queue.put_nowait(r.make_dead_error())
 
-    async def _send_async(self, request_type: EngineCoreRequestType, obj: Any) -> None:
+    async def _send_async(self, request_type: EngineCoreRequestType, obj: Any,
+                          identity: Optional[bytes] = None) -> None:
         self._ensure_alive()
         self._ensure_output_task()
-        await self.input_socket.send_multipart(self._frames(request_type, obj), copy=False)
+        await self.input_socket.send_multipart(self._frames(request_type, obj, identity),
+                                               copy=False)
 
     async def add_request_async(self, request: EngineCoreRequest) -> None:
         await self._send_async(EngineCoreRequestType.ADD, request)

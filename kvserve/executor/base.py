@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Optional
+from concurrent.futures import Future
+from typing import Any, Optional, Union
 
 from kvserve.config import KVServeConfig
 from kvserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
@@ -24,7 +25,10 @@ class Executor(ABC):
         if backend == "mp":
             from kvserve.executor.multiproc import MultiprocExecutor
             return MultiprocExecutor
-        raise ValueError(f"Unknown distributed_executor_backend {backend!r}; supported: uni, mp.")
+        if backend == "ray":
+            from kvserve.executor.ray_executor import RayDistributedExecutor
+            return RayDistributedExecutor
+        raise ValueError(f"Unknown distributed_executor_backend {backend!r}; supported: uni, mp, ray.")
 
     @abstractmethod
     def _init_executor(self) -> None: ...
@@ -41,8 +45,31 @@ class Executor(ABC):
         self.collective_rpc("initialize_cache", (num_blocks,))
         return num_blocks
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.collective_rpc("execute_model", (scheduler_output,), unique_reply_rank=0)[0]
+    @property
+    def output_rank(self) -> int:
+        """The rank whose execute_model reply carries the output: the first TP rank of the
+        last pipeline stage (rank 0 without PP)."""
+        pc = self.config.parallel_config
+        return pc.world_size - pc.tensor_parallel_size
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        """Batches the engine core may keep in flight: one per pipeline stage (the batch
+        queue), when the executor can run them without blocking."""
+        return self.config.parallel_config.pipeline_parallel_size
+
+    def execute_model(self, scheduler_output: SchedulerOutput,
+                      non_block: bool = False) -> Union[ModelRunnerOutput, "Future[ModelRunnerOutput]"]:
+        """Run one step; with `non_block`, a Future of its output comes back at once."""
+        if non_block:
+            future: Future = Future()
+            try:
+                future.set_result(self.execute_model(scheduler_output))
+            except Exception as e:
+                future.set_exception(e)
+            return future
+        return self.collective_rpc("execute_model", (scheduler_output,),
+                                   unique_reply_rank=self.output_rank)[0]
 
     def check_health(self) -> None:
         self.collective_rpc("check_health")

@@ -244,6 +244,19 @@ class FutureWrapper(Future):
         return super().result(timeout=0)
 
 
+class _FirstReply:
+    """A FutureWrapper of a one-reply list, as a future of that reply."""
+
+    def __init__(self, future: FutureWrapper) -> None:
+        self._future = future
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self, timeout: Optional[float] = None) -> Any:
+        return self._future.result(timeout)[0]
+
+
 class MultiprocExecutor(Executor):
     """Executor over ``world_size`` worker processes on this machine (TP ranks).
 
@@ -253,7 +266,6 @@ class MultiprocExecutor(Executor):
     def _init_executor(self) -> None:
         pc = self.config.parallel_config
         self.world_size = pc.world_size
-        self.output_rank = 0   # the driver: the only rank that answers execute_model
         self._resources = resources = _ExecutorResources()
         self._stop_event = resources.stop_event
         self._failure_callback: Optional[Callable[[], None]] = None
@@ -447,6 +459,16 @@ class MultiprocExecutor(Executor):
         if multiprocessing.connection.wait(sentinels, timeout=grace):
             self._stop_event.wait(timeout=5.0)
             raise self._dead_error()
+
+    def execute_model(self, scheduler_output: Any, non_block: bool = False) -> Any:
+        """One step; only `output_rank` answers. With `non_block` (the engine core's batch
+        queue, one batch per pipeline stage in flight) a Future of the output comes back
+        as soon as the call is on the broadcast queue."""
+        reply = self.collective_rpc("execute_model", (scheduler_output,),
+                                    unique_reply_rank=self.output_rank, non_block=non_block)
+        if not non_block:
+            return reply[0]
+        return _FirstReply(reply)
 
     def check_health(self) -> None:
         if self._stop_event.is_set():

@@ -62,15 +62,21 @@ class PrometheusStatLogger(StatLoggerBase):
         labels = ["model_name", "engine"]
         reg = self.registry
 
+        def shared(cls: Any, name: str, doc: str, labelnames: list, **kw: Any) -> Any:
+            # One collector per metric in a registry; each engine (data parallelism) logs
+            # through its own `engine` label of it.
+            existing = getattr(reg, "_names_to_collectors", {}).get(PREFIX + name)
+            return existing if existing is not None else cls(PREFIX + name, doc, labelnames,
+                                                             registry=reg, **kw)
+
         def gauge(name: str, doc: str) -> Any:
-            return Gauge(PREFIX + name, doc, labels, registry=reg).labels(*self._label_values)
+            return shared(Gauge, name, doc, labels).labels(*self._label_values)
 
         def counter(name: str, doc: str) -> Any:
-            return Counter(PREFIX + name, doc, labels, registry=reg).labels(*self._label_values)
+            return shared(Counter, name, doc, labels).labels(*self._label_values)
 
         def histogram(name: str, doc: str, buckets: list) -> Any:
-            return Histogram(PREFIX + name, doc, labels, buckets=buckets,
-                             registry=reg).labels(*self._label_values)
+            return shared(Histogram, name, doc, labels, buckets=buckets).labels(*self._label_values)
 
         # Scheduler state.
         self.gauge_running = gauge("num_requests_running", "Number of requests in model execution batches.")
@@ -89,9 +95,9 @@ class PrometheusStatLogger(StatLoggerBase):
         self.counter_prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.")
         self.counter_generation_tokens = counter("generation_tokens",
                                                  "Number of generation tokens processed.")
-        self._request_success = Counter(PREFIX + "request_success",
-                                        "Count of successfully processed requests.",
-                                        labels + ["finished_reason"], registry=reg)
+        self._request_success = shared(Counter, "request_success",
+                                       "Count of successfully processed requests.",
+                                       labels + ["finished_reason"])
         for reason in ("stop", "length", "abort"):   # present (at 0) before the first request
             self._request_success.labels(*self._label_values, reason)
         # Latencies.

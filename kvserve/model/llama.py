@@ -17,6 +17,10 @@ import torch
 from torch import nn
 
 from kvserve.config import ModelConfig
+from kvserve.distributed.parallel_state import (get_pp_rank, get_pp_world_size,
+                                                is_first_pp_rank, is_last_pp_rank)
+from kvserve.distributed.pp_utils import (IntermediateTensors, PPMissingLayer, get_pp_indices,
+                                          missing_prefixes)
 from kvserve.model.layers.attention import Attention, AttentionMetadata
 from kvserve.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from kvserve.model.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
@@ -100,21 +104,41 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    """The decoder stack, or this pipeline stage's slice of it: layers [start_layer,
+    end_layer); the embedding on the first stage, the final norm on the last. Layers of other
+    stages are PPMissingLayer, so parameter names keep their checkpoint indices."""
+
     def __init__(self, config: ModelConfig, flags: DecoderFlags) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, flags)
-                                    for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, float(config.hf_config.get("rms_norm_eps", 1e-6)))
+        self.start_layer, self.end_layer = get_pp_indices(config.num_layers, get_pp_rank(),
+                                                          get_pp_world_size())
+        self.is_first, self.is_last = is_first_pp_rank(), is_last_pp_rank()
+        self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+                             if self.is_first else PPMissingLayer())
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, flags) if self.start_layer <= i < self.end_layer
+            else PPMissingLayer() for i in range(config.num_layers))
+        self.norm = (RMSNorm(config.hidden_size, float(config.hf_config.get("rms_norm_eps", 1e-6)))
+                     if self.is_last else PPMissingLayer())
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[torch.Tensor], attn_metadata: AttentionMetadata) -> torch.Tensor:
-        if len(kv_caches) != len(self.layers):
-            raise ValueError(f"Got {len(kv_caches)} KV caches for {len(self.layers)} layers.")
-        hidden_states, residual = self.embed_tokens(input_ids), None
-        for layer, kv_cache in zip(self.layers, kv_caches):
+                kv_caches: list[torch.Tensor], attn_metadata: AttentionMetadata,
+                intermediate_tensors: Optional[IntermediateTensors] = None,
+                ) -> Union[torch.Tensor, IntermediateTensors]:
+        layers = self.layers[self.start_layer:self.end_layer]
+        if len(kv_caches) != len(layers):
+            raise ValueError(f"Got {len(kv_caches)} KV caches for {len(layers)} layers.")
+        if self.is_first:
+            hidden_states, residual = self.embed_tokens(input_ids), None
+        else:
+            assert intermediate_tensors is not None, "a later stage needs the previous one's output"
+            hidden_states = intermediate_tensors.hidden_states
+            residual = intermediate_tensors.residual
+        for layer, kv_cache in zip(layers, kv_caches):
             hidden_states, residual = layer(positions, hidden_states, residual, kv_cache,
                                             attn_metadata)
+        if not self.is_last:
+            return IntermediateTensors(hidden_states, residual)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
@@ -145,15 +169,26 @@ class LlamaForCausalLM(nn.Module):
                 f"kvserve does not implement; set max_model_len <= {window} to run it exactly.")
         self.config = config
         self.model = LlamaModel(config, self.decoder_flags(hf))
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         self.tie_word_embeddings = bool(hf.get("tie_word_embeddings", False))
-        if self.tie_word_embeddings:
-            self.lm_head.tie_weights(self.model.embed_tokens)
+        if self.model.is_last:
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+            if self.tie_word_embeddings and self.model.is_first:
+                self.lm_head.tie_weights(self.model.embed_tokens)
+        else:
+            self.lm_head = PPMissingLayer()
+        self._missing = missing_prefixes(self)
+
+    @property
+    def num_local_layers(self) -> int:
+        return self.model.end_layer - self.model.start_layer
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[torch.Tensor], attn_metadata: AttentionMetadata) -> torch.Tensor:
-        """input_ids / positions [T] -> final hidden states [T, hidden]."""
-        return self.model(input_ids, positions, kv_caches, attn_metadata)
+                kv_caches: list[torch.Tensor], attn_metadata: AttentionMetadata,
+                intermediate_tensors: Optional[IntermediateTensors] = None,
+                ) -> Union[torch.Tensor, IntermediateTensors]:
+        """input_ids / positions [T] -> final hidden states [T, hidden] (the last pipeline
+        stage) or the residual stream for the next stage."""
+        return self.model(input_ids, positions, kv_caches, attn_metadata, intermediate_tensors)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """hidden_states [N, hidden] -> float32 logits [N, vocab_size]."""
@@ -170,8 +205,14 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:      # recomputed, not learned
                 continue
-            if self.tie_word_embeddings and name == "lm_head.weight":
-                continue                           # same tensor as embed_tokens
+            if self.tie_word_embeddings:
+                if name == "lm_head.weight":
+                    continue                       # same tensor as embed_tokens
+                if name == "model.embed_tokens.weight" and self.model.is_last \
+                        and not self.model.is_first:
+                    name = "lm_head.weight"        # last stage: the LM head loads its own copy
+            if name.startswith(self._missing):     # another pipeline stage holds it
+                continue
             parts = name.split(".")
             shard_id = None
             if len(parts) >= 2 and parts[-2] in self.packed_modules_mapping:

@@ -17,6 +17,9 @@ import torch
 from kvserve.config import KVServeConfig
 from kvserve.core.sched_output import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from kvserve.attention import CommonAttentionMetadata, get_attn_backend
+from kvserve.distributed.parallel_state import (is_first_pp_rank, is_last_pp_rank, pp_recv,
+                                                pp_send)
+from kvserve.distributed.pp_utils import IntermediateTensors
 from kvserve.sample.sampler import Sampler
 from kvserve.spec_decode import make_spec_decode_runner
 from kvserve.structured_output.bitmask import apply_grammar_bitmask
@@ -62,6 +65,13 @@ class ModelRunner:
         self.spec_decode = make_spec_decode_runner(config, device)
         self.attn_backend = get_attn_backend(config.attention_backend, device)
         self.cuda_graphs: Optional["CUDAGraphRunner"] = None   # set by capture_cuda_graphs
+        pc = config.parallel_config
+        # Pipeline stage (set by load_model, once the process groups exist).
+        self.is_first_stage = self.is_last_stage = True
+        self.num_local_layers = mc.num_layers
+        # With PP the engine core sends every sampled token back to all stages
+        # (new_token_ids); the last stage then must not append it a second time.
+        self.append_sampled_tokens = pc.pipeline_parallel_size == 1
         self.input_batch = InputBatch(
             max_num_reqs=config.scheduler_config.max_num_seqs, max_model_len=self.max_model_len,
             max_blocks_per_req=self.max_blocks_per_req, vocab_size=self.vocab_size,
@@ -70,11 +80,15 @@ class ModelRunner:
     # ------------------------------------------------------------------ set-up
     def load_model(self) -> None:
         from kvserve.model.loader import load_model
+        self.is_first_stage, self.is_last_stage = is_first_pp_rank(), is_last_pp_rank()
         self.model = load_model(self.config.model_config, self.device)
         if self.spec_decode is not None:
             self.spec_decode.load_model()
         from kvserve.model.layers.attention import bind_attention_backend
         bind_attention_backend(self.model, self.attn_backend)
+        # This pipeline stage's layers: the KV cache holds only theirs.
+        self.num_local_layers = getattr(self.model, "num_local_layers",
+                                        self.config.model_config.num_layers)
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         from kvserve.model.loader import get_kv_cache_shape
@@ -85,35 +99,39 @@ class ModelRunner:
         shape = self.kv_cache_shape(1)
         per_layer = int(np.prod(shape)) * torch.empty((), dtype=self.dtype).element_size()
         draft = self.spec_decode.kv_cache_bytes_per_block() if self.spec_decode else 0
-        return per_layer * self.config.model_config.num_layers + draft
+        return per_layer * self.num_local_layers + draft
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         # Zeroed, not empty: masked-out slots are multiplied by 0 in attention, and garbage
         # NaNs would survive that.
         shape = self.kv_cache_shape(num_blocks)
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
-                          for _ in range(self.config.model_config.num_layers)]
+                          for _ in range(self.num_local_layers)]
         if self.spec_decode is not None:
             self.spec_decode.initialize_kv_cache(num_blocks)
 
     def capture_cuda_graphs(self) -> None:
         """Capture the all-decode step per batch-size bucket (TRITON_ATTN on CUDA only)."""
         from kvserve.worker.cuda_graph import CUDAGraphRunner, capture_sizes
-        if self.device.type != "cuda" or self.attn_backend.name != "TRITON_ATTN":
-            return
+        if (self.device.type != "cuda" or self.attn_backend.name != "TRITON_ATTN"
+                or self.config.parallel_config.pipeline_parallel_size > 1):
+            return   # graphs hold one whole-model decode step: not with PP stages
         sizes = capture_sizes(self.config.scheduler_config.max_num_seqs)
         assert self.model is not None
         self.cuda_graphs = CUDAGraphRunner(self.model, self.kv_caches, sizes,
                                            self.max_blocks_per_req, self.device)
         self.cuda_graphs.capture()
 
-    def _forward(self, step: StepInputs) -> torch.Tensor:
-        """Replay a captured graph for an all-decode step that fits a bucket, else eager."""
+    def _forward(self, step: StepInputs, intermediate: Optional[IntermediateTensors] = None) -> Any:
+        """Replay a captured graph for an all-decode step that fits a bucket, else eager.
+        A later pipeline stage (intermediate tensors in) always runs eagerly."""
         assert self.model is not None
         graphs = self.cuda_graphs
-        if graphs is not None and graphs.can_run(step.attn_metadata, len(step.input_ids)):
+        if (intermediate is None and graphs is not None
+                and graphs.can_run(step.attn_metadata, len(step.input_ids))):
             return graphs.run(step.input_ids, step.positions, step.attn_metadata)
-        return self.model(step.input_ids, step.positions, self.kv_caches, step.attn_metadata)
+        return self.model(step.input_ids, step.positions, self.kv_caches, step.attn_metadata,
+                          intermediate)
 
     # ------------------------------------------------------------------ step
     @torch.inference_mode()
@@ -123,7 +141,12 @@ class ModelRunner:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         step = self._prepare_inputs(scheduler_output)
         assert self.model is not None
-        hidden = self._forward(step)
+        intermediate = None if self.is_first_stage else self._recv_intermediate(len(step.positions))
+        hidden = self._forward(step, intermediate)
+        if not self.is_last_stage:
+            pp_send(hidden.pack())
+            self.input_batch.num_computed_tokens[step.rows] += step.query_lens
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
 
         ib = self.input_batch
         sample_rows = step.rows[step.sample_mask]
@@ -146,7 +169,8 @@ class ModelRunner:
                 lp_ids, lp_vals = out.logprob_token_ids.tolist(), out.logprobs.tolist()
                 ranks = out.sampled_token_ranks.tolist()
             for j, (i, row, tok) in enumerate(zip(sample_idx, sample_rows, tokens)):
-                ib.append_token(int(row), tok)
+                if self.append_sampled_tokens:
+                    ib.append_token(int(row), tok)
                 sampled_lists[i] = [tok]
                 k = ib.params[row].logprobs
                 if k is not None and lp_ids is not None:
@@ -197,6 +221,10 @@ class ModelRunner:
             out[i] = d
         return out
 
+    def _recv_intermediate(self, num_tokens: int) -> IntermediateTensors:
+        shape = (2, num_tokens, self.config.model_config.hidden_size)
+        return IntermediateTensors.unpack(pp_recv(shape, self.dtype, self.device))
+
     def _update_states(self, so: SchedulerOutput) -> None:
         ib = self.input_batch
         ib.remove_requests(so.finished_req_ids | so.preempted_req_ids)
@@ -211,7 +239,7 @@ class ModelRunner:
             row = ib.req_id_to_index[rid]
             ib.append_blocks(row, blocks)
             ib.num_computed_tokens[row] = num_computed
-            for token in tokens:   # appended by the engine core (jump-forward decoding)
+            for token in tokens:   # sampled on the last PP stage, or jump-forward tokens
                 ib.append_token(row, token)
         if self.spec_decode is not None and so.scheduled_spec_decode_tokens:
             self.spec_decode.write_drafts(ib, so)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import Optional
 
 import torch
@@ -24,10 +25,18 @@ class Worker:
         self.rank = rank
         self.distributed_init_method = distributed_init_method
         self.model_runner: Optional[ModelRunner] = None
+        # (start, end) time.time() of each execute_model while a benchmark records them.
+        self._timeline: Optional[list[tuple[float, float]]] = None
 
     @property
     def is_driver(self) -> bool:
         return self.rank == 0
+
+    @property
+    def is_output_rank(self) -> bool:
+        """The rank that answers execute_model: the first TP rank of the last PP stage."""
+        pc = self.config.parallel_config
+        return self.rank == pc.world_size - pc.tensor_parallel_size
 
     def init_device(self) -> None:
         dc, pc = self.config.device_config, self.config.parallel_config
@@ -43,7 +52,8 @@ class Worker:
             from kvserve.distributed.parallel_state import init_distributed
             backend = "nccl" if self.device.type == "cuda" else "gloo"
             assert self.distributed_init_method is not None
-            init_distributed(self.rank, pc.world_size, self.distributed_init_method, backend)
+            init_distributed(self.rank, pc.world_size, self.distributed_init_method, backend,
+                             tensor_parallel_size=pc.tensor_parallel_size)
         torch.manual_seed(self.config.model_config.seed)
         if self.device.type == "cpu":
             # Build (first run) or load the CPU kernels now, not in the first steps.
@@ -86,8 +96,21 @@ class Worker:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> Optional[ModelRunnerOutput]:
         assert self.model_runner is not None
+        start = time.time() if self._timeline is not None else 0.0
         output = self.model_runner.execute_model(scheduler_output)
-        return output if self.is_driver else None
+        if self._timeline is not None:
+            self._timeline.append((start, time.time()))
+        return output if self.is_output_rank else None
+
+    def record_timeline(self, on: bool) -> list[tuple[float, float]]:
+        """Benchmarks: start (on) or stop recording execute_model's times; returns them."""
+        timeline, self._timeline = self._timeline or [], [] if on else None
+        return timeline
+
+    def get_num_local_layers(self) -> int:
+        """Decoder layers this rank's pipeline stage holds."""
+        assert self.model_runner is not None
+        return self.model_runner.num_local_layers
 
     def check_health(self) -> bool:
         return True

@@ -394,6 +394,13 @@ def init_app_state(engine_client: Any, state: Any, args: argparse.Namespace) -> 
                                       max_num_batched_tokens=sched.max_num_batched_tokens)
     log_logger = LoggingStatLogger(0, log_interval=getattr(args, "log_stats_interval", 5.0))
     engine_client.stat_loggers.extend([prometheus, log_logger, load.record])
+    for index in range(1, config.parallel_config.data_parallel_size):
+        # Data parallelism: each engine's outputs feed its own `engine` label.
+        engine_client.stat_loggers_per_engine[index] = [
+            PrometheusStatLogger(models.model_name, index, registry=prometheus.registry,
+                                 max_model_len=model_config.max_model_len,
+                                 max_num_batched_tokens=sched.max_num_batched_tokens),
+            load.record]
 
     state.engine_client = engine_client
     state.serving_models = models
