@@ -284,3 +284,4 @@ class KVServeConfig:
     enforce_eager: bool = True
     structured_outputs_config: StructuredOutputsConfig = field(
         default_factory=StructuredOutputsConfig)
+    kv_transfer_config: Optional[Any] = None    # kv_transfer.config.KVTransferConfig

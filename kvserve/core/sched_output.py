@@ -6,7 +6,7 @@ travel as a diff (new block ids, progress). Nothing here refers to scheduler int
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 
@@ -49,6 +49,8 @@ class SchedulerOutput:
     # structured_output_request_ids[i] (only constrained requests that sample this step).
     grammar_bitmask: Optional[np.ndarray] = None
     structured_output_request_ids: list[str] = field(default_factory=list)
+    # The KV connector's work for the workers this step (KVConnectorMetadata), if any.
+    kv_connector_metadata: Optional[Any] = None
 
     @property
     def is_empty(self) -> bool:
@@ -72,3 +74,5 @@ class ModelRunnerOutput:
     logprobs: Optional[dict[str, LogprobsLists]] = None
     # For requests that asked for prompt logprobs: this step's chunk of them (positions 1..).
     prompt_logprobs: Optional[dict[str, LogprobsLists]] = None
+    # The KV connector's report (kv_transfer.base.KVConnectorOutput), if the engine has one.
+    kv_connector_output: Optional[Any] = None

@@ -22,6 +22,7 @@ from kvserve.engine.messages import (EngineCoreEventType, EngineCoreOutput, Engi
                                      FinishReason)
 
 if TYPE_CHECKING:
+    from kvserve.kv_transfer.base import KVConnectorBase
     from kvserve.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -46,9 +47,13 @@ class SchedulerStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
+    # KV connector counters (kv_transfer.scheduling.KVTransferScheduling.stats), if any.
+    kv_transfer: Optional[dict] = None
 
     def to_dict(self) -> dict:
-        return dict(self.__dict__)
+        d = dict(self.__dict__)
+        d.update(d.pop("kv_transfer") or {})
+        return d
 
 
 def check_stop(request: Request, max_model_len: int) -> bool:
@@ -73,7 +78,8 @@ def check_stop(request: Request, max_model_len: int) -> bool:
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  structured_output_manager: Optional["StructuredOutputManager"] = None,
-                 enable_jump_forward: bool = False) -> None:
+                 enable_jump_forward: bool = False,
+                 kv_connector: Optional["KVConnectorBase"] = None) -> None:
         self.config = scheduler_config
         self.structured_output_manager = structured_output_manager
         self.enable_jump_forward = enable_jump_forward
@@ -98,6 +104,10 @@ class Scheduler:
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         self._step_id = 0
+        self.kv_transfer = None
+        if kv_connector is not None:
+            from kvserve.kv_transfer.scheduling import KVTransferScheduling
+            self.kv_transfer = KVTransferScheduling(kv_connector, self.kv_cache_manager)
 
     # ------------------------------------------------------------------ requests in / out
     def add_request(self, request: Request) -> None:
@@ -125,15 +135,26 @@ class Scheduler:
                 self.running.remove(request)
             elif request.status == RequestStatus.WAITING_FOR_FSM:
                 self.waiting_for_fsm.remove(request)
+            elif request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                assert self.kv_transfer is not None
+                self.kv_transfer.abort_loading(request)   # its blocks are freed once unused
+                request.status = status
+                del self.requests[rid]
+                done.append(rid)
+                continue
             else:
                 self.waiting.remove(request)
             request.status = status
-            self._free_request(request)
+            delay_free = False
+            if self.kv_transfer is not None:
+                delay_free, _ = self.kv_transfer.request_finished(request)
+            self._free_request(request, delay_free)
             done.append(rid)
         return done
 
-    def _free_request(self, request: Request) -> None:
-        self.kv_cache_manager.free(request)
+    def _free_request(self, request: Request, delay_free_blocks: bool = False) -> None:
+        if not delay_free_blocks:
+            self.kv_cache_manager.free(request)
         if request.structured_output_request is not None:
             assert self.structured_output_manager is not None
             self.structured_output_manager.drop(request)
@@ -143,7 +164,9 @@ class Scheduler:
             self.finished_req_ids.add(request.request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests or self._failed)
+        # Blocks held for a KV transfer keep the engine stepping: the worker reports them.
+        return bool(self.requests or self._failed
+                    or (self.kv_transfer is not None and self.kv_transfer.has_pending))
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
@@ -152,6 +175,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         if self.waiting_for_fsm:
             self._admit_compiled()
+        if self.kv_transfer is not None:
+            self._admit_loaded()
         budget = self.config.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         new_blocks: dict[str, list[int]] = {}
@@ -163,6 +188,8 @@ class Scheduler:
             budget = self._schedule_waiting(budget, num_scheduled, new_blocks, scheduled_new)
 
         output = self._make_output(num_scheduled, new_blocks, scheduled_new, preempted)
+        if self.kv_transfer is not None:
+            output.kv_connector_metadata = self.kv_transfer.connector.build_connector_meta(output)
         # Advance progress now: the workers compute these tokens in this step.
         for rid, n in num_scheduled.items():
             self.requests[rid].num_computed_tokens += n
@@ -190,6 +217,14 @@ class Scheduler:
             request.status = RequestStatus.WAITING
             self.waiting.add(request)
         self.waiting_for_fsm = still_compiling
+
+    def _admit_loaded(self) -> None:
+        """Requests whose KV load ended go back to the front of the waiting queue: with the
+        loaded tokens computed, or (failed load) to be computed locally."""
+        assert self.kv_transfer is not None
+        for request, _loaded in reversed(self.kv_transfer.take_finished_loads()):
+            request.status = RequestStatus.WAITING
+            self.waiting.prepend(request)
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
         n = request.num_tokens - request.num_computed_tokens
@@ -249,7 +284,14 @@ class Scheduler:
                           new_blocks: dict[str, list[int]], scheduled_new: list[Request]) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
-            computed_blocks, num_computed = self.kv_cache_manager.get_computed_blocks(request)
+            if self.kv_cache_manager.get_blocks(request.request_id):
+                # Its KV was loaded from outside: it holds its blocks already.
+                computed_blocks, num_computed = [], request.num_computed_tokens
+            else:
+                computed_blocks, num_computed = self.kv_cache_manager.get_computed_blocks(request)
+                if self.kv_transfer is not None and self._start_remote_load(
+                        request, computed_blocks, num_computed):
+                    continue
             n = request.num_tokens - num_computed
             threshold = self.config.long_prefill_token_threshold
             if 0 < threshold < n:
@@ -259,7 +301,7 @@ class Scheduler:
                     break   # the whole prompt must fit in one step
                 n = budget
             blocks = self.kv_cache_manager.allocate_slots(
-                request, n, num_new_computed_tokens=num_computed,
+                request, n, num_new_computed_tokens=num_computed - request.num_computed_tokens,
                 new_computed_blocks=computed_blocks)
             if blocks is None:
                 break
@@ -275,6 +317,28 @@ class Scheduler:
             new_blocks[request.request_id] = [b.block_id for b in blocks]
             budget -= n
         return budget
+
+    def _start_remote_load(self, request: Request, computed_blocks: list,
+                           num_computed: int) -> bool:
+        """Ask the connector for the request's tokens beyond its local prefix hit; if it has
+        some, allocate the blocks and let the request wait for the load. False: no load (also
+        when blocks are short: the request then stays at the head of the queue)."""
+        assert self.kv_transfer is not None
+        num_external = self.kv_transfer.num_external_tokens(request, num_computed)
+        if num_external <= 0:
+            return False
+        blocks = self.kv_cache_manager.allocate_slots(
+            request, num_external, num_new_computed_tokens=num_computed,
+            new_computed_blocks=computed_blocks, delay_cache_blocks=True)
+        if blocks is None:
+            return False
+        self.waiting.pop()
+        request.num_computed_tokens = num_computed
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_computed + num_external
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        self.kv_transfer.start_loading(request, num_external)
+        return True
 
     def _make_output(self, num_scheduled: dict[str, int], new_blocks: dict[str, list[int]],
                      scheduled_new: list[Request], preempted: list[Request]) -> SchedulerOutput:
@@ -318,6 +382,8 @@ class Scheduler:
                            runner_output: ModelRunnerOutput) -> EngineCoreOutputs:
         outputs = [self._error_output(r) for r in self._failed]
         self._failed = []
+        if self.kv_transfer is not None:
+            self.kv_transfer.update_from_output(runner_output.kv_connector_output)
         for idx, rid in enumerate(runner_output.req_ids):
             request = self.requests.get(rid)
             if request is None or request.status != RequestStatus.RUNNING:
@@ -342,6 +408,9 @@ class Scheduler:
                 new_prompt_logprobs = list(zip(plp.logprob_token_ids, plp.logprobs,
                                                plp.sampled_token_ranks))
             finished = request.is_finished()
+            delay_free, kv_params = False, None
+            if finished and self.kv_transfer is not None:
+                delay_free, kv_params = self.kv_transfer.request_finished(request)
             if new_tokens or new_prompt_logprobs or finished:
                 outputs.append(EngineCoreOutput(
                     request_id=rid, new_token_ids=new_tokens, new_logprobs=new_logprobs,
@@ -349,10 +418,10 @@ class Scheduler:
                     finish_reason=_FINISH_REASON.get(request.status),
                     stop_reason=request.stop_reason,
                     num_cached_tokens=max(request.num_cached_tokens, 0),
-                    events=request.take_events()))
+                    events=request.take_events(), kv_transfer_params=kv_params))
             if finished:
                 self.running.remove(request)
-                self._free_request(request)
+                self._free_request(request, delay_free)
         return EngineCoreOutputs(outputs=outputs)
 
     def _advance_grammar(self, request: Request, new_tokens: list[int]) -> list[int]:
@@ -405,7 +474,8 @@ class Scheduler:
             kv_cache_usage=self.kv_cache_manager.usage,
             num_free_blocks=self.kv_cache_manager.num_free_blocks, num_total_blocks=self.num_blocks,
             prefix_cache_queries=self.prefix_cache_queries, prefix_cache_hits=self.prefix_cache_hits,
-            num_preemptions=self.num_preemptions)
+            num_preemptions=self.num_preemptions,
+            kv_transfer=self.kv_transfer.stats() if self.kv_transfer is not None else None)
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()

@@ -50,6 +50,9 @@ _HELP = {
     "structured_outputs_config": "Structured outputs settings as JSON, e.g. "
                                  "'{\"backend\": \"xgrammar\", \"disable_any_whitespace\": true, "
                                  "\"enable_jump_forward\": true}'.",
+    "kv_transfer_config": "KV connector settings as JSON (disaggregated prefill/decode, KV reuse "
+                          "across engines), e.g. '{\"kv_connector\": \"NixlConnector\", "
+                          "\"kv_role\": \"kv_both\"}'.",
 }
 _SHORT = {"tensor_parallel_size": "-tp", "pipeline_parallel_size": "-pp"}
 _MULTI = {"served_model_name"}     # flags that take one or more values, as in vLLM
@@ -84,6 +87,7 @@ class EngineArgs:
     disable_log_stats: bool = True
     enforce_eager: bool = True
     structured_outputs_config: Optional[Union[str, dict]] = None
+    kv_transfer_config: Optional[Union[str, dict]] = None
 
     # ------------------------------------------------------------------
     @staticmethod
@@ -166,6 +170,11 @@ class EngineArgs:
             pipeline_parallel_size=self.pipeline_parallel_size,
             distributed_executor_backend=self.distributed_executor_backend)
         _verify_parallel(model_config, parallel)
+        from kvserve.kv_transfer.config import KVTransferConfig
+        kv_transfer_config = KVTransferConfig.parse(self.kv_transfer_config)
+        if kv_transfer_config is not None and parallel.world_size > 1:
+            raise ValueError("kv_transfer_config needs tensor_parallel_size=1 and "
+                             "pipeline_parallel_size=1 here.")
         return KVServeConfig(
             model_config=model_config,
             cache_config=CacheConfig(
@@ -185,6 +194,7 @@ class EngineArgs:
             disable_log_stats=self.disable_log_stats,
             enforce_eager=self.enforce_eager,
             structured_outputs_config=StructuredOutputsConfig.parse(self.structured_outputs_config),
+            kv_transfer_config=kv_transfer_config,
         )
 
 

@@ -15,6 +15,9 @@ from kvserve.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
+# Sleep of an empty step while KV transfers are in flight (nothing else to compute).
+_KV_TRANSFER_POLL_S = 0.002
+
 
 class EngineCore:
     def __init__(self, config: KVServeConfig,
@@ -32,9 +35,15 @@ class EngineCore:
         config.cache_config.num_blocks = num_blocks
         so_config = config.structured_outputs_config
         self.structured_output_manager = StructuredOutputManager(config)
+        kv_connector = None
+        if config.kv_transfer_config is not None:
+            from kvserve.kv_transfer.base import KVConnectorRole
+            from kvserve.kv_transfer.factory import KVConnectorFactory
+            kv_connector = KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER)
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config,
                                    structured_output_manager=self.structured_output_manager,
-                                   enable_jump_forward=so_config.enable_jump_forward)
+                                   enable_jump_forward=so_config.enable_jump_forward,
+                                   kv_connector=kv_connector)
         self.log_stats = not config.disable_log_stats
         logger.info("Engine core ready in %.2f s", time.perf_counter() - start)
 
@@ -72,6 +81,9 @@ class EngineCore:
         if self.scheduler.waiting_for_fsm or self.structured_output_manager.num_active:
             self._attach_grammar_bitmask(scheduler_output)
         runner_output = self.model_executor.execute_model(scheduler_output)
+        if scheduler_output.is_empty and self.scheduler.kv_transfer is not None:
+            # Only KV transfers are in flight: poll them without spinning a core.
+            time.sleep(_KV_TRANSFER_POLL_S)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         outputs.timestamp = time.monotonic()
         if self.log_stats:

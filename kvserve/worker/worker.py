@@ -24,6 +24,7 @@ class Worker:
         self.rank = rank
         self.distributed_init_method = distributed_init_method
         self.model_runner: Optional[ModelRunner] = None
+        self.kv_connector = None     # the KV connector's worker side, when configured
 
     @property
     def is_driver(self) -> bool:
@@ -76,16 +77,26 @@ class Worker:
     def initialize_cache(self, num_blocks: int) -> None:
         assert self.model_runner is not None
         self.model_runner.initialize_kv_cache(num_blocks)
+        if self.config.kv_transfer_config is not None:
+            from kvserve.kv_transfer.worker import create_worker_connector
+            self.kv_connector = create_worker_connector(self.config, self.model_runner.kv_caches)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> Optional[ModelRunnerOutput]:
         assert self.model_runner is not None
-        output = self.model_runner.execute_model(scheduler_output)
+        if self.kv_connector is not None:
+            from kvserve.kv_transfer.worker import execute_with_connector
+            output = execute_with_connector(self.kv_connector, scheduler_output,
+                                            self.model_runner.execute_model)
+        else:
+            output = self.model_runner.execute_model(scheduler_output)
         return output if self.is_driver else None
 
     def check_health(self) -> bool:
         return True
 
     def shutdown(self) -> None:
+        if self.kv_connector is not None:
+            self.kv_connector.shutdown()
         if self.config.parallel_config.world_size > 1:
             from kvserve.distributed.parallel_state import destroy_distributed
             destroy_distributed()
