@@ -10,7 +10,7 @@ if TYPE_CHECKING:
     from kvserve.sampling_params import SamplingParams
 
 _KEYS = {"do_remote_decode", "do_remote_prefill", "remote_engine_id", "remote_block_ids",
-         "remote_host", "remote_port", "remote_num_tokens"}
+         "remote_host", "remote_port", "remote_request_id"}
 
 
 def get_kv_transfer_params(params: "SamplingParams") -> Optional[dict[str, Any]]:
