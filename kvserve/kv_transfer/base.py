@@ -76,6 +76,14 @@ class KVConnectorBase(ABC):
         self.role = role
         self.block_size = config.cache_config.block_size
         self._connector_metadata: Optional[KVConnectorMetadata] = None
+        # Worker side: loads that failed, and (transfers, bytes, seconds), since the last report.
+        self._failed_recving: set[str] = set()
+        self._stats: list = [0, 0, 0.0]
+
+    def _record_transfer(self, nbytes: int, seconds: float) -> None:
+        self._stats[0] += 1
+        self._stats[1] += nbytes
+        self._stats[2] += seconds
 
     @classmethod
     def check_config(cls, kv_config: "KVTransferConfig") -> None:
@@ -132,11 +140,13 @@ class KVConnectorBase(ABC):
 
     def get_failed_recving(self) -> set[str]:
         """Requests whose load failed since the last call (they are computed locally)."""
-        return set()
+        failed, self._failed_recving = self._failed_recving, set()
+        return failed
 
     def get_kv_connector_stats(self) -> tuple[int, int, float]:
         """(transfers, bytes, seconds) since the last call."""
-        return 0, 0, 0.0
+        stats, self._stats = self._stats, [0, 0, 0.0]
+        return stats[0], stats[1], stats[2]
 
     def shutdown(self) -> None:
         pass

@@ -129,8 +129,6 @@ class NixlConnector(KVConnectorBase):
         self._early_notifs: dict[str, float] = {}     # read before we heard of the request
         self._done_sending_now: set[str] = set()
         self._done_recving: set[str] = set()
-        self._failed_recving: set[str] = set()
-        self._stats = [0, 0, 0.0]
         self._side_channel: Optional[threading.Thread] = None
         self._stop = threading.Event()
 
@@ -330,9 +328,7 @@ class NixlConnector(KVConnectorBase):
             self.agent.release_xfer_handle(read.handle)
             if state == "DONE":
                 self._done_recving.add(rid)
-                self._stats[0] += 1
-                self._stats[1] += read.nbytes
-                self._stats[2] += now - read.start
+                self._record_transfer(read.nbytes, now - read.start)
             else:
                 logger.warning("Request %s: KV read %s; computing it locally.", rid,
                                "timed out" if state == "PROC" else "failed")
@@ -362,15 +358,6 @@ class NixlConnector(KVConnectorBase):
             if now - seen > self.abort_timeout_s:
                 del self._early_notifs[rid]
         return done
-
-    def get_failed_recving(self) -> set[str]:
-        failed, self._failed_recving = self._failed_recving, set()
-        return failed
-
-    def get_kv_connector_stats(self) -> tuple[int, int, float]:
-        stats = tuple(self._stats)
-        self._stats = [0, 0, 0.0]
-        return stats  # type: ignore[return-value]
 
     def shutdown(self) -> None:
         self._stop.set()

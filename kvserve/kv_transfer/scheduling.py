@@ -96,6 +96,7 @@ class KVTransferScheduling:
         self.loading.pop(request.request_id, None)
         self.loading_aborted[request.request_id] = request
         self.local_only.discard(request.request_id)
+        self.connector.request_finished(request, [])   # its per-request state goes
 
     # ------------------------------------------------------------------ both sides
     def request_finished(self, request: "Request") -> tuple[bool, Optional[dict[str, Any]]]:

@@ -65,8 +65,6 @@ class SharedStorageConnector(KVConnectorBase):
         self._salts: dict[str, Optional[str]] = {}
         self.kv_caches: list[torch.Tensor] = []
         self._finished_recving: set[str] = set()
-        self._failed_recving: set[str] = set()
-        self._stats = [0, 0, 0.0]
 
     @classmethod
     def check_config(cls, kv_config: "KVTransferConfig") -> None:
@@ -185,9 +183,8 @@ class SharedStorageConnector(KVConnectorBase):
                 for layer, kv in enumerate(self.kv_caches):
                     kv[:, block_id].copy_(data[layer])
             self._finished_recving.add(rid)
-            self._stats[0] += 1
-            self._stats[1] += sum(d.numel() * d.element_size() for d in datas)
-            self._stats[2] += time.perf_counter() - start
+            self._record_transfer(sum(d.numel() * d.element_size() for d in datas),
+                                  time.perf_counter() - start)
 
     def wait_for_save(self) -> None:
         meta = self._connector_metadata
@@ -235,12 +232,3 @@ class SharedStorageConnector(KVConnectorBase):
         done = self._finished_recving | self._failed_recving
         self._finished_recving = set()
         return set(), done
-
-    def get_failed_recving(self) -> set[str]:
-        failed, self._failed_recving = self._failed_recving, set()
-        return failed
-
-    def get_kv_connector_stats(self) -> tuple[int, int, float]:
-        stats = tuple(self._stats)
-        self._stats = [0, 0, 0.0]
-        return stats  # type: ignore[return-value]
