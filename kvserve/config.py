@@ -295,3 +295,4 @@ class KVServeConfig:
     structured_outputs_config: StructuredOutputsConfig = field(
         default_factory=StructuredOutputsConfig)
     speculative_config: Optional["SpeculativeConfig"] = None
+    kv_transfer_config: Optional[Any] = None    # kv_transfer.config.KVTransferConfig

@@ -111,6 +111,7 @@ class KVCacheManager:
         num_new_computed_tokens: int = 0,
         new_computed_blocks: Optional[Sequence[KVCacheBlock]] = None,
         num_lookahead_tokens: int = 0,
+        delay_cache_blocks: bool = False,
     ) -> Optional[list[KVCacheBlock]]:
         """Make room for `num_new_tokens` more tokens (plus lookahead slots) of `request`.
 
@@ -130,6 +131,8 @@ class KVCacheManager:
         registered in the prefix cache now, before their KV is written: that is safe
         because within one forward pass every layer writes all tokens' K/V before attention
         reads them, and no other request can hit a block before this step runs.
+        `delay_cache_blocks`: the blocks are filled by a KV load that has not finished, so they
+        are registered later (by the request's next allocate_slots call), not now.
         """
         if num_new_tokens < 0 or num_new_computed_tokens < 0 or num_lookahead_tokens < 0:
             raise ValueError("token counts must be non-negative")
@@ -169,7 +172,7 @@ class KVCacheManager:
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks) if num_new_blocks else []
         req_blocks.extend(new_blocks)
 
-        if self.enable_caching:
+        if self.enable_caching and not delay_cache_blocks:
             # Lookahead slots hold speculative tokens that may be rejected: never cached.
             num_tokens_to_cache = min(num_computed_tokens + num_new_tokens, request.num_tokens)
             num_full_blocks = min(num_tokens_to_cache // self.block_size, len(req_blocks))

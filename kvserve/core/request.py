@@ -21,6 +21,7 @@ class RequestStatus(enum.IntEnum):
     RUNNING = 1
     PREEMPTED = 2
     WAITING_FOR_FSM = 3     # its grammar is compiling; not schedulable yet
+    WAITING_FOR_REMOTE_KVS = 4   # its blocks are allocated and its KV is loading from outside
     # Everything above FINISHED_STOPPED is finished.
     FINISHED_STOPPED = 10
     FINISHED_LENGTH_CAPPED = 11

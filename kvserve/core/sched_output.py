@@ -6,7 +6,7 @@ travel as a diff (new block ids, progress). Nothing here refers to scheduler int
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 
@@ -52,6 +52,8 @@ class SchedulerOutput:
     # Speculative decoding: request id -> the draft tokens scheduled after its last token
     # (they count in num_scheduled_tokens; only requests with drafts appear).
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # The KV connector's work for the workers this step (KVConnectorMetadata), if any.
+    kv_connector_metadata: Optional[Any] = None
 
     @property
     def is_empty(self) -> bool:
@@ -77,3 +79,5 @@ class ModelRunnerOutput:
     prompt_logprobs: Optional[dict[str, LogprobsLists]] = None
     # Speculative decoding: draft tokens proposed for each request in req_ids (for the next step).
     spec_token_ids: Optional[list[list[int]]] = None
+    # The KV connector's report (kv_transfer.base.KVConnectorOutput), if the engine has one.
+    kv_connector_output: Optional[Any] = None

@@ -23,6 +23,7 @@ from kvserve.engine.messages import (EngineCoreEventType, EngineCoreOutput, Engi
 from kvserve.spec_decode.metrics import SpecDecodingStats
 
 if TYPE_CHECKING:
+    from kvserve.kv_transfer.base import KVConnectorBase
     from kvserve.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -49,9 +50,13 @@ class SchedulerStats:
     num_preemptions: int
     # Speculative decoding counters (cumulative; absent without speculation).
     spec_decoding: Optional[dict] = None
+    # KV connector counters (kv_transfer.scheduling.KVTransferScheduling.stats), if any.
+    kv_transfer: Optional[dict] = None
 
     def to_dict(self) -> dict:
-        return dict(self.__dict__)
+        d = dict(self.__dict__)
+        d.update(d.pop("kv_transfer") or {})
+        return d
 
 
 def check_stop(request: Request, max_model_len: int) -> bool:
@@ -77,7 +82,8 @@ class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  structured_output_manager: Optional["StructuredOutputManager"] = None,
                  enable_jump_forward: bool = False, num_spec_tokens: int = 0,
-                 num_lookahead_tokens: int = 0, send_sampled_tokens: bool = False) -> None:
+                 num_lookahead_tokens: int = 0, send_sampled_tokens: bool = False,
+                 kv_connector: Optional["KVConnectorBase"] = None) -> None:
         self.config = scheduler_config
         # Pipeline parallelism: every stage (not only the sampling one) needs the sampled
         # tokens, so cached requests carry the tokens the workers have not seen yet.
@@ -114,6 +120,10 @@ class Scheduler:
         # Slots past the scheduled tokens that a draft model writes its drafts' KV into.
         self.num_lookahead_tokens = num_lookahead_tokens
         self.spec_decoding_stats = SpecDecodingStats(num_spec_tokens) if num_spec_tokens else None
+        self.kv_transfer = None
+        if kv_connector is not None:
+            from kvserve.kv_transfer.scheduling import KVTransferScheduling
+            self.kv_transfer = KVTransferScheduling(kv_connector, self.kv_cache_manager)
 
     # ------------------------------------------------------------------ requests in / out
     def add_request(self, request: Request) -> None:
@@ -141,15 +151,26 @@ class Scheduler:
                 self.running.remove(request)
             elif request.status == RequestStatus.WAITING_FOR_FSM:
                 self.waiting_for_fsm.remove(request)
+            elif request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                assert self.kv_transfer is not None
+                self.kv_transfer.abort_loading(request)   # its blocks are freed once unused
+                request.status = status
+                del self.requests[rid]
+                done.append(rid)
+                continue
             else:
                 self.waiting.remove(request)
             request.status = status
-            self._free_request(request)
+            delay_free = False
+            if self.kv_transfer is not None:
+                delay_free, _ = self.kv_transfer.request_finished(request)
+            self._free_request(request, delay_free)
             done.append(rid)
         return done
 
-    def _free_request(self, request: Request) -> None:
-        self.kv_cache_manager.free(request)
+    def _free_request(self, request: Request, delay_free_blocks: bool = False) -> None:
+        if not delay_free_blocks:
+            self.kv_cache_manager.free(request)
         if request.structured_output_request is not None:
             assert self.structured_output_manager is not None
             self.structured_output_manager.drop(request)
@@ -160,7 +181,9 @@ class Scheduler:
             self.finished_req_ids.add(request.request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests or self._failed)
+        # Blocks held for a KV transfer keep the engine stepping: the worker reports them.
+        return bool(self.requests or self._failed
+                    or (self.kv_transfer is not None and self.kv_transfer.has_pending))
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
@@ -169,6 +192,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         if self.waiting_for_fsm:
             self._admit_compiled()
+        if self.kv_transfer is not None:
+            self._admit_loaded()
         budget = self.config.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         new_blocks: dict[str, list[int]] = {}
@@ -181,6 +206,8 @@ class Scheduler:
             budget = self._schedule_waiting(budget, num_scheduled, new_blocks, scheduled_new)
 
         output = self._make_output(num_scheduled, new_blocks, scheduled_new, preempted)
+        if self.kv_transfer is not None:
+            output.kv_connector_metadata = self.kv_transfer.connector.build_connector_meta(output)
         # Advance progress now: the workers compute these tokens in this step.
         for rid, n in num_scheduled.items():
             request = self.requests[rid]
@@ -211,6 +238,14 @@ class Scheduler:
             request.status = RequestStatus.WAITING
             self.waiting.add(request)
         self.waiting_for_fsm = still_compiling
+
+    def _admit_loaded(self) -> None:
+        """Requests whose KV load ended go back to the front of the waiting queue: with the
+        loaded tokens computed, or (failed load) to be computed locally."""
+        assert self.kv_transfer is not None
+        for request, _loaded in reversed(self.kv_transfer.take_finished_loads()):
+            request.status = RequestStatus.WAITING
+            self.waiting.prepend(request)
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
         n = request.num_tokens - request.num_computed_tokens
@@ -297,7 +332,14 @@ class Scheduler:
                           new_blocks: dict[str, list[int]], scheduled_new: list[Request]) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
-            computed_blocks, num_computed = self.kv_cache_manager.get_computed_blocks(request)
+            if self.kv_cache_manager.get_blocks(request.request_id):
+                # Its KV was loaded from outside: it holds its blocks already.
+                computed_blocks, num_computed = [], request.num_computed_tokens
+            else:
+                computed_blocks, num_computed = self.kv_cache_manager.get_computed_blocks(request)
+                if self.kv_transfer is not None and self._start_remote_load(
+                        request, computed_blocks, num_computed):
+                    continue
             n = request.num_tokens - num_computed
             threshold = self.config.long_prefill_token_threshold
             if 0 < threshold < n:
@@ -307,7 +349,7 @@ class Scheduler:
                     break   # the whole prompt must fit in one step
                 n = budget
             blocks = self.kv_cache_manager.allocate_slots(
-                request, n, num_new_computed_tokens=num_computed,
+                request, n, num_new_computed_tokens=num_computed - request.num_computed_tokens,
                 new_computed_blocks=computed_blocks,
                 num_lookahead_tokens=self.num_lookahead_tokens)
             if blocks is None:
@@ -324,6 +366,28 @@ class Scheduler:
             new_blocks[request.request_id] = [b.block_id for b in blocks]
             budget -= n
         return budget
+
+    def _start_remote_load(self, request: Request, computed_blocks: list,
+                           num_computed: int) -> bool:
+        """Ask the connector for the request's tokens beyond its local prefix hit; if it has
+        some, allocate the blocks and let the request wait for the load. False: no load (also
+        when blocks are short: the request then stays at the head of the queue)."""
+        assert self.kv_transfer is not None
+        num_external = self.kv_transfer.num_external_tokens(request, num_computed)
+        if num_external <= 0:
+            return False
+        blocks = self.kv_cache_manager.allocate_slots(
+            request, num_external, num_new_computed_tokens=num_computed,
+            new_computed_blocks=computed_blocks, delay_cache_blocks=True)
+        if blocks is None:
+            return False
+        self.waiting.pop()
+        request.num_computed_tokens = num_computed
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_computed + num_external
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        self.kv_transfer.start_loading(request, num_external)
+        return True
 
     def _make_output(self, num_scheduled: dict[str, int], new_blocks: dict[str, list[int]],
                      scheduled_new: list[Request], preempted: list[Request]) -> SchedulerOutput:
@@ -372,6 +436,8 @@ class Scheduler:
         outputs = [self._error_output(r) for r in self._failed]
         self._failed = []
         self.in_flight.difference_update(scheduler_output.num_scheduled_tokens)
+        if self.kv_transfer is not None:
+            self.kv_transfer.update_from_output(runner_output.kv_connector_output)
         for idx, rid in enumerate(runner_output.req_ids):
             request = self.requests.get(rid)
             if request is None or request.status != RequestStatus.RUNNING:
@@ -401,6 +467,9 @@ class Scheduler:
             finished = request.is_finished()
             if runner_output.spec_token_ids is not None and not finished:
                 request.spec_token_ids = runner_output.spec_token_ids[idx]
+            delay_free, kv_params = False, None
+            if finished and self.kv_transfer is not None:
+                delay_free, kv_params = self.kv_transfer.request_finished(request)
             if new_tokens or new_prompt_logprobs or finished:
                 outputs.append(EngineCoreOutput(
                     request_id=rid, new_token_ids=new_tokens, new_logprobs=new_logprobs,
@@ -408,10 +477,10 @@ class Scheduler:
                     finish_reason=_FINISH_REASON.get(request.status),
                     stop_reason=request.stop_reason,
                     num_cached_tokens=max(request.num_cached_tokens, 0),
-                    events=request.take_events()))
+                    events=request.take_events(), kv_transfer_params=kv_params))
             if finished:
                 self.running.remove(request)
-                self._free_request(request)
+                self._free_request(request, delay_free)
         return EngineCoreOutputs(outputs=outputs)
 
     def _after_spec_step(self, request: Request, num_draft: int, num_sampled: int) -> None:
@@ -474,7 +543,8 @@ class Scheduler:
             prefix_cache_queries=self.prefix_cache_queries, prefix_cache_hits=self.prefix_cache_hits,
             num_preemptions=self.num_preemptions,
             spec_decoding=(self.spec_decoding_stats.to_dict()
-                           if self.spec_decoding_stats is not None else None))
+                           if self.spec_decoding_stats is not None else None),
+            kv_transfer=self.kv_transfer.stats() if self.kv_transfer is not None else None)
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()

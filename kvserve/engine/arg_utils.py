@@ -62,6 +62,9 @@ _HELP = {
                           "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}' or "
                           "'{\"method\": \"draft_model\", \"model\": \"/path\", "
                           "\"num_speculative_tokens\": 3}'.",
+    "kv_transfer_config": "KV connector settings as JSON (disaggregated prefill/decode, KV reuse "
+                          "across engines), e.g. '{\"kv_connector\": \"NixlConnector\", "
+                          "\"kv_role\": \"kv_both\"}'.",
 }
 _SHORT = {"tensor_parallel_size": "-tp", "pipeline_parallel_size": "-pp",
           "data_parallel_size": "-dp"}
@@ -101,6 +104,7 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     structured_outputs_config: Optional[Union[str, dict]] = None
     speculative_config: Optional[Union[str, dict]] = None
+    kv_transfer_config: Optional[Union[str, dict]] = None
 
     # ------------------------------------------------------------------
     @staticmethod
@@ -198,6 +202,11 @@ class EngineArgs:
             spec_config.verify_with_target(model_config.hf_config, model_config.tokenizer,
                                            parallel.tensor_parallel_size,
                                            model_config.max_model_len)
+        from kvserve.kv_transfer.config import KVTransferConfig
+        kv_transfer_config = KVTransferConfig.parse(self.kv_transfer_config)
+        if kv_transfer_config is not None and parallel.world_size > 1:
+            raise ValueError("kv_transfer_config needs tensor_parallel_size=1 and "
+                             "pipeline_parallel_size=1 here.")
         return KVServeConfig(
             model_config=model_config,
             cache_config=CacheConfig(
@@ -220,6 +229,7 @@ class EngineArgs:
             attention_backend=attention_backend,
             structured_outputs_config=StructuredOutputsConfig.parse(self.structured_outputs_config),
             speculative_config=spec_config,
+            kv_transfer_config=kv_transfer_config,
         )
 
 

@@ -49,7 +49,8 @@ class AsyncLLM:
         self.log_stats = not config.disable_log_stats
         self.tokenizer = Tokenizer.from_pretrained(config.model_config.tokenizer)
         self.input_processor = InputProcessor(config.model_config, self.tokenizer,
-                                              config.structured_outputs_config)
+                                              config.structured_outputs_config,
+                                              config.kv_transfer_config)
         self.output_processor = OutputProcessor(self.tokenizer, log_stats=self.log_stats)
         # Metrics hooks (the server's Prometheus metrics). The stats are None when the engine
         # runs with disable_log_stats=True.

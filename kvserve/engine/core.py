@@ -16,6 +16,9 @@ from kvserve.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
+# Sleep of an empty step while KV transfers are in flight (nothing else to compute).
+_KV_TRANSFER_POLL_S = 0.002
+
 
 class EngineCore:
     def __init__(self, config: KVServeConfig,
@@ -34,12 +37,18 @@ class EngineCore:
         so_config = config.structured_outputs_config
         spec = config.speculative_config
         self.structured_output_manager = StructuredOutputManager(config)
+        kv_connector = None
+        if config.kv_transfer_config is not None:
+            from kvserve.kv_transfer.base import KVConnectorRole
+            from kvserve.kv_transfer.factory import KVConnectorFactory
+            kv_connector = KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER)
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config,
                                    structured_output_manager=self.structured_output_manager,
                                    enable_jump_forward=so_config.enable_jump_forward,
                                    num_spec_tokens=spec.num_speculative_tokens if spec else 0,
                                    num_lookahead_tokens=spec.num_lookahead_tokens if spec else 0,
-                                   send_sampled_tokens=config.parallel_config.pipeline_parallel_size > 1)
+                                   send_sampled_tokens=config.parallel_config.pipeline_parallel_size > 1,
+                                   kv_connector=kv_connector)
         # Pipeline parallelism: up to one batch per stage in flight, so the stages overlap.
         self.batch_queue_size = self.model_executor.max_concurrent_batches
         self.batch_queue: Optional[deque[tuple[Any, SchedulerOutput]]] = (
@@ -81,6 +90,9 @@ class EngineCore:
             return EngineCoreOutputs(timestamp=time.monotonic())
         scheduler_output = self._schedule()
         runner_output = self.model_executor.execute_model(scheduler_output)
+        if scheduler_output.is_empty and self.scheduler.kv_transfer is not None:
+            # Only KV transfers are in flight: poll them without spinning a core.
+            time.sleep(_KV_TRANSFER_POLL_S)
         return self._update(scheduler_output, runner_output)
 
     def step_with_batch_queue(self) -> EngineCoreOutputs:

@@ -27,8 +27,10 @@ _PROMPT_KEYS = {"prompt", "prompt_token_ids", "cache_salt"}
 
 class InputProcessor:
     def __init__(self, model_config: ModelConfig, tokenizer: Optional[Tokenizer],
-                 structured_outputs_config: Optional[StructuredOutputsConfig] = None) -> None:
+                 structured_outputs_config: Optional[StructuredOutputsConfig] = None,
+                 kv_transfer_config: Optional[Any] = None) -> None:
         self.model_config = model_config
+        self.kv_transfer_config = kv_transfer_config
         self.structured_outputs_config = structured_outputs_config or StructuredOutputsConfig()
         self.tokenizer = tokenizer
         self.max_model_len = model_config.max_model_len
@@ -73,6 +75,9 @@ class InputProcessor:
         params.verify_against_vocab(self.model_config.vocab_size, self.model_config.max_logprobs)
         if params.structured_outputs is not None:
             self._validate_structured_outputs(params)
+        if params.extra_args:
+            from kvserve.kv_transfer.params import validate_kv_transfer_params
+            validate_kv_transfer_params(params, self.kv_transfer_config)
 
         return EngineCoreRequest(
             request_id=request_id,

@@ -20,7 +20,8 @@ class LLMEngine:
         self.config = config
         self.tokenizer = Tokenizer.from_pretrained(config.model_config.tokenizer)
         self.input_processor = InputProcessor(config.model_config, self.tokenizer,
-                                              config.structured_outputs_config)
+                                              config.structured_outputs_config,
+                                              config.kv_transfer_config)
         self.output_processor = OutputProcessor(self.tokenizer, log_stats=not config.disable_log_stats)
         self.engine_core = EngineCoreClient.make_client(config)
 

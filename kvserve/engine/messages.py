@@ -54,6 +54,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):  # 
     num_cached_tokens: int = 0
     # (EngineCoreEventType, monotonic time) since the request's previous output.
     events: Optional[list[tuple[int, float]]] = None
+    # From the KV connector when the request finished (vLLM's kv_transfer_params).
+    kv_transfer_params: Optional[dict[str, Any]] = None
 
     @property
     def finished(self) -> bool:

@@ -299,6 +299,7 @@ class RequestState:
         self.finish_reason: Optional[str] = None
         self.stop_reason: Union[int, str, None] = None
         self.num_cached_tokens = 0
+        self.kv_transfer_params: Optional[dict] = None
         self.metrics = RequestMetrics(arrival_time=request.arrival_time)
         self._num_sent_tokens = 0     # DELTA: ids (and logprob positions) already reported
         self.added_monotonic = time.monotonic()
@@ -345,7 +346,8 @@ class RequestState:
             request_id=self.request_id, prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids, prompt_logprobs=prompt_logprobs,
             outputs=[self.make_completion_output()], finished=finished,
-            num_cached_tokens=self.num_cached_tokens, metrics=_copy_metrics(self.metrics))
+            num_cached_tokens=self.num_cached_tokens, metrics=_copy_metrics(self.metrics),
+            kv_transfer_params=self.kv_transfer_params)
 
 
 @dataclass
@@ -414,6 +416,8 @@ class OutputProcessor:
             stop_reason = eco.stop_reason
             if eco.num_cached_tokens:
                 state.num_cached_tokens = eco.num_cached_tokens
+            if eco.kv_transfer_params is not None:
+                state.kv_transfer_params = eco.kv_transfer_params
             if eco.events:
                 self._record_events(state, eco.events, now, now_mono)
             if new_ids:

@@ -1,4 +1,4 @@
-"""The `kvserve` command: generate | serve | chat | bench."""
+"""The `kvserve` command: generate | serve | chat | proxy | bench."""
 from __future__ import annotations
 
 import argparse
@@ -129,6 +129,11 @@ def make_parser() -> argparse.ArgumentParser:
     chat = sub.add_parser("chat", help="Chat in the terminal with a server (--url) or a model.")
     add_chat_args(chat)
     chat.set_defaults(func=cmd_chat)
+    proxy = sub.add_parser("proxy", help="Front a prefill and a decode instance "
+                                         "(disaggregated prefill/decode).")
+    from kvserve.entrypoints.proxy import add_proxy_args, run_proxy
+    add_proxy_args(proxy)
+    proxy.set_defaults(func=run_proxy)
     from kvserve.benchmarks.cli import add_bench_subparsers
     add_bench_subparsers(sub)
     return parser

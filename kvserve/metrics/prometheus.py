@@ -90,6 +90,20 @@ class PrometheusStatLogger(StatLoggerBase):
             "prefix_cache_hits": counter(
                 "prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."),
             "num_preemptions": counter("num_preemptions", "Cumulative number of preemptions."),
+            # KV connector (disaggregated prefill/decode, shared storage); 0 without one.
+            "external_prefix_cache_queries": counter(
+                "external_prefix_cache_queries",
+                "External prefix cache queries from KV connector, in terms of queried tokens."),
+            "external_prefix_cache_hits": counter(
+                "external_prefix_cache_hits",
+                "External prefix cache hits from KV connector, in terms of loadable tokens."),
+            "kv_local_fallbacks": counter(
+                "kv_transfer_local_fallbacks",
+                "Requests computed locally because loading their KV failed or timed out."),
+            "kv_transfers": counter("kv_transfers", "Completed KV loads (one per request)."),
+            "kv_transfer_bytes": counter("kv_transfer_bytes", "Bytes of KV loaded."),
+            "kv_transfer_time_s": counter("kv_transfer_time_seconds",
+                                          "Seconds spent in completed KV loads."),
         }
         # Tokens and requests.
         self.counter_prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.")
@@ -156,7 +170,7 @@ class PrometheusStatLogger(StatLoggerBase):
             for key, counter in self.counters.items():
                 if key not in stats:
                     continue
-                total = int(stats[key])
+                total = stats[key]   # int counts; kv_transfer_time_s is float seconds
                 last = self._last_totals.get(key, 0)
                 # A smaller total is an older report arriving late (a /metrics refresh can
                 # overtake a batch's report): it has nothing new.

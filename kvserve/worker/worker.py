@@ -27,6 +27,7 @@ class Worker:
         self.model_runner: Optional[ModelRunner] = None
         # (start, end) time.time() of each execute_model while a benchmark records them.
         self._timeline: Optional[list[tuple[float, float]]] = None
+        self.kv_connector = None     # the KV connector's worker side, when configured
 
     @property
     def is_driver(self) -> bool:
@@ -93,11 +94,19 @@ class Worker:
         self.model_runner.initialize_kv_cache(num_blocks)
         if self.device.type == "cuda" and not self.config.enforce_eager:
             self.model_runner.capture_cuda_graphs()
+        if self.config.kv_transfer_config is not None:
+            from kvserve.kv_transfer.worker import create_worker_connector
+            self.kv_connector = create_worker_connector(self.config, self.model_runner.kv_caches)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> Optional[ModelRunnerOutput]:
         assert self.model_runner is not None
         start = time.time() if self._timeline is not None else 0.0
-        output = self.model_runner.execute_model(scheduler_output)
+        if self.kv_connector is not None:
+            from kvserve.kv_transfer.worker import execute_with_connector
+            output = execute_with_connector(self.kv_connector, scheduler_output,
+                                            self.model_runner.execute_model)
+        else:
+            output = self.model_runner.execute_model(scheduler_output)
         if self._timeline is not None:
             self._timeline.append((start, time.time()))
         return output if self.is_output_rank else None
@@ -116,6 +125,8 @@ class Worker:
         return True
 
     def shutdown(self) -> None:
+        if self.kv_connector is not None:
+            self.kv_connector.shutdown()
         if self.config.parallel_config.world_size > 1:
             from kvserve.distributed.parallel_state import destroy_distributed
             destroy_distributed()

@@ -158,6 +158,8 @@ class _SamplingRequest(OpenAIBaseModel):
     return_token_ids: Optional[bool] = None
     # vLLM's extra body field: {json | regex | choice | grammar | json_object | structural_tag}
     structured_outputs: Optional[dict[str, Any]] = None
+    # Disaggregated prefill/decode (vLLM's field): do_remote_decode / do_remote_prefill, ...
+    kv_transfer_params: Optional[dict[str, Any]] = None
 
     @model_validator(mode="after")
     def _check_stream_options(self) -> "_SamplingRequest":
@@ -193,6 +195,8 @@ class _SamplingRequest(OpenAIBaseModel):
             # Streams get only what is new; a whole response needs only the end.
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
             structured_outputs=self.structured_outputs_params(),
+            extra_args=({"kv_transfer_params": self.kv_transfer_params}
+                        if self.kv_transfer_params is not None else None),
             **picked,
         )
 
@@ -259,6 +263,8 @@ class CompletionRequest(_SamplingRequest):
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must be a non-negative integer, got {self.logprobs}.")
         _logit_bias_keys_are_ids(self.logit_bias)
+        if self.kv_transfer_params is not None and len(self.prompts()) > 1:
+            raise ValueError("kv_transfer_params needs a single prompt.")
         return self
 
     @field_validator("prompt", mode="before")
@@ -317,6 +323,7 @@ class CompletionResponse(OpenAIBaseModel):
     choices: list[CompletionResponseChoice]
     usage: UsageInfo
     system_fingerprint: Optional[str] = None
+    kv_transfer_params: Optional[dict[str, Any]] = None
 
 
 class CompletionResponseStreamChoice(CompletionResponseChoice):
@@ -445,6 +452,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
     usage: UsageInfo
     system_fingerprint: Optional[str] = None
     prompt_token_ids: Optional[list[int]] = None
+    kv_transfer_params: Optional[dict[str, Any]] = None
 
 
 class DeltaMessage(OpenAIBaseModel):

@@ -177,7 +177,8 @@ class OpenAIServingChat(OpenAIServing):
         return ChatCompletionResponse(
             id=ctx.request_id, created=ctx.created, model=ctx.model_name, choices=choices,
             usage=UsageInfo.of(num_prompt, num_generated),
-            prompt_token_ids=res.prompt_token_ids if request.return_token_ids else None)
+            prompt_token_ids=res.prompt_token_ids if request.return_token_ids else None,
+            kv_transfer_params=res.kv_transfer_params)
 
     # ------------------------------------------------------------------ stream
     async def _stream(self, ctx: "_ChatContext", generator: Any, tracker: RequestTracker,

@@ -100,7 +100,8 @@ class OpenAIServingCompletion(OpenAIServing):
         choices.sort(key=lambda c: c.index)
         return CompletionResponse(
             id=ctx.request_id, created=ctx.created, model=ctx.model_name, choices=choices,
-            usage=UsageInfo.of(num_prompt_tokens, num_generated_tokens))
+            usage=UsageInfo.of(num_prompt_tokens, num_generated_tokens),
+            kv_transfer_params=final[0].kv_transfer_params if final else None)
 
     # ------------------------------------------------------------------ stream
     async def _stream(self, ctx: "_Context", generators: list, tracker: RequestTracker,
