@@ -146,9 +146,8 @@ class PrometheusStatLogger(StatLoggerBase):
                 ("num_drafts", "Number of spec decoding drafts."),
                 ("num_draft_tokens", "Number of draft tokens."),
                 ("num_accepted_tokens", "Number of accepted tokens."))}
-        self._spec_per_pos = Counter(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
-                                     "Accepted tokens per draft position.",
-                                     labels + ["position"], registry=reg)
+        self._spec_per_pos = shared(Counter, "spec_decode_num_accepted_tokens_per_pos",
+                                    "Accepted tokens per draft position.", labels + ["position"])
         iteration_buckets = [b for b in ITERATION_TOKEN_BUCKETS
                              if max_num_batched_tokens is None or b <= max_num_batched_tokens]
         self.hist_iteration_tokens = histogram("iteration_tokens_total",
