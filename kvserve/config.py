@@ -9,6 +9,7 @@ from typing import Any, Optional, Union
 
 import torch
 
+from kvserve.json_config import parse_json_config
 from kvserve.spec_decode.config import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
@@ -265,18 +266,7 @@ class StructuredOutputsConfig:
             return StructuredOutputsConfig()
         if isinstance(value, StructuredOutputsConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"--structured-outputs-config is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"structured_outputs_config must be a JSON object, got {value!r}.")
-        known = {f for f in StructuredOutputsConfig.__dataclass_fields__}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"Unknown structured_outputs_config key(s) {unknown}; known: "
-                             f"{sorted(known)}.")
+        value = parse_json_config(value, "structured_outputs_config", StructuredOutputsConfig)
         return StructuredOutputsConfig(**value)
 
 

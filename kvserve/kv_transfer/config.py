@@ -1,11 +1,12 @@
 """KVTransferConfig: which KV connector an engine uses and in which role (vLLM's fields)."""
 from __future__ import annotations
 
-import json
 import socket
 import uuid
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, Optional, Union
+
+from kvserve.json_config import parse_json_config
 
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 
@@ -71,18 +72,7 @@ class KVTransferConfig:
         if value is None or isinstance(value, KVTransferConfig):
             config = value
         else:
-            if isinstance(value, str):
-                try:
-                    value = json.loads(value)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"--kv-transfer-config is not valid JSON: {e}") from None
-            if not isinstance(value, dict):
-                raise ValueError(f"kv_transfer_config must be a JSON object, got {value!r}.")
-            known = {f.name for f in fields(KVTransferConfig)}
-            unknown = sorted(set(value) - known)
-            if unknown:
-                raise ValueError(f"Unknown kv_transfer_config key(s) {unknown}; known: "
-                                 f"{sorted(known)}.")
+            value = parse_json_config(value, "kv_transfer_config", KVTransferConfig)
             config = KVTransferConfig(**value)
         if config is not None:
             from kvserve.kv_transfer.factory import KVConnectorFactory

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, Optional, Union
+
+from kvserve.json_config import parse_json_config
 
 SPEC_METHODS = ("ngram", "draft_model")
 # vLLM's other methods: named, so that asking for one says "not yet" rather than "unknown".
@@ -120,17 +122,7 @@ class SpeculativeConfig:
     def parse(value: Union[None, str, dict, "SpeculativeConfig"]) -> Optional["SpeculativeConfig"]:
         if value is None or isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"--speculative-config is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"speculative_config must be a JSON object, got {value!r}.")
-        known = {f.name for f in fields(SpeculativeConfig)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"Unknown speculative_config key(s) {unknown}; known: {sorted(known)}.")
+        value = parse_json_config(value, "speculative_config", SpeculativeConfig)
         return SpeculativeConfig(**value)
 
 
