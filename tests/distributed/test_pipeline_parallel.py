@@ -7,11 +7,6 @@ process's children and the leak checks of tests/executor see them.
 """
 from __future__ import annotations
 
-import os
-import signal
-import threading
-import time
-
 import pytest
 
 from kvserve.config import CacheConfig, SchedulerConfig
@@ -19,11 +14,9 @@ from kvserve.core.request import Request
 from kvserve.core.scheduler import Scheduler
 from kvserve.distributed.pp_utils import PP_LAYER_PARTITION_ENV, get_pp_indices, get_pp_partition
 from kvserve.entrypoints.llm import LLM
-from kvserve.executor.multiproc import WorkerDeadError
 from kvserve.sampling_params import SamplingParams
 from tests.executor.test_multiproc import (ENGINE_KW, GREEDY, PROMPTS, LeakWatch, _executor,
-                                          assert_close_to_reference)
-from tests.utils import random_prompts
+                                          assert_close_to_reference, generate_until_killed)
 
 
 @pytest.fixture(scope="module")
@@ -145,24 +138,9 @@ def test_killed_stage_fails_fast_and_cleans_up(llama3: str) -> None:
     llm = LLM(llama3, pipeline_parallel_size=2, **ENGINE_KW)
     try:
         victim = watch.workers(expected=2)[0]      # the first stage: it never answers
-        long_run = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
-        prompts = random_prompts(8, 4, 16, vocab=1024, seed=5)
-        killed_at: list[float] = []
-
-        def kill() -> None:
-            killed_at.append(time.monotonic())
-            os.kill(victim.pid, signal.SIGKILL)
-
-        timer = threading.Timer(0.5, kill)
-        timer.start()
-        try:
-            with pytest.raises(WorkerDeadError) as err:
-                for _ in range(100):
-                    llm.generate(prompts, long_run, use_tqdm=False)
-        finally:
-            timer.cancel()
-        assert time.monotonic() - killed_at[0] < 5.0
-        assert "rank 0" in str(err.value) and "SIGKILL" in str(err.value)
+        error, raised_after = generate_until_killed(llm, victim.pid, 0.5)
+        assert raised_after < 5.0
+        assert "rank 0" in str(error) and "SIGKILL" in str(error)
         watch.wait_no_children(timeout=5.0)
     finally:
         llm.shutdown()

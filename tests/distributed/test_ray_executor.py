@@ -5,20 +5,15 @@ install it. One cluster serves the whole module (Ray starts slowly).
 """
 from __future__ import annotations
 
-import os
-import signal
 import sys
-import threading
-import time
 
 import pytest
 
 from kvserve.entrypoints.llm import LLM
 from kvserve.executor.multiproc import WorkerDeadError
-from kvserve.sampling_params import SamplingParams
-from tests.executor.test_multiproc import (ENGINE_KW, GREEDY, PROMPTS, _executor,
-                                          assert_close_to_reference)
-from tests.utils import random_prompts
+from tests.executor.test_multiproc import (ENGINE_KW, GREEDY, LONG_PROMPTS, LONG_RUN, PROMPTS,
+                                          _executor, assert_close_to_reference,
+                                          generate_until_killed)
 
 RAY_KW = dict(ENGINE_KW, distributed_executor_backend="ray")
 
@@ -65,26 +60,11 @@ def test_ray_actor_killed_is_a_clear_error(ray_cluster, reference) -> None:
     try:
         executor = _executor(llm)
         victim = executor.worker_pids[1]
-        long_run = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
-        prompts = random_prompts(8, 4, 16, vocab=1024, seed=5)
-        killed_at: list[float] = []
-
-        def kill() -> None:
-            killed_at.append(time.monotonic())
-            os.kill(victim, signal.SIGKILL)
-
-        timer = threading.Timer(1.0, kill)
-        timer.start()
-        try:
-            with pytest.raises(WorkerDeadError) as err:
-                for _ in range(100):
-                    llm.generate(prompts, long_run, use_tqdm=False)
-        finally:
-            timer.cancel()
-        assert time.monotonic() - killed_at[0] < 10.0
-        assert "rank 1" in str(err.value) and str(victim) in str(err.value), str(err.value)
+        error, raised_after = generate_until_killed(llm, victim, 1.0)
+        assert raised_after < 10.0
+        assert "rank 1" in str(error) and str(victim) in str(error), str(error)
         with pytest.raises(WorkerDeadError, match="rank 1"):
-            llm.generate(prompts[:1], long_run, use_tqdm=False)
+            llm.generate(LONG_PROMPTS[:1], LONG_RUN, use_tqdm=False)
     finally:
         llm.shutdown()
 

@@ -207,6 +207,32 @@ def test_mp_backend_tp1_equals_uniproc_and_shutdown(tiny_llama: str, uniproc_out
 
 # ---- failures -------------------------------------------------------------------------------
 
+# A long greedy generation, still running when a worker is killed.
+LONG_RUN = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+LONG_PROMPTS = random_prompts(8, 4, 16, vocab=1024, seed=5)
+
+
+def generate_until_killed(llm: LLM, pid: int, delay: float) -> tuple[WorkerDeadError, float]:
+    """SIGKILL `pid` `delay` seconds into long generations; returns the WorkerDeadError that
+    generate raised and how many seconds after the kill it came. (The loop only guards
+    against a machine fast enough to finish a whole batch before the timer fires.)"""
+    killed_at: list[float] = []
+
+    def kill() -> None:
+        killed_at.append(time.monotonic())
+        os.kill(pid, signal.SIGKILL)
+
+    timer = threading.Timer(delay, kill)
+    timer.start()
+    try:
+        with pytest.raises(WorkerDeadError) as err:
+            for _ in range(100):
+                llm.generate(LONG_PROMPTS, LONG_RUN, use_tqdm=False)
+    finally:
+        timer.cancel()
+    return err.value, time.monotonic() - killed_at[0]
+
+
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("victim_rank", [1, 0])   # a silent rank; the answering rank
 def test_worker_killed_mid_generation(tiny_llama: str, victim_rank: int) -> None:
@@ -214,34 +240,16 @@ def test_worker_killed_mid_generation(tiny_llama: str, victim_rank: int) -> None
     llm = LLM(tiny_llama, tensor_parallel_size=2, **ENGINE_KW)
     try:
         victim = watch.workers(expected=2)[victim_rank]
-        long_run = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
-        prompts = random_prompts(8, 4, 16, vocab=1024, seed=5)
-        killed_at: list[float] = []
-
-        def kill() -> None:
-            killed_at.append(time.monotonic())
-            os.kill(victim.pid, signal.SIGKILL)
-
-        # Generation is under way when the timer fires (the loop only guards against a
-        # machine fast enough to finish a whole batch first).
-        timer = threading.Timer(0.5, kill)
-        timer.start()
-        try:
-            with pytest.raises(WorkerDeadError) as err:
-                for _ in range(100):
-                    llm.generate(prompts, long_run, use_tqdm=False)
-        finally:
-            timer.cancel()
-        raised_after = time.monotonic() - killed_at[0]
+        error, raised_after = generate_until_killed(llm, victim.pid, 0.5)
         assert raised_after < 5.0, f"the error took {raised_after:.1f} s"
-        msg = str(err.value)
+        msg = str(error)
         assert f"rank {victim_rank}" in msg and "SIGKILL" in msg and str(victim.pid) in msg, msg
         # The monitor ended the surviving rank on its own, before any shut-down call.
         watch.wait_no_children(timeout=5.0)
         # Later calls fail at once with the same reason.
         start = time.monotonic()
         with pytest.raises(WorkerDeadError, match=f"rank {victim_rank}"):
-            llm.generate(prompts[:1], long_run, use_tqdm=False)
+            llm.generate(LONG_PROMPTS[:1], LONG_RUN, use_tqdm=False)
         assert time.monotonic() - start < 1.0
     finally:
         llm.shutdown()
