@@ -32,6 +32,7 @@ from typing import Any, Optional
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.roofline import ensure_random_checkpoint  # noqa: E402
 from kvserve.benchmarks.datasets import SampleRequest  # noqa: E402
 from kvserve.benchmarks.throughput import load_hf_model, run_hf, run_kvserve  # noqa: E402
 
@@ -41,16 +42,6 @@ MODEL_CONFIG: dict[str, Any] = dict(
     tie_word_embeddings=False, dtype="bfloat16", seed=0)
 MODEL_NAME = "llama-1b-random-bf16-v1"
 GOAL_RATIO, GOAL_BATCH1 = 12.0, 0.6
-
-
-def ensure_model(model_dir: str) -> str:
-    from kvserve.model.demo import build_random_checkpoint
-    path = os.path.join(model_dir, MODEL_NAME)
-    if not os.path.isfile(os.path.join(path, "model.safetensors")):
-        tmp = f"{path}.tmp-{os.getpid()}"
-        build_random_checkpoint(tmp, **MODEL_CONFIG)
-        os.replace(tmp, path)
-    return path
 
 
 def make_requests(n: int, lo: int, hi: int, out_len: int, vocab: int, seed: int = 0):
@@ -135,7 +126,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not torch.cuda.is_available():
         print("benchmarks/gpu.py needs a CUDA GPU", file=sys.stderr)
         return 2
-    path = ensure_model(args.model_dir)
+    path = ensure_random_checkpoint(MODEL_NAME, MODEL_CONFIG, args.model_dir)
     requests = make_requests(args.num_prompts, args.min_prompt_len, args.max_prompt_len,
                              args.output_len, MODEL_CONFIG["vocab_size"])
     result: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,

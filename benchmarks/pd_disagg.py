@@ -28,21 +28,14 @@ from typing import Any, Optional
 import httpx
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+from benchmarks.roofline import ensure_random_checkpoint  # noqa: E402
+
 # Small enough that a 2k-token prefill takes seconds on one core of these machines.
 MODEL_CONFIG = dict(arch="llama", hidden_size=384, num_layers=6, num_heads=6, num_kv_heads=6,
                     intermediate_size=1024, vocab_size=8000, max_position_embeddings=4096,
                     tie_word_embeddings=False, dtype="float32", seed=0)
 MODEL_NAME = "llama-pd-bench-v1"
-
-
-def ensure_model(model_dir: str) -> str:
-    from kvserve.model.demo import build_random_checkpoint
-    path = os.path.join(model_dir, MODEL_NAME)
-    if not os.path.isfile(os.path.join(path, "model.safetensors")):
-        tmp = f"{path}.tmp-{os.getpid()}"
-        build_random_checkpoint(tmp, **MODEL_CONFIG)
-        os.replace(tmp, path)
-    return path
 
 
 def _free_port() -> int:
@@ -184,7 +177,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--request-rate", type=float, default=0.25)
     args = parser.parse_args(argv)
-    model = args.model or ensure_model(args.model_dir)
+    model = args.model or ensure_random_checkpoint(MODEL_NAME, MODEL_CONFIG, args.model_dir)
     with tempfile.TemporaryDirectory(prefix="pd-bench-") as tmp:
         single = run_single(model, args, tmp)
         pd, xfer = run_pd(model, args, tmp)

@@ -43,18 +43,23 @@ BENCH_MODEL_CONFIG: dict[str, Any] = dict(
 BENCH_MODEL_NAME = "llama-110m-random-v1"     # change it whenever the config changes
 
 
-def ensure_bench_model(model_dir: str = DEFAULT_MODEL_DIR) -> str:
-    """The benchmark checkpoint (float32 weights; bfloat16 runs cast them at load time), built
-    once with kvserve's random-checkpoint writer and reused from then on."""
+def ensure_random_checkpoint(name: str, config: dict, model_dir: str = DEFAULT_MODEL_DIR) -> str:
+    """A random checkpoint `model_dir/name` built once with kvserve's random-checkpoint writer
+    from `config` and reused from then on (change `name` whenever `config` changes)."""
     from kvserve.model.demo import build_random_checkpoint
 
-    path = os.path.join(model_dir, BENCH_MODEL_NAME)
+    path = os.path.join(model_dir, name)
     if not os.path.isfile(os.path.join(path, "model.safetensors")):
         tmp = path + f".tmp-{os.getpid()}"
         print(f"Building the benchmark model in {path} ...", file=sys.stderr)
-        build_random_checkpoint(tmp, **BENCH_MODEL_CONFIG)
+        build_random_checkpoint(tmp, **config)
         os.replace(tmp, path)     # appears complete or not at all
     return path
+
+
+def ensure_bench_model(model_dir: str = DEFAULT_MODEL_DIR) -> str:
+    """The benchmark checkpoint (float32 weights; bfloat16 runs cast them at load time)."""
+    return ensure_random_checkpoint(BENCH_MODEL_NAME, BENCH_MODEL_CONFIG, model_dir)
 
 
 def ensure_checkpoint_as(path: str, dtype: str) -> str:
