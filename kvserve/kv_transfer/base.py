@@ -62,10 +62,12 @@ class KVConnectorOutput:
     num_transfers: int = 0             # completed block loads (one per request) this step
     transfer_bytes: int = 0
     transfer_time_s: float = 0.0
+    num_started: int = 0               # loads posted this step
+    num_in_flight: int = 0             # loads posted and not yet done or failed, after this step
 
     def is_empty(self) -> bool:
         return not (self.finished_sending or self.finished_recving or self.failed_recving
-                    or self.num_transfers)
+                    or self.num_transfers or self.num_started or self.num_in_flight)
 
 
 class KVConnectorBase(ABC):
@@ -79,6 +81,7 @@ class KVConnectorBase(ABC):
         # Worker side: loads that failed, and (transfers, bytes, seconds), since the last report.
         self._failed_recving: set[str] = set()
         self._stats: list = [0, 0, 0.0]
+        self._num_started = 0
 
     def _record_transfer(self, nbytes: int, seconds: float) -> None:
         self._stats[0] += 1
@@ -147,6 +150,15 @@ class KVConnectorBase(ABC):
         """(transfers, bytes, seconds) since the last call."""
         stats, self._stats = self._stats, [0, 0, 0.0]
         return stats[0], stats[1], stats[2]
+
+    def take_num_started(self) -> int:
+        """Loads posted since the last call."""
+        num, self._num_started = self._num_started, 0
+        return num
+
+    def num_in_flight(self) -> int:
+        """Loads posted and not yet reported done or failed (asynchronous connectors)."""
+        return 0
 
     def shutdown(self) -> None:
         pass

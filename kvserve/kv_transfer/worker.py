@@ -32,11 +32,15 @@ def execute_with_connector(
         sending, recving = connector.get_finished(scheduler_output.finished_req_ids)
         failed = connector.get_failed_recving()
         num, nbytes, seconds = connector.get_kv_connector_stats()
+        started, in_flight = connector.take_num_started(), connector.num_in_flight()
     finally:
         connector.clear_connector_metadata()
     kv_out = KVConnectorOutput(finished_sending=sending, finished_recving=recving - failed,
                                failed_recving=failed, num_transfers=num, transfer_bytes=nbytes,
-                               transfer_time_s=seconds)
+                               transfer_time_s=seconds, num_started=started,
+                               num_in_flight=in_flight)
+    # An output with nothing new is dropped; the step after the last load ends still reports
+    # num_in_flight=0 because it carries that load's finished_recving / failed_recving.
     if not kv_out.is_empty():
         output.kv_connector_output = kv_out
     return output
