@@ -23,9 +23,12 @@ External tokens are always loaded asynchronously here: the request waits in
 WAITING_FOR_REMOTE_KVS with its blocks allocated while other requests keep stepping, and a
 failed load (`get_failed_recving`) makes the scheduler compute the prompt locally instead.
 
-The model runs all layers in one call, so the connectors here load before the forward and
-save after it; `wait_for_layer_load` / `save_kv_layer` are the per-layer hooks of vLLM's
-interface, for a connector that overlaps transfer with compute layer by layer.
+`wait_for_layer_load` / `save_kv_layer` are called by every attention layer, before and after
+its attention (`kv_transfer.worker.bind_kv_connector`, as vLLM's attention layer does), so a
+connector can overlap transfer with compute layer by layer. SharedStorageConnector copies each
+layer's blocks to save in `save_kv_layer`; loads here are asynchronous and whole (the request
+waits in WAITING_FOR_REMOTE_KVS), so `wait_for_layer_load` has nothing to wait for in the
+connectors here. Without a connector the layers skip the hooks (one attribute test each).
 """
 from __future__ import annotations
 

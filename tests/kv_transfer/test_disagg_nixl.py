@@ -212,7 +212,8 @@ def test_prefill_hung_or_killed_during_read(prefill: RemoteServer, decode: Remot
     """The prefill instance stops (SIGSTOP) or dies (SIGKILL) while the decode instance's READ
     of its blocks is in flight (seen on the decode side's kv_transfers_in_flight gauge). NIXL
     leaves a READ from a stopped peer "in progress" for ever: it is released after
-    transfer_timeout_s (5 s here). A peer killed mid-READ makes NIXL raise a disconnect error.
+    transfer_timeout_s (5 s here). A peer killed mid-READ makes NIXL raise a disconnect error
+    (seen in the decode instance's log: no need to wait for the timeout).
     Either way the client gets the right answer (computed locally, counted), the decode
     instance frees every block, keeps serving, and nothing of the prefill instance is left.
     Runs last: it kills the prefill instance."""
@@ -247,10 +248,11 @@ def test_prefill_hung_or_killed_during_read(prefill: RemoteServer, decode: Remot
         # Killed mid-READ: NIXL reports the disconnect; no need to wait for the timeout.
         killed = pool.submit(decode_leg, prompts[1], kvs[1])
         _wait_read_in_flight(decode, killed)
-        started = time.monotonic()
         prefill.kill()
         text_killed = killed.result(timeout=60)
-        assert time.monotonic() - started < 4.0
+    log = decode.log_text()
+    assert log.count("timed out after 5 s; computing it locally") == 1
+    assert log.count("failed: ERR (nixlRemoteDisconnectError") == 1
     assert _metric(decode, "kv_transfer_local_fallbacks_total") == fallbacks0 + 2
     assert _metric(decode, "kv_transfers_started_total") == started0 + 2
     assert _metric(decode, "kv_transfers_in_flight") == 0
