@@ -345,7 +345,7 @@ class NixlConnector(KVConnectorBase):
         for rid, read in list(self._reading.items()):
             try:
                 state = self.agent.check_xfer_state(read.handle)
-            except Exception as e:   # noqa: BLE001  (e.g. the peer died: NIXL_ERR_REMOTE_DISCONNECT)
+            except Exception as e:   # noqa: BLE001  (the peer died: NIXL_ERR_REMOTE_DISCONNECT)
                 state = f"ERR ({type(e).__name__}: {e})"
             if state == "PROC" and now < read.deadline:
                 continue
