@@ -39,8 +39,8 @@ from kvserve.config import KVServeConfig
 from kvserve.engine.core_client import EngineCoreClient
 from kvserve.engine.core_proc import ENGINE_CORE_DEAD, engine_identity
 from kvserve.engine.launch import (DP_HANDSHAKE_TIMEOUT_S, ClientAddresses, client_addresses,
-                                   launch_core_engines, make_engine_addresses)
-from kvserve.engine.launch import recv_during_startup as launch_recv
+                                   launch_core_engines, make_engine_addresses,
+                                   recv_during_startup)
 from kvserve.engine.exceptions import EngineDeadError
 from kvserve.engine.messages import EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType
 from kvserve.engine.serial_utils import MsgpackDecoder, MsgpackEncoder
@@ -313,8 +313,8 @@ class MPClient(EngineCoreClient):
         registered: dict[int, int] = {}
         deadline = time.monotonic() + DP_HANDSHAKE_TIMEOUT_S
         while len(registered) < self.num_engines:
-            frames = launch_recv(input_sync, list(r.procs.values()), deadline,
-                                 "the engines' input connections", copy=False)
+            frames = recv_during_startup(input_sync, list(r.procs.values()), deadline,
+                                         "the engines' input connections", copy=False)
             identity = bytes(frames[0].buffer)
             if identity not in self.engine_identities:
                 raise RuntimeError(f"Unexpected engine identity {identity!r} on the input socket.")

@@ -22,6 +22,7 @@ import psutil
 import pytest
 
 from kvserve.engine.arg_utils import EngineArgs
+from kvserve.entrypoints.cli import main as cli_main
 from kvserve.entrypoints.llm import LLM
 from kvserve.sampling_params import SamplingParams
 from tests.distributed.test_data_parallel import _complete_all, _generation_tokens
@@ -70,11 +71,11 @@ def test_impossible_dp_layout_is_a_value_error(tiny_llama: str, kwargs: dict, me
         EngineArgs(tiny_llama, **kwargs).create_engine_config()
 
 
-def test_headless_without_address_fails_at_once(tiny_llama: str) -> None:
-    out = subprocess.run(_serve_cmd(tiny_llama, "-dp", "2", "--data-parallel-size-local", "1",
-                                    "--data-parallel-start-rank", "1", "--headless"),
-                         capture_output=True, text=True, timeout=60)
-    assert out.returncode == 2 and "--headless needs --data-parallel-address" in out.stderr
+def test_headless_without_address_fails_at_once(tiny_llama: str,
+                                                capsys: pytest.CaptureFixture) -> None:
+    assert cli_main(["serve", tiny_llama, "-dp", "2", "--data-parallel-size-local", "1",
+                     "--data-parallel-start-rank", "1", "--headless"]) == 2
+    assert "--headless needs --data-parallel-address" in capsys.readouterr().err
 
 
 @pytest.mark.timeout(120)
