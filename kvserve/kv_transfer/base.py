@@ -23,9 +23,12 @@ External tokens are always loaded asynchronously here: the request waits in
 WAITING_FOR_REMOTE_KVS with its blocks allocated while other requests keep stepping, and a
 failed load (`get_failed_recving`) makes the scheduler compute the prompt locally instead.
 
-The model runs all layers in one call, so the connectors here load before the forward and
-save after it; `wait_for_layer_load` / `save_kv_layer` are the per-layer hooks of vLLM's
-interface, for a connector that overlaps transfer with compute layer by layer.
+`wait_for_layer_load` / `save_kv_layer` are called by every attention layer, before and after
+its attention (`kv_transfer.worker.bind_kv_connector`, as vLLM's attention layer does), so a
+connector can overlap transfer with compute layer by layer. SharedStorageConnector copies each
+layer's blocks to save in `save_kv_layer`; loads here are asynchronous and whole (the request
+waits in WAITING_FOR_REMOTE_KVS), so `wait_for_layer_load` has nothing to wait for in the
+connectors here. Without a connector the layers skip the hooks (one attribute test each).
 """
 from __future__ import annotations
 
@@ -62,10 +65,12 @@ class KVConnectorOutput:
     num_transfers: int = 0             # completed block loads (one per request) this step
     transfer_bytes: int = 0
     transfer_time_s: float = 0.0
+    num_started: int = 0               # loads posted this step
+    num_in_flight: int = 0             # loads posted and not yet done or failed, after this step
 
     def is_empty(self) -> bool:
         return not (self.finished_sending or self.finished_recving or self.failed_recving
-                    or self.num_transfers)
+                    or self.num_transfers or self.num_started or self.num_in_flight)
 
 
 class KVConnectorBase(ABC):
@@ -79,6 +84,7 @@ class KVConnectorBase(ABC):
         # Worker side: loads that failed, and (transfers, bytes, seconds), since the last report.
         self._failed_recving: set[str] = set()
         self._stats: list = [0, 0, 0.0]
+        self._num_started = 0
 
     def _record_transfer(self, nbytes: int, seconds: float) -> None:
         self._stats[0] += 1
@@ -147,6 +153,15 @@ class KVConnectorBase(ABC):
         """(transfers, bytes, seconds) since the last call."""
         stats, self._stats = self._stats, [0, 0, 0.0]
         return stats[0], stats[1], stats[2]
+
+    def take_num_started(self) -> int:
+        """Loads posted since the last call."""
+        num, self._num_started = self._num_started, 0
+        return num
+
+    def num_in_flight(self) -> int:
+        """Loads posted and not yet reported done or failed (asynchronous connectors)."""
+        return 0
 
     def shutdown(self) -> None:
         pass

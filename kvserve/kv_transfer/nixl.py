@@ -16,6 +16,13 @@ instance's KV cache into its own, with NIXL (UCX backend; DRAM on CPU, VRAM on C
 Each instance registers its KV cache tensors once. A failed or timed-out READ (or handshake)
 makes the decode instance compute the prompt itself.
 
+What NIXL 1.5.1 (UCX, CPU memory, one host) does when the prefill instance goes away during a
+READ (measured, see tests/kv_transfer/test_disagg_nixl.py): killed, `transfer()` or
+`check_xfer_state()` raise nixlRemoteDisconnectError (NIXL_ERR_REMOTE_DISCONNECT) within tens
+of ms; stopped (hung), the READ stays "PROC" for ever (its completion needs the peer). So every
+NIXL call on a READ is guarded, and a READ not done within transfer_timeout_s is released and
+falls back; an errored peer is forgotten (the next request to it handshakes again).
+
 kv_connector_extra_config: abort_request_timeout_s (prefill: how long blocks wait for a read,
 default 120), transfer_timeout_s (decode: per READ, default 30), handshake_timeout_s
 (default 5).
@@ -102,6 +109,7 @@ class _InFlightRead:
     start: float
     deadline: float
     nbytes: int
+    remote_engine_id: str
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -305,13 +313,27 @@ class NixlConnector(KVConnectorBase):
         notif = (req.remote_request_id or "").encode()
         handle = self.agent.make_prepped_xfer("READ", self._local_dlist, local_idx, remote.dlist,
                                               remote_idx, notif)
-        state = self.agent.transfer(handle)
-        if state == "ERR":
-            self.agent.release_xfer_handle(handle)
-            raise RuntimeError("transfer could not start")
         now = time.monotonic()
+        try:
+            # Small READs may complete inside this call; a dead peer raises here.
+            state = self.agent.transfer(handle)
+            if state == "ERR":
+                raise RuntimeError("transfer could not start")
+        except Exception:
+            self._release(handle)
+            raise
+        self._num_started += 1
         self._reading[rid] = _InFlightRead(handle, now, now + self.transfer_timeout_s,
-                                           len(local_idx) * mine.block_len)
+                                           len(local_idx) * mine.block_len, req.remote_engine_id)
+
+    def _release(self, handle: Any) -> None:
+        try:
+            self.agent.release_xfer_handle(handle)
+        except Exception as e:   # noqa: BLE001  (NIXL could not cancel it: nothing more to do)
+            logger.error("NixlConnector: releasing a transfer handle failed: %r", e)
+
+    def num_in_flight(self) -> int:
+        return len(self._reading)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         if self.agent is None:
@@ -321,18 +343,27 @@ class NixlConnector(KVConnectorBase):
     def _poll_reading(self) -> set[str]:
         now = time.monotonic()
         for rid, read in list(self._reading.items()):
-            state = self.agent.check_xfer_state(read.handle)
+            try:
+                state = self.agent.check_xfer_state(read.handle)
+            except Exception as e:   # noqa: BLE001  (the peer died: NIXL_ERR_REMOTE_DISCONNECT)
+                state = f"ERR ({type(e).__name__}: {e})"
             if state == "PROC" and now < read.deadline:
                 continue
             del self._reading[rid]
-            self.agent.release_xfer_handle(read.handle)
+            self._release(read.handle)
             if state == "DONE":
                 self._done_recving.add(rid)
                 self._record_transfer(read.nbytes, now - read.start)
+                continue
+            if state == "PROC":
+                why = f"timed out after {self.transfer_timeout_s:g} s"
             else:
-                logger.warning("Request %s: KV read %s; computing it locally.", rid,
-                               "timed out" if state == "PROC" else "failed")
-                self._failed_recving.add(rid)
+                # Handshake again next time: the peer may have restarted with new metadata.
+                why = f"failed: {state}"
+                self._remotes.pop(read.remote_engine_id, None)
+            logger.warning("Request %s: KV read from %s %s; computing it locally.", rid,
+                           read.remote_engine_id, why)
+            self._failed_recving.add(rid)
         done = self._done_recving | self._failed_recving
         self._done_recving = set()
         return done
@@ -365,5 +396,5 @@ class NixlConnector(KVConnectorBase):
             self._side_channel.join(timeout=2)
         if self.agent is not None:
             for read in self._reading.values():
-                self.agent.release_xfer_handle(read.handle)
+                self._release(read.handle)
             self._reading.clear()

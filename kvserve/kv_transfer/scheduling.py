@@ -46,6 +46,8 @@ class KVTransferScheduling:
         self.num_kv_transfers = 0
         self.kv_transfer_bytes = 0
         self.kv_transfer_time_s = 0.0
+        self.num_kv_transfers_started = 0
+        self.num_kv_transfers_in_flight = 0   # the worker's last report
 
     @property
     def has_pending(self) -> bool:
@@ -109,7 +111,10 @@ class KVTransferScheduling:
 
     def update_from_output(self, out: Optional[KVConnectorOutput]) -> None:
         if out is None:
+            self.num_kv_transfers_in_flight = 0
             return
+        self.num_kv_transfers_started += out.num_started
+        self.num_kv_transfers_in_flight = out.num_in_flight
         for rid in out.finished_sending:
             request = self.delayed_free.pop(rid, None)
             if request is not None:
@@ -130,5 +135,7 @@ class KVTransferScheduling:
                     kv_local_fallbacks=self.num_local_fallbacks,
                     kv_transfers=self.num_kv_transfers, kv_transfer_bytes=self.kv_transfer_bytes,
                     kv_transfer_time_s=self.kv_transfer_time_s,
+                    kv_transfers_started=self.num_kv_transfers_started,
+                    num_kv_transfers_in_flight=self.num_kv_transfers_in_flight,
                     num_waiting_for_remote_kvs=len(self.loading),
                     num_kv_blocks_held_for_transfer_reqs=len(self.delayed_free))

@@ -165,6 +165,9 @@ class SharedStorageConnector(KVConnectorBase):
     # ------------------------------------------------------------------ worker side
     def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         self.kv_caches = kv_caches
+        self._layer_index = {kv.data_ptr(): i for i, kv in enumerate(kv_caches)}
+        # This step's blocks to save, per layer, copied as each layer's attention ends.
+        self._staged: list[Optional[torch.Tensor]] = [None] * len(kv_caches)
 
     def start_load_kv(self) -> None:
         meta = self._connector_metadata
@@ -186,15 +189,29 @@ class SharedStorageConnector(KVConnectorBase):
             self._record_transfer(sum(d.numel() * d.element_size() for d in datas),
                                   time.perf_counter() - start)
 
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor) -> None:
+        meta = self._connector_metadata
+        if not isinstance(meta, SharedStorageConnectorMetadata) or not meta.saves:
+            return
+        layer = self._layer_index[kv_layer.data_ptr()]
+        if self._staged[layer] is not None:
+            raise RuntimeError(f"save_kv_layer({layer_name!r}) called twice in one step")
+        block_ids = torch.tensor([b for b, _ in meta.saves], device=kv_layer.device)
+        self._staged[layer] = kv_layer.index_select(1, block_ids).cpu()   # [2, n, ...]
+
     def wait_for_save(self) -> None:
         meta = self._connector_metadata
-        if not isinstance(meta, SharedStorageConnectorMetadata):
+        if not isinstance(meta, SharedStorageConnectorMetadata) or not meta.saves:
             return
-        for block_id, key in meta.saves:
-            self._write_block(block_id, key)
+        staged, self._staged = self._staged, [None] * len(self.kv_caches)
+        missing = [i for i, t in enumerate(staged) if t is None]
+        if missing:   # a file missing a layer must never be written
+            raise RuntimeError(f"SharedStorageConnector: no save_kv_layer call for layers "
+                               f"{missing} in a step that saves blocks")
+        for j, (_, key) in enumerate(meta.saves):
+            self._write_block(torch.stack([t[:, j] for t in staged]).contiguous(), key)
 
-    def _write_block(self, block_id: int, key: str) -> None:
-        data = torch.stack([kv[:, block_id] for kv in self.kv_caches]).contiguous()
+    def _write_block(self, data: torch.Tensor, key: str) -> None:
         payload = data.view(torch.uint8).numpy().tobytes()
         header = json.dumps({"dtype": str(data.dtype), "shape": list(data.shape),
                              "sha256": hashlib.sha256(payload).hexdigest()}).encode()

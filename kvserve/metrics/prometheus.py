@@ -94,6 +94,8 @@ class PrometheusStatLogger(StatLoggerBase):
         self.gauge_waiting = gauge("num_requests_waiting", "Number of requests waiting to be processed.")
         self.gauge_kv_cache_usage = gauge("kv_cache_usage_perc",
                                           "KV-cache usage. 1 means 100 percent usage.")
+        self.gauge_kv_transfers_in_flight = gauge(
+            "kv_transfers_in_flight", "KV loads posted and not yet done or failed.")
         self.counters = {
             "prefix_cache_queries": counter(
                 "prefix_cache_queries",
@@ -112,6 +114,8 @@ class PrometheusStatLogger(StatLoggerBase):
                 "kv_transfer_local_fallbacks",
                 "Requests computed locally because loading their KV failed or timed out."),
             "kv_transfers": counter("kv_transfers", "Completed KV loads (one per request)."),
+            "kv_transfers_started": counter("kv_transfers_started",
+                                            "KV loads posted (completed, failed or in flight)."),
             "kv_transfer_bytes": counter("kv_transfer_bytes", "Bytes of KV loaded."),
             "kv_transfer_time_s": counter("kv_transfer_time_seconds",
                                           "Seconds spent in completed KV loads."),
@@ -176,6 +180,7 @@ class PrometheusStatLogger(StatLoggerBase):
         self.gauge_running.set(stats.get("num_running_reqs", 0))
         self.gauge_waiting.set(stats.get("num_waiting_reqs", 0))
         self.gauge_kv_cache_usage.set(stats.get("kv_cache_usage", 0.0))
+        self.gauge_kv_transfers_in_flight.set(stats.get("num_kv_transfers_in_flight", 0))
         if not self.count_engine_totals:
             return
         with self._lock:

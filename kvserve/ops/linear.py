@@ -101,11 +101,36 @@ def _torch_linear(x: torch.Tensor, weight: torch.Tensor,
     return F.linear(x, weight, bias)
 
 
+# KVSERVE_CPU_FLOAT32_COPY: "auto" (default) | "1" | "0" -- whether 16-bit weights with float32
+# math also keep a prepacked float32 copy for batches above SMALL_BATCH_MAX_ROWS.
+FLOAT32_COPY_ENV = "KVSERVE_CPU_FLOAT32_COPY"
+
+
+def keep_float32_copies(copy_bytes: int) -> bool:
+    """Whether 16-bit weights with float32 math (dtype "auto" without bf16 instructions) also
+    keep a prepacked float32 copy, `copy_bytes` in all.
+
+    Why: above SMALL_BATCH_MAX_ROWS rows a step is compute-bound, and widening the whole weight
+    per call (widened_linear) reads it, writes a float32 temporary and reads that again -- the
+    large batches of prefill and busy decode ran at 0.44x float32's speed. A float32 copy in
+    oneDNN's prepacked layout runs them exactly as a float32 model does, while small batches keep
+    streaming the 16-bit weight (half the bytes). It costs 2x the 16-bit weights in memory, so
+    "auto" keeps it only where it is at most a quarter of the available memory (as the CPU
+    KV cache's default is); "1" always, "0" never (widen per call)."""
+    mode = os.environ.get(FLOAT32_COPY_ENV, "auto").strip().lower()
+    if mode not in ("auto", "1", "0"):
+        raise ValueError(f"{FLOAT32_COPY_ENV} must be auto, 1 or 0, got {mode!r}")
+    if mode != "auto":
+        return mode == "1"
+    import psutil
+    return copy_bytes <= psutil.virtual_memory().available // 4
+
+
 def widened_linear(x: torch.Tensor, weight: torch.Tensor,
                    bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """F.linear with a 16-bit weight and float32 x: the weight is widened to a temporary
-    float32 copy for this call and torch's float32 GEMM does the math (no emulated bf16 GEMM,
-    no resident float32 copy). The copy costs ~10 bytes of traffic per weight element against
+    float32 copy for this call and torch's float32 GEMM does the math (no emulated bf16 GEMM).
+    Used where no resident float32 copy is kept (keep_float32_copies). The copy costs ~10 bytes of traffic per weight element against
     2 * rows FLOPs, a few % of a prefill-sized GEMM; widening tile by tile into L2-sized
     buffers measured slower here (many narrow GEMMs plus strided output writes)."""
     return F.linear(x, weight.to(x.dtype), bias)
@@ -166,4 +191,15 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor,
                   bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x [..., K] @ weight.T (+ bias) with a weight from pack_weight()."""
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def widened_or_packed_linear(x: torch.Tensor, weight: torch.Tensor,
+                             packed_f32: Optional[torch.Tensor],
+                             bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """A 16-bit weight with float32 x that also has a prepacked float32 copy: up to
+    SMALL_BATCH_MAX_ROWS rows stream the 16-bit weight (linear()), more use the copy."""
+    k = x.shape[-1]
+    if packed_f32 is not None and x.numel() > SMALL_BATCH_MAX_ROWS * k:
+        return packed_linear(x, packed_f32, bias)
+    return linear(x, weight, bias)
 

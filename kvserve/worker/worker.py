@@ -96,7 +96,8 @@ class Worker:
             self.model_runner.capture_cuda_graphs()
         if self.config.kv_transfer_config is not None:
             from kvserve.kv_transfer.worker import create_worker_connector
-            self.kv_connector = create_worker_connector(self.config, self.model_runner.kv_caches)
+            self.kv_connector = create_worker_connector(self.config, self.model_runner.kv_caches,
+                                                        self.model_runner.model)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> Optional[ModelRunnerOutput]:
         assert self.model_runner is not None

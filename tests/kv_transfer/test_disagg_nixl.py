@@ -7,12 +7,14 @@ memory) and computes only the prompt's last token itself; outputs equal one plai
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
 import sys
 import time
-from typing import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Iterator, Optional
 
 import httpx
 import openai
@@ -187,37 +189,87 @@ def test_bad_kv_transfer_params_is_400(decode: RemoteServer) -> None:
     assert client.completions.create(model=model, prompt="hi", max_tokens=2).choices[0].text
 
 
-def test_prefill_killed_after_prefill_falls_back(prefill: RemoteServer, decode: RemoteServer,
-                                                 proxy: Proxy) -> None:
-    """The prefill instance dies holding the blocks the decode instance is about to READ: the
-    decode instance computes the prompt itself (same answer), frees everything, keeps
-    serving; the proxy then answers 503 for the dead instance. Runs last: it kills it."""
-    model = _client(decode.url_v1).models.list().data[0].id
-    prompt = random_prompts(1, 40, 40, 1024, seed=21)[0]
-    resp = httpx.post(prefill.url_for("/v1/completions"), timeout=60, json={
+def _prefill_leg(server: RemoteServer, model: str, prompt: str) -> dict:
+    """What the proxy does first: the prompt's KV on the prefill instance, kept for a READ."""
+    resp = httpx.post(server.url_for("/v1/completions"), timeout=60, json={
         "model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0,
         "kv_transfer_params": {"do_remote_decode": True}}).json()
     kv = resp["kv_transfer_params"]
-    assert kv["do_remote_prefill"] and len(kv["remote_block_ids"]) == 3
-    prefill.kill()
+    assert kv["do_remote_prefill"] and kv["remote_block_ids"]
+    return kv
+
+
+def _wait_read_in_flight(decode: RemoteServer, pending: Future, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while _metric(decode, "kv_transfers_in_flight") < 1:
+        assert not pending.done(), f"the request ended before its READ was seen: {pending}"
+        assert time.monotonic() < deadline, "the decode instance never had a READ in flight"
+        time.sleep(0.05)
+
+
+def test_prefill_hung_or_killed_during_read(prefill: RemoteServer, decode: RemoteServer,
+                                            proxy: Proxy) -> None:
+    """The prefill instance stops (SIGSTOP) or dies (SIGKILL) while the decode instance's READ
+    of its blocks is in flight (seen on the decode side's kv_transfers_in_flight gauge). NIXL
+    leaves a READ from a stopped peer "in progress" for ever: it is released after
+    transfer_timeout_s (5 s here). A peer killed mid-READ makes NIXL raise a disconnect error
+    (seen in the decode instance's log: no need to wait for the timeout).
+    Either way the client gets the right answer (computed locally, counted), the decode
+    instance frees every block, keeps serving, and nothing of the prefill instance is left.
+    Runs last: it kills the prefill instance."""
+    model = _client(decode.url_v1).models.list().data[0].id
+    prompts = [random_prompts(1, 40, 40, 1024, seed=21 + i)[0] for i in range(3)]
+    # A first P/D request: the decode instance has met this prefill instance (handshake done),
+    # so the READs below are posted at once rather than stuck in the handshake.
+    assert _completions(_client(proxy.url_v1), model, prompts[2:], stream=False)[0][0]
+    kvs = [_prefill_leg(prefill, model, p) for p in prompts[:2]]
+    fallbacks0 = _metric(decode, "kv_transfer_local_fallbacks_total")
+    started0 = _metric(decode, "kv_transfers_started_total")
+
+    def decode_leg(prompt: str, kv: Optional[dict]) -> str:
+        body = {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0}
+        if kv is not None:
+            body["kv_transfer_params"] = kv
+        resp = httpx.post(decode.url_for("/v1/completions"), timeout=60, json=body)
+        assert resp.status_code == 200, resp.text
+        return resp.json()["choices"][0]["text"]
+
+    pgid = prefill.proc.pid   # type: ignore[union-attr]
+    with ThreadPoolExecutor(1) as pool:
+        # Hung: the READ never completes; the timeout releases it.
+        os.killpg(pgid, signal.SIGSTOP)
+        started = time.monotonic()
+        hung = pool.submit(decode_leg, prompts[0], kvs[0])
+        _wait_read_in_flight(decode, hung)
+        text_hung = hung.result(timeout=60)
+        assert time.monotonic() - started >= 5.0   # it waited for the READ's timeout
+        assert _metric(decode, "kv_transfer_local_fallbacks_total") == fallbacks0 + 1
+        assert _metric(decode, "kv_transfers_in_flight") == 0
+        # Killed mid-READ: NIXL reports the disconnect; no need to wait for the timeout.
+        killed = pool.submit(decode_leg, prompts[1], kvs[1])
+        _wait_read_in_flight(decode, killed)
+        prefill.kill()
+        text_killed = killed.result(timeout=60)
+    log = decode.log_text()
+    assert log.count("timed out after 5 s; computing it locally") == 1
+    assert log.count("failed: ERR (nixlRemoteDisconnectError") == 1
+    assert _metric(decode, "kv_transfer_local_fallbacks_total") == fallbacks0 + 2
+    assert _metric(decode, "kv_transfers_started_total") == started0 + 2
+    assert _metric(decode, "kv_transfers_in_flight") == 0
     deadline = time.monotonic() + 10   # the engine core child is reaped by init shortly
     while prefill.session_alive():
         assert time.monotonic() < deadline, "a process of the prefill instance is left"
         time.sleep(0.1)
-
-    fallbacks0 = _metric(decode, "kv_transfer_local_fallbacks_total")
-    body = {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0}
-    started = time.monotonic()
-    out = httpx.post(decode.url_for("/v1/completions"), timeout=60,
-                     json={**body, "kv_transfer_params": kv}).json()
-    assert time.monotonic() - started < 30
-    assert _metric(decode, "kv_transfer_local_fallbacks_total") == fallbacks0 + 1
-    plain = httpx.post(decode.url_for("/v1/completions"), timeout=60, json=body).json()
-    assert out["choices"][0]["text"] == plain["choices"][0]["text"]
+    # The right answers: what the decode instance computes with no transfer at all.
+    assert [text_hung, text_killed] == [decode_leg(p, None) for p in prompts[:2]]
     _wait_blocks_free(decode)
+    for name in ("num_requests_running", "num_requests_waiting"):
+        assert _metric(decode, name) == 0
 
+    # The prefill instance is gone: the proxy answers 503 at once, the decode one still serves.
     started = time.monotonic()
     with pytest.raises(openai.APIStatusError) as err:
         _client(proxy.url_v1).completions.create(model=model, prompt="hello", max_tokens=4)
     assert err.value.status_code == 503 and time.monotonic() - started < 15
     assert httpx.get(decode.url_for("/health"), timeout=5).status_code == 200
+    assert decode_leg("hello", None)

@@ -38,6 +38,9 @@ class Attention(nn.Module):
         self.num_groups = num_heads // num_kv_heads
         self.scale = scale if scale is not None else head_dim ** -0.5
         self.backend: Optional[AttentionBackend] = None
+        # Set by kv_transfer.worker.bind_kv_connector when a KV connector is configured.
+        self.kv_connector: Optional[Any] = None
+        self.layer_name = ""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, meta: Any) -> torch.Tensor:
@@ -45,8 +48,13 @@ class Attention(nn.Module):
         T = q.shape[0]
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         backend = self.backend if self.backend is not None else _default_backend()
+        connector = self.kv_connector
+        if connector is not None:   # vLLM's per-layer connector hooks, around the attention
+            connector.wait_for_layer_load(self.layer_name)
         out = backend.forward(self, q.view(T, H, D), k.view(T, Hkv, D), v.view(T, Hkv, D),
                               kv_cache, meta)
+        if connector is not None:
+            connector.save_kv_layer(self.layer_name, kv_cache)
         return out.view(T, H * D)
 
 

@@ -16,7 +16,7 @@ from kvserve.distributed.parallel_state import (get_tp_rank, get_tp_world_size,
                                                 tensor_model_parallel_all_reduce)
 from kvserve.model.layers.linear import copy_checked
 from kvserve.ops.linear import linear as linear_op  # small-batch GEMV kernel on CPU
-from kvserve.ops.linear import pack_weight, packed_linear
+from kvserve.ops.linear import pack_weight, packed_linear, widened_or_packed_linear
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -69,6 +69,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         super().__init__(num_embeddings, embedding_dim)
         self.tied = False
         self.weight_packed: Optional[torch.Tensor] = None
+        self.float32_copy = False     # as LinearBase.float32_copy
 
     def tie_weights(self, embed_tokens: VocabParallelEmbedding) -> None:
         self.weight = embed_tokens.weight
@@ -79,6 +80,8 @@ class ParallelLMHead(VocabParallelEmbedding):
         weight is dropped unless the embedding shares it. A 16-bit weight with float32 math
         stays as it is (ops.linear widens it)."""
         if self.compute_dtype not in (None, self.weight.dtype):
+            if self.float32_copy:
+                self.weight_packed = pack_weight(self.weight.to(self.compute_dtype))
             return
         packed = pack_weight(self.weight)
         if packed is not None:
@@ -88,7 +91,9 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """hidden_states [N, hidden] -> float32 logits [N, vocab] over the full vocabulary."""
-        if self.weight_packed is not None:
+        if self.compute_dtype not in (None, self.weight.dtype):
+            logits = widened_or_packed_linear(hidden_states, self.weight, self.weight_packed)
+        elif self.weight_packed is not None:
             logits = packed_linear(hidden_states, self.weight_packed)
         else:
             logits = linear_op(hidden_states, self.weight)

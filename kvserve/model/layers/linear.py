@@ -22,7 +22,7 @@ from kvserve.distributed.parallel_state import (get_tp_rank, get_tp_world_size,
                                                 tensor_model_parallel_all_gather,
                                                 tensor_model_parallel_all_reduce)
 from kvserve.ops.linear import linear as linear_op  # small-batch GEMV kernel on CPU
-from kvserve.ops.linear import pack_weight, packed_linear
+from kvserve.ops.linear import pack_weight, packed_linear, widened_or_packed_linear
 
 
 def divide(numerator: int, denominator: int) -> int:
@@ -78,6 +78,9 @@ class LinearBase(nn.Module):
         # Activations' dtype when it differs from the weight's (16-bit weight, float32 math;
         # see compute_dtype.py); None: the weight's dtype.
         self.compute_dtype: Optional[torch.dtype] = None
+        # With a 16-bit weight: also keep a prepacked copy in compute_dtype for large batches
+        # (set by set_compute_dtype where memory allows).
+        self.float32_copy = False
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
                       shard_id: Optional[Union[int, str]] = None) -> None:
@@ -85,8 +88,11 @@ class LinearBase(nn.Module):
 
     def process_weights_after_loading(self) -> None:
         """On CPU, keep the weight only in oneDNN's prepacked layout (see ops.linear); a
-        16-bit weight with float32 math stays as it is (ops.linear widens it)."""
+        16-bit weight with float32 math stays as it is (ops.linear widens it), plus a
+        prepacked float32 copy for large batches when float32_copy is set."""
         if self.compute_dtype not in (None, self.weight.dtype):
+            if self.float32_copy:
+                self.weight_packed = pack_weight(self.weight.to(self.compute_dtype))
             return
         packed = pack_weight(self.weight)
         if packed is not None:
@@ -95,6 +101,8 @@ class LinearBase(nn.Module):
 
     def apply_linear(self, x: torch.Tensor, with_bias: bool = True) -> torch.Tensor:
         bias = self.bias if with_bias else None
+        if self.compute_dtype not in (None, self.weight.dtype):
+            return widened_or_packed_linear(x, self.weight, self.weight_packed, bias)
         if self.weight_packed is not None:
             return packed_linear(x, self.weight_packed, bias)
         return linear_op(x, self.weight, bias)

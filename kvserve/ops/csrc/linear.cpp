@@ -32,6 +32,7 @@
 #include <optional>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -199,6 +200,82 @@ KVS_INLINE void dots_avx2(const TX* x, const TW* w, int64_t K, float (&res)[MB][
 }
 #endif
 
+#if defined(KVS_AVX2)
+// bf16 weights with float32 x, the hot pair of dtype "auto" on an AVX2-only CPU. Widening 8
+// bf16 values one by one (zero-extend + shift) is two shuffle-port ops per 8 weights, and on
+// Zen 1 (256-bit ops split in two) that made the stream compute-bound: a bf16 weight streamed at
+// the same rows/s as a float32 one. Instead one 256-bit load takes 16 bf16 values as 8 32-bit
+// pairs: the odd (high) element of each pair is already a float32 under a mask (AND), the even
+// (low) one needs one shift. That is 2 ops per 16 weights. The dot product's order does not
+// matter, so x is deinterleaved once per call to match (deinterleave_x16): per block of 16, its
+// 8 even elements then its 8 odd ones. A tail K % 16 stays in plain order.
+constexpr int64_t kPairBlock = 16;
+// A bf16 row of K = 768 is only 24 cache lines, so the hardware prefetcher, which trains per
+// stream, kept restarting at each new group of rows: the kernel streamed 4-5 GB/s on one Zen 1
+// core against 13 GB/s for a plain read. The rows of a pass are adjacent, so a software
+// prefetch that walks the weight linearly, about two passes ahead, keeps memory busy
+// (scratch C++ loop over 48 MB, one core, loaded machine: 10-14 GB/s; without it 4-5).
+constexpr int64_t kPairPrefetchBytes = 12288;
+
+// x [M, K] -> xp [M, K]: each full 16-block as (evens, odds); the tail copied as is.
+inline void deinterleave_x16(const float* x, float* xp, int64_t M, int64_t K) {
+  const int64_t kv = K - K % kPairBlock;
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xr = x + m * K;
+    float* pr = xp + m * K;
+    for (int64_t k = 0; k < kv; k += kPairBlock)
+      for (int j = 0; j < 8; ++j) {
+        pr[k + j] = xr[k + 2 * j];
+        pr[k + 8 + j] = xr[k + 2 * j + 1];
+      }
+    for (int64_t k = kv; k < K; ++k) pr[k] = xr[k];
+  }
+}
+
+// Like dots_avx2 for (float x deinterleaved, bf16 w). With one x row (S = 2) the even and odd
+// products go to separate accumulators so that four weight rows still give eight independent
+// FMA chains; with more rows there are enough chains already (S = 1).
+template <int MB, int R>
+KVS_INLINE void dots_avx2_bf16(const float* xp, const c10::BFloat16* w, int64_t K,
+                               float (&res)[MB][R]) {
+  constexpr int S = MB == 1 ? 2 : 1;
+  __m256 acc[MB * R * S];
+  for (int i = 0; i < MB * R * S; ++i) acc[i] = _mm256_setzero_ps();
+  const __m256i hi_mask = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  int64_t k = 0;
+  for (; k + kPairBlock <= K; k += kPairBlock) {
+    // The R rows are adjacent in memory: prefetch the same share of the weight
+    // kPairPrefetchBytes further on, linearly (see kPairPrefetchBytes).
+    const char* ahead = reinterpret_cast<const char*>(w) + kPairPrefetchBytes + (k / kPairBlock) * R * 32;
+    for (int c = 0; c < R * 32; c += 64) _mm_prefetch(ahead + c, _MM_HINT_T0);
+    __m256 lo[R], hi[R];
+    for (int r = 0; r < R; ++r) {
+      const __m256i pair = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * K + k));
+      lo[r] = _mm256_castsi256_ps(_mm256_slli_epi32(pair, 16));
+      hi[r] = _mm256_castsi256_ps(_mm256_and_si256(pair, hi_mask));
+    }
+    for (int m = 0; m < MB; ++m) {
+      const __m256 xe = _mm256_loadu_ps(xp + m * K + k);
+      const __m256 xo = _mm256_loadu_ps(xp + m * K + k + 8);
+      for (int r = 0; r < R; ++r) {
+        __m256& a = acc[(m * R + r) * S];
+        a = _mm256_fmadd_ps(xe, lo[r], a);
+        __m256& b = acc[(m * R + r) * S + S - 1];
+        b = _mm256_fmadd_ps(xo, hi[r], b);
+      }
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int r = 0; r < R; ++r) {
+      __m256 a = acc[(m * R + r) * S];
+      if constexpr (S == 2) a = _mm256_add_ps(a, acc[(m * R + r) * S + 1]);
+      float t = kvs_avx2::hsum8(a);
+      for (int64_t j = k; j < K; ++j) t += xp[m * K + j] * to_float(w[r * K + j]);
+      res[m][r] = t;
+    }
+}
+#endif
+
 enum class Path { kGeneric, kAvx2, kAvx512 };
 
 // The vector path of an (x, weight) storage pair in this build: AVX-512 where the code above
@@ -217,6 +294,11 @@ constexpr Path path_of() {
 #endif
 }
 
+// float32 x with a bf16 weight on the AVX2 path: x is deinterleaved (dots_avx2_bf16).
+template <typename TX, typename TW>
+constexpr bool kPairedBf16 = path_of<TX, TW>() == Path::kAvx2 && std::is_same<TX, float>::value &&
+                             std::is_same<TW, c10::BFloat16>::value;
+
 // R weight rows [n, n + R) against x rows [0, MB): write out[m, n + r] (+ bias).
 template <typename TX, typename TW, int MB, int R>
 KVS_INLINE void rows(const TX* x, const TW* w, const TX* bias, TX* out, int64_t n, int64_t N,
@@ -229,7 +311,10 @@ KVS_INLINE void rows(const TX* x, const TW* w, const TX* bias, TX* out, int64_t 
 #endif
   } else if constexpr (p == Path::kAvx2) {
 #if defined(KVS_AVX2)
-    dots_avx2<TX, TW, MB, R>(x, w + n * K, K, res);
+    if constexpr (kPairedBf16<TX, TW>)
+      dots_avx2_bf16<MB, R>(x, w + n * K, K, res);  // x deinterleaved by run()
+    else
+      dots_avx2<TX, TW, MB, R>(x, w + n * K, K, res);
 #endif
   } else {
     dots_generic<TX, TW, MB, R>(x, w + n * K, K, res);
@@ -268,6 +353,14 @@ void run(const TX* x, const TW* w, const TX* bias, TX* out, int64_t M, int64_t N
   static constexpr ChunkFn kChunks[kMaxChunk] = {
       chunk<TX, TW, 1>, chunk<TX, TW, 2>, chunk<TX, TW, 3>, chunk<TX, TW, 4>,
       chunk<TX, TW, 5>, chunk<TX, TW, 6>, chunk<TX, TW, 7>, chunk<TX, TW, 8>};
+#if defined(KVS_AVX2)
+  std::vector<float> xp;
+  if constexpr (kPairedBf16<TX, TW>) {
+    xp.resize(static_cast<size_t>(M * K));
+    deinterleave_x16(x, xp.data(), M, K);
+    x = xp.data();
+  }
+#endif
   const int64_t groups = (N + kGroupRows - 1) / kGroupRows;
   const int64_t grain = std::max<int64_t>(1, kMinElemsPerTask / (kGroupRows * std::max<int64_t>(K, 1)));
   at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
