@@ -219,6 +219,13 @@ class ParallelConfig:
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
     distributed_executor_backend: Optional[str] = None   # None | "uni" | "mp" | "ray"
+    # Multi-node data parallelism (vLLM's flags): this node runs engines
+    # [data_parallel_start_rank, + data_parallel_size_local); engines on other nodes reach the
+    # front node at data_parallel_address:data_parallel_rpc_port (the start-up handshake).
+    data_parallel_size_local: Optional[int] = None        # None: all of them
+    data_parallel_start_rank: int = 0
+    data_parallel_address: Optional[str] = None
+    data_parallel_rpc_port: int = 29550
     # Data parallelism (set by the frontend that launches the engines): the address of the
     # DP group's rendezvous store, and of the coordinator's sockets.
     data_parallel_master_addr: str = "127.0.0.1"
@@ -229,6 +236,16 @@ class ParallelConfig:
     @property
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def local_engine_count(self) -> int:
+        local = self.data_parallel_size_local
+        return self.data_parallel_size if local is None else local
+
+    @property
+    def has_remote_engines(self) -> bool:
+        """Some engines of the DP group run on other nodes (they connect over TCP)."""
+        return self.local_engine_count < self.data_parallel_size
 
 
 @dataclass

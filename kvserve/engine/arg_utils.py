@@ -47,6 +47,12 @@ _HELP = {
     "distributed_executor_backend": "uni, mp or ray.",
     "data_parallel_size": "Number of data-parallel engine cores behind the one frontend "
                           "(requests go to the least loaded: 4 x waiting + running).",
+    "data_parallel_size_local": "Data-parallel engines on this node (default: all of them); "
+                                "the others run on other nodes (`kvserve serve --headless`).",
+    "data_parallel_start_rank": "DP rank of this node's first engine (a --headless node's).",
+    "data_parallel_address": "Address of the front node (the one with the API server) that "
+                             "engines on other nodes connect to.",
+    "data_parallel_rpc_port": "Port of the front node's start-up handshake socket.",
     "device": "cpu, cuda or auto.",
     "multiprocessing": "Run the engine core in its own process (default; env KVSERVE_ENABLE_MULTIPROCESSING=0 turns it off).",
     "disable_log_stats": "Do not log periodic throughput statistics.",
@@ -95,6 +101,10 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
+    data_parallel_size_local: Optional[int] = None
+    data_parallel_start_rank: int = 0
+    data_parallel_address: Optional[str] = None
+    data_parallel_rpc_port: int = 29550
     distributed_executor_backend: Optional[str] = None
     device: str = "auto"
     multiprocessing: bool = True
@@ -186,6 +196,10 @@ class EngineArgs:
             tensor_parallel_size=self.tensor_parallel_size,
             pipeline_parallel_size=self.pipeline_parallel_size,
             data_parallel_size=self.data_parallel_size,
+            data_parallel_size_local=self.data_parallel_size_local,
+            data_parallel_start_rank=self.data_parallel_start_rank,
+            data_parallel_address=self.data_parallel_address,
+            data_parallel_rpc_port=self.data_parallel_rpc_port,
             distributed_executor_backend=self.distributed_executor_backend)
         _verify_parallel(model_config, parallel)
         _verify_device_count(device, parallel)
@@ -247,6 +261,7 @@ def _verify_parallel(model_config: ModelConfig, parallel: ParallelConfig) -> Non
                          f"divide one another.")
     if parallel.data_parallel_size < 1:
         raise ValueError(f"data_parallel_size must be >= 1, got {parallel.data_parallel_size}.")
+    _verify_data_parallel(parallel)
     pp = parallel.pipeline_parallel_size
     if pp < 1:
         raise ValueError(f"pipeline_parallel_size must be >= 1, got {pp}.")
@@ -257,6 +272,29 @@ def _verify_parallel(model_config: ModelConfig, parallel: ParallelConfig) -> Non
     if backend == "uni" and parallel.world_size > 1:
         raise ValueError(f"distributed_executor_backend='uni' runs one worker; tensor_parallel_size "
                          f"x pipeline_parallel_size = {parallel.world_size} needs 'mp' or 'ray'.")
+
+
+def _verify_data_parallel(parallel: ParallelConfig) -> None:
+    """Multi-node DP flags that cannot work fail here, before any process starts."""
+    dp, local, start = (parallel.data_parallel_size, parallel.local_engine_count,
+                        parallel.data_parallel_start_rank)
+    if local < 0 or local > dp:
+        raise ValueError(f"data_parallel_size_local ({local}) must be between 0 and "
+                         f"data_parallel_size ({dp}).")
+    if start < 0 or start + local > dp:
+        raise ValueError(f"data_parallel_start_rank ({start}) + data_parallel_size_local "
+                         f"({local}) exceeds data_parallel_size ({dp}): this node's engines "
+                         f"would have DP ranks {start}..{start + local - 1}.")
+    if local == dp and start != 0:
+        raise ValueError(f"data_parallel_start_rank ({start}) needs data_parallel_size_local < "
+                         f"data_parallel_size: with all {dp} engines on this node it is 0.")
+    if parallel.has_remote_engines and not parallel.data_parallel_address:
+        raise ValueError(f"data_parallel_size_local ({local}) < data_parallel_size ({dp}): the "
+                         f"other engines run on other nodes and need data_parallel_address "
+                         f"(--data-parallel-address, the front node's address) to connect to.")
+    if not 0 < parallel.data_parallel_rpc_port < 65536:
+        raise ValueError(f"data_parallel_rpc_port must be a TCP port, got "
+                         f"{parallel.data_parallel_rpc_port}.")
 
 
 def _verify_device_count(device: str, parallel: ParallelConfig) -> None:

@@ -22,6 +22,7 @@ from kvserve.config import KVServeConfig
 from kvserve.engine.arg_utils import EngineArgs
 from kvserve.engine.exceptions import EngineDeadError, EngineGenerateError
 from kvserve.engine.input_processor import InputProcessor, PromptType
+from kvserve.engine.launch import ClientAddresses
 from kvserve.engine.messages import EngineCoreOutputs
 from kvserve.engine.mp_client import AsyncMPClient, cancel_task
 from kvserve.engine.output_processor import (IterationStats, OutputProcessor, ParentRequest,
@@ -42,7 +43,9 @@ StatLogger = Callable[[Optional[dict], Optional[IterationStats]], None]
 
 class AsyncLLM:
     def __init__(self, config: KVServeConfig,
-                 stat_loggers: Optional[list[StatLogger]] = None) -> None:
+                 stat_loggers: Optional[list[StatLogger]] = None,
+                 client_addresses: Optional[ClientAddresses] = None) -> None:
+        """`client_addresses`: one of several API servers (engines started by the launcher)."""
         config.multiprocessing = True
         self.config = config
         self.model_config = config.model_config
@@ -59,11 +62,12 @@ class AsyncLLM:
         # Data parallelism: per engine index, the stat loggers of that engine's outputs
         # (default: stat_loggers).
         self.stat_loggers_per_engine: dict[int, list[StatLogger]] = {}
+        self.client_index = client_addresses.client_index if client_addresses else 0
         if config.parallel_config.data_parallel_size > 1:
             from kvserve.engine.dp_client import DPAsyncMPClient
-            self.engine_core: AsyncMPClient = DPAsyncMPClient(config)
+            self.engine_core: AsyncMPClient = DPAsyncMPClient(config, client_addresses)
         else:
-            self.engine_core = AsyncMPClient(config)
+            self.engine_core = AsyncMPClient(config, client_addresses)
         self.output_handler: Optional[asyncio.Task] = None
         self._background_tasks: set[asyncio.Task] = set()
         self._shut_down = False
@@ -233,6 +237,11 @@ class AsyncLLM:
     # ------------------------------------------------------------------ utilities
     async def get_stats(self) -> dict[str, Any]:
         return await self.engine_core.call_utility_async("get_stats")
+
+    async def get_stats_per_engine(self) -> dict[int, dict[str, Any]]:
+        """Every live engine's scheduler stats, by engine index (data parallelism: all of
+        them, not only engine 0)."""
+        return await self.engine_core.call_utility_all_async("get_stats")
 
     async def reset_prefix_cache(self) -> bool:
         return await self.engine_core.call_utility_async("reset_prefix_cache")

@@ -64,12 +64,13 @@ def run_coordinator(num_engines: int, input_address: str, engines_address: str,
 
 
 class DPCoordinator:
-    """The frontend's handle on the coordinator process."""
+    """The frontend's handle on the coordinator process (which binds the three addresses)."""
 
-    def __init__(self, num_engines: int, ipc_dir: str) -> None:
-        self.input_address = f"ipc://{os.path.join(ipc_dir, 'coord_in')}"
-        self.engines_address = f"ipc://{os.path.join(ipc_dir, 'coord_eng')}"
-        self.frontend_address = f"ipc://{os.path.join(ipc_dir, 'coord_fe')}"
+    def __init__(self, num_engines: int, input_address: str, engines_address: str,
+                 frontend_address: str) -> None:
+        self.input_address = input_address
+        self.engines_address = engines_address
+        self.frontend_address = frontend_address
         self.proc = multiprocessing.get_context("spawn").Process(
             target=run_coordinator, name="DPCoordinator", daemon=True,
             kwargs=dict(num_engines=num_engines, input_address=self.input_address,

@@ -56,6 +56,8 @@ logger = logging.getLogger(__name__)
 # its traceback text. (An EngineCoreOutputs encoding is a msgpack array, never this.)
 ENGINE_CORE_DEAD = b"ENGINE_CORE_DEAD"
 HANDSHAKE_TIMEOUT_S = 5 * 60
+# A headless engine (another node's) gives up on an unreachable front node after this long.
+DP_HANDSHAKE_TIMEOUT_S = float(os.environ.get("KVSERVE_DP_HANDSHAKE_TIMEOUT", "60"))
 # After the frontend died: how long a clean shut-down may take before the process hard-exits.
 _ORPHAN_GRACE_S = 10.0
 # After a fatal error: how long flushing ENGINE_CORE_DEAD and shutting down may take before
@@ -77,9 +79,13 @@ class EngineZmqAddresses(msgspec.Struct):
 class EngineHandshakeMetadata(msgspec.Struct):
     """The frontend's answer to HELLO."""
     addresses: EngineZmqAddresses
-    # Pickled KVServeConfig: it holds torch dtypes and nested dataclasses, and both ends run
-    # the same code on the same machine.
-    config: bytes
+    # Pickled KVServeConfig, for an engine the front started itself: it holds torch dtypes
+    # and nested dataclasses, and both ends run the same code on the same machine.
+    config: bytes = b""
+    # For a headless engine (it has its own config): the DP fields to take from the front.
+    parallel_config: dict[str, Any] = msgspec.field(default_factory=dict)
+    # Why the front refuses this engine (it exits with this error).
+    error: Optional[str] = None
 
 
 def engine_identity(engine_index: int) -> bytes:
@@ -92,11 +98,18 @@ class EngineCoreProc(EngineCore):
 
     def __init__(self, handshake_address: str, engine_index: int = 0,
                  executor_class: Optional[type[Executor]] = None,
-                 signal_wakeup_fd: Optional[int] = None) -> None:
+                 signal_wakeup_fd: Optional[int] = None,
+                 config: Optional[KVServeConfig] = None) -> None:
+        """`config`: a headless engine's own (another node's); otherwise the front's."""
         self.input_queue: queue.Queue[tuple[Any, Any]] = queue.Queue()
-        # EngineCoreOutputs to encode and send; a list of raw frames to send as they are;
-        # None to flush and stop the output thread.
-        self.output_queue: queue.Queue[Union[EngineCoreOutputs, list[bytes], None]] = queue.Queue()
+        # (client index, EngineCoreOutputs) to encode and send; a list of raw frames to send
+        # to every client as they are; None to flush and stop the output thread.
+        self.output_queue: queue.Queue[Union[tuple[int, EngineCoreOutputs], list[bytes], None]] = \
+            queue.Queue()
+        self.headless = config is not None
+        self.num_clients = 1
+        # Several API servers (clients): which one sent each running request.
+        self._request_clients: dict[str, int] = {}
         self.engine_index = engine_index
         self.output_thread: Optional[threading.Thread] = None
         # How long the output socket may hold unsent messages at exit (0 once the frontend,
@@ -104,8 +117,16 @@ class EngineCoreProc(EngineCore):
         self._output_linger_ms = 5_000
         self._signal_wakeup_fd = signal_wakeup_fd
         identity = engine_identity(engine_index)
-        with self._perform_handshake(handshake_address, identity) as init:
-            config: KVServeConfig = pickle.loads(init.config)
+        with self._perform_handshake(handshake_address, identity, config) as init:
+            if init.error is not None:
+                raise RuntimeError(f"The front node refused this engine: {init.error}")
+            if config is None:
+                config = pickle.loads(init.config)
+            else:
+                for key, value in init.parallel_config.items():
+                    setattr(config.parallel_config, key, value)
+            assert config is not None
+            self.num_clients = len(init.addresses.inputs)
             super().__init__(config, executor_class)     # loads the model, sizes the KV cache
             try:
                 self._start_io_threads(init.addresses, identity)
@@ -116,11 +137,11 @@ class EngineCoreProc(EngineCore):
     def _start_io_threads(self, addresses: EngineZmqAddresses, identity: bytes) -> None:
         ready = threading.Event()
         input_thread = threading.Thread(
-            target=self.process_input_sockets, args=(addresses.inputs[0], identity, ready),
+            target=self.process_input_sockets, args=(addresses.inputs, identity, ready),
             daemon=True, name="EngineCoreInputIO")
         input_thread.start()
         self.output_thread = threading.Thread(
-            target=self.process_output_sockets, args=(addresses.outputs[0],),
+            target=self.process_output_sockets, args=(addresses.outputs,),
             daemon=True, name="EngineCoreOutputIO")
         self.output_thread.start()
         # READY only once the input socket is connected and registered.
@@ -130,8 +151,8 @@ class EngineCoreProc(EngineCore):
 
     # ------------------------------------------------------------------ handshake
     @contextmanager
-    def _perform_handshake(self, handshake_address: str,
-                           identity: bytes) -> Iterator[EngineHandshakeMetadata]:
+    def _perform_handshake(self, handshake_address: str, identity: bytes,
+                           config: Optional[KVServeConfig]) -> Iterator[EngineHandshakeMetadata]:
         """HELLO -> init message; the body of the `with` loads the engine; then READY, or
         FAILED with the error if the body raised."""
         ctx = zmq.Context()
@@ -139,7 +160,7 @@ class EngineCoreProc(EngineCore):
         sock.setsockopt(zmq.IDENTITY, identity)
         sock.connect(handshake_address)
         try:
-            init = self.startup_handshake(sock)
+            init = self.startup_handshake(sock, handshake_address, config)
             try:
                 yield init
             except BaseException as e:
@@ -155,15 +176,23 @@ class EngineCoreProc(EngineCore):
             ctx.term()
 
     @staticmethod
-    def startup_handshake(sock: zmq.Socket) -> EngineHandshakeMetadata:
-        sock.send(msgspec.msgpack.encode({"status": "HELLO", "local": True, "pid": os.getpid()}))
-        deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S
+    def startup_handshake(sock: zmq.Socket, address: str,
+                          config: Optional[KVServeConfig]) -> EngineHandshakeMetadata:
+        headless = config is not None
+        sock.send(msgspec.msgpack.encode({
+            "status": "HELLO", "local": not headless, "headless": headless, "pid": os.getpid(),
+            "data_parallel_size": config.parallel_config.data_parallel_size if config else None}))
+        timeout = DP_HANDSHAKE_TIMEOUT_S if headless else HANDSHAKE_TIMEOUT_S
+        deadline = time.monotonic() + timeout
         while not sock.poll(timeout=1000):
             if _parent_is_dead():
                 raise SystemExit("The frontend process exited during the handshake.")
             if time.monotonic() > deadline:
-                raise RuntimeError(f"Did not receive the init message from the frontend within "
-                                   f"{HANDSHAKE_TIMEOUT_S} s.")
+                where = (f" at {address} within {timeout:.0f} s "
+                         f"(KVSERVE_DP_HANDSHAKE_TIMEOUT): is the front node (`kvserve serve` "
+                         f"without --headless) running and reachable?" if headless
+                         else f" within {timeout:.0f} s.")
+                raise RuntimeError(f"Did not receive the init message from the front end{where}")
         return msgspec.msgpack.decode(sock.recv(), type=EngineHandshakeMetadata)
 
     # ------------------------------------------------------------------ busy loop
@@ -188,16 +217,45 @@ class EngineCoreProc(EngineCore):
         outputs = self.step()
         outputs.engine_index = self.engine_index
         if outputs.outputs or outputs.finished_requests or outputs.scheduler_stats is not None:
-            self.output_queue.put_nowait(outputs)
+            if self.num_clients == 1:
+                self.output_queue.put_nowait((0, outputs))
+            else:
+                for client in self._split_by_client(outputs):
+                    self.output_queue.put_nowait(client)
+
+    def _split_by_client(self, outputs: EngineCoreOutputs) -> list[tuple[int, EngineCoreOutputs]]:
+        """Several API servers: each gets its own requests' outputs, and every one the
+        scheduler stats."""
+        by_client: dict[int, EngineCoreOutputs] = {}
+
+        def of(client: int) -> EngineCoreOutputs:
+            if client not in by_client:
+                by_client[client] = EngineCoreOutputs(timestamp=outputs.timestamp,
+                                                      engine_index=outputs.engine_index)
+            return by_client[client]
+        for out in outputs.outputs:
+            client = (self._request_clients.pop(out.request_id, 0) if out.finished
+                      else self._request_clients.get(out.request_id, 0))
+            of(client).outputs.append(out)
+        for rid in outputs.finished_requests or ():
+            part = of(self._request_clients.pop(rid, 0))
+            part.finished_requests = (part.finished_requests or set()) | {rid}
+        if outputs.scheduler_stats is not None:
+            for client in range(self.num_clients):
+                of(client).scheduler_stats = outputs.scheduler_stats
+        return list(by_client.items())
 
     def _handle_client_request(self, request_type: Any, request: Any) -> None:
         if request_type == EngineCoreRequestType.ADD:
             self._add_request_or_fail(request)
         elif request_type == EngineCoreRequestType.ABORT:
             self.abort_requests(request)
+            if self.num_clients > 1:
+                for rid in request:
+                    self._request_clients.pop(rid, None)
         elif request_type == EngineCoreRequestType.UTILITY:
-            call_id, method_name, args = request
-            self._call_utility(call_id, method_name, args)
+            client, call_id, method_name, args = request
+            self._call_utility(client, call_id, method_name, args)
         elif request_type == EngineCoreRequestType.SHUTDOWN:
             raise SystemExit(0)
         elif request_type == _WAKE_UP:
@@ -214,12 +272,15 @@ class EngineCoreProc(EngineCore):
         except Exception:
             logger.exception("Request %s could not be added; finishing it with an error.",
                              request.request_id)
-            self.output_queue.put_nowait(EngineCoreOutputs(
+            self.output_queue.put_nowait((request.client_index, EngineCoreOutputs(
                 outputs=[EngineCoreOutput(request_id=request.request_id, new_token_ids=[],
                                           finish_reason=FinishReason.ERROR)],
-                timestamp=time.monotonic()))
+                timestamp=time.monotonic())))
+            return
+        if self.num_clients > 1:
+            self._request_clients[request.request_id] = request.client_index
 
-    def _call_utility(self, call_id: int, method_name: str, args: list[Any]) -> None:
+    def _call_utility(self, client: int, call_id: int, method_name: str, args: list[Any]) -> None:
         result, failure = None, None
         try:
             if method_name.startswith("_"):
@@ -227,7 +288,8 @@ class EngineCoreProc(EngineCore):
             result = getattr(self, method_name)(*args)
         except Exception as e:
             failure = f"Call to {method_name} failed: {type(e).__name__}: {e}\n{traceback.format_exc()}"
-        self.output_queue.put_nowait(EngineCoreOutputs(utility_output=(call_id, failure, result)))
+        self.output_queue.put_nowait((client, EngineCoreOutputs(
+            utility_output=(call_id, failure, result))))
 
     # ------------------------------------------------------------------ utilities
     def check_health(self) -> bool:
@@ -235,26 +297,30 @@ class EngineCoreProc(EngineCore):
         return True
 
     # ------------------------------------------------------------------ IO threads
-    def process_input_sockets(self, input_address: str, identity: bytes,
+    def process_input_sockets(self, input_addresses: list[str], identity: bytes,
                               ready: threading.Event) -> None:
-        """Input IO thread: receive, decode, and put on input_queue."""
+        """Input IO thread: receive (from every API server), decode, and put on input_queue."""
         try:
             add_decoder = MsgpackDecoder(EngineCoreRequest)
             generic_decoder = MsgpackDecoder()
             parent_fd = _parent_sentinel()
             ctx = zmq.Context()
-            sock = ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.IDENTITY, identity)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(input_address)
-            sock.send(b"")       # registration: the ROUTER can address us from now on
             poller = zmq.Poller()
-            poller.register(sock, zmq.POLLIN)
-            if parent_fd is not None:
-                poller.register(parent_fd, zmq.POLLIN)
-            wakeup_fd = self._signal_wakeup_fd
-            if wakeup_fd is not None:
-                poller.register(wakeup_fd, zmq.POLLIN)
+            sockets: dict[zmq.Socket, int] = {}
+            for client, address in enumerate(input_addresses):
+                sock = ctx.socket(zmq.DEALER)
+                sock.setsockopt(zmq.IDENTITY, identity)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.connect(address)
+                sock.send(b"")       # registration: the ROUTER can address us from now on
+                poller.register(sock, zmq.POLLIN)
+                sockets[sock] = client
+            # A headless engine's front is not its parent: its connection closing is the sign.
+            monitor = (next(iter(sockets)).get_monitor_socket(zmq.EVENT_DISCONNECTED)
+                       if self.headless else None)
+            for fd in (parent_fd, self._signal_wakeup_fd, monitor):
+                if fd is not None:
+                    poller.register(fd, zmq.POLLIN)
             ready.set()
             # With the parent's sentinel in the poller this wakes only for messages;
             # without it, check the parent every second.
@@ -262,54 +328,68 @@ class EngineCoreProc(EngineCore):
             while True:
                 events = dict(poller.poll(timeout))
                 if (parent_fd is not None and parent_fd in events) or (
-                        parent_fd is None and _parent_is_dead()):
+                        parent_fd is None and _parent_is_dead()) or (
+                        monitor is not None and monitor in events):
                     self._on_frontend_death()
                     return
-                if wakeup_fd is not None and wakeup_fd in events:
-                    os.read(wakeup_fd, 512)
+                if self._signal_wakeup_fd is not None and self._signal_wakeup_fd in events:
+                    os.read(self._signal_wakeup_fd, 512)
                     self.input_queue.put_nowait((_WAKE_UP, None))
-                if sock not in events:
-                    continue
-                type_frame, *data_frames = sock.recv_multipart(copy=False)
-                request_type = EngineCoreRequestType(bytes(type_frame.buffer))
-                request: Any
-                if request_type == EngineCoreRequestType.ADD:
-                    request = add_decoder.decode(data_frames)
-                elif request_type == EngineCoreRequestType.SHUTDOWN:
-                    request = None
-                else:     # ABORT: list of ids; UTILITY: [call_id, method, args]
-                    request = generic_decoder.decode(data_frames)
-                self.input_queue.put_nowait((request_type, request))
+                for sock, client in sockets.items():
+                    if sock in events:
+                        self._receive(sock, client, add_decoder, generic_decoder)
         except Exception as e:
             logger.exception("Engine core input IO thread failed.")
             self.input_queue.put_nowait((_IO_THREAD_FAILED, e))
 
-    def process_output_sockets(self, output_address: str) -> None:
-        """Output IO thread: take from output_queue, encode, send."""
+    def _receive(self, sock: zmq.Socket, client: int, add_decoder: MsgpackDecoder,
+                 generic_decoder: MsgpackDecoder) -> None:
+        type_frame, *data_frames = sock.recv_multipart(copy=False)
+        request_type = EngineCoreRequestType(bytes(type_frame.buffer))
+        request: Any
+        if request_type == EngineCoreRequestType.ADD:
+            request = add_decoder.decode(data_frames)
+            request.client_index = client       # where its outputs go
+        elif request_type == EngineCoreRequestType.SHUTDOWN:
+            request = None
+        elif request_type == EngineCoreRequestType.UTILITY:   # [call_id, method, args]
+            request = [client, *generic_decoder.decode(data_frames)]
+        else:     # ABORT: list of ids
+            request = generic_decoder.decode(data_frames)
+        self.input_queue.put_nowait((request_type, request))
+
+    def process_output_sockets(self, output_addresses: list[str]) -> None:
+        """Output IO thread: take from output_queue, encode, send to its API server."""
         try:
             encoder = MsgpackEncoder()
             ctx = zmq.Context()
-            sock = ctx.socket(zmq.PUSH)
-            sock.connect(output_address)
+            sockets = []
+            for address in output_addresses:
+                sock = ctx.socket(zmq.PUSH)
+                sock.connect(address)
+                sockets.append(sock)
             while True:
                 item = self.output_queue.get()
                 if item is None:
                     break
-                if isinstance(item, list):
-                    sock.send_multipart(item)
+                if isinstance(item, list):      # ENGINE_CORE_DEAD: every client
+                    for sock in sockets:
+                        sock.send_multipart(item)
                     continue
+                client, outputs = item
                 try:
-                    buffers = encoder.encode(item)
+                    buffers = encoder.encode(outputs)
                 except Exception as e:
-                    if item.utility_output is None:
+                    if outputs.utility_output is None:
                         raise
                     # A utility result that cannot be encoded fails that call, not the engine.
-                    call_id = item.utility_output[0]
+                    call_id = outputs.utility_output[0]
                     buffers = encoder.encode(EngineCoreOutputs(utility_output=(
                         call_id, f"Cannot send the result: {type(e).__name__}: {e}", None)))
-                sock.send_multipart(buffers, copy=False)
+                sockets[client].send_multipart(buffers, copy=False)
             # Flush what was queued before the sentinel, then stop.
-            sock.close(linger=self._output_linger_ms)
+            for sock in sockets:
+                sock.close(linger=self._output_linger_ms)
             ctx.term()
         except Exception as e:
             logger.exception("Engine core output IO thread failed.")
@@ -350,7 +430,8 @@ def _parent_is_dead() -> bool:
 
 
 def run_engine_core(handshake_address: str, engine_index: int = 0,
-                    log_level: Optional[int] = None, data_parallel: bool = False) -> None:
+                    log_level: Optional[int] = None, data_parallel: bool = False,
+                    config: Optional[KVServeConfig] = None) -> None:
     """Entry point of the engine core process (multiprocessing `spawn` target)."""
     if log_level is not None:
         logging.basicConfig(level=log_level,
@@ -387,7 +468,8 @@ def run_engine_core(handshake_address: str, engine_index: int = 0,
             from kvserve.executor.multiproc import _set_process_name
             _set_process_name(f"KVSEngine_DP{engine_index}")
             engine_class = DPEngineCoreProc
-        engine = engine_class(handshake_address, engine_index, signal_wakeup_fd=wakeup_r)
+        engine = engine_class(handshake_address, engine_index, signal_wakeup_fd=wakeup_r,
+                              config=config)
         engine.run_busy_loop()
     except SystemExit:
         logger.debug("Engine core shutting down.")

@@ -18,6 +18,7 @@ import zmq.asyncio
 from kvserve.config import KVServeConfig
 from kvserve.engine.coordinator import COUNTS_TOPIC
 from kvserve.engine.exceptions import EngineDeadError
+from kvserve.engine.launch import ClientAddresses
 from kvserve.engine.messages import EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType
 from kvserve.engine.mp_client import AsyncMPClient
 
@@ -30,13 +31,13 @@ class FailedEngineRequests(msgspec.Struct):
 
 
 class DPAsyncMPClient(AsyncMPClient):
-    def __init__(self, config: KVServeConfig) -> None:
+    def __init__(self, config: KVServeConfig, addresses: Optional[ClientAddresses] = None) -> None:
         n = config.parallel_config.data_parallel_size
         # [waiting, running] per engine, from the coordinator plus what we sent since.
         self.lb_counts = [[0, 0] for _ in range(n)]
         self.request_engine: dict[str, int] = {}
         self._stats_task: Optional[asyncio.Task] = None
-        super().__init__(config)
+        super().__init__(config, addresses)
         self.resources.on_engine_dead = self._on_engine_dead
 
     @property
@@ -52,10 +53,10 @@ class DPAsyncMPClient(AsyncMPClient):
 
     async def _read_counts(self) -> None:
         r = self.resources
-        assert r.ctx is not None and r.coordinator is not None
+        assert r.ctx is not None and self.addresses.coordinator_frontend is not None
         sock = r.ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.SUBSCRIBE, COUNTS_TOPIC)
-        sock.connect(r.coordinator.frontend_address)
+        sock.connect(self.addresses.coordinator_frontend)
         r.sockets.append(sock)
         try:
             while True:
@@ -112,6 +113,16 @@ class DPAsyncMPClient(AsyncMPClient):
             r.outputs_queue.put_nowait(FailedEngineRequests(engine_index, ids, message))
 
         loop.call_soon_threadsafe(deliver)
+
+    async def call_utility_all_async(self, method: str, *args: Any,
+                                     timeout: float = 5.0) -> dict[int, Any]:
+        """The call on every live engine at once; an engine that fails or does not answer
+        within `timeout` (it may be dying) is left out."""
+        live = [i for i in range(self.num_engines) if i not in self.dead_engines]
+        results = await asyncio.gather(*(
+            asyncio.wait_for(self.call_utility_async(method, *args, engine_index=i), timeout)
+            for i in live), return_exceptions=True)
+        return {i: r for i, r in zip(live, results) if not isinstance(r, BaseException)}
 
     async def check_health_async(self) -> None:
         if self.dead_engines:

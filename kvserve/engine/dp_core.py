@@ -19,7 +19,6 @@ import datetime
 import logging
 import queue
 import threading
-import time
 from typing import Any, Optional
 
 import msgspec

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import builtins
 import concurrent.futures
 import functools
 import itertools
@@ -25,7 +24,6 @@ import multiprocessing
 import multiprocessing.connection
 import multiprocessing.util  # noqa: F401  (its atexit hook must be registered before ours)
 import os
-import pickle
 import queue
 import shutil
 import tempfile
@@ -34,21 +32,21 @@ import time
 import weakref
 from typing import Any, Callable, Optional, Union
 
-import msgspec
 import zmq
 import zmq.asyncio
 
 from kvserve.config import KVServeConfig
 from kvserve.engine.core_client import EngineCoreClient
-from kvserve.engine.core_proc import (ENGINE_CORE_DEAD, EngineHandshakeMetadata,
-                                      EngineZmqAddresses, engine_identity, run_engine_core)
+from kvserve.engine.core_proc import ENGINE_CORE_DEAD, engine_identity
+from kvserve.engine.launch import (DP_HANDSHAKE_TIMEOUT_S, ClientAddresses, client_addresses,
+                                   launch_core_engines, make_engine_addresses,
+                                   recv_during_startup)
 from kvserve.engine.exceptions import EngineDeadError
 from kvserve.engine.messages import EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType
 from kvserve.engine.serial_utils import MsgpackDecoder, MsgpackEncoder
 
 logger = logging.getLogger(__name__)
 
-STARTUP_TIMEOUT_S = float(os.environ.get("KVSERVE_ENGINE_STARTUP_TIMEOUT", "600"))
 _SHUTDOWN_GRACE_S = 5.0
 # Blocking waits in the caller's thread wake up this often: a signal (Ctrl-C) that the kernel
 # handed to another thread only runs its Python handler once the main thread runs again.
@@ -73,8 +71,11 @@ class BackgroundResources:
     def __init__(self) -> None:
         self.ctx: Optional[zmq.Context] = None
         self.sockets: list[zmq.Socket] = []
-        self.proc: Optional[multiprocessing.process.BaseProcess] = None   # engine 0
-        self.procs: list[multiprocessing.process.BaseProcess] = []         # every engine
+        self.proc: Optional[multiprocessing.process.BaseProcess] = None   # our first engine
+        # Our engine processes by DP rank (none in an API server of several, and only this
+        # node's with multi-node data parallelism).
+        self.procs: dict[int, multiprocessing.process.BaseProcess] = {}
+        self.num_engines = 1
         self.coordinator: Any = None           # DPCoordinator (data parallelism)
         self.dp_store: Any = None              # the DP group's rendezvous TCPStore
         # Data parallelism: engines that died while others live on, and what to do then.
@@ -122,7 +123,7 @@ class BackgroundResources:
         _ACTIVE.discard(self)
         try:
             os.write(self.wake_w, b"x")
-            for proc in self.procs:
+            for proc in self.procs.values():
                 _stop_process(proc)
             if self.coordinator is not None:
                 self.coordinator.shutdown()
@@ -200,184 +201,141 @@ def _dead_traceback(frames: list[Any]) -> Optional[str]:
     return bytes(frames[1].buffer).decode(errors="replace") if len(frames) > 1 else None
 
 
-def _startup_error(status: dict) -> Exception:
-    """The engine's start-up error, as the same builtin type where there is one (so that e.g.
-    a KV cache too small for max_model_len is a ValueError with or without multiprocessing),
-    with the engine's traceback in the message."""
-    name = str(status.get("error_type", "RuntimeError"))
-    message = (f"Engine core initialization failed: {name}: {status.get('error', '')}\n"
-               f"Engine core traceback:\n{status.get('traceback', '')}")
-    exc_type = getattr(builtins, name, None)
-    if (isinstance(exc_type, type) and issubclass(exc_type, Exception)
-            and not issubclass(exc_type, KeyError)):     # KeyError would quote the message
-        try:
-            return exc_type(message)
-        except Exception:      # a type that wants other arguments
-            pass
-    return RuntimeError(message)
-
-
-def _monitor_engine(resources: BackgroundResources, proc_sentinel: int, pid: int,
-                    engine_index: int = 0) -> None:
-    """Thread: notices an engine core process dying, whatever killed it."""
-    multiprocessing.connection.wait([proc_sentinel, resources.wake_r])
-    if resources.closed:
-        return
-    proc = resources.procs[engine_index] if resources.procs else resources.proc
-    exitcode = None
-    if proc is not None:
-        proc.join(1.0)      # the sentinel fires as the process exits, a moment before it is reaped
-        exitcode = proc.exitcode
-    name = f"Engine core process {engine_index}" if len(resources.procs) > 1 else "Engine core process"
-    message = f"{name} (pid {pid}) died unexpectedly (exit code {exitcode})."
+def _engine_died(resources: BackgroundResources, engine_index: int, message: str) -> None:
+    """One engine is gone: with data parallelism its requests fail and the others keep
+    serving; otherwise (or when it was the last) the whole client is dead."""
     with resources.lock:
         resources.dead_engines.add(engine_index)
-        survivors = len(resources.procs) - len(resources.dead_engines)
+        survivors = resources.num_engines - len(resources.dead_engines)
     if survivors > 0 and resources.on_engine_dead is not None:
-        # Data parallelism: fail this engine's requests; the others keep serving.
         logger.error("%s The other %d engine(s) keep serving.", message, survivors)
         resources.on_engine_dead(engine_index, message)
         return
     resources.mark_dead(message)
 
 
+def _monitor_engine(resources: BackgroundResources, proc_sentinel: int, pid: int,
+                    engine_index: int = 0) -> None:
+    """Thread: notices one of our engine core processes dying, whatever killed it."""
+    multiprocessing.connection.wait([proc_sentinel, resources.wake_r])
+    if resources.closed:
+        return
+    proc = resources.procs.get(engine_index)
+    exitcode = None
+    if proc is not None:
+        proc.join(1.0)      # the sentinel fires as the process exits, a moment before it is reaped
+        exitcode = proc.exitcode
+    name = (f"Engine core process {engine_index}" if resources.num_engines > 1
+            else "Engine core process")
+    _engine_died(resources, engine_index,
+                 f"{name} (pid {pid}) died unexpectedly (exit code {exitcode}).")
+
+
+def _monitor_connections(resources: BackgroundResources, monitor: zmq.Socket,
+                         fd_engine: dict[int, int]) -> None:
+    """Thread: engines that are not our child processes (another node's, or started by the
+    API-server launcher) are watched through their connection to our input socket: a process
+    that exits closes it, and ZMTP heartbeats close it for a host that vanished."""
+    from zmq.utils.monitor import recv_monitor_message
+    poller = zmq.Poller()
+    poller.register(monitor, zmq.POLLIN)
+    poller.register(resources.wake_r, zmq.POLLIN)
+    try:
+        while fd_engine:
+            events = dict(poller.poll())
+            if resources.closed or monitor not in events:
+                return
+            event = recv_monitor_message(monitor)
+            if event["event"] != zmq.EVENT_DISCONNECTED:
+                continue
+            engine_index = fd_engine.pop(int(event["value"]), None)
+            if engine_index is not None:
+                _engine_died(resources, engine_index,
+                             f"Engine core {engine_index} ({event['endpoint'].decode()}) "
+                             f"disconnected: its process died or its node is unreachable.")
+    except zmq.ZMQError:
+        return       # closed with the client
+
+
 class MPClient(EngineCoreClient):
     """Base of the multiprocess clients: start-up, sending, shut-down."""
 
-    def __init__(self, config: KVServeConfig, asyncio_mode: bool) -> None:
+    def __init__(self, config: KVServeConfig, asyncio_mode: bool,
+                 addresses: Optional[ClientAddresses] = None) -> None:
+        """`addresses`: one of several API servers, whose engines someone else started."""
         self.config = config
         self.encoder = MsgpackEncoder()
         self.decoder = MsgpackDecoder(EngineCoreOutputs)
         self.resources = r = BackgroundResources()
         self._finalizer = weakref.finalize(self, r.close)
         self._finalizer.atexit = False        # _close_all_at_exit does it, and earlier
-        self.num_engines = config.parallel_config.data_parallel_size
+        self.num_engines = r.num_engines = config.parallel_config.data_parallel_size
         self.engine_identities = [engine_identity(i) for i in range(self.num_engines)]
         self.engine_identity = self.engine_identities[0]
         self._call_ids = itertools.count()
+        self._fd_engine: dict[int, int] = {}
         try:
             r.ipc_dir = _make_ipc_dir()
-            address = {name: f"ipc://{os.path.join(r.ipc_dir, name)}"
-                       for name in ("handshake", "input", "output")}
             r.ctx = zmq.asyncio.Context() if asyncio_mode else zmq.Context()
             sync_ctx = zmq.Context.shadow(r.ctx.underlying) if asyncio_mode else r.ctx
+            engine_addresses = None
+            if addresses is None:
+                engine_addresses = make_engine_addresses(config.parallel_config, r.ipc_dir)
+                addresses = client_addresses(engine_addresses, 0)
+            self.addresses = addresses
             self.input_socket = r.ctx.socket(zmq.ROUTER)
             self.output_socket = r.ctx.socket(zmq.PULL)
             r.sockets += [self.input_socket, self.output_socket]
-            self.input_socket.bind(address["input"])
-            self.output_socket.bind(address["output"])
-            handshake = sync_ctx.socket(zmq.ROUTER)
-            try:
-                handshake.bind(address["handshake"])
-                if self.num_engines > 1:
-                    self._start_dp_coordinator()
-                root = logging.getLogger()
-                for index in range(self.num_engines):
-                    proc = multiprocessing.get_context("spawn").Process(
-                        target=run_engine_core, name=f"EngineCore_{index}",
-                        kwargs=dict(handshake_address=address["handshake"], engine_index=index,
-                                    data_parallel=self.num_engines > 1,
-                                    # The child configures logging like ours, if ours is set up.
-                                    log_level=(logging.getLogger("kvserve").getEffectiveLevel()
-                                               if root.handlers else None)))
-                    proc.start()
-                    r.procs.append(proc)
-                r.proc = r.procs[0]
-                addresses = EngineZmqAddresses(inputs=[address["input"]],
-                                               outputs=[address["output"]])
-                self._wait_for_engine_startup(handshake, r.procs, addresses)
-            finally:
-                handshake.close(linger=0)
-            # The engines' input DEALERs register themselves; until then the ROUTER would
-            # drop messages addressed to them.
             input_sync = (zmq.Socket.shadow(self.input_socket.underlying) if asyncio_mode
                           else self.input_socket)
-            registered: set[bytes] = set()
-            while len(registered) < self.num_engines:
-                frames = self._recv_during_startup(input_sync, r.procs, "registration")
-                if frames[0] not in self.engine_identities:
-                    raise RuntimeError(f"Unexpected engine identity {frames[0]!r} on the input socket.")
-                registered.add(frames[0])
+            # A vanished remote host is noticed (its connection closed) within seconds.
+            input_sync.setsockopt(zmq.HEARTBEAT_IVL, 2_000)
+            input_sync.setsockopt(zmq.HEARTBEAT_TIMEOUT, 10_000)
+            self.input_socket.bind(addresses.input)
+            self.output_socket.bind(addresses.output)
+            monitor_address = f"inproc://kvserve-input-monitor-{id(r)}"
+            input_sync.monitor(monitor_address, zmq.EVENT_DISCONNECTED)
+            self._monitor_socket = sync_ctx.socket(zmq.PAIR)
+            self._monitor_socket.connect(monitor_address)
+            r.sockets.append(self._monitor_socket)
+            if engine_addresses is not None:
+                launch_core_engines(config, r, engine_addresses, sync_ctx)
+            self._fd_engine = self._wait_for_registration(input_sync)
         except BaseException:
             r.close()
             raise
 
-    def _start_dp_coordinator(self) -> None:
-        """Data parallelism: the coordinator process and the DP group's rendezvous store."""
-        import torch.distributed as dist
-
-        from kvserve.engine.coordinator import DPCoordinator
-        r, pc = self.resources, self.config.parallel_config
-        assert r.ipc_dir is not None
-        r.dp_store = dist.TCPStore(pc.data_parallel_master_addr, 0, is_master=True,
-                                   wait_for_workers=False)
-        pc.data_parallel_master_port = r.dp_store.port
-        r.coordinator = DPCoordinator(self.num_engines, r.ipc_dir)
-        pc.dp_coordinator_input = r.coordinator.input_address
-        pc.dp_coordinator_engines = r.coordinator.engines_address
+    def _wait_for_registration(self, input_sync: zmq.Socket) -> dict[int, int]:
+        """The engines' input DEALERs register themselves (until then the ROUTER would drop
+        messages addressed to them). Returns, for the engines that are not our child
+        processes, their connection's file descriptor -> engine index."""
+        r = self.resources
+        registered: dict[int, int] = {}
+        deadline = time.monotonic() + DP_HANDSHAKE_TIMEOUT_S
+        while len(registered) < self.num_engines:
+            frames = recv_during_startup(input_sync, list(r.procs.values()), deadline,
+                                         "the engines' input connections", copy=False)
+            identity = bytes(frames[0].buffer)
+            if identity not in self.engine_identities:
+                raise RuntimeError(f"Unexpected engine identity {identity!r} on the input socket.")
+            # ZMQ_SRCFD: the connection this message came on (deprecated, still in libzmq 4.3).
+            registered[int.from_bytes(identity, "little")] = frames[0].get(zmq.SRCFD)
+        return {fd: index for index, fd in registered.items() if index not in r.procs}
 
     def _start_monitor(self) -> None:
         r = self.resources
-        for index, proc in enumerate(r.procs):
+        for index, proc in r.procs.items():
             t = threading.Thread(target=_monitor_engine,
                                  args=(r, proc.sentinel, proc.pid, index),
                                  daemon=True, name=f"EngineCoreMonitor_{index}")
             t.start()
             r.threads.append(t)
-
-    # ------------------------------------------------------------------ start-up
-    def _wait_for_engine_startup(self, handshake: zmq.Socket,
-                                 procs: list[multiprocessing.process.BaseProcess],
-                                 addresses: EngineZmqAddresses) -> None:
-        """Per engine: HELLO -> send addresses and config -> READY (or FAILED: raise the
-        engine's error). Returns once every engine is READY."""
-        ready: set[bytes] = set()
-        while len(ready) < len(procs):
-            identity, msg = self._recv_during_startup(handshake, procs, "handshake")
-            status = msgspec.msgpack.decode(msg)
-            kind = status.get("status")
-            if kind == "HELLO":
-                init = EngineHandshakeMetadata(addresses=addresses,
-                                               config=pickle.dumps(self.config))
-                handshake.send_multipart([identity, msgspec.msgpack.encode(init)])
-            elif kind == "READY":
-                self.config.cache_config.num_blocks = int(status["num_gpu_blocks"])
-                ready.add(identity)
-            elif kind == "FAILED":
-                raise _startup_error(status)
-            else:
-                raise RuntimeError(f"Unexpected handshake message from the engine core: {status!r}")
-
-    @staticmethod
-    def _recv_during_startup(sock: zmq.Socket, procs: list[multiprocessing.process.BaseProcess],
-                             what: str) -> list[bytes]:
-        """Wait for a message, but not for a process that has died or a hung start-up."""
-        poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
-        for proc in procs:
-            poller.register(proc.sentinel, zmq.POLLIN)
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError(f"The engine core did not complete its start-up ({what}) "
-                                   f"within {STARTUP_TIMEOUT_S:.0f} s "
-                                   f"(KVSERVE_ENGINE_STARTUP_TIMEOUT).")
-            events = dict(poller.poll(timeout=remaining * 1000))
-            if sock in events:
-                return sock.recv_multipart()
-            dead = [p for p in procs if p.sentinel in events]
-            if dead:
-                proc = dead[0]
-                # Its last message may still be on the way.
-                if sock.poll(timeout=500):
-                    return sock.recv_multipart()
-                proc.join(1.0)
-                raise RuntimeError(
-                    f"The engine core process died during start-up ({what}), exit code "
-                    f"{proc.exitcode}. See its log above. It is started with the 'spawn' method, "
-                    f"which re-imports the main script: a script that creates an engine at "
-                    f"import time needs an `if __name__ == '__main__':` guard.")
+        if self._fd_engine:
+            t = threading.Thread(target=_monitor_connections,
+                                 args=(r, self._monitor_socket, self._fd_engine),
+                                 daemon=True, name="EngineConnectionMonitor")
+            t.start()
+            r.threads.append(t)
 
     # ------------------------------------------------------------------ common
     def _ensure_alive(self) -> None:
@@ -585,8 +543,8 @@ class AsyncMPClient(MPClient):
     variant on the client's loop and wait for it.
     """
 
-    def __init__(self, config: KVServeConfig) -> None:
-        super().__init__(config, asyncio_mode=True)
+    def __init__(self, config: KVServeConfig, addresses: Optional[ClientAddresses] = None) -> None:
+        super().__init__(config, asyncio_mode=True, addresses=addresses)
         r = self.resources
         try:
             r.on_dead = functools.partial(_async_on_dead, r)
@@ -639,7 +597,7 @@ class AsyncMPClient(MPClient):
             raise out
         return out
 
-    async def call_utility_async(self, method: str, *args: Any) -> Any:
+    async def call_utility_async(self, method: str, *args: Any, engine_index: int = 0) -> Any:
         self._ensure_alive()
         self._ensure_output_task()
         r = self.resources
@@ -647,11 +605,16 @@ class AsyncMPClient(MPClient):
         fut = asyncio.get_running_loop().create_future()
         r.utility_futures[call_id] = fut
         try:
-            await self._send_async(EngineCoreRequestType.UTILITY, (call_id, method, args))
+            await self._send_async(EngineCoreRequestType.UTILITY, (call_id, method, args),
+                                   self.engine_identities[engine_index])
         except BaseException:
             r.utility_futures.pop(call_id, None)
             raise
         return await fut
+
+    async def call_utility_all_async(self, method: str, *args: Any) -> dict[int, Any]:
+        """The call on every engine (one without data parallelism), by engine index."""
+        return {0: await self.call_utility_async(method, *args)}
 
     # ------------------------------------------------------------------ sync (other threads)
     def _run_on_loop(self, coro_fn: Callable[..., Any], *args: Any) -> Any:

@@ -47,6 +47,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     import asyncio
 
+    if args.headless:       # engines only: they serve the front node's API server
+        from kvserve.engine.launch import run_headless
+        if not args.data_parallel_address:
+            raise ValueError("--headless needs --data-parallel-address: the front node's "
+                             "address (where `kvserve serve` without --headless runs).")
+        return run_headless(EngineArgs.from_cli_args(args).create_engine_config())
+    if args.api_server_count < 1:
+        raise ValueError(f"--api-server-count must be >= 1, got {args.api_server_count}.")
+    if args.api_server_count > 1:
+        from kvserve.entrypoints.openai.multi_server import run_api_servers
+        return run_api_servers(args)
     from kvserve.entrypoints.openai.api_server import run_server
     try:
         return asyncio.run(run_server(args))
@@ -88,6 +99,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tool-call-parser", type=str, default=None, choices=["hermes"],
                    help="How tool calls are written in the model's text (hermes: "
                         "<tool_call>{...}</tool_call>).")
+    g.add_argument("--headless", action="store_true",
+                   help="Run this node's data-parallel engines only (no API server); they "
+                        "connect to the front node at --data-parallel-address / "
+                        "--data-parallel-rpc-port.")
+    g.add_argument("--api-server-count", type=int, default=1,
+                   help="API server processes sharing the port, each with its own client to "
+                        "the engine(s) (default: 1).")
     EngineArgs.add_cli_args(parser, skip=("model",))
     # A server logs throughput and exports metrics unless told not to.
     parser.set_defaults(disable_log_stats=False)

@@ -7,14 +7,22 @@ any order (per batch, or a fresh one taken when /metrics is scraped), count each
 
 Each logger owns a CollectorRegistry (unless given one): two servers, or two tests, in one
 process never register the same metric twice.
+
+Several API server processes (`--api-server-count N`) use prometheus_client's multiprocess
+mode (PROMETHEUS_MULTIPROC_DIR, set by the launcher before they start): each process writes
+its values to files there, and /metrics on any of them merges all: counters and histograms
+are summed (each server counts only its own requests), gauges take the most recent value.
+The engine-side totals (prefix cache, preemptions, ...) reach every server, so only one of
+them (`count_engine_totals`) turns them into counters.
 """
 from __future__ import annotations
 
+import os
 import threading
 from typing import Any, Optional
 
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
-                               generate_latest)
+                               generate_latest, multiprocess)
 
 from kvserve.metrics.loggers import StatLoggerBase
 
@@ -52,7 +60,9 @@ def build_1_2_5_buckets(max_value: int) -> list[int]:
 class PrometheusStatLogger(StatLoggerBase):
     def __init__(self, model_name: str, engine_index: int = 0, *, max_model_len: int = 2048,
                  max_num_batched_tokens: Optional[int] = None,
-                 registry: Optional[CollectorRegistry] = None) -> None:
+                 registry: Optional[CollectorRegistry] = None,
+                 count_engine_totals: bool = True) -> None:
+        self.count_engine_totals = count_engine_totals
         self.registry = registry if registry is not None else CollectorRegistry()
         self.model_name = model_name
         self.engine_index = engine_index
@@ -70,7 +80,8 @@ class PrometheusStatLogger(StatLoggerBase):
                                                              registry=reg, **kw)
 
         def gauge(name: str, doc: str) -> Any:
-            return shared(Gauge, name, doc, labels).labels(*self._label_values)
+            return shared(Gauge, name, doc, labels,
+                          multiprocess_mode="mostrecent").labels(*self._label_values)
 
         def counter(name: str, doc: str) -> Any:
             return shared(Counter, name, doc, labels).labels(*self._label_values)
@@ -170,6 +181,8 @@ class PrometheusStatLogger(StatLoggerBase):
         self.gauge_waiting.set(stats.get("num_waiting_reqs", 0))
         self.gauge_kv_cache_usage.set(stats.get("kv_cache_usage", 0.0))
         self.gauge_kv_transfers_in_flight.set(stats.get("num_kv_transfers_in_flight", 0))
+        if not self.count_engine_totals:
+            return
         with self._lock:
             for key, counter in self.counters.items():
                 if key not in stats:
@@ -229,4 +242,8 @@ class PrometheusStatLogger(StatLoggerBase):
     # ------------------------------------------------------------------ exposition
     def render(self) -> tuple[bytes, str]:
         """The text exposition format and its content type (for GET /metrics)."""
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):     # every API server's values
+            registry = CollectorRegistry()
+            multiprocess.MultiProcessCollector(registry)
+            return generate_latest(registry), CONTENT_TYPE_LATEST
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

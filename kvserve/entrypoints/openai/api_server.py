@@ -157,18 +157,20 @@ def _state(raw_request: Request) -> Any:
     return raw_request.app.state
 
 
-async def _fresh_stats(state: Any) -> Optional[dict]:
-    """The scheduler's current numbers (one utility call to the engine core), pushed into the
-    metrics so that /metrics and /load never show a stale snapshot."""
+async def _fresh_stats(state: Any) -> Optional[dict[int, dict]]:
+    """Every live engine's current scheduler numbers (one utility call each), pushed into the
+    metrics so that /metrics, /load and the queue-full check never use a stale snapshot."""
     try:
-        stats = await asyncio.wait_for(state.engine_client.get_stats(), timeout=5.0)
+        per_engine = await asyncio.wait_for(state.engine_client.get_stats_per_engine(),
+                                            timeout=5.0)
     except Exception as e:   # dead or busy engine: keep the last numbers
         logger.debug("get_stats failed: %s", e)
         return None
-    state.load.update(stats)
-    state.prometheus.update_scheduler_stats(stats)
-    state.log_stat_logger.update_scheduler_stats(stats)
-    return stats
+    state.load.update_all(per_engine)
+    for index, stats in per_engine.items():
+        state.prometheus_per_engine[index].update_scheduler_stats(stats)
+        state.log_stat_loggers[index].update_scheduler_stats(stats)
+    return per_engine
 
 
 @router.get("/health")
@@ -346,7 +348,8 @@ async def _log_stats_periodically(state: Any, interval: float) -> None:
     while True:
         await asyncio.sleep(interval)
         await _fresh_stats(state)
-        state.log_stat_logger.log()
+        for log_logger in state.log_stat_loggers:     # one line per engine, as vLLM
+            log_logger.log()
 
 
 def shutdown_engine(state: Any) -> None:
@@ -381,7 +384,8 @@ def init_app_state(engine_client: Any, state: Any, args: argparse.Namespace) -> 
     models = OpenAIServingModels(model_config.served_model_names, model_config.model,
                                  model_config.max_model_len)
     sched = config.scheduler_config
-    load = LoadTracker(sched.max_num_seqs, sched.max_num_queued_requests)
+    num_engines = config.parallel_config.data_parallel_size
+    load = LoadTracker(sched.max_num_seqs * num_engines, sched.max_num_queued_requests)
     chat_template = load_chat_template(getattr(args, "chat_template", None))
 
     gen_cfg = model_config.generation_config or {}
@@ -390,23 +394,30 @@ def init_app_state(engine_client: Any, state: Any, args: argparse.Namespace) -> 
         logger.info("Default sampling parameters from the model's generation_config.json: %s "
                     "(a request's own values win).", default_sampling)
 
-    prometheus = PrometheusStatLogger(models.model_name, 0, max_model_len=model_config.max_model_len,
-                                      max_num_batched_tokens=sched.max_num_batched_tokens)
-    log_logger = LoggingStatLogger(0, log_interval=getattr(args, "log_stats_interval", 5.0))
-    engine_client.stat_loggers.extend([prometheus, log_logger, load.record])
-    for index in range(1, config.parallel_config.data_parallel_size):
-        # Data parallelism: each engine's outputs feed its own `engine` label.
-        engine_client.stat_loggers_per_engine[index] = [
-            PrometheusStatLogger(models.model_name, index, registry=prometheus.registry,
-                                 max_model_len=model_config.max_model_len,
-                                 max_num_batched_tokens=sched.max_num_batched_tokens),
-            load.record]
+    # One Prometheus logger (the `engine` label) and one log line per engine; data-parallel
+    # engines share engine 0's registry.
+    prometheus: dict[int, PrometheusStatLogger] = {}
+    log_loggers = [LoggingStatLogger(i, log_interval=getattr(args, "log_stats_interval", 5.0))
+                   for i in range(num_engines)]
+    for index in range(num_engines):
+        prometheus[index] = PrometheusStatLogger(
+            models.model_name, index, registry=prometheus[0].registry if index else None,
+            max_model_len=model_config.max_model_len,
+            max_num_batched_tokens=sched.max_num_batched_tokens,
+            # Several API servers see the same engine totals: one of them counts them.
+            count_engine_totals=getattr(engine_client, "client_index", 0) == 0)
+        loggers = [prometheus[index], log_loggers[index], load.recorder(index)]
+        if index == 0:
+            engine_client.stat_loggers.extend(loggers)
+        else:
+            engine_client.stat_loggers_per_engine[index] = loggers
 
     state.engine_client = engine_client
     state.serving_models = models
     state.load = load
-    state.prometheus = prometheus
-    state.log_stat_logger = log_logger
+    state.prometheus = prometheus[0]
+    state.prometheus_per_engine = prometheus
+    state.log_stat_loggers = log_loggers
     state.log_interval = getattr(args, "log_stats_interval", 5.0)
     state.disable_log_stats = config.disable_log_stats
     state.serving_completion = OpenAIServingCompletion(engine_client, models, load, default_sampling)
@@ -419,13 +430,16 @@ def init_app_state(engine_client: Any, state: Any, args: argparse.Namespace) -> 
                                                            chat_template=chat_template)
 
 
-def _bind_socket(host: Optional[str], port: int) -> socket.socket:
+def _bind_socket(host: Optional[str], port: int, reuse_port: bool = False) -> socket.socket:
     """Bind before the (slow) model load: a port in use fails at once, and nobody can take
-    the port while the engine starts."""
+    the port while the engine starts. `reuse_port`: one of several API servers' sockets on
+    the same port (the kernel spreads the connections over them)."""
     host = host or "0.0.0.0"
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind((host, port))
     except OSError as e:
@@ -437,8 +451,6 @@ def _bind_socket(host: Optional[str], port: int) -> socket.socket:
 
 async def run_server(args: argparse.Namespace) -> int:
     """Serve until SIGINT/SIGTERM (returns 0) or the engine core's death (returns 1)."""
-    import uvicorn
-
     from kvserve.engine.arg_utils import EngineArgs
     from kvserve.engine.async_llm import AsyncLLM
 
@@ -448,21 +460,31 @@ async def run_server(args: argparse.Namespace) -> int:
         load_chat_template(args.chat_template)   # a bad path fails before the model loads
     sock = _bind_socket(args.host, args.port)
     engine_args = EngineArgs.from_cli_args(args)
+    return await serve_http(args, sock, lambda: AsyncLLM.from_engine_args(engine_args))
+
+
+async def serve_http(args: argparse.Namespace, sock: socket.socket,
+                     make_engine: Callable[[], Any], log_config: Optional[dict] = None) -> int:
+    """Build the app around the engine client `make_engine()` returns and serve on `sock`
+    until SIGINT/SIGTERM (returns 0) or the engine core's death (returns 1)."""
+    import uvicorn
+
     app = build_app(args)
     try:
-        engine = AsyncLLM.from_engine_args(engine_args)
+        engine = make_engine()
         app.state.engine_client = engine
         init_app_state(engine, app.state, args)
+        extra = {"log_config": log_config} if log_config is not None else {}
         config = uvicorn.Config(app, log_level=args.uvicorn_log_level,
                                 access_log=not args.disable_uvicorn_access_log,
                                 timeout_keep_alive=TIMEOUT_KEEP_ALIVE,
-                                timeout_graceful_shutdown=TIMEOUT_GRACEFUL_SHUTDOWN)
+                                timeout_graceful_shutdown=TIMEOUT_GRACEFUL_SHUTDOWN, **extra)
         server = uvicorn.Server(config)
         app.state.server = server
         app.state.keep_alive_on_engine_death = getattr(args, "keep_alive_on_engine_death", False)
         host, port = sock.getsockname()[:2]
-        logger.info("Starting kvserve API server (model %r) on http://%s:%d", engine_args.model,
-                    host, port)
+        logger.info("Starting kvserve API server (model %r) on http://%s:%d",
+                    engine.model_config.model, host, port)
         await server.serve(sockets=[sock])
     finally:
         shutdown_engine(app.state)

@@ -6,7 +6,8 @@ vLLM's type names. Handlers raise `ServingError`; the app turns it into the resp
 Admission control ("do better" than vLLM's unbounded queue): with `--max-num-queued-requests
 N`, a request is refused with 503 when admitting it would leave more than N sequences
 waiting. The waiting count is estimated at once, without a round trip to the engine core:
-`max(in_flight - max_num_seqs, waiting in the engine's last report)`, where `in_flight` counts
+`max(in_flight - max_num_seqs, waiting in the engines' last reports)` (max_num_seqs summed
+over the data-parallel engines), where `in_flight` counts
 the sequences this server has admitted and not yet finished (n per prompt). The first term is
 exact whenever the batch size, not KV memory, is what keeps requests waiting; the second
 catches the KV-bound case one engine step late.
@@ -17,7 +18,7 @@ import asyncio
 import logging
 import time
 from http import HTTPStatus
-from typing import Any, AsyncGenerator, AsyncIterator, Iterable, Optional, TypeVar, Union
+from typing import Any, AsyncGenerator, AsyncIterator, Callable, Iterable, Optional, TypeVar, Union
 
 from kvserve.engine.exceptions import EngineDeadError, EngineGenerateError
 from kvserve.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, random_uuid
@@ -72,9 +73,11 @@ def is_engine_dead_error(e: BaseException) -> bool:
 
 # ---------------------------------------------------------------------- admission
 class LoadTracker:
-    """Sequences in flight and the engine's last reported queue lengths (module docstring).
+    """Sequences in flight and the engines' last reported queue lengths (module docstring).
 
-    `record` is an engine stat logger: it sees every scheduler report.
+    With data parallelism every engine reports its own counts; `engine_running` and
+    `engine_waiting` are their sums. `recorder(i)` is engine i's stat logger: it sees every
+    scheduler report of that engine.
     """
 
     def __init__(self, max_num_seqs: int, max_num_queued_requests: Optional[int]) -> None:
@@ -84,14 +87,28 @@ class LoadTracker:
         self.num_requests = 0            # HTTP requests being served (/load's server_load)
         self.engine_running = 0
         self.engine_waiting = 0
+        self._per_engine: dict[int, tuple[int, int]] = {}     # engine -> (running, waiting)
 
-    def record(self, scheduler_stats: Optional[dict], iteration_stats: Any = None) -> None:
-        if scheduler_stats:
-            self.update(scheduler_stats)
+    def recorder(self, engine_index: int) -> Callable[[Optional[dict], Any], None]:
+        def record(scheduler_stats: Optional[dict], iteration_stats: Any = None) -> None:
+            if scheduler_stats:
+                self.update(scheduler_stats, engine_index)
+        return record
 
-    def update(self, scheduler_stats: dict) -> None:
-        self.engine_running = int(scheduler_stats.get("num_running_reqs", 0))
-        self.engine_waiting = int(scheduler_stats.get("num_waiting_reqs", 0))
+    def update(self, scheduler_stats: dict, engine_index: int = 0) -> None:
+        self._per_engine[engine_index] = (int(scheduler_stats.get("num_running_reqs", 0)),
+                                          int(scheduler_stats.get("num_waiting_reqs", 0)))
+        self._sum()
+
+    def update_all(self, stats_per_engine: dict[int, dict]) -> None:
+        """A fresh snapshot of every live engine (a dead engine's counts are dropped)."""
+        self._per_engine = {i: (int(s.get("num_running_reqs", 0)), int(s.get("num_waiting_reqs", 0)))
+                            for i, s in stats_per_engine.items()}
+        self._sum()
+
+    def _sum(self) -> None:
+        self.engine_running = sum(r for r, _ in self._per_engine.values())
+        self.engine_waiting = sum(w for _, w in self._per_engine.values())
 
     @property
     def estimated_waiting(self) -> int:
