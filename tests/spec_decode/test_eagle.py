@@ -77,9 +77,10 @@ def test_random_head_greedy_identical(tiny_llama: str, random_head: str, baselin
                                       kw: dict) -> None:
     llm = LLM(tiny_llama, **BASE, **kw, speculative_config=eagle_config(random_head))
     outs = llm.generate(prompts(), GREEDY, use_tqdm=False)
-    second = llm.generate(prompts(), GREEDY, use_tqdm=False)   # prefix cache hits
     assert_same_outputs(baseline, outs, f"random EAGLE head {kw}")
-    assert_same_outputs(baseline, second, f"random EAGLE head {kw} (again)")
+    if not kw:   # prefix cache hits (a pool small enough to preempt keeps no prefixes)
+        second = llm.generate(prompts(), GREEDY, use_tqdm=False)
+        assert_same_outputs(baseline, second, f"random EAGLE head {kw} (again)")
     spec = assert_spec_metrics_add_up(llm, min_accepted=0)
     # Every step drafted K tokens (fewer only where max_tokens / max_model_len cut them).
     assert spec["num_draft_tokens"] > 0.9 * K * spec["num_drafts"], spec
