@@ -89,8 +89,8 @@ def ensure_eagle_head(model_dir: str = DEFAULT_MODEL_DIR) -> str:
               "self_attn.k_proj.weight": (kv, h), "self_attn.v_proj.weight": (kv, h),
               "self_attn.o_proj.weight": (h, q), "mlp.gate_proj.weight": (inter, h),
               "mlp.up_proj.weight": (inter, h), "mlp.down_proj.weight": (h, inter)}
-    tensors = {(n if n == "fc.weight" else "layers.0." + n): 0.02 * torch.randn(shape, generator=gen)
-               for n, shape in shapes.items()}
+    tensors = {(n if n == "fc.weight" else "layers.0." + n):
+               0.02 * torch.randn(shape, generator=gen) for n, shape in shapes.items()}
     tensors["layers.0.post_attention_layernorm.weight"] = torch.ones(h)
     tmp = path + f".tmp-{os.getpid()}"
     os.makedirs(tmp)

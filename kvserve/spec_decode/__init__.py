@@ -1,6 +1,6 @@
-"""Speculative decoding: proposers (n-gram lookup, draft model, EAGLE head) behind one small interface,
-the adaptive rule that decides who drafts, and the acceptance metrics. Final tokens are
-chosen by kvserve.sample.rejection_sampler."""
+"""Speculative decoding: proposers (n-gram lookup, draft model, EAGLE head) behind one small
+interface, the adaptive rule that decides who drafts, and the acceptance metrics. Final tokens
+are chosen by kvserve.sample.rejection_sampler."""
 
 from __future__ import annotations
 

@@ -14,7 +14,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from kvserve import LLM, SamplingParams
+from kvserve import LLM
+from kvserve.engine.arg_utils import EngineArgs
+from kvserve.spec_decode.eagle import eagle_weight_shapes
 from tests.spec_decode.conftest import BASE, GREEDY, prompts
 from tests.spec_decode.test_spec_decode import assert_all_blocks_free, assert_spec_metrics_add_up
 from tests.utils import assert_same_outputs, random_prompts
@@ -207,3 +209,13 @@ def test_bad_eagle_configs_fail_before_start(tiny_llama: str, random_head: str,
     for cfg, message in cases:
         with pytest.raises(ValueError, match=message):
             LLM(tiny_llama, **BASE, speculative_config=cfg)
+    # EAGLE's own releases ship pytorch_model.bin: read the same (headers only at validation).
+    as_bin = str(tmp_path / "bin")
+    shutil.copytree(random_head, as_bin)
+    os.remove(os.path.join(as_bin, "model.safetensors"))
+    tensors = load_file(os.path.join(random_head, "model.safetensors"))
+    torch.save(tensors, os.path.join(as_bin, "pytorch_model.bin"))
+    config = EngineArgs(model=tiny_llama, max_model_len=512,
+                        speculative_config=eagle_config(as_bin)).create_engine_config()
+    assert config.speculative_config.method == "eagle"
+    assert eagle_weight_shapes(as_bin) == eagle_weight_shapes(random_head)
