@@ -175,11 +175,64 @@ def oracle_head(path: str, target: str, via: str) -> str:
     return write_eagle_head(path, target, tensors)
 
 
-@pytest.mark.parametrize("via", ["hidden", "embed"])
+def attention_oracle_head(path: str, target: str, dist: int) -> str:
+    """A head whose draft comes through its attention to the KV `dist` positions back (the
+    text counts up from the prompt's first token, so t_{p+1} = t_{p+1-dist} + dist).
+
+    fc = [eps R^-5 | 0]: x[p] = eps E[t_{p+1} - 5], whose argmax alone is a wrong draft.
+    q and k are constant (biases only); rotary turns their dot product into
+    lam * sum_i cos(theta_i (p - j - dist)), largest at j = p - dist: each head attends there
+    only. v = R^5 / eps x = E[t_{j+1}], so the attention returns E[t_{p+1-dist}]; o_proj =
+    R^dist makes it E[t_{p+1}], and the target's lm_head drafts t_{p+1} + 1.
+    dist 1: drafts 2..k read the KV the previous draft wrote; dist 5: the step's last
+    position reads KV of an earlier step (a step accepts at most 4). A KV slot written at the
+    wrong place, a wrong context length or position makes drafts wrong."""
+    with open(os.path.join(target, "config.json")) as f:
+        cfg = json.load(f)
+    heads, hd = cfg["num_attention_heads"], H // cfg["num_attention_heads"]
+    base = float(cfg.get("rope_theta", 10000.0))
+    theta = base ** (-torch.arange(0, hd, 2, dtype=torch.float64) / hd)
+    d = torch.arange(0, 512, dtype=torch.float64)
+    score = torch.cos(theta[None, :] * (d[:, None] - dist)).sum(dim=1)
+    gap = float(hd // 2 - torch.cat([score[:dist], score[dist + 1:]]).max())   # runner-up
+    assert gap > 0.3, gap
+    a = math.sqrt(30.0 / gap * math.sqrt(hd))        # lam * gap = 30 (scale 1 / sqrt(hd))
+    half = hd // 2
+    q_head, k_head = torch.zeros(hd, dtype=torch.float64), torch.zeros(hd, dtype=torch.float64)
+    q_head[:half], q_head[half:] = a * torch.cos(-dist * theta), a * torch.sin(-dist * theta)
+    k_head[:half] = a
+    eps = 0.1
+    gen = torch.Generator().manual_seed(6)
+    tensors = layer_tensors(target, gen, zero_out=True)
+    zeros = torch.zeros(H, H, dtype=torch.float64)
+    tensors.update({
+        "layers.0.self_attn.q_proj.weight": zeros, "layers.0.self_attn.k_proj.weight": zeros,
+        "layers.0.self_attn.q_proj.bias": q_head.repeat(heads),
+        "layers.0.self_attn.k_proj.bias": k_head.repeat(heads),
+        "layers.0.self_attn.v_proj.weight": shift(5) / eps,
+        "layers.0.self_attn.v_proj.bias": torch.zeros(H),
+        "layers.0.self_attn.o_proj.weight": shift(dist),
+        "layers.0.self_attn.o_proj.bias": torch.zeros(H),
+        "fc.weight": torch.cat([eps * shift(-5), zeros], dim=1)})
+    tensors = {k: v.float() for k, v in tensors.items()}
+    write_eagle_head(path, target, tensors)
+    with open(os.path.join(path, "config.json")) as f:   # one KV head per query head
+        cfg = json.load(f)
+    cfg.update(num_key_value_heads=heads, attention_bias=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return path
+
+
+@pytest.mark.parametrize("via", ["hidden", "embed", "attention1", "attention5"])
 def test_oracle_head_accepts_every_draft(counting_llama: str, via: str, tmp_path) -> None:
-    head = oracle_head(str(tmp_path / "head"), counting_llama, via)
+    head = (attention_oracle_head(str(tmp_path / "head"), counting_llama, int(via[-1]))
+            if via.startswith("attention") else
+            oracle_head(str(tmp_path / "head"), counting_llama, via))
     llm = LLM(counting_llama, **BASE, **CHUNKED_PREEMPT, speculative_config=eagle_config(head))
-    ps = random_prompts(8, 10, 60, vocab=V, seed=7)
+    # Counting prompts: the whole text counts up (the attention heads look back into it).
+    ps = [[(p[0] + i) % V for i in range(len(p))]
+          for p in random_prompts(8, 10, 60, vocab=V, seed=7)]
     outs = llm.generate([{"prompt_token_ids": p} for p in ps], GREEDY, use_tqdm=False)
     for p, o in zip(ps, outs):   # the target counts up from the prompt's last token
         want = [(p[-1] + i) % V for i in range(1, GREEDY.max_tokens + 1)]
