@@ -1,7 +1,8 @@
 """Paged KV for a proposer's own layers (draft model, EAGLE head): its KV tensors are indexed
-by the target's block ids, so a batch of proposer queries is addressed with the target's
-block table and slot mapping. One helper builds that batch: rows reordered with single-token
-queries (decodes) first, as the attention kernels expect, and the AttentionMetadata.
+by the target's block ids (as many blocks as the target's cache), so a batch of proposer
+queries is addressed with the target's block table and slot mapping. Helpers: the KV tensors'
+size and allocation, and the batch (rows reordered with single-token queries (decodes)
+first, as the attention kernels expect, and the AttentionMetadata).
 """
 from __future__ import annotations
 
@@ -10,11 +11,37 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvserve.config import KVServeConfig, ModelConfig
 from kvserve.model.layers.attention import AttentionMetadata
+from kvserve.model.loader import get_kv_cache_shape
 
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def proposer_model_config(config: KVServeConfig) -> ModelConfig:
+    """The proposer checkpoint's ModelConfig, in the target's dtype and max_model_len."""
+    spec, target = config.speculative_config, config.model_config
+    assert spec is not None and spec.model is not None
+    return ModelConfig.from_path(
+        spec.model, tokenizer=None, served_model_name=None, dtype=target.dtype,
+        max_model_len=target.max_model_len, seed=target.seed,
+        max_logprobs=target.max_logprobs, device=config.device_config.device)
+
+
+def kv_cache_bytes_per_block(model_config: ModelConfig, block_size: int, tp_size: int) -> int:
+    shape = get_kv_cache_shape(model_config, 1, block_size, tp_size)
+    elem = torch.empty((), dtype=model_config.dtype).element_size()
+    return int(np.prod(shape)) * elem * model_config.num_layers
+
+
+def allocate_kv_caches(model_config: ModelConfig, num_blocks: int, block_size: int,
+                       tp_size: int, device: torch.device) -> list[torch.Tensor]:
+    """One zeroed KV tensor per layer (zeroed: masked-out slots are multiplied by 0)."""
+    shape = get_kv_cache_shape(model_config, num_blocks, block_size, tp_size)
+    return [torch.zeros(shape, dtype=model_config.dtype, device=device)
+            for _ in range(model_config.num_layers)]
 
 
 @dataclass

@@ -42,7 +42,8 @@ from kvserve.model.layers.embedding import ParallelLMHead, VocabParallelEmbeddin
 from kvserve.model.layers.linear import default_weight_loader
 from kvserve.model.llama import LlamaDecoderLayer, LlamaForCausalLM
 from kvserve.spec_decode.base import TargetHiddenStates
-from kvserve.spec_decode.draft_kv import make_draft_batch
+from kvserve.spec_decode.draft_kv import (allocate_kv_caches, kv_cache_bytes_per_block,
+                                          make_draft_batch, proposer_model_config)
 from kvserve.worker.input_batch import InputBatch
 
 # Checkpoint tensors EAGLE-1 never uses (vLLM skips them too).
@@ -131,16 +132,10 @@ class EagleProposer:
     uses_target_hidden = True
 
     def __init__(self, config: KVServeConfig, device: torch.device) -> None:
-        spec = config.speculative_config
-        assert spec is not None and spec.model is not None
-        target = config.model_config
         self.device = device
         self.block_size = config.cache_config.block_size
         self.tp_size = config.parallel_config.tensor_parallel_size
-        self.model_config = ModelConfig.from_path(
-            spec.model, tokenizer=None, served_model_name=None, dtype=target.dtype,
-            max_model_len=target.max_model_len, seed=target.seed,
-            max_logprobs=target.max_logprobs, device=config.device_config.device)
+        self.model_config = proposer_model_config(config)
         self.head: Optional[EagleHead] = None
         self.embed_tokens: Optional[nn.Module] = None
         self.lm_head: Optional[ParallelLMHead] = None
@@ -174,16 +169,11 @@ class EagleProposer:
         self.lm_head = head.lm_head if head.lm_head is not None else target_model.lm_head
 
     def kv_cache_bytes_per_block(self) -> int:
-        from kvserve.model.loader import get_kv_cache_shape
-        shape = get_kv_cache_shape(self.model_config, 1, self.block_size, self.tp_size)
-        elem = torch.empty((), dtype=self.model_config.dtype).element_size()
-        return int(np.prod(shape)) * elem * self.model_config.num_layers
+        return kv_cache_bytes_per_block(self.model_config, self.block_size, self.tp_size)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        from kvserve.model.loader import get_kv_cache_shape
-        shape = get_kv_cache_shape(self.model_config, num_blocks, self.block_size, self.tp_size)
-        self.kv_caches = [torch.zeros(shape, dtype=self.model_config.dtype, device=self.device)
-                          for _ in range(self.model_config.num_layers)]
+        self.kv_caches = allocate_kv_caches(self.model_config, num_blocks, self.block_size,
+                                            self.tp_size, self.device)
 
     def drop(self, req_ids: set[str]) -> None:
         pass   # no per-request state: the head's KV lives in the requests' blocks
