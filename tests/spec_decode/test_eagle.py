@@ -229,13 +229,16 @@ def test_oracle_head_accepts_every_draft(counting_llama: str, via: str, tmp_path
     head = (attention_oracle_head(str(tmp_path / "head"), counting_llama, int(via[-1]))
             if via.startswith("attention") else
             oracle_head(str(tmp_path / "head"), counting_llama, via))
-    llm = LLM(counting_llama, **BASE, **CHUNKED_PREEMPT, speculative_config=eagle_config(head))
+    # A pool of 24 blocks (192 tokens) for 8 requests of up to 83: preemption.
+    llm = LLM(counting_llama, **dict(BASE, max_model_len=128),
+              **dict(CHUNKED_PREEMPT, num_gpu_blocks_override=24),
+              speculative_config=eagle_config(head))
     # Counting prompts: the whole text counts up (the attention heads look back into it).
     ps = [[(p[0] + i) % V for i in range(len(p))]
           for p in random_prompts(8, 10, 60, vocab=V, seed=7)]
-    outs = llm.generate([{"prompt_token_ids": p} for p in ps], GREEDY, use_tqdm=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in ps], SHORT, use_tqdm=False)
     for p, o in zip(ps, outs):   # the target counts up from the prompt's last token
-        want = [(p[-1] + i) % V for i in range(1, GREEDY.max_tokens + 1)]
+        want = [(p[-1] + i) % V for i in range(1, SHORT.max_tokens + 1)]
         assert o.outputs[0].token_ids == want
     spec = assert_spec_metrics_add_up(llm, min_accepted=50)
     assert spec["num_accepted_tokens"] == spec["num_draft_tokens"], spec
