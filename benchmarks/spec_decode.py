@@ -8,7 +8,9 @@ Workloads (greedy, ignore_eos; tok/s = output tokens / wall time of `generate`):
 - batch 1, draft model: a small random draft (2 layers, hidden 256, same vocabulary) and the
   target as its own draft (every draft accepted: the machinery's overhead);
 - batch 32, random prompts (low acceptance): plain vs n-gram with the adaptive rule (default
-  config) and with it off.
+  config) and with it off;
+- batch 1, EAGLE: a random EAGLE-Llama head for the same model (acceptance ~0: the head's
+  cost per step with the adaptive rule off, and with it on, which should stop drafting).
 
     python benchmarks/spec_decode.py [--dtype float32] [--max-tokens 96] [--batch 32]
                                      [--skip-demo] [--output-json out.json]
@@ -68,6 +70,37 @@ def ensure_small_draft(model_dir: str = DEFAULT_MODEL_DIR) -> str:
     return path
 
 
+def ensure_eagle_head(model_dir: str = DEFAULT_MODEL_DIR) -> str:
+    """A random EAGLE-Llama head (vLLM's layout: fc.weight, layers.0.*) for the bench model."""
+    import torch
+    from safetensors.torch import save_file
+
+    path = os.path.join(model_dir, "llama-eagle-random-v1")
+    if os.path.isfile(os.path.join(path, "model.safetensors")):
+        return path
+    with open(os.path.join(ensure_bench_model(model_dir), "config.json")) as f:
+        cfg = json.load(f)
+    h, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    hd = cfg.get("head_dim") or h // cfg["num_attention_heads"]
+    q, kv = cfg["num_attention_heads"] * hd, cfg.get("num_key_value_heads",
+                                                     cfg["num_attention_heads"]) * hd
+    gen = torch.Generator().manual_seed(2)
+    shapes = {"fc.weight": (h, 2 * h), "self_attn.q_proj.weight": (q, h),
+              "self_attn.k_proj.weight": (kv, h), "self_attn.v_proj.weight": (kv, h),
+              "self_attn.o_proj.weight": (h, q), "mlp.gate_proj.weight": (inter, h),
+              "mlp.up_proj.weight": (inter, h), "mlp.down_proj.weight": (h, inter)}
+    tensors = {(n if n == "fc.weight" else "layers.0." + n):
+               0.02 * torch.randn(shape, generator=gen) for n, shape in shapes.items()}
+    tensors["layers.0.post_attention_layernorm.weight"] = torch.ones(h)
+    tmp = path + f".tmp-{os.getpid()}"
+    os.makedirs(tmp)
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+        json.dump({**cfg, "num_hidden_layers": 1, "architectures": ["LlamaForCausalLMEagle"]}, f)
+    save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+    os.replace(tmp, path)
+    return path
+
+
 def run(model: str, prompts: list[Any], max_tokens: int, dtype: str,
         spec: Optional[dict], **kw: Any) -> dict:
     llm = LLM(model, dtype=dtype, max_model_len=1024, seed=0, speculative_config=spec, **kw)
@@ -110,7 +143,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--skip-demo", action="store_true")
-    p.add_argument("--only", default=None, help="comma list: random,repetitive,demo,draft,batch")
+    p.add_argument("--only", default=None, help="comma list: random,repetitive,demo,draft,eagle,batch")
     p.add_argument("--output-json", default=None)
     args = p.parse_args()
     only = set(args.only.split(",")) if args.only else None
@@ -141,6 +174,12 @@ def main() -> None:
                                         "num_speculative_tokens": 3},
              "target as own draft": {"method": "draft_model", "model": model,
                                      "num_speculative_tokens": 3}})
+    if only is None or "eagle" in only:
+        eagle = {"method": "eagle", "model": ensure_eagle_head(), "num_speculative_tokens": 3}
+        results["batch1_eagle"] = compare(
+            "batch 1, random EAGLE head (acceptance ~0)", model, random_prompt, args,
+            {"plain": None, "eagle (adaptive)": eagle,
+             "eagle (no adaptive rule)": {**eagle, **NO_ADAPT}})
     if only is None or "batch" in only:
         prompts = [{"prompt_token_ids": [rng.randrange(100, 32000) for _ in range(32)]}
                    for _ in range(args.batch)]

@@ -1,6 +1,6 @@
-"""Speculative decoding: proposers (n-gram lookup, draft model) behind one small interface,
-the adaptive rule that decides who drafts, and the acceptance metrics. Final tokens are
-chosen by kvserve.sample.rejection_sampler."""
+"""Speculative decoding: proposers (n-gram lookup, draft model, EAGLE head) behind one small
+interface, the adaptive rule that decides who drafts, and the acceptance metrics. Final tokens
+are chosen by kvserve.sample.rejection_sampler."""
 
 from __future__ import annotations
 
@@ -26,6 +26,9 @@ def make_spec_decode_runner(config: "KVServeConfig",
         from kvserve.spec_decode.ngram import NgramProposer
         proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max,
                                  spec.num_speculative_tokens)
+    elif spec.method == "eagle":
+        from kvserve.spec_decode.eagle import EagleProposer
+        proposer = EagleProposer(config, device)
     else:
         from kvserve.spec_decode.draft_model import DraftModelProposer
         proposer = DraftModelProposer(config, device)

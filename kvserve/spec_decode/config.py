@@ -13,9 +13,9 @@ from typing import Any, Optional, Union
 
 from kvserve.json_config import parse_json_config
 
-SPEC_METHODS = ("ngram", "draft_model")
+SPEC_METHODS = ("ngram", "draft_model", "eagle")
 # vLLM's other methods: named, so that asking for one says "not yet" rather than "unknown".
-_NOT_YET = ("eagle", "eagle3", "medusa", "mtp", "suffix")
+_NOT_YET = ("eagle3", "medusa", "mtp", "suffix")
 
 
 @dataclass
@@ -25,7 +25,8 @@ class SpeculativeConfig:
     # n-gram prompt lookup: the longest then shorter suffixes of the context, down to min.
     prompt_lookup_min: Optional[int] = None
     prompt_lookup_max: Optional[int] = None
-    # draft_model: a checkpoint directory sharing the target's tokenizer and vocabulary.
+    # draft_model: a checkpoint directory sharing the target's tokenizer and vocabulary;
+    # eagle: an EAGLE-Llama head checkpoint (kvserve/spec_decode/eagle.py).
     model: Optional[str] = None
     draft_tensor_parallel_size: Optional[int] = None
     # Adaptive speculation ("never slower", see kvserve/spec_decode/adaptive.py):
@@ -78,7 +79,8 @@ class SpeculativeConfig:
                              "checkpoint directory).")
         path = os.path.abspath(os.path.expanduser(self.model))
         if not os.path.isfile(os.path.join(path, "config.json")):
-            raise ValueError(f"Draft model {self.model!r} not found: {path} has no config.json.")
+            what = "EAGLE checkpoint" if self.method == "eagle" else "Draft model"
+            raise ValueError(f"{what} {self.model!r} not found: {path} has no config.json.")
         self.model = path
         tp = self.draft_tensor_parallel_size
         if tp is not None and tp < 1:
@@ -98,6 +100,9 @@ class SpeculativeConfig:
         assert self.model is not None
         with open(os.path.join(self.model, "config.json")) as f:
             draft_cfg = json.load(f)
+        if self.method == "eagle":
+            self._verify_eagle(draft_cfg, target_hf_config, tensor_parallel_size, max_model_len)
+            return
         if int(draft_cfg.get("vocab_size", -1)) != int(target_hf_config["vocab_size"]):
             raise ValueError(f"Draft model vocab_size ({draft_cfg.get('vocab_size')}) differs "
                              f"from the target's ({target_hf_config['vocab_size']}).")
@@ -117,6 +122,37 @@ class SpeculativeConfig:
             raise ValueError(f"draft_tensor_parallel_size ({tp}) must equal the target's "
                              f"tensor_parallel_size ({tensor_parallel_size}): the draft runs "
                              "on the same worker ranks.")
+
+    def _verify_eagle(self, cfg: dict, target_hf_config: dict, tensor_parallel_size: int,
+                      max_model_len: int) -> None:
+        """An EAGLE head reads the target's hidden states and (unless it has its own)
+        embedding and LM head: the hidden size must match, and its own ones the vocabulary."""
+        from kvserve.spec_decode.eagle import eagle_weight_shapes
+        hidden = int(target_hf_config["hidden_size"])
+        if int(cfg.get("hidden_size", -1)) != hidden:
+            raise ValueError(f"EAGLE head hidden_size ({cfg.get('hidden_size')}) differs from "
+                             f"the target's ({hidden}).")
+        if int(cfg.get("max_position_embeddings") or 2048) < max_model_len:
+            raise ValueError(f"EAGLE head max_position_embeddings "
+                             f"({cfg.get('max_position_embeddings')}) is smaller than "
+                             f"max_model_len ({max_model_len}).")
+        try:
+            shapes = eagle_weight_shapes(self.model)
+        except FileNotFoundError as e:
+            raise ValueError(f"EAGLE checkpoint {self.model!r}: {e}") from None
+        if shapes.get("fc.weight") != (hidden, 2 * hidden):
+            raise ValueError(f"EAGLE checkpoint {self.model!r} has no fc.weight of shape "
+                             f"[{hidden}, {2 * hidden}] (got {shapes.get('fc.weight')}): not "
+                             "an EAGLE-Llama head for this target.")
+        vocab = int(target_hf_config["vocab_size"])
+        for name in ("embed_tokens.weight", "lm_head.weight"):
+            if name in shapes and shapes[name][0] != vocab:
+                raise ValueError(f"EAGLE checkpoint {name} has {shapes[name][0]} rows; the "
+                                 f"target's vocab_size is {vocab}.")
+        if self.draft_tensor_parallel_size not in (None, tensor_parallel_size):
+            raise ValueError("draft_tensor_parallel_size must equal the target's "
+                             "tensor_parallel_size for an EAGLE head.")
+        self.draft_tensor_parallel_size = tensor_parallel_size
 
     @staticmethod
     def parse(value: Union[None, str, dict, "SpeculativeConfig"]) -> Optional["SpeculativeConfig"]:

@@ -24,7 +24,7 @@ import torch
 from kvserve.core.sched_output import LogprobsLists, SchedulerOutput
 from kvserve.sample.rejection_sampler import RejectionSampler, SpecDecodeMetadata
 from kvserve.spec_decode.adaptive import SpecDecodeController
-from kvserve.spec_decode.base import Proposer
+from kvserve.spec_decode.base import Proposer, TargetHiddenStates
 from kvserve.spec_decode.config import SpeculativeConfig
 from kvserve.worker.input_batch import InputBatch, _position_seed
 
@@ -64,9 +64,16 @@ class SpecDecodeRunner:
 
     # A proposer with its own model (draft_model) loads it and sizes its KV cache with the
     # target's: the same number of blocks, indexed by the same block ids.
-    def load_model(self) -> None:
-        if hasattr(self.proposer, "load_model"):
+    def load_model(self, target_model: Optional[torch.nn.Module] = None) -> None:
+        if self.uses_target_hidden:        # EAGLE: shares the target's embedding / LM head
+            self.proposer.load_model(target_model)
+        elif hasattr(self.proposer, "load_model"):
             self.proposer.load_model()
+
+    @property
+    def uses_target_hidden(self) -> bool:
+        """The proposer reads the target's hidden states of each step (EAGLE)."""
+        return getattr(self.proposer, "uses_target_hidden", False)
 
     def kv_cache_bytes_per_block(self) -> int:
         get = getattr(self.proposer, "kv_cache_bytes_per_block", None)
@@ -135,8 +142,11 @@ class SpecDecodeRunner:
 
     # ------------------------------------------------------------------ propose
     def propose(self, ib: InputBatch, sample_rows: np.ndarray, batch_size: int,
-                can_draft: Callable[[int], bool]) -> list[list[int]]:
+                can_draft: Callable[[int], bool],
+                target: Optional[TargetHiddenStates] = None) -> list[list[int]]:
         """Drafts for each sampling row (its tokens already include this step's)."""
+        if target is not None:
+            return self._propose_with_target(ib, sample_rows, batch_size, can_draft, target)
         if not len(sample_rows):
             return []
         req_ids = [ib.req_ids[r] for r in sample_rows]
@@ -149,3 +159,23 @@ class SpecDecodeRunner:
         # Draft positions num_tokens .. num_tokens + k - 1 must stay below max_model_len.
         num_drafts = np.minimum(num_drafts, self.max_model_len - ib.num_tokens[sample_rows])
         return self.proposer.propose(ib, sample_rows, num_drafts)
+
+    def _propose_with_target(self, ib: InputBatch, sample_rows: np.ndarray, batch_size: int,
+                             can_draft: Callable[[int], bool],
+                             target: TargetHiddenStates) -> list[list[int]]:
+        """EAGLE: its head must see the step's positions of every request that drafts now or
+        may draft later (prefill chunks), in steps where the batch rule allows drafting."""
+        num_drafts = np.zeros(len(sample_rows), dtype=np.int64)
+        if len(sample_rows):
+            req_ids = [ib.req_ids[r] for r in sample_rows]
+            num_drafts = self.controller.num_drafts(req_ids, batch_size)
+            for i, row in enumerate(sample_rows):
+                if num_drafts[i] and not can_draft(int(row)):
+                    num_drafts[i] = 0
+            num_drafts = np.minimum(num_drafts, self.max_model_len - ib.num_tokens[sample_rows])
+        limit = self.config.disable_by_batch_size
+        target.feed = ~target.sample_mask & (limit is None or batch_size <= limit)
+        target.feed[target.sample_mask] = num_drafts > 0
+        if not target.feed.any():
+            return [[] for _ in sample_rows]
+        return self.proposer.propose(ib, sample_rows, num_drafts, target)

@@ -22,6 +22,7 @@ from kvserve.distributed.parallel_state import (is_first_pp_rank, is_last_pp_ran
 from kvserve.distributed.pp_utils import IntermediateTensors
 from kvserve.sample.sampler import Sampler
 from kvserve.spec_decode import make_spec_decode_runner
+from kvserve.spec_decode.base import TargetHiddenStates
 from kvserve.structured_output.bitmask import apply_grammar_bitmask
 from kvserve.worker.input_batch import InputBatch
 
@@ -83,7 +84,7 @@ class ModelRunner:
         self.is_first_stage, self.is_last_stage = is_first_pp_rank(), is_last_pp_rank()
         self.model = load_model(self.config.model_config, self.device)
         if self.spec_decode is not None:
-            self.spec_decode.load_model()
+            self.spec_decode.load_model(self.model)
         from kvserve.model.layers.attention import bind_attention_backend
         bind_attention_backend(self.model, self.attn_backend)
         # This pipeline stage's layers: the KV cache holds only theirs.
@@ -182,7 +183,7 @@ class ModelRunner:
         return ModelRunnerOutput(
             req_ids=step.req_ids, sampled_token_ids=sampled_lists,
             logprobs=logprobs or None, prompt_logprobs=prompt_logprobs or None,
-            spec_token_ids=self._propose_drafts(step, sample_rows))
+            spec_token_ids=self._propose_drafts(step, sample_rows, hidden))
 
     def _sample_spec_step(self, so: SchedulerOutput, step: StepInputs, hidden: torch.Tensor,
                           sampled_lists: list[list[int]],
@@ -208,14 +209,20 @@ class ModelRunner:
             if lps[s] is not None:
                 logprobs[step.req_ids[i]] = lps[s]
 
-    def _propose_drafts(self, step: StepInputs,
-                        sample_rows: np.ndarray) -> Optional[list[list[int]]]:
+    def _propose_drafts(self, step: StepInputs, sample_rows: np.ndarray,
+                        hidden: torch.Tensor) -> Optional[list[list[int]]]:
         if self.spec_decode is None:
             return None
         ib = self.input_batch
+        target = None
+        if self.spec_decode.uses_target_hidden:   # EAGLE reads the step's hidden states
+            target = TargetHiddenStates(
+                rows=step.rows, context_lens=step.common_attn_metadata.context_lens,
+                query_lens=step.query_lens, query_starts=step.query_starts,
+                sample_mask=step.sample_mask, hidden=hidden)
         drafts = self.spec_decode.propose(
             ib, sample_rows, len(step.req_ids),
-            can_draft=lambda row: ib.params[row].structured_outputs is None)
+            can_draft=lambda row: ib.params[row].structured_outputs is None, target=target)
         out: list[list[int]] = [[] for _ in step.req_ids]
         for i, d in zip(np.nonzero(step.sample_mask)[0], drafts):
             out[i] = d

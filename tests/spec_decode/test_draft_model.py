@@ -78,7 +78,7 @@ def test_bad_speculative_configs_fail_before_start(tiny_llama: str, small_draft:
         json.dump(tok, f)
     cases = [
         ({"method": "lookahead"}, "Unknown speculative decoding method"),
-        ({"method": "eagle", "model": small_draft}, "not supported by kvserve yet"),
+        ({"method": "eagle3", "model": small_draft}, "not supported by kvserve yet"),
         ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
         ({"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "prompt_lookup_min"),
         ({"method": "draft_model"}, "needs 'model'"),
