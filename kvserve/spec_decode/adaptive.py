@@ -19,8 +19,9 @@ k*(c + p) to its time, so it raises the batch's token rate B / t0 exactly when
 
 The rule, per request and step:
 1. Batch size: nobody drafts in a step of more than `disable_by_batch_size` requests.
-2. A request drafts while its rate a >= max(min_acceptance_rate, break_even) (a request with
-   no drafting history yet drafts: that is how a is learned; so is c while unknown).
+2. A request drafts while its rate a >= max(min_acceptance_rate, 1.1 * break_even) (10% margin:
+   a draft that only breaks even is not worth the timing noise; a request with no drafting
+   history yet drafts: that is how a is learned; so is c while unknown).
 3. Probes: a request that stopped drafting drafts once every `probe_interval` of its steps;
    each probe that does not bring a back above the bar doubles its interval (up to 8x), one
    that does resets it.
@@ -37,6 +38,7 @@ _RATE_EMA = 0.3       # weight of the newest acceptance-rate sample
 _TIME_EMA = 0.2       # weight of the newest step-time sample
 _MAX_BACKOFF = 8      # probe interval grows up to this many times probe_interval
 _T0_REFRESH = 256     # steps of a bucket after which t0 is measured again
+_MARGIN = 1.1         # drafting must beat the break-even rate by this factor
 
 
 def _ema(old: Optional[float], new: float, weight: float) -> float:
@@ -98,7 +100,7 @@ class SpecDecodeController:
             bucket.last_t0_probe = self._step   # the next step verifies nothing: it measures t0
             return set()
         even = bucket.break_even(batch_size)
-        self._bar = max(self.min_acceptance_rate, even if even is not None else 0.0)
+        self._bar = max(self.min_acceptance_rate, _MARGIN * even if even is not None else 0.0)
         out = set()
         for rid in req_ids:
             st = self._state.get(rid)
