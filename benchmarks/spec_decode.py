@@ -10,10 +10,13 @@ Workloads (greedy, ignore_eos; tok/s = output tokens / wall time of `generate`):
 - batch 32, random prompts (low acceptance): plain vs n-gram with the adaptive rule (default
   config) and with it off;
 - batch 1, EAGLE: a random EAGLE-Llama head for the same model (acceptance ~0: the head's
-  cost per step with the adaptive rule off, and with it on, which should stop drafting).
+  cost per step with the adaptive rule off, and with it on, which should stop drafting);
+- sweep (only with --only sweep): batch 1, 2, 4, 8, 16 random prompts, n-gram with the rule
+  off and with the cost rule but no batch-size cap (to choose disable_by_batch_size).
 
     python benchmarks/spec_decode.py [--dtype float32] [--max-tokens 96] [--batch 32]
-                                     [--skip-demo] [--output-json out.json]
+                                     [--skip-demo] [--only ...] [--sweep 1,2,4]
+                                     [--output-json out.json]
 """
 from __future__ import annotations
 
@@ -143,7 +146,10 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--skip-demo", action="store_true")
-    p.add_argument("--only", default=None, help="comma list: random,repetitive,demo,draft,eagle,batch")
+    p.add_argument("--only", default=None,
+                   help="comma list: random,repetitive,demo,draft,eagle,batch,sweep "
+                        "(sweep: only if named)")
+    p.add_argument("--sweep", default="1,2,4,8,16", help="batch sizes of the sweep workload")
     p.add_argument("--output-json", default=None)
     args = p.parse_args()
     only = set(args.only.split(",")) if args.only else None
@@ -187,6 +193,14 @@ def main() -> None:
             f"batch {args.batch}, random prompts (low acceptance)", model, prompts, args,
             {"plain": None, "ngram (adaptive)": NGRAM, "ngram (no adaptive rule)":
              {**NGRAM, **NO_ADAPT}})
+    if only is not None and "sweep" in only:   # where drafting stops paying, by batch size
+        for b in (int(x) for x in args.sweep.split(",")):
+            prompts = [{"prompt_token_ids": [rng.randrange(100, 32000) for _ in range(32)]}
+                       for _ in range(b)]
+            results[f"sweep_batch{b}"] = compare(
+                f"batch {b}, random prompts", model, prompts, args,
+                {"plain": None, "ngram (no adaptive rule)": {**NGRAM, **NO_ADAPT},
+                 "ngram (cost rule, no batch cap)": {**NGRAM, "disable_by_batch_size": None}})
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(results, f, indent=2)

@@ -52,6 +52,9 @@ class SchedulerOutput:
     # Speculative decoding: request id -> the draft tokens scheduled after its last token
     # (they count in num_scheduled_tokens; only requests with drafts appear).
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # The requests that propose drafts after this step (the adaptive rule's choice, made by
+    # the scheduler so that every rank agrees); None: all of them.
+    spec_decode_draft_req_ids: Optional[set[str]] = None
     # The KV connector's work for the workers this step (KVConnectorMetadata), if any.
     kv_connector_metadata: Optional[Any] = None
 
@@ -79,5 +82,7 @@ class ModelRunnerOutput:
     prompt_logprobs: Optional[dict[str, LogprobsLists]] = None
     # Speculative decoding: draft tokens proposed for each request in req_ids (for the next step).
     spec_token_ids: Optional[list[list[int]]] = None
+    # Seconds the proposer took this step (the adaptive rule's cost model).
+    spec_propose_time: float = 0.0
     # The KV connector's report (kv_transfer.base.KVConnectorOutput), if the engine has one.
     kv_connector_output: Optional[Any] = None

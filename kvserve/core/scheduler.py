@@ -9,6 +9,7 @@ are freed and it goes back to the waiting queue to be recomputed later.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable, Optional
 
@@ -24,6 +25,7 @@ from kvserve.spec_decode.metrics import SpecDecodingStats
 
 if TYPE_CHECKING:
     from kvserve.kv_transfer.base import KVConnectorBase
+    from kvserve.spec_decode.adaptive import SpecDecodeController
     from kvserve.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -83,7 +85,8 @@ class Scheduler:
                  structured_output_manager: Optional["StructuredOutputManager"] = None,
                  enable_jump_forward: bool = False, num_spec_tokens: int = 0,
                  num_lookahead_tokens: int = 0, send_sampled_tokens: bool = False,
-                 kv_connector: Optional["KVConnectorBase"] = None) -> None:
+                 kv_connector: Optional["KVConnectorBase"] = None,
+                 spec_decode_controller: Optional["SpecDecodeController"] = None) -> None:
         self.config = scheduler_config
         # Pipeline parallelism: every stage (not only the sampling one) needs the sampled
         # tokens, so cached requests carry the tokens the workers have not seen yet.
@@ -120,6 +123,9 @@ class Scheduler:
         # Slots past the scheduled tokens that a draft model writes its drafts' KV into.
         self.num_lookahead_tokens = num_lookahead_tokens
         self.spec_decoding_stats = SpecDecodingStats(num_spec_tokens) if num_spec_tokens else None
+        # The adaptive rule (spec_decode/adaptive.py): who drafts, from acceptance and step times.
+        self.spec_controller = spec_decode_controller
+        self._step_start = 0.0
         self.kv_transfer = None
         if kv_connector is not None:
             from kvserve.kv_transfer.scheduling import KVTransferScheduling
@@ -176,6 +182,8 @@ class Scheduler:
             self.structured_output_manager.drop(request)
         del self.requests[request.request_id]
         self._worker_num_tokens.pop(request.request_id, None)
+        if self.spec_controller is not None:
+            self.spec_controller.drop(request.request_id)
         if request.request_id in self._on_workers:
             self._on_workers.discard(request.request_id)
             self.finished_req_ids.add(request.request_id)
@@ -206,6 +214,9 @@ class Scheduler:
             budget = self._schedule_waiting(budget, num_scheduled, new_blocks, scheduled_new)
 
         output = self._make_output(num_scheduled, new_blocks, scheduled_new, preempted)
+        if self.spec_controller is not None:
+            output.spec_decode_draft_req_ids = self.spec_controller.draft_req_ids(
+                list(num_scheduled))
         if self.kv_transfer is not None:
             output.kv_connector_metadata = self.kv_transfer.connector.build_connector_meta(output)
         # Advance progress now: the workers compute these tokens in this step.
@@ -215,6 +226,7 @@ class Scheduler:
             request.spec_token_ids = []
         self.in_flight.update(num_scheduled)
         self.finished_req_ids = set()
+        self._step_start = time.perf_counter()
         return output
 
     def _admit_compiled(self) -> None:
@@ -299,11 +311,11 @@ class Scheduler:
                                  budget: int) -> list[int]:
         """The request's drafts that run this step: only after its one new (decode) token,
         within the token budget, max_model_len, and max_tokens (a step yields at most
-        drafts + 1 tokens). Constrained requests never draft (see the issue notes)."""
+        drafts + 1 tokens). A constrained request's drafts were cut at the first token its
+        grammar refuses when they arrived (_set_drafts)."""
         drafts = request.spec_token_ids
         if (not drafts or num_new_tokens != 1
-                or request.num_tokens - request.num_computed_tokens != 1
-                or request.structured_output_request is not None):
+                or request.num_tokens - request.num_computed_tokens != 1):
             return []
         room = min(budget - 1, self.max_model_len - request.num_tokens,
                    request.max_tokens - request.num_output_tokens - 1)
@@ -433,6 +445,8 @@ class Scheduler:
     # ------------------------------------------------------------------ update
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> EngineCoreOutputs:
+        if self.spec_controller is not None:
+            self._observe_step_time(scheduler_output, runner_output)
         outputs = [self._error_output(r) for r in self._failed]
         self._failed = []
         self.in_flight.difference_update(scheduler_output.num_scheduled_tokens)
@@ -466,7 +480,7 @@ class Scheduler:
                                                plp.sampled_token_ranks))
             finished = request.is_finished()
             if runner_output.spec_token_ids is not None and not finished:
-                request.spec_token_ids = runner_output.spec_token_ids[idx]
+                self._set_drafts(request, runner_output.spec_token_ids[idx])
             delay_free, kv_params = False, None
             if finished and self.kv_transfer is not None:
                 delay_free, kv_params = self.kv_transfer.request_finished(request)
@@ -490,6 +504,28 @@ class Scheduler:
         request.num_computed_tokens -= num_draft - num_accepted
         if self.spec_decoding_stats is not None:
             self.spec_decoding_stats.observe(num_draft, num_accepted)
+        if self.spec_controller is not None:
+            self.spec_controller.record(request.request_id, num_draft, num_accepted)
+
+    def _set_drafts(self, request: Request, drafts: list[int]) -> None:
+        """Next step's drafts; a constrained request keeps only those its grammar accepts."""
+        so_req = request.structured_output_request
+        if drafts and so_req is not None and so_req.grammar is not None:
+            drafts = so_req.grammar.validate_tokens(drafts)
+        request.spec_token_ids = drafts
+
+    def _observe_step_time(self, so: SchedulerOutput, runner_output: ModelRunnerOutput) -> None:
+        """Feed the adaptive rule the wall time of an all-decode step (schedule -> update)."""
+        assert self.spec_controller is not None
+        step_time = time.perf_counter() - self._step_start
+        spec = so.scheduled_spec_decode_tokens
+        if so.is_empty or any(n != 1 + len(spec.get(rid, ()))
+                              for rid, n in so.num_scheduled_tokens.items()):
+            return   # a prefill chunk in the step: not a decode step's cost
+        proposed = sum(map(len, runner_output.spec_token_ids or ()))
+        self.spec_controller.observe_step(
+            len(so.num_scheduled_tokens), sum(map(len, spec.values())), proposed, step_time,
+            runner_output.spec_propose_time)
 
     def _advance_grammar(self, request: Request, new_tokens: list[int]) -> list[int]:
         """Move the request's matcher over its new tokens; a finished grammar stops the

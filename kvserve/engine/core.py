@@ -12,6 +12,7 @@ from kvserve.core.sched_output import SchedulerOutput
 from kvserve.core.scheduler import Scheduler
 from kvserve.engine.messages import EngineCoreOutputs, EngineCoreRequest
 from kvserve.executor.base import Executor
+from kvserve.spec_decode import make_spec_decode_controller
 from kvserve.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -48,7 +49,8 @@ class EngineCore:
                                    num_spec_tokens=spec.num_speculative_tokens if spec else 0,
                                    num_lookahead_tokens=spec.num_lookahead_tokens if spec else 0,
                                    send_sampled_tokens=config.parallel_config.pipeline_parallel_size > 1,
-                                   kv_connector=kv_connector)
+                                   kv_connector=kv_connector,
+                                   spec_decode_controller=make_spec_decode_controller(spec))
         # Pipeline parallelism: up to one batch per stage in flight, so the stages overlap.
         self.batch_queue_size = self.model_executor.max_concurrent_batches
         self.batch_queue: Optional[deque[tuple[Any, SchedulerOutput]]] = (
@@ -134,7 +136,8 @@ class EngineCore:
             mgr.wait_for_any(self.scheduler.waiting_for_fsm, timeout=0.01)
             return
         scheduler_output.grammar_bitmask, scheduler_output.structured_output_request_ids = (
-            mgr.grammar_bitmask(self.scheduler.requests, scheduler_output.num_scheduled_tokens))
+            mgr.grammar_bitmask(self.scheduler.requests, scheduler_output.num_scheduled_tokens,
+                                scheduler_output.scheduled_spec_decode_tokens))
 
     # ------------------------------------------------------------------ utilities
     def reset_prefix_cache(self) -> bool:

@@ -10,8 +10,20 @@ if TYPE_CHECKING:
     import torch
 
     from kvserve.config import KVServeConfig
+    from kvserve.spec_decode.adaptive import SpecDecodeController
     from kvserve.spec_decode.base import Proposer
+    from kvserve.spec_decode.config import SpeculativeConfig
     from kvserve.spec_decode.runner import SpecDecodeRunner
+
+
+def make_spec_decode_controller(
+        spec: Optional["SpeculativeConfig"]) -> Optional["SpecDecodeController"]:
+    """The scheduler-side adaptive rule (None without speculation)."""
+    if spec is None:
+        return None
+    from kvserve.spec_decode.adaptive import SpecDecodeController
+    return SpecDecodeController(spec.num_speculative_tokens, spec.disable_by_batch_size,
+                                spec.min_acceptance_rate, spec.probe_interval)
 
 
 def make_spec_decode_runner(config: "KVServeConfig",

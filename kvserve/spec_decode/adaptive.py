@@ -1,57 +1,150 @@
-"""The "never slower" rule: who drafts in the next step.
+"""The "never slower" rule: which requests propose drafts after the next step.
 
-1. Batch size: no request drafts in a step that ran more than `disable_by_batch_size`
-   requests. Verifying k extra tokens per request is nearly free only while a step is
-   memory-bound (weights streamed once for the batch); a large batch is compute-bound, and
-   every rejected draft token is then a full token of wasted compute.
-2. Acceptance: each request keeps an EMA (weight 0.3) of its per-step acceptance rate
-   (accepted / drafted), starting at 1. Below `min_acceptance_rate` it stops drafting, and
-   drafts again once every `probe_interval` steps to see whether its text became
-   predictable (the probe's result moves the EMA back up when it is).
+It runs in the scheduler (engine core), so every worker rank gets the same decision (a draft
+model sharded with TP must run on all ranks alike), in `SchedulerOutput.spec_decode_draft_req_ids`.
+
+Cost model, per batch-size bucket b (1, 2, 3-4, 5-8, ...: the requests in the step), learned
+from the measured wall time of all-decode steps (steps with a prefill chunk are not measured):
+
+    step time = t0[b] + c[b] * (draft tokens verified) + (proposer time)
+    t0[b]  EMA of (step time - proposer time) of steps that verified no drafts
+    c[b]   EMA of (step time - proposer time - t0[b]) / drafts verified, over steps with drafts
+    p[b]   EMA of proposer time / drafts proposed (the worker measures the proposer)
+
+A request drafting k tokens whose drafts are accepted at rate a (EMA, weight 0.3, of
+accepted / drafted over its drafting steps) adds a*k tokens to a step of B requests and
+k*(c + p) to its time, so it raises the batch's token rate B / t0 exactly when
+
+    a > break_even[b] = B * (c[b] + p[b]) / t0[b].
+
+The rule, per request and step:
+1. Batch size: nobody drafts in a step of more than `disable_by_batch_size` requests.
+2. A request drafts while its rate a >= max(min_acceptance_rate, 1.1 * break_even) (10% margin:
+   a draft that only breaks even is not worth the timing noise; a request with no drafting
+   history yet drafts: that is how a is learned; so is c while unknown).
+3. Probes: a request that stopped drafting drafts once every `probe_interval` of its steps;
+   each probe that does not bring a back above the bar doubles its interval (up to 8x), one
+   that does resets it.
+4. t0 is learned, and refreshed after 256 steps of its bucket, by one step in which nobody
+   drafts (at most one such step per 256).
+`min_acceptance_rate` = 0 turns rules 2-4 off: every request drafts whenever it can.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
-import numpy as np
+_RATE_EMA = 0.3       # weight of the newest acceptance-rate sample
+_TIME_EMA = 0.2       # weight of the newest step-time sample
+_MAX_BACKOFF = 8      # probe interval grows up to this many times probe_interval
+_T0_REFRESH = 256     # steps of a bucket after which t0 is measured again
+_MARGIN = 1.1         # drafting must beat the break-even rate by this factor
 
-_EMA_WEIGHT = 0.3
+
+def _ema(old: Optional[float], new: float, weight: float) -> float:
+    return new if old is None else (1 - weight) * old + weight * new
 
 
 @dataclass
 class _ReqState:
-    ema: float = 1.0
+    rate: Optional[float] = None      # EMA of accepted / drafted (None: never drafted)
     steps_since_draft: int = 0
+    interval: int = 0                 # current probe interval (probe_interval * 2^failures)
+    probing: bool = False
+
+
+@dataclass
+class _Bucket:
+    t0: Optional[float] = None        # seconds per step without drafts
+    c: Optional[float] = None         # seconds per verified draft token
+    p: Optional[float] = None         # seconds per proposed draft token
+    steps_since_t0: int = 0
+    last_t0_probe: int = -_T0_REFRESH
+
+    def break_even(self, batch_size: int) -> Optional[float]:
+        if self.t0 is None or self.c is None or self.t0 <= 0:
+            return None
+        return batch_size * (self.c + (self.p or 0.0)) / self.t0
+
+
+def _bucket_of(batch_size: int) -> int:
+    return 1 << max(batch_size - 1, 0).bit_length()
 
 
 class SpecDecodeController:
-    def __init__(self, num_speculative_tokens: int, disable_by_batch_size: int | None,
+    def __init__(self, num_speculative_tokens: int, disable_by_batch_size: Optional[int],
                  min_acceptance_rate: float, probe_interval: int) -> None:
         self.k = num_speculative_tokens
         self.disable_by_batch_size = disable_by_batch_size
         self.min_acceptance_rate = min_acceptance_rate
         self.probe_interval = probe_interval
+        self.adaptive = min_acceptance_rate > 0
         self._state: dict[str, _ReqState] = {}
+        self._buckets: dict[int, _Bucket] = {}
+        self._step = 0
+        self._bar = min_acceptance_rate   # the last step's acceptance bar (for probe results)
 
-    def record(self, req_id: str, num_drafted: int, num_accepted: int) -> None:
-        if num_drafted <= 0:
-            return
-        st = self._state.setdefault(req_id, _ReqState())
-        st.ema = (1 - _EMA_WEIGHT) * st.ema + _EMA_WEIGHT * (num_accepted / num_drafted)
-
-    def num_drafts(self, req_ids: list[str], batch_size: int) -> np.ndarray:
-        """Draft tokens each of `req_ids` may propose for the next step."""
-        out = np.zeros(len(req_ids), dtype=np.int64)
+    # ------------------------------------------------------------------ decide
+    def draft_req_ids(self, req_ids: list[str]) -> set[str]:
+        """Which of a step's requests propose drafts after it (to verify in the next)."""
+        self._step += 1
+        batch_size = len(req_ids)
         if self.disable_by_batch_size is not None and batch_size > self.disable_by_batch_size:
-            return out
-        for i, rid in enumerate(req_ids):
-            st = self._state.setdefault(rid, _ReqState())
+            return set()
+        if not self.adaptive:
+            return set(req_ids)
+        bucket = self._buckets.setdefault(_bucket_of(batch_size), _Bucket())
+        bucket.steps_since_t0 += 1
+        if ((bucket.t0 is None or bucket.steps_since_t0 > _T0_REFRESH)
+                and self._step - bucket.last_t0_probe >= _T0_REFRESH):
+            bucket.last_t0_probe = self._step   # the next step verifies nothing: it measures t0
+            return set()
+        even = bucket.break_even(batch_size)
+        self._bar = max(self.min_acceptance_rate, _MARGIN * even if even is not None else 0.0)
+        out = set()
+        for rid in req_ids:
+            st = self._state.get(rid)
+            if st is None:
+                st = self._state[rid] = _ReqState(interval=self.probe_interval)
             st.steps_since_draft += 1
-            if st.ema >= self.min_acceptance_rate or st.steps_since_draft >= self.probe_interval:
-                out[i] = self.k
-                st.steps_since_draft = 0
+            if st.rate is None or st.rate >= self._bar:
+                st.probing = False
+            elif st.steps_since_draft >= st.interval:
+                st.probing = True
+            else:
+                continue
+            st.steps_since_draft = 0
+            out.add(rid)
         return out
 
-    def drop(self, req_ids: set[str]) -> None:
-        for rid in req_ids:
-            self._state.pop(rid, None)
+    # ------------------------------------------------------------------ learn
+    def record(self, req_id: str, num_drafted: int, num_accepted: int) -> None:
+        """A request's drafts were verified: update its acceptance rate (and probe interval)."""
+        if num_drafted <= 0:
+            return
+        st = self._state.setdefault(req_id, _ReqState(interval=self.probe_interval))
+        st.rate = _ema(st.rate, num_accepted / num_drafted, _RATE_EMA)
+        if st.rate >= self._bar:
+            st.interval = self.probe_interval
+        elif st.probing:
+            st.interval = min(2 * st.interval, _MAX_BACKOFF * self.probe_interval)
+        st.probing = False
+
+    def observe_step(self, batch_size: int, num_verified: int, num_proposed: int,
+                     step_time: float, propose_time: float) -> None:
+        """The wall time of an all-decode step and the worker's proposer time in it."""
+        if not self.adaptive or batch_size == 0:
+            return
+        bucket = self._buckets.setdefault(_bucket_of(batch_size), _Bucket())
+        target_time = max(step_time - propose_time, 0.0)
+        if num_verified == 0:
+            bucket.t0 = _ema(bucket.t0, target_time, _TIME_EMA)
+            bucket.steps_since_t0 = 0
+        elif bucket.t0 is not None:
+            extra = max(target_time - bucket.t0, 0.0) / num_verified
+            bucket.c = _ema(bucket.c, extra, _TIME_EMA)
+        if num_proposed > 0:
+            bucket.p = _ema(bucket.p, propose_time / num_proposed, _TIME_EMA)
+
+    def drop(self, req_id: str) -> None:
+        self._state.pop(req_id, None)

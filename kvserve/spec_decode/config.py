@@ -32,8 +32,10 @@ class SpeculativeConfig:
     # Adaptive speculation ("never slower", see kvserve/spec_decode/adaptive.py):
     # no drafts in a step with more running requests than this (vLLM's field name).
     disable_by_batch_size: Optional[int] = 4
-    # A request stops drafting while the EMA of its per-step acceptance rate is below this
-    # (0 turns the rule off); it probes again every `probe_interval` steps.
+    # A request drafts while the EMA of its acceptance rate is at least this and at least the
+    # break-even rate measured from step times; 0 turns the per-request rule off (every
+    # request drafts whenever it can). A request that stopped probes again after
+    # `probe_interval` of its steps (doubling after each failed probe, up to 8x).
     min_acceptance_rate: float = 0.25
     probe_interval: int = 16
 

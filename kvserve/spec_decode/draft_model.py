@@ -12,6 +12,10 @@ request's block table covers the draft's positions too, because the scheduler al
              then k - 1 single-token steps        -> drafts 1..k-1
              valid = num_tokens                   (the fed drafts may be rejected: their KV is
                                                    rewritten next time)
+
+A request the adaptive rule keeps from drafting runs nothing here (the draft model's cost is
+then zero); when it drafts again, the first draft forward catches its KV up over every token
+it missed, in the same batched forward as the other requests' new tokens.
 """
 from __future__ import annotations
 

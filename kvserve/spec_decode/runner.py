@@ -7,8 +7,9 @@ The ModelRunner calls it at four points of a step:
     prepare inputs:  layout()            which hidden states to score: each sampling request's
                                          k drafts + 1 bonus position (k = 0 without drafts)
     sample:          sample()            the RejectionSampler over those rows
-    after the step:  propose()           next step's drafts, from the proposer, as the
-                                         adaptive rule (adaptive.py) allows
+    after the step:  propose()           next step's drafts, from the proposer, for the
+                                         requests the scheduler's adaptive rule
+                                         (adaptive.py) chose
 
 A request with drafts runs 1 + k query tokens: its last sampled token and its drafts, at
 positions num_tokens - 1 .. num_tokens - 1 + k, in the slots the scheduler allocated.
@@ -16,14 +17,13 @@ positions num_tokens - 1 .. num_tokens - 1 + k, in the slots the scheduler alloc
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import numpy as np
 import torch
 
 from kvserve.core.sched_output import LogprobsLists, SchedulerOutput
 from kvserve.sample.rejection_sampler import RejectionSampler, SpecDecodeMetadata
-from kvserve.spec_decode.adaptive import SpecDecodeController
 from kvserve.spec_decode.base import Proposer, TargetHiddenStates
 from kvserve.spec_decode.config import SpeculativeConfig
 from kvserve.worker.input_batch import InputBatch, _position_seed
@@ -47,9 +47,6 @@ class SpecDecodeRunner:
         self.device = device
         self.proposer = proposer
         self.rejection_sampler = RejectionSampler()
-        self.controller = SpecDecodeController(
-            config.num_speculative_tokens, config.disable_by_batch_size,
-            config.min_acceptance_rate, config.probe_interval)
 
     # ------------------------------------------------------------------ states
     def write_drafts(self, ib: InputBatch, so: SchedulerOutput) -> None:
@@ -59,7 +56,6 @@ class SpecDecodeRunner:
             ib.token_ids[row, n:n + len(drafts)] = drafts
 
     def drop(self, req_ids: set[str]) -> None:
-        self.controller.drop(req_ids)
         self.proposer.drop(req_ids)
 
     # A proposer with its own model (draft_model) loads it and sizes its KV cache with the
@@ -135,44 +131,38 @@ class SpecDecodeRunner:
                 width = len(lp_ids[a]) if want == -1 else want + 1
                 logprobs[s] = LogprobsLists([r[:width] for r in lp_ids[a:b]],
                                             [r[:width] for r in lp_vals[a:b]], ranks[a:b])
-        for s, row in enumerate(sample_rows):
-            if k[s]:
-                self.controller.record(ib.req_ids[row], k[s], counts[s] - 1)
         return sampled, logprobs
 
     # ------------------------------------------------------------------ propose
-    def propose(self, ib: InputBatch, sample_rows: np.ndarray, batch_size: int,
-                can_draft: Callable[[int], bool],
+    def propose(self, ib: InputBatch, sample_rows: np.ndarray,
+                draft_req_ids: Optional[set[str]], batch_size: int,
                 target: Optional[TargetHiddenStates] = None) -> list[list[int]]:
-        """Drafts for each sampling row (its tokens already include this step's)."""
+        """Drafts for each sampling row (its tokens already include this step's) whose request
+        is in `draft_req_ids` (None: every row). `target`: the step's hidden states, for
+        proposers that read them (EAGLE)."""
+        num_drafts = self._num_drafts(ib, sample_rows, draft_req_ids)
         if target is not None:
-            return self._propose_with_target(ib, sample_rows, batch_size, can_draft, target)
-        if not len(sample_rows):
-            return []
-        req_ids = [ib.req_ids[r] for r in sample_rows]
-        num_drafts = self.controller.num_drafts(req_ids, batch_size)
+            return self._propose_with_target(ib, sample_rows, num_drafts, batch_size, target)
         if not num_drafts.any():
-            return [[] for _ in req_ids]
-        for i, row in enumerate(sample_rows):
-            if num_drafts[i] and not can_draft(int(row)):
-                num_drafts[i] = 0
-        # Draft positions num_tokens .. num_tokens + k - 1 must stay below max_model_len.
-        num_drafts = np.minimum(num_drafts, self.max_model_len - ib.num_tokens[sample_rows])
+            return [[] for _ in sample_rows]
         return self.proposer.propose(ib, sample_rows, num_drafts)
 
-    def _propose_with_target(self, ib: InputBatch, sample_rows: np.ndarray, batch_size: int,
-                             can_draft: Callable[[int], bool],
+    def _num_drafts(self, ib: InputBatch, sample_rows: np.ndarray,
+                    draft_req_ids: Optional[set[str]]) -> np.ndarray:
+        k = self.config.num_speculative_tokens
+        if draft_req_ids is None:
+            num_drafts = np.full(len(sample_rows), k, dtype=np.int64)
+        else:
+            num_drafts = np.fromiter((k if ib.req_ids[r] in draft_req_ids else 0
+                                      for r in sample_rows), np.int64, len(sample_rows))
+        # Draft positions num_tokens .. num_tokens + k - 1 must stay below max_model_len.
+        return np.minimum(num_drafts, self.max_model_len - ib.num_tokens[sample_rows])
+
+    def _propose_with_target(self, ib: InputBatch, sample_rows: np.ndarray,
+                             num_drafts: np.ndarray, batch_size: int,
                              target: TargetHiddenStates) -> list[list[int]]:
         """EAGLE: its head must see the step's positions of every request that drafts now or
         may draft later (prefill chunks), in steps where the batch rule allows drafting."""
-        num_drafts = np.zeros(len(sample_rows), dtype=np.int64)
-        if len(sample_rows):
-            req_ids = [ib.req_ids[r] for r in sample_rows]
-            num_drafts = self.controller.num_drafts(req_ids, batch_size)
-            for i, row in enumerate(sample_rows):
-                if num_drafts[i] and not can_draft(int(row)):
-                    num_drafts[i] = 0
-            num_drafts = np.minimum(num_drafts, self.max_model_len - ib.num_tokens[sample_rows])
         limit = self.config.disable_by_batch_size
         target.feed = ~target.sample_mask & (limit is None or batch_size <= limit)
         target.feed[target.sample_mask] = num_drafts > 0

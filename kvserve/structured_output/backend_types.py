@@ -6,7 +6,7 @@ own `StructuredOutputGrammar` (a matcher with state) built from that compiled gr
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 
@@ -53,5 +53,7 @@ class StructuredOutputBackend(ABC):
         ...
 
     @abstractmethod
-    def fill_bitmasks(self, grammars: list[StructuredOutputGrammar], bitmask: np.ndarray) -> None:
-        """Fill rows 0..len(grammars)-1 of `bitmask` (int32 [rows, num_bitmask_words])."""
+    def fill_bitmasks(self, grammars: list[StructuredOutputGrammar], bitmask: np.ndarray,
+                      rows: Optional[list[int]] = None) -> None:
+        """Fill rows 0..len(grammars)-1 of `bitmask` (int32 [rows, num_bitmask_words]), or
+        row rows[i] for grammars[i]."""

@@ -167,6 +167,9 @@ class XgrammarBackend(StructuredOutputBackend):
     def num_bitmask_words(self) -> int:
         return (self.vocab_size + 31) // 32
 
-    def fill_bitmasks(self, grammars: list[XgrammarGrammar], bitmask: np.ndarray) -> None:
-        """Rows 0..len(grammars)-1 of `bitmask`, filled by xgrammar's threads in one call."""
-        self.batch_matcher.batch_fill_next_token_bitmask([g.matcher for g in grammars], bitmask)
+    def fill_bitmasks(self, grammars: list[XgrammarGrammar], bitmask: np.ndarray,
+                      rows: Optional[list[int]] = None) -> None:
+        """Rows 0..len(grammars)-1 of `bitmask` (or `rows`), filled by xgrammar's threads in
+        one call."""
+        self.batch_matcher.batch_fill_next_token_bitmask([g.matcher for g in grammars], bitmask,
+                                                         rows)

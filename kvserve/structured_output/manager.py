@@ -126,12 +126,20 @@ class StructuredOutputManager:
             wait(futures, timeout=timeout, return_when=FIRST_COMPLETED)
 
     # ------------------------------------------------------------------ per step
-    def grammar_bitmask(self, requests: dict[str, "Request"], scheduled: Iterable[str]
+    def grammar_bitmask(self, requests: dict[str, "Request"], scheduled: Iterable[str],
+                        spec_tokens: Optional[dict[str, list[int]]] = None
                         ) -> tuple[Optional[np.ndarray], list[str]]:
-        """One bitmask row per constrained request that samples this step (its computed
-        tokens have caught up with its tokens), and the request id of each row."""
+        """The bitmask rows of the constrained requests that sample this step (their computed
+        tokens have caught up with their tokens), and the request id of each request's rows.
+
+        A request with k draft tokens gets k + 1 consecutive rows: row j allows what may follow
+        its drafts 0..j-1 (row k: the bonus position). Its matcher is advanced over the drafts
+        one position at a time to fill them, then rolled back: it advances over the tokens
+        actually accepted when the step's output comes back."""
+        spec_tokens = spec_tokens or {}
         ids: list[str] = []
         grammars = []
+        drafts: list[list[int]] = []
         for rid in scheduled:
             req = requests[rid]
             so_req = req.structured_output_request
@@ -139,15 +147,46 @@ class StructuredOutputManager:
                 continue
             ids.append(rid)
             grammars.append(so_req.grammar)
+            drafts.append(spec_tokens.get(rid, []))
         if not ids:
             return None, ids
         backend = self.backend
-        if self._bitmask is None or self._bitmask.shape[0] < len(ids):
-            rows = max(len(ids), self.config.scheduler_config.max_num_seqs)
+        num_rows = len(ids) + sum(map(len, drafts))
+        if self._bitmask is None or self._bitmask.shape[0] < num_rows:
+            rows = max(num_rows, self.config.scheduler_config.max_num_seqs)
             self._bitmask = np.empty((rows, backend.num_bitmask_words()), dtype=np.int32)
-        backend.fill_bitmasks(grammars, self._bitmask)
+        if num_rows == len(ids):
+            backend.fill_bitmasks(grammars, self._bitmask)
+        else:
+            self._fill_with_drafts(grammars, drafts, self._bitmask)
         # A copy: the buffer is refilled next step while the workers may still hold this one.
-        return self._bitmask[:len(ids)].copy(), ids
+        return self._bitmask[:num_rows].copy(), ids
+
+    def _fill_with_drafts(self, grammars: list[Any], drafts: list[list[int]],
+                          bitmask: np.ndarray) -> None:
+        """Rows per request: one per draft position + the bonus one (see grammar_bitmask).
+        Position j is filled for every request at once (one batched fill per position)."""
+        backend = self.backend
+        starts = np.cumsum([len(d) + 1 for d in drafts]) - [len(d) + 1 for d in drafts]
+        advanced = [0] * len(grammars)
+        live = list(range(len(grammars)))        # requests whose drafts so far were accepted
+        for j in range(max(map(len, drafts)) + 1):
+            active = [i for i in live if j <= len(drafts[i])]
+            backend.fill_bitmasks([grammars[i] for i in active], bitmask,
+                                  [int(starts[i]) + j for i in active])
+            live = []
+            for i in active:
+                if j < len(drafts[i]) and grammars[i].accept_tokens("", [drafts[i][j]]):
+                    advanced[i] += 1
+                    live.append(i)
+                elif j < len(drafts[i]):
+                    # Refused (drafts are validated on arrival, so only a defence): the
+                    # target cannot accept this draft; later rows just repeat this one.
+                    end = int(starts[i]) + len(drafts[i]) + 1
+                    bitmask[int(starts[i]) + j + 1:end] = bitmask[int(starts[i]) + j]
+        for grammar, n in zip(grammars, advanced):
+            if n:
+                grammar.rollback(n)
 
     def accept_tokens(self, request: "Request", tokens: list[int]) -> bool:
         so_req = request.structured_output_request

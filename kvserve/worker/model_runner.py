@@ -8,6 +8,7 @@ at the positions that sample, and sample them all in one batched call.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -180,10 +181,12 @@ class ModelRunner:
                         [lp_ids[j][:width]], [lp_vals[j][:width]], [ranks[j]])
         ib.num_computed_tokens[step.rows] += step.query_lens
         prompt_logprobs = self._prompt_logprobs(step, hidden)
+        start = time.perf_counter()
+        drafts = self._propose_drafts(scheduler_output, step, sample_rows, hidden)
         return ModelRunnerOutput(
             req_ids=step.req_ids, sampled_token_ids=sampled_lists,
             logprobs=logprobs or None, prompt_logprobs=prompt_logprobs or None,
-            spec_token_ids=self._propose_drafts(step, sample_rows, hidden))
+            spec_token_ids=drafts, spec_propose_time=time.perf_counter() - start)
 
     def _sample_spec_step(self, so: SchedulerOutput, step: StepInputs, hidden: torch.Tensor,
                           sampled_lists: list[list[int]],
@@ -196,10 +199,10 @@ class ModelRunner:
         logits = self.model.compute_logits(
             hidden[torch.from_numpy(layout.logits_indices).to(self.device)])
         sample_idx = np.nonzero(step.sample_mask)[0]
-        if so.grammar_bitmask is not None:   # constrained requests have no drafts: bonus row
-            bonus_row = {step.req_ids[i]: int(layout.row_starts[s])
+        if so.grammar_bitmask is not None:   # one bitmask row per draft + the bonus row
+            first_row = {step.req_ids[i]: int(layout.row_starts[s])
                          for s, i in enumerate(sample_idx)}
-            logits = self._apply_grammar_bitmask(so, bonus_row, logits)
+            logits = self._apply_grammar_bitmask(so, first_row, logits)
         sample_rows = step.rows[sample_idx]
         tokens, lps = self.spec_decode.sample(logits, layout, ib, sample_rows)
         for s, (i, row) in enumerate(zip(sample_idx, sample_rows)):
@@ -209,20 +212,19 @@ class ModelRunner:
             if lps[s] is not None:
                 logprobs[step.req_ids[i]] = lps[s]
 
-    def _propose_drafts(self, step: StepInputs, sample_rows: np.ndarray,
+    def _propose_drafts(self, so: SchedulerOutput, step: StepInputs, sample_rows: np.ndarray,
                         hidden: torch.Tensor) -> Optional[list[list[int]]]:
         if self.spec_decode is None:
             return None
-        ib = self.input_batch
         target = None
         if self.spec_decode.uses_target_hidden:   # EAGLE reads the step's hidden states
             target = TargetHiddenStates(
                 rows=step.rows, context_lens=step.common_attn_metadata.context_lens,
                 query_lens=step.query_lens, query_starts=step.query_starts,
                 sample_mask=step.sample_mask, hidden=hidden)
-        drafts = self.spec_decode.propose(
-            ib, sample_rows, len(step.req_ids),
-            can_draft=lambda row: ib.params[row].structured_outputs is None, target=target)
+        drafts = self.spec_decode.propose(self.input_batch, sample_rows,
+                                          so.spec_decode_draft_req_ids, len(step.req_ids),
+                                          target=target)
         out: list[list[int]] = [[] for _ in step.req_ids]
         for i, d in zip(np.nonzero(step.sample_mask)[0], drafts):
             out[i] = d
@@ -254,9 +256,14 @@ class ModelRunner:
     @staticmethod
     def _apply_grammar_bitmask(so: SchedulerOutput, logits_row: dict[str, int],
                                logits: torch.Tensor) -> torch.Tensor:
-        """The structured output requests' rows of the bitmask, onto their logits rows."""
-        rows = np.fromiter((logits_row[rid] for rid in so.structured_output_request_ids),
-                           np.int64, len(so.structured_output_request_ids))
+        """The structured output requests' rows of the bitmask, onto their logits rows: a
+        request with k drafts owns k + 1 of each, from its first row (logits_row[rid]) on."""
+        ids = so.structured_output_request_ids
+        first = np.fromiter((logits_row[rid] for rid in ids), np.int64, len(ids))
+        spec = so.scheduled_spec_decode_tokens
+        counts = np.fromiter((len(spec.get(rid, ())) + 1 for rid in ids), np.int64, len(ids))
+        offset = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+        rows = np.repeat(first, counts) + offset
         return apply_grammar_bitmask(logits, so.grammar_bitmask, rows)
 
     def _prepare_inputs(self, so: SchedulerOutput) -> StepInputs:

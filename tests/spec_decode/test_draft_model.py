@@ -98,3 +98,21 @@ def test_bad_speculative_configs_fail_before_start(tiny_llama: str, small_draft:
     config = EngineArgs.from_cli_args(args).create_engine_config()
     assert config.speculative_config.num_speculative_tokens == 2
     assert config.speculative_config.prompt_lookup_min == 5   # vLLM's default
+
+
+def test_draft_kv_caught_up_lazily(tiny_llama: str, baseline: list) -> None:
+    """No drafts while more than 2 requests run: the draft model does not run then, and when
+    the batch has shrunk its KV is caught up over every missed token in one forward. The
+    target as its own draft must still accept every draft (its KV is exactly right)."""
+    ps = prompts()
+    lengths = [40 if i in (0, 9) else 4 + i for i in range(len(ps))]   # 2 run long
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in lengths]
+    llm = LLM(tiny_llama, **BASE, speculative_config=draft_config(
+        tiny_llama, disable_by_batch_size=2))
+    outs = llm.generate(ps, params, use_tqdm=False)
+    for out, ref, m in zip(outs, baseline, lengths):
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids[:m]
+    spec = assert_spec_metrics_add_up(llm, min_accepted=20)
+    assert spec["num_accepted_tokens"] == spec["num_draft_tokens"], spec
+    assert_all_blocks_free(llm)
+    llm.shutdown()
