@@ -24,27 +24,18 @@ from typing import Optional
 import numpy as np
 import torch
 
-from kvserve.config import KVServeConfig, ModelConfig
-from kvserve.model.layers.attention import AttentionMetadata
+from kvserve.config import KVServeConfig
+from kvserve.spec_decode.draft_kv import (allocate_kv_caches, kv_cache_bytes_per_block,
+                                          make_draft_batch, proposer_model_config)
 from kvserve.worker.input_batch import InputBatch
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class DraftModelProposer:
     def __init__(self, config: KVServeConfig, device: torch.device) -> None:
-        spec = config.speculative_config
-        assert spec is not None and spec.model is not None
-        target = config.model_config
         self.device = device
         self.block_size = config.cache_config.block_size
         self.tp_size = config.parallel_config.tensor_parallel_size
-        self.model_config = ModelConfig.from_path(
-            spec.model, tokenizer=None, served_model_name=None, dtype=target.dtype,
-            max_model_len=target.max_model_len, seed=target.seed,
-            max_logprobs=target.max_logprobs, device=config.device_config.device)
+        self.model_config = proposer_model_config(config)
         self.model: Optional[torch.nn.Module] = None
         self.kv_caches: list[torch.Tensor] = []
         self._valid: dict[str, int] = {}
@@ -55,16 +46,11 @@ class DraftModelProposer:
         self.model = load_model(self.model_config, self.device)
 
     def kv_cache_bytes_per_block(self) -> int:
-        from kvserve.model.loader import get_kv_cache_shape
-        shape = get_kv_cache_shape(self.model_config, 1, self.block_size, self.tp_size)
-        elem = torch.empty((), dtype=self.model_config.dtype).element_size()
-        return int(np.prod(shape)) * elem * self.model_config.num_layers
+        return kv_cache_bytes_per_block(self.model_config, self.block_size, self.tp_size)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        from kvserve.model.loader import get_kv_cache_shape
-        shape = get_kv_cache_shape(self.model_config, num_blocks, self.block_size, self.tp_size)
-        self.kv_caches = [torch.zeros(shape, dtype=self.model_config.dtype, device=self.device)
-                          for _ in range(self.model_config.num_layers)]
+        self.kv_caches = allocate_kv_caches(self.model_config, num_blocks, self.block_size,
+                                            self.tp_size, self.device)
 
     def drop(self, req_ids: set[str]) -> None:
         for rid in req_ids:
@@ -103,41 +89,13 @@ class DraftModelProposer:
         """One draft forward over `rows` (query tokens flattened in row order); returns the
         argmax token after each row's last query token."""
         assert self.model is not None
-        order = np.argsort(qlens != 1, kind="stable")      # single-token queries first
-        rank = np.empty_like(order)
-        rank[order] = np.arange(len(order))
-        token_order = np.argsort(rank[np.repeat(np.arange(len(rows)), qlens)], kind="stable")
-        rows_o, computed_o, qlens_o = rows[order], computed[order], qlens[order]
-        pos_o = positions[token_order]
-        meta = self._metadata(ib, rows_o, computed_o, qlens_o, pos_o)
-        hidden = self.model(torch.from_numpy(input_ids[token_order]).to(self.device),
-                            torch.from_numpy(pos_o).to(self.device), self.kv_caches, meta)
-        last = torch.from_numpy(np.cumsum(qlens_o) - 1).to(self.device)
+        batch = make_draft_batch(ib.block_table, rows, computed, qlens, positions,
+                                 self.block_size, self.device)
+        hidden = self.model(torch.from_numpy(input_ids[batch.token_order]).to(self.device),
+                            torch.from_numpy(batch.positions).to(self.device), self.kv_caches,
+                            batch.metadata)
+        last = torch.from_numpy(batch.last).to(self.device)
         tokens_o = self.model.compute_logits(hidden[last]).argmax(dim=-1).cpu().numpy()
         tokens = np.empty_like(tokens_o)
-        tokens[order] = tokens_o
+        tokens[batch.order] = tokens_o
         return tokens
-
-    def _metadata(self, ib: InputBatch, rows: np.ndarray, computed: np.ndarray,
-                  qlens: np.ndarray, positions: np.ndarray) -> AttentionMetadata:
-        bs, dev = self.block_size, self.device
-        tok_rows = np.repeat(rows, qlens)
-        slots = ib.block_table[tok_rows, positions // bs] * bs + positions % bs
-        num_decodes = int((qlens == 1).sum())
-        seq_lens = computed + qlens
-        meta = AttentionMetadata(num_decode_tokens=num_decodes,
-                                 slot_mapping=torch.from_numpy(slots).to(dev), block_size=bs)
-        if num_decodes:
-            d = slice(0, num_decodes)
-            tables = ib.block_table[rows[d], :cdiv(int(seq_lens[d].max()), bs)]
-            meta.decode_block_tables = torch.from_numpy(np.ascontiguousarray(tables)).to(dev)
-            meta.decode_seq_lens = torch.from_numpy(seq_lens[d].copy()).to(dev)
-        if num_decodes < len(rows):
-            p = slice(num_decodes, None)
-            starts = np.cumsum(qlens) - qlens
-            meta.prefill_query_starts = torch.from_numpy(starts[p].copy()).to(dev)
-            meta.prefill_query_lens = torch.from_numpy(qlens[p].copy()).to(dev)
-            meta.prefill_context_lens = torch.from_numpy(computed[p].copy()).to(dev)
-            tables = ib.block_table[rows[p], :cdiv(int(seq_lens[p].max()), bs)]
-            meta.prefill_block_tables = torch.from_numpy(np.ascontiguousarray(tables)).to(dev)
-        return meta
