@@ -171,6 +171,13 @@ KVS_INLINE void dots_avx512(const c10::BFloat16* x, const c10::BFloat16* w, int6
 }
 #endif
 
+// A 16-bit row of K = 768 is only 24 cache lines, so the hardware prefetcher, which trains per
+// stream, kept restarting at each new group of rows: the kernel streamed 4-5 GB/s on one Zen 1
+// core against 13 GB/s for a plain read. The rows of a pass are adjacent, so a software
+// prefetch that walks the weight linearly, about two passes ahead, keeps memory busy
+// (scratch C++ loop over 48 MB, one core, loaded machine: 10-14 GB/s; without it 4-5).
+constexpr int64_t kPairPrefetchBytes = 12288;
+
 #if defined(KVS_AVX2)
 // 8 lanes; the weight (any storage) widened in registers. Accumulator (m, r) is acc[m * R + r];
 // MB * R <= 8 so that accumulators, R weight vectors and one x vector fit in 16 registers.
@@ -181,9 +188,14 @@ KVS_INLINE void dots_avx2(const TX* x, const TW* w, int64_t K, float (&res)[MB][
   for (int i = 0; i < MB * R; ++i) acc[i] = _mm256_setzero_ps();
   int64_t k = 0;
   for (; k + 8 <= K; k += 8) {
-    if constexpr (MB >= kPrefetchMinRows)
+    if constexpr (std::is_same<TW, c10::Half>::value) {
+      // fp16 rows are as short as bf16 ones: the same linear prefetch (dots_avx2_bf16).
+      const char* ahead = reinterpret_cast<const char*>(w) + kPairPrefetchBytes + (k / 8) * R * 16;
+      for (int c = 0; c < R * 16; c += 64) _mm_prefetch(ahead + c, _MM_HINT_T0);
+    } else if constexpr (MB >= kPrefetchMinRows) {
       for (int r = 0; r < R; ++r)
         _mm_prefetch(reinterpret_cast<const char*>(w + r * K + k) + kPrefetchBytes, _MM_HINT_T0);
+    }
     __m256 wv[R];
     for (int r = 0; r < R; ++r) wv[r] = load8(w + r * K + k);
     for (int m = 0; m < MB; ++m) {
@@ -210,12 +222,6 @@ KVS_INLINE void dots_avx2(const TX* x, const TW* w, int64_t K, float (&res)[MB][
 // matter, so x is deinterleaved once per call to match (deinterleave_x16): per block of 16, its
 // 8 even elements then its 8 odd ones. A tail K % 16 stays in plain order.
 constexpr int64_t kPairBlock = 16;
-// A bf16 row of K = 768 is only 24 cache lines, so the hardware prefetcher, which trains per
-// stream, kept restarting at each new group of rows: the kernel streamed 4-5 GB/s on one Zen 1
-// core against 13 GB/s for a plain read. The rows of a pass are adjacent, so a software
-// prefetch that walks the weight linearly, about two passes ahead, keeps memory busy
-// (scratch C++ loop over 48 MB, one core, loaded machine: 10-14 GB/s; without it 4-5).
-constexpr int64_t kPairPrefetchBytes = 12288;
 
 // x [M, K] -> xp [M, K]: each full 16-block as (evens, odds); the tail copied as is.
 inline void deinterleave_x16(const float* x, float* xp, int64_t M, int64_t K) {
