@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from typing import Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 from safetensors import safe_open
@@ -78,15 +78,23 @@ def load_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
     """Build the model for `model_config` on `device` and load this TP rank's weights."""
     model_cls = get_model_class(model_config.architecture)
     weights = checkpoint_weights(model_config)     # fails before allocating anything
+    return build_and_load(lambda: model_cls(model_config), weights, model_config, device)
+
+
+def build_and_load(build: Callable[[], nn.Module], weights: Iterable[tuple[str, torch.Tensor]],
+                   model_config: ModelConfig, device: torch.device) -> nn.Module:
+    """`build()` the module in the config's dtype on `device`, load `weights` through its
+    load_weights (every parameter must get one), then apply the compute dtype and the
+    process_weights_after_loading hooks. Shared by the model and proposer heads (EAGLE)."""
     # 16-bit weights with float32 math: built (and loaded) 16-bit, then set_compute_dtype.
     with _default_dtype(model_config.weight_dtype or model_config.dtype), torch.device(device):
-        model = model_cls(model_config)
+        model = build()
     loaded = model.load_weights(weights)
     never_loaded = sorted(set(name for name, _ in model.named_parameters()) - loaded)
     if never_loaded:
         shown = ", ".join(never_loaded[:8]) + (" ..." if len(never_loaded) > 8 else "")
         raise ValueError(f"Checkpoint {model_config.model!r} has no weights for "
-                         f"{len(never_loaded)} parameter(s) of {model_cls.__name__}: {shown}")
+                         f"{len(never_loaded)} parameter(s) of {type(model).__name__}: {shown}")
     if model_config.weight_dtype is not None:
         set_compute_dtype(model, model_config.dtype)
     # Layout changes that need the loaded weights (vLLM's hook name), e.g. CPU prepacking.

@@ -44,6 +44,25 @@ def allocate_kv_caches(model_config: ModelConfig, num_blocks: int, block_size: i
             for _ in range(model_config.num_layers)]
 
 
+class OwnKVProposer:
+    """A proposer with its own layers' paged KV (draft model, EAGLE head): the proposer
+    checkpoint's config, its KV bytes per target block, and its KV tensors."""
+
+    def __init__(self, config: KVServeConfig, device: torch.device) -> None:
+        self.device = device
+        self.block_size = config.cache_config.block_size
+        self.tp_size = config.parallel_config.tensor_parallel_size
+        self.model_config = proposer_model_config(config)
+        self.kv_caches: list[torch.Tensor] = []
+
+    def kv_cache_bytes_per_block(self) -> int:
+        return kv_cache_bytes_per_block(self.model_config, self.block_size, self.tp_size)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.kv_caches = allocate_kv_caches(self.model_config, num_blocks, self.block_size,
+                                            self.tp_size, self.device)
+
+
 @dataclass
 class DraftBatch:
     """A proposer forward over `rows` (queries flattened in row order), reordered decodes

@@ -25,32 +25,20 @@ import numpy as np
 import torch
 
 from kvserve.config import KVServeConfig
-from kvserve.spec_decode.draft_kv import (allocate_kv_caches, kv_cache_bytes_per_block,
-                                          make_draft_batch, proposer_model_config)
+from kvserve.spec_decode.draft_kv import OwnKVProposer, make_draft_batch
 from kvserve.worker.input_batch import InputBatch
 
 
-class DraftModelProposer:
+class DraftModelProposer(OwnKVProposer):
     def __init__(self, config: KVServeConfig, device: torch.device) -> None:
-        self.device = device
-        self.block_size = config.cache_config.block_size
-        self.tp_size = config.parallel_config.tensor_parallel_size
-        self.model_config = proposer_model_config(config)
+        super().__init__(config, device)
         self.model: Optional[torch.nn.Module] = None
-        self.kv_caches: list[torch.Tensor] = []
         self._valid: dict[str, int] = {}
 
     # ------------------------------------------------------------------ set-up
     def load_model(self) -> None:
         from kvserve.model.loader import load_model
         self.model = load_model(self.model_config, self.device)
-
-    def kv_cache_bytes_per_block(self) -> int:
-        return kv_cache_bytes_per_block(self.model_config, self.block_size, self.tp_size)
-
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.kv_caches = allocate_kv_caches(self.model_config, num_blocks, self.block_size,
-                                            self.tp_size, self.device)
 
     def drop(self, req_ids: set[str]) -> None:
         for rid in req_ids:

@@ -42,8 +42,7 @@ from kvserve.model.layers.embedding import ParallelLMHead, VocabParallelEmbeddin
 from kvserve.model.layers.linear import default_weight_loader
 from kvserve.model.llama import LlamaDecoderLayer, LlamaForCausalLM
 from kvserve.spec_decode.base import TargetHiddenStates
-from kvserve.spec_decode.draft_kv import (allocate_kv_caches, kv_cache_bytes_per_block,
-                                          make_draft_batch, proposer_model_config)
+from kvserve.spec_decode.draft_kv import OwnKVProposer, make_draft_batch
 from kvserve.worker.input_batch import InputBatch
 
 # Checkpoint tensors EAGLE-1 never uses (vLLM skips them too).
@@ -128,52 +127,31 @@ class EagleHead(nn.Module):
         return loaded
 
 
-class EagleProposer:
+class EagleProposer(OwnKVProposer):
     uses_target_hidden = True
 
     def __init__(self, config: KVServeConfig, device: torch.device) -> None:
-        self.device = device
-        self.block_size = config.cache_config.block_size
-        self.tp_size = config.parallel_config.tensor_parallel_size
-        self.model_config = proposer_model_config(config)
+        super().__init__(config, device)
         self.head: Optional[EagleHead] = None
         self.embed_tokens: Optional[nn.Module] = None
         self.lm_head: Optional[ParallelLMHead] = None
-        self.kv_caches: list[torch.Tensor] = []
 
     # ------------------------------------------------------------------ set-up
     def load_model(self, target_model: nn.Module) -> None:
+        from kvserve.model.loader import build_and_load
         mc = self.model_config
         shapes = eagle_weight_shapes(mc.model)
-        old = torch.get_default_dtype()
-        torch.set_default_dtype(mc.dtype)
-        try:
-            with torch.device(self.device):
-                head = EagleHead(mc, "fc.bias" in shapes, "embed_tokens.weight" in shapes,
-                                 "lm_head.weight" in shapes)
-        finally:
-            torch.set_default_dtype(old)
-        loaded = head.load_weights(_checkpoint_tensors(mc.model))
-        missing = sorted(set(n for n, _ in head.named_parameters()) - loaded)
-        if missing:
-            raise ValueError(f"EAGLE checkpoint {mc.model!r} has no weights for: "
-                             f"{', '.join(missing[:8])}")
-        for module in head.modules():
-            process = getattr(module, "process_weights_after_loading", None)
-            if process is not None:
-                process()
-        self.head = head.eval()
-        # Shared with the target unless the checkpoint brings its own (vLLM's rule).
+        head = build_and_load(
+            lambda: EagleHead(mc, "fc.bias" in shapes, "embed_tokens.weight" in shapes,
+                              "lm_head.weight" in shapes),
+            _checkpoint_tensors(mc.model), mc, self.device)
+        assert isinstance(head, EagleHead)
+        self.head = head
+        # The target's, unless the checkpoint brings its own (vLLM always uses the target's
+        # embedding; see the module docstring).
         self.embed_tokens = (head.embed_tokens if head.embed_tokens is not None
                              else target_model.model.embed_tokens)
         self.lm_head = head.lm_head if head.lm_head is not None else target_model.lm_head
-
-    def kv_cache_bytes_per_block(self) -> int:
-        return kv_cache_bytes_per_block(self.model_config, self.block_size, self.tp_size)
-
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.kv_caches = allocate_kv_caches(self.model_config, num_blocks, self.block_size,
-                                            self.tp_size, self.device)
 
     def drop(self, req_ids: set[str]) -> None:
         pass   # no per-request state: the head's KV lives in the requests' blocks
