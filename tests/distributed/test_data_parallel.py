@@ -34,6 +34,18 @@ def _stop_and_check_nothing_left(server: RemoteServer) -> None:
 MAX_TOKENS = 8
 
 
+def _prompts_and_reference(model: str, num_requests: int,
+                           max_tokens: int) -> tuple[list[str], list[str]]:
+    """The DP tests' prompts and one in-process engine's greedy texts for them."""
+    prompts = [f"request {i}: the quick brown fox {i * 7}" for i in range(num_requests)]
+    with LLM(model, dtype="float32", max_model_len=256, kv_cache_memory=16 << 20,
+             multiprocessing=False) as llm:
+        reference = [o.outputs[0].text for o in llm.generate(
+            prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+            use_tqdm=False)]
+    return prompts, reference
+
+
 def _engines(server: RemoteServer) -> dict[str, psutil.Process]:
     procs = psutil.Process(server.proc.pid).children(recursive=True)
     return {p.name(): p for p in procs if p.name().startswith(("KVSEngine_DP", "KVSDPCoord"))}
@@ -61,12 +73,7 @@ async def _complete_all(server: RemoteServer, model: str, prompts: list[str],
 
 @pytest.mark.timeout(240)
 def test_dp2_serves_balanced_and_matches_one_engine(tiny_llama: str) -> None:
-    prompts = [f"request {i}: the quick brown fox {i * 7}" for i in range(NUM_REQUESTS)]
-    with LLM(tiny_llama, dtype="float32", max_model_len=256, kv_cache_memory=16 << 20,
-             multiprocessing=False) as llm:
-        reference = [o.outputs[0].text for o in llm.generate(
-            prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
-            use_tqdm=False)]
+    prompts, reference = _prompts_and_reference(tiny_llama, NUM_REQUESTS, MAX_TOKENS)
     server = RemoteServer(tiny_llama, [*SERVER_ENGINE_ARGS, "-dp", "2"])
     try:
         assert sorted(_engines(server)) == ["KVSDPCoord", "KVSEngine_DP0", "KVSEngine_DP1"]

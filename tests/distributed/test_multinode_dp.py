@@ -23,9 +23,8 @@ import pytest
 
 from kvserve.engine.arg_utils import EngineArgs
 from kvserve.entrypoints.cli import main as cli_main
-from kvserve.entrypoints.llm import LLM
-from kvserve.sampling_params import SamplingParams
-from tests.distributed.test_data_parallel import _complete_all, _generation_tokens
+from tests.distributed.test_data_parallel import (_complete_all, _generation_tokens,
+                                                   _prompts_and_reference)
 from tests.entrypoints.conftest import SERVER_ENGINE_ARGS, RemoteServer, _free_port
 
 NUM_REQUESTS = 24
@@ -117,12 +116,7 @@ async def _wait_for_load(server: RemoteServer, running: int, timeout: float) -> 
 
 @pytest.mark.timeout(300)
 def test_two_node_dp_on_loopback(tiny_llama: str) -> None:
-    prompts = [f"request {i}: the quick brown fox {i * 7}" for i in range(NUM_REQUESTS)]
-    with LLM(tiny_llama, dtype="float32", max_model_len=256, kv_cache_memory=16 << 20,
-             multiprocessing=False) as llm:
-        reference = [o.outputs[0].text for o in llm.generate(
-            prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
-            use_tqdm=False)]
+    prompts, reference = _prompts_and_reference(tiny_llama, NUM_REQUESTS, MAX_TOKENS)
     rpc_port = _free_port()
     headless = subprocess.Popen(
         _serve_cmd(tiny_llama, *_dp_args(rpc_port, "--data-parallel-start-rank", "1",
