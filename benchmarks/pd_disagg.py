@@ -1,19 +1,26 @@
 """Disaggregated prefill/decode vs one instance (issue 12), with `kvserve bench serve`.
 
-Layout "single": one `kvserve serve` on cores 0-1 (2 torch threads).
+Layout "single": one `kvserve serve` on cores 0-1 (2 torch threads), once per step token budget
+in --single-budgets (2048 is the CPU default; a smaller budget is what a latency-minded operator
+sets: shorter but more frequent prefill stalls).
 Layout "pd": a prefill instance on core 0 and a decode instance on core 1 (taskset, one torch
 thread each), NixlConnector between them, `kvserve proxy` in front.
 
-The same requests (long random prompts, long outputs, --ignore-eos) at the same fixed rate go
-to each layout in turn; reported: TTFT p50/p99 and ITL p99 of both, and from the decode
-instance's /metrics the NIXL transfers (count, bytes, time): bandwidth and time per request.
-The proxy and the benchmark client are not pinned (they share the two cores with the engines).
+The workload is a mix at fixed rates, sent to each layout in turn by two concurrent
+`kvserve bench serve` clients (random prompts, --ignore-eos, Poisson arrivals, fixed seeds):
+  long prompts:  --long-input-len (2048) in, --long-output-len out, --long-rate req/s
+  long outputs:  --short-input-len in, --short-output-len (256) out, --short-rate req/s
+What P/D is for: in one instance every prefill chunk of a long prompt stalls all running
+decodes for a step; a P/D decode instance never runs one. Reported per layout: ITL p50/p99/
+p99.9/max over every token of both classes, TTFT p50/p99 per class (P/D's cost: a 2k prefill on
+one core), and from the decode instance's /metrics the NIXL transfers (count, bytes, time).
+The proxy and the benchmark clients are not pinned (they share the two cores with the engines).
 
-    python benchmarks/pd_disagg.py                     # defaults below
-    python benchmarks/pd_disagg.py --num-prompts 4     # quicker
+    python benchmarks/pd_disagg.py                     # defaults below (~20 min)
+    python benchmarks/pd_disagg.py --duration-s 120    # quicker
     python benchmarks/pd_disagg.py --smoke             # a tiny model and load: checks it runs
 
---output-json FILE also writes both results and the transfer counters.
+--output-json FILE also writes every result and the transfer counters.
 """
 from __future__ import annotations
 
@@ -33,6 +40,7 @@ import httpx
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 from benchmarks.roofline import ensure_random_checkpoint  # noqa: E402
+from kvserve.benchmarks.serve import strip_detailed  # noqa: E402
 
 # Small enough that a 2k-token prefill takes seconds on one core of these machines.
 MODEL_CONFIG = dict(arch="llama", hidden_size=384, num_layers=6, num_heads=6, num_kv_heads=6,
@@ -43,7 +51,8 @@ MODEL_NAME = "llama-pd-bench-v1"
 SMOKE_MODEL_CONFIG = dict(MODEL_CONFIG, hidden_size=128, num_layers=2, num_heads=4,
                           num_kv_heads=4, intermediate_size=256, max_position_embeddings=1024)
 SMOKE_MODEL_NAME = "llama-pd-smoke-v1"
-SMOKE_ARGS = dict(input_len=256, output_len=32, num_prompts=4, request_rate=2.0)
+SMOKE_ARGS = dict(long_input_len=256, long_output_len=8, long_rate=1.0, short_input_len=32,
+                  short_output_len=32, short_rate=2.0, duration_s=3.0, single_budgets="256,64")
 
 
 def _free_port() -> int:
@@ -92,29 +101,75 @@ class Proc:
                 pass
 
 
-def serve_argv(model: str, port: int, args: argparse.Namespace, kv: bool) -> list[str]:
+def serve_argv(model: str, port: int, args: argparse.Namespace, kv: bool,
+               budget: Optional[int] = None) -> list[str]:
+    max_len = max(args.long_input_len + args.long_output_len,
+                  args.short_input_len + args.short_output_len) + 16
     argv = [sys.executable, "-m", "kvserve.entrypoints.cli", "serve", model, "--host",
             "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len",
-            str(args.input_len + args.output_len + 16), "--kv-cache-memory", str(1 << 29),
+            str(max_len), "--kv-cache-memory", str(1 << 29),
             "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning"]
+    if budget is not None:
+        argv += ["--max-num-batched-tokens", str(budget)]
     if kv:
         argv += ["--kv-transfer-config", json.dumps(
             {"kv_connector": "NixlConnector", "kv_role": "kv_both"})]
     return argv
 
 
+CLASSES = ("long", "short")   # long prompts / long outputs
+
+
 def bench(url: str, model: str, args: argparse.Namespace, out_dir: str, label: str) -> dict:
-    fname = f"{label}.json"
-    subprocess.run(
-        [sys.executable, "-m", "kvserve.benchmarks.cli", "serve", "--base-url", url,
-         "--tokenizer", model, "--dataset-name", "random", "--random-input-len",
-         str(args.input_len), "--random-output-len", str(args.output_len), "--num-prompts",
-         str(args.num_prompts), "--request-rate", str(args.request_rate), "--ignore-eos",
-         "--seed", "0", "--percentile-metrics", "ttft,itl,tpot,e2el", "--metric-percentiles",
-         "50,99", "--disable-tqdm", "--save-result", "--result-dir", out_dir,
-         "--result-filename", fname, "--label", label], check=True)
-    with open(os.path.join(out_dir, fname)) as f:
-        return json.load(f)
+    """Both request classes at once, each from its own client at its own rate; returns each
+    client's detailed result (per-request TTFTs and ITLs)."""
+    procs, files = {}, {}
+    for i, cls in enumerate(CLASSES):
+        rate = getattr(args, f"{cls}_rate")
+        files[cls] = f"{label}-{cls}.json"
+        procs[cls] = subprocess.Popen(
+            [sys.executable, "-m", "kvserve.benchmarks.cli", "serve", "--base-url", url,
+             "--tokenizer", model, "--dataset-name", "random",
+             "--random-input-len", str(getattr(args, f"{cls}_input_len")),
+             "--random-output-len", str(getattr(args, f"{cls}_output_len")),
+             "--num-prompts", str(max(1, round(rate * args.duration_s))),
+             "--request-rate", str(rate), "--ignore-eos", "--seed", str(i + 1),
+             "--percentile-metrics", "ttft,itl,tpot,e2el", "--metric-percentiles", "50,99",
+             "--disable-tqdm", "--save-result", "--save-detailed", "--result-dir", out_dir,
+             "--result-filename", files[cls], "--label", f"{label}-{cls}"])
+    for cls, proc in procs.items():
+        if proc.wait() != 0:
+            raise RuntimeError(f"the {cls} client of {label} failed ({proc.returncode})")
+    out = {}
+    for cls in CLASSES:
+        with open(os.path.join(out_dir, files[cls])) as f:
+            out[cls] = json.load(f)
+    return out
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolated percentile (numpy's default), q in [0, 100]."""
+    if not values:
+        return float("nan")
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def summarize(result: dict) -> dict[str, float]:
+    """ITL percentiles over every token of both classes; TTFT per class; in ms."""
+    itls = [1000 * x for cls in CLASSES for req in result[cls]["itls"] for x in req]
+    out = {"itl_samples": len(itls), "completed": sum(result[c]["completed"] for c in CLASSES)}
+    for q in (50, 99, 99.9, 100):
+        out[f"itl_p{q:g}_ms"] = percentile(itls, q)
+    for cls in CLASSES:
+        ttfts = [1000 * x for x in result[cls]["ttfts"] if x]
+        for q in (50, 99):
+            out[f"{cls}_ttft_p{q}_ms"] = percentile(ttfts, q)
+    out["output_tok_s"] = sum(result[c]["output_throughput"] for c in CLASSES)
+    return out
 
 
 def metric(url: str, name: str) -> float:
@@ -123,12 +178,13 @@ def metric(url: str, name: str) -> float:
     return float(m.group(1)) if m else float("nan")
 
 
-def run_single(model: str, args: argparse.Namespace, tmp: str) -> dict:
+def run_single(model: str, args: argparse.Namespace, tmp: str, budget: int) -> dict:
     port = _free_port()
-    srv = Proc(serve_argv(model, port, args, kv=False), "0,1", 2, tmp, "single")
+    label = f"single-{budget}"
+    srv = Proc(serve_argv(model, port, args, kv=False, budget=budget), "0,1", 2, tmp, label)
     try:
         srv.wait_ready(f"http://127.0.0.1:{port}/health")
-        return bench(f"http://127.0.0.1:{port}", model, args, tmp, "single")
+        return bench(f"http://127.0.0.1:{port}", model, args, tmp, label)
     finally:
         srv.stop()
 
@@ -156,24 +212,35 @@ def run_pd(model: str, args: argparse.Namespace, tmp: str) -> tuple[dict, dict]:
             p.stop()
 
 
-def report(single: dict, pd: dict, xfer: dict[str, Any], args: argparse.Namespace) -> str:
-    rows = [("TTFT p50 (ms)", "p50_ttft_ms"), ("TTFT p99 (ms)", "p99_ttft_ms"),
-            ("ITL p50 (ms)", "p50_itl_ms"), ("ITL p99 (ms)", "p99_itl_ms"),
-            ("TPOT mean (ms)", "mean_tpot_ms"), ("output tok/s", "output_throughput")]
-    lines = [f"{args.num_prompts} requests x {args.input_len} in / {args.output_len} out, "
-             f"{args.request_rate} req/s", "| | single (2 cores) | P/D (1 + 1 core) | single / P/D |",
-             "|---|---|---|---|"]
-    for label, key in rows:
-        a, b = single[key], pd[key]
-        lines.append(f"| {label} | {a:.1f} | {b:.1f} | {a / b if b else float('nan'):.2f} |")
+ROWS = [("ITL p50 (ms)", "itl_p50_ms"), ("ITL p99 (ms)", "itl_p99_ms"),
+        ("ITL p99.9 (ms)", "itl_p99.9_ms"), ("ITL max (ms)", "itl_p100_ms"),
+        ("TTFT p50, long prompts (ms)", "long_ttft_p50_ms"),
+        ("TTFT p99, long prompts (ms)", "long_ttft_p99_ms"),
+        ("TTFT p50, long outputs (ms)", "short_ttft_p50_ms"),
+        ("TTFT p99, long outputs (ms)", "short_ttft_p99_ms"),
+        ("output tok/s", "output_tok_s"), ("ITL samples", "itl_samples"),
+        ("completed", "completed")]
+
+
+def report(summaries: dict[str, dict], xfer: dict[str, Any], args: argparse.Namespace) -> str:
+    names = list(summaries)
+    lines = [f"mix for {args.duration_s:g} s: long prompts {args.long_input_len} in / "
+             f"{args.long_output_len} out at {args.long_rate} req/s + long outputs "
+             f"{args.short_input_len} in / {args.short_output_len} out at {args.short_rate} req/s",
+             "| | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+    for label, key in ROWS:
+        lines.append(f"| {label} | " + " | ".join(f"{summaries[n][key]:.1f}" for n in names) + " |")
+    pd = summaries["pd"]
+    for n in names[:-1]:
+        lines.append(f"ITL p99 {n} / pd: {summaries[n]['itl_p99_ms'] / pd['itl_p99_ms']:.2f}x; "
+                     f"p99.9: {summaries[n]['itl_p99.9_ms'] / pd['itl_p99.9_ms']:.2f}x")
     n, nbytes, secs = (xfer["kv_transfers_total"], xfer["kv_transfer_bytes_total"],
                        xfer["kv_transfer_time_seconds_total"])
     if n:
         lines.append(f"NIXL: {int(n)} READs, {nbytes / n / 2**20:.1f} MiB and {secs / n * 1e3:.1f} ms "
                      f"per request (READ posted to done, polled once per engine step), "
                      f"{nbytes / secs / 1e9:.2f} GB/s; local fallbacks "
-                     f"{int(xfer['kv_transfer_local_fallbacks_total'])}; completed "
-                     f"{single['completed']} / {pd['completed']}")
+                     f"{int(xfer['kv_transfer_local_fallbacks_total'])}")
     return "\n".join(lines)
 
 
@@ -181,12 +248,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=str, default=None)
     parser.add_argument("--model-dir", type=str, default=os.path.join(HERE, ".models"))
-    parser.add_argument("--input-len", type=int, default=2048)
-    parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--num-prompts", type=int, default=8)
-    # One 2048-token prefill took 11.4 s on one pinned core of the 2-core dev machine under load
-    # (about 6 s of CPU): 0.1 req/s keeps the 1-core prefill instance below saturation.
-    parser.add_argument("--request-rate", type=float, default=0.1)
+    parser.add_argument("--long-input-len", type=int, default=2048)
+    parser.add_argument("--long-output-len", type=int, default=32)
+    # A 2048-token prefill takes about 6 s on one pinned core of the 2-core dev machine: at
+    # 0.1 req/s the 1-core prefill instance is about 60% busy.
+    parser.add_argument("--long-rate", type=float, default=0.1)
+    parser.add_argument("--short-input-len", type=int, default=128)
+    parser.add_argument("--short-output-len", type=int, default=256)
+    parser.add_argument("--short-rate", type=float, default=0.15)
+    parser.add_argument("--duration-s", type=float, default=300.0,
+                        help="requests per class = rate x duration")
+    parser.add_argument("--single-budgets", type=str, default="2048,512",
+                        help="max_num_batched_tokens of the single-instance runs")
     parser.add_argument("--smoke", action="store_true",
                         help=f"tiny model and load ({SMOKE_ARGS}): checks the script end to end")
     parser.add_argument("--output-json", type=str, default=None)
@@ -199,14 +272,19 @@ def main(argv: Optional[list[str]] = None) -> int:
         name, config = MODEL_NAME, MODEL_CONFIG
     model = args.model or ensure_random_checkpoint(name, config, args.model_dir)
     started = time.monotonic()
+    results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="pd-bench-") as tmp:
-        single = run_single(model, args, tmp)
-        pd, xfer = run_pd(model, args, tmp)
-    print(report(single, pd, xfer, args))
+        for budget in (int(b) for b in args.single_budgets.split(",") if b):
+            results[f"single-{budget}"] = run_single(model, args, tmp, budget)
+        results["pd"], xfer = run_pd(model, args, tmp)
+    summaries = {name: summarize(r) for name, r in results.items()}
+    print(report(summaries, xfer, args))
     print(f"wall time {time.monotonic() - started:.0f} s (start-up included)")
     if args.output_json:
         with open(args.output_json, "w") as f:
-            json.dump(dict(args=vars(args), single=single, pd=pd, nixl=xfer), f, indent=1)
+            json.dump(dict(args=vars(args), summaries=summaries, nixl=xfer,
+                           results={n: {c: strip_detailed(r[c]) for c in CLASSES}
+                                    for n, r in results.items()}), f, indent=1)
     return 0
 
 
