@@ -128,7 +128,8 @@ SMALL_BATCH_COPY_ENV = "KVSERVE_CPU_SMALL_BATCH_COPY"
 # AVX2 EPYC, float32, one thread, CPU time (benchmarks/linear.py --threads 1 --clock cpu
 # --stat median), the 110M Llama's shapes: 1.15-1.75x at M = 1, 1.2-1.5x at M = 8; oneDNN's
 # AVX2 path has a fixed cost per call that a stream over the weight does not. On the AVX-512
-# Zen 4 the packed weight matched the kernel at M = 1, so no second copy there.
+# Zen 4 the packed weight matched the kernel at M = 1 (measured there earlier), so no second
+# copy there.
 SMALL_BATCH_COPY_TIERS = ("avx2",)
 
 
@@ -141,10 +142,9 @@ def keep_small_batch_copies(dtype: torch.dtype, copy_bytes: int) -> bool:
     mode = _copy_mode(SMALL_BATCH_COPY_ENV)
     if mode != "auto":
         return mode == "1"
-    if dtype != torch.float32 or _dispatch_kernel() is None:
-        return False
     from kvserve.ops import cpu_isa
-    return cpu_isa.selected_tier() in SMALL_BATCH_COPY_TIERS and _fits_in_memory(copy_bytes)
+    return (dtype == torch.float32 and cpu_isa.selected_tier() in SMALL_BATCH_COPY_TIERS
+            and _dispatch_kernel() is not None and _fits_in_memory(copy_bytes))
 
 
 def _copy_mode(env: str) -> str:

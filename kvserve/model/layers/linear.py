@@ -126,7 +126,7 @@ def set_small_batch_copies(model: nn.Module) -> None:
     embedding's, so neither costs memory."""
     modules = [m for m in model.modules() if hasattr(m, "small_batch_copy")
                and m.compute_dtype in (None, m.weight.dtype)]
-    if not modules:
+    if not modules or modules[0].weight.device.type != "cpu":    # nothing is packed on CUDA
         return
     dtype = modules[0].weight.dtype
     copy_bytes = sum(m.weight.numel() * m.weight.element_size() for m in modules
