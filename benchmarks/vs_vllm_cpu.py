@@ -30,7 +30,8 @@ The table has kvserve, vLLM and kvserve / vLLM per row (higher is better for tok
 latencies).
 
     python benchmarks/vs_vllm_cpu.py [--dtype bfloat16|float32|auto] [--kvserve-dtype D]
-        [--only offline,batch1,serve] [--smoke] [--output-json out.json]
+        [--only offline,batch1,serve] [--request-rates 4,inf] [--serve-prompts 64] [--smoke]
+        [--output-json out.json]
 
 bfloat16 and auto run a bfloat16 copy of the checkpoint (what real checkpoints ship);
 --kvserve-dtype auto with --dtype bfloat16 is issue 16's comparison (kvserve's auto: 16-bit
@@ -411,6 +412,8 @@ def make_parser() -> argparse.ArgumentParser:
                    help=f"Comma-separated parts to run, of {','.join(PARTS)}.")
     p.add_argument("--smoke", action="store_true", help="Tiny sizes: checks that it works.")
     p.add_argument("--request-rates", default="4,inf", help="Serving request rates.")
+    p.add_argument("--serve-prompts", type=int, default=None,
+                   help="Prompts per serving run (default 64; fewer to fit a slow machine).")
     p.add_argument("--clients", default="vllm,kvserve", help="Serving clients (bench serve).")
     p.add_argument("--port", type=int, default=8765, help="Port both servers use in turn.")
     p.add_argument("--kv-cache-gib", type=float, default=2.0,
@@ -431,8 +434,13 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
     """Fill in the sizes, dtypes and model path (builds the default checkpoint once)."""
     from roofline import DEFAULT_MODEL_DIR, ensure_bench_model, ensure_checkpoint_as
 
+    serve_prompts = args.serve_prompts
     for key, value in SIZES["smoke" if args.smoke else "full"].items():
         setattr(args, key, value)
+    if serve_prompts is not None:
+        if serve_prompts < 1:
+            raise SystemExit("error: --serve-prompts must be at least 1")
+        args.serve_prompts = serve_prompts
     args.only = [p.strip() for p in args.only.split(",") if p.strip()]
     args.clients = [c.strip() for c in args.clients.split(",") if c.strip()]
     args.request_rates = [r.strip() for r in args.request_rates.split(",") if r.strip()]

@@ -18,6 +18,7 @@ from torch import nn
 
 from kvserve.config import ModelConfig
 from kvserve.model.layers.compute_dtype import set_compute_dtype
+from kvserve.model.layers.linear import set_small_batch_copies
 from kvserve.model.registry import get_model_class
 
 SAFE_WEIGHTS_NAME = "model.safetensors"
@@ -97,6 +98,7 @@ def build_and_load(build: Callable[[], nn.Module], weights: Iterable[tuple[str, 
                          f"{len(never_loaded)} parameter(s) of {type(model).__name__}: {shown}")
     if model_config.weight_dtype is not None:
         set_compute_dtype(model, model_config.dtype)
+    set_small_batch_copies(model)
     # Layout changes that need the loaded weights (vLLM's hook name), e.g. CPU prepacking.
     for module in model.modules():
         process = getattr(module, "process_weights_after_loading", None)

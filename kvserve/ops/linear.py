@@ -117,11 +117,44 @@ def keep_float32_copies(copy_bytes: int) -> bool:
     streaming the 16-bit weight (half the bytes). It costs 2x the 16-bit weights in memory, so
     "auto" keeps it only where it is at most a quarter of the available memory (as the CPU
     KV cache's default is); "1" always, "0" never (widen per call)."""
-    mode = os.environ.get(FLOAT32_COPY_ENV, "auto").strip().lower()
-    if mode not in ("auto", "1", "0"):
-        raise ValueError(f"{FLOAT32_COPY_ENV} must be auto, 1 or 0, got {mode!r}")
+    mode = _copy_mode(FLOAT32_COPY_ENV)
+    return _fits_in_memory(copy_bytes) if mode == "auto" else mode == "1"
+
+
+# KVSERVE_CPU_SMALL_BATCH_COPY: "auto" (default) | "1" | "0" -- whether a weight kept in
+# oneDNN's prepacked layout also keeps its plain layout for the small-batch kernel.
+SMALL_BATCH_COPY_ENV = "KVSERVE_CPU_SMALL_BATCH_COPY"
+# Kernel tiers where the kernel beat the prepacked weight up to SMALL_BATCH_MAX_ROWS rows.
+# AVX2 EPYC, float32, one thread, CPU time (benchmarks/linear.py --threads 1 --clock cpu
+# --stat median), the 110M Llama's shapes: 1.15-1.75x at M = 1, 1.2-1.5x at M = 8; oneDNN's
+# AVX2 path has a fixed cost per call that a stream over the weight does not. On the AVX-512
+# Zen 4 the packed weight matched the kernel at M = 1 (measured there earlier), so no second
+# copy there.
+SMALL_BATCH_COPY_TIERS = ("avx2",)
+
+
+def keep_small_batch_copies(dtype: torch.dtype, copy_bytes: int) -> bool:
+    """Whether prepacked linear weights of `dtype` also keep their plain layout (`copy_bytes`
+    in all) so that batches of up to SMALL_BATCH_MAX_ROWS rows run the small-batch kernel
+    (small_batch_or_packed_linear). "auto": float32 weights where the kernel is built for a
+    tier in SMALL_BATCH_COPY_TIERS and the copy is at most a quarter of the available memory;
+    "1" always (where the kernel applies), "0" never (one prepacked copy, as before)."""
+    mode = _copy_mode(SMALL_BATCH_COPY_ENV)
     if mode != "auto":
         return mode == "1"
+    from kvserve.ops import cpu_isa
+    return (dtype == torch.float32 and cpu_isa.selected_tier() in SMALL_BATCH_COPY_TIERS
+            and _dispatch_kernel() is not None and _fits_in_memory(copy_bytes))
+
+
+def _copy_mode(env: str) -> str:
+    mode = os.environ.get(env, "auto").strip().lower()
+    if mode not in ("auto", "1", "0"):
+        raise ValueError(f"{env} must be auto, 1 or 0, got {mode!r}")
+    return mode
+
+
+def _fits_in_memory(copy_bytes: int) -> bool:
     import psutil
     return copy_bytes <= psutil.virtual_memory().available // 4
 
@@ -141,8 +174,9 @@ def widened_linear(x: torch.Tensor, weight: torch.Tensor,
 # inductor does for frozen CPU models); F.linear re-derives that work on every call. Measured
 # here with weights read from memory (benchmarks/linear.py), bf16 [4096, 768]: 3x at
 # M = 1, 2.5x at M = 8, 1.6x at M = 64, 1.1x at M = 2048, bit-identical outputs; float32 2-3.8x
-# (same math, another summation order). At M = 1 it also matches the GEMV kernel above, so
-# a packed weight serves every batch size and the plain copy can be dropped.
+# (same math, another summation order). At M = 1 it also matched the GEMV kernel above (AVX-512
+# Zen 4), so there a packed weight serves every batch size and the plain copy is dropped; on
+# AVX2 the kernel wins small batches, and keep_small_batch_copies keeps both.
 # The batch size oneDNN tunes the layout for; any M works.
 PACK_BATCH_HINT = 64
 
@@ -193,13 +227,14 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor,
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-def widened_or_packed_linear(x: torch.Tensor, weight: torch.Tensor,
-                             packed_f32: Optional[torch.Tensor],
-                             bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """A 16-bit weight with float32 x that also has a prepacked float32 copy: up to
-    SMALL_BATCH_MAX_ROWS rows stream the 16-bit weight (linear()), more use the copy."""
+def small_batch_or_packed_linear(x: torch.Tensor, weight: torch.Tensor,
+                                 packed: Optional[torch.Tensor],
+                                 bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """A weight kept both plain and prepacked (`packed`, in x's dtype): up to
+    SMALL_BATCH_MAX_ROWS rows go to linear() on the plain weight (the small-batch kernel; a
+    16-bit weight with float32 x is streamed at half the bytes), more to the prepacked copy.
+    Without a packed copy, linear() takes every batch."""
     k = x.shape[-1]
-    if packed_f32 is not None and x.numel() > SMALL_BATCH_MAX_ROWS * k:
-        return packed_linear(x, packed_f32, bias)
+    if packed is not None and x.numel() > SMALL_BATCH_MAX_ROWS * k:
+        return packed_linear(x, packed, bias)
     return linear(x, weight, bias)
-

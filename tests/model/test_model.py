@@ -22,6 +22,7 @@ from kvserve.model import demo
 from kvserve.model.layers.attention import AttentionMetadata
 from kvserve.model.loader import get_kv_cache_shape, load_model, num_kv_heads_per_rank
 from kvserve.model.registry import get_model_class
+from kvserve.ops.linear import SMALL_BATCH_COPY_ENV, pack_weight
 from kvserve.ops.prefill_attention import stack_block_tables
 
 ATOL = 1e-4
@@ -219,14 +220,33 @@ def test_checkpoint_variants_are_what_they_claim(make_checkpoint: Callable[..., 
     model, _ = load(make_checkpoint("llama", tie_word_embeddings=True))
     assert model.lm_head.weight is model.model.embed_tokens.weight
     if torch.backends.mkldnn.is_available() and os.environ.get("KVSERVE_DISABLE_CPU_KERNELS") != "1":
-        # CPU: linear layers keep only oneDNN's prepacked weight; the tied LM head packs a
-        # copy and leaves the embedding's weight in place.
+        # CPU: linear layers keep oneDNN's prepacked weight, and the plain one only for the
+        # small-batch kernel (small_batch_copy); the tied LM head packs a copy and leaves the
+        # embedding's weight in place.
         qkv = model.model.layers[0].self_attn.qkv_proj
-        assert qkv.weight_packed is not None and qkv.weight.numel() == 0
+        assert qkv.weight_packed is not None
+        assert (qkv.weight.numel() > 0) == qkv.small_batch_copy
         assert model.lm_head.weight_packed is not None
         assert model.model.embed_tokens.weight.numel() > 0
     model, _ = load(make_checkpoint("qwen3", head_dim=32))
     assert model.model.layers[0].self_attn.q_norm.weight.shape == (32,)
+
+
+@pytest.mark.parametrize("copy", ["0", "1"])
+@pytest.mark.parametrize("name", ["llama-tied", "llama-bias"])
+def test_small_batch_copies_match_hf(copy: str, name: str, make_checkpoint: Callable[..., str],
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prepacked weights with and without the plain copies for small batches
+    (KVSERVE_CPU_SMALL_BATCH_COPY; the default keeps them for float32 on AVX2 only): both match
+    transformers through prefills (packed) and batched decodes (the small-batch kernel)."""
+    monkeypatch.setenv(SMALL_BATCH_COPY_ENV, copy)
+    path = CHECKPOINTS[name](make_checkpoint)
+    model, _ = load(path)
+    linears = [model.model.layers[0].self_attn.qkv_proj, model.model.layers[0].mlp.down_proj]
+    assert all(m.small_batch_copy == (copy == "1") for m in [*linears, model.lm_head])
+    if pack_weight(torch.zeros(8, 8)) is not None:
+        assert all((m.weight.numel() > 0) == (copy == "1") for m in linears)
+    check_chunked_and_batched_decode(path)
 
 
 def test_bfloat16_close_to_float32(tiny_llama: str) -> None:

@@ -65,7 +65,7 @@ def test_linear_16bit_weight_with_float32_copy(m: int) -> None:
     x, w, b = tl.make_case(m, 96, 50, torch.float32, bias=True, seed=m)
     wb = w.bfloat16()
     packed = kl.pack_weight(wb.float())
-    out = kl.widened_or_packed_linear(x.view(1, m, 96), wb, packed, b)
+    out = kl.small_batch_or_packed_linear(x.view(1, m, 96), wb, packed, b)
     assert out.dtype == torch.float32 and out.shape == (1, m, 50)
     tl.check(out.view(m, 50), x, wb.float(), b)
 

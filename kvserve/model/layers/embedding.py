@@ -15,8 +15,7 @@ from kvserve.distributed.parallel_state import (get_tp_rank, get_tp_world_size,
                                                 tensor_model_parallel_all_gather,
                                                 tensor_model_parallel_all_reduce)
 from kvserve.model.layers.linear import copy_checked
-from kvserve.ops.linear import linear as linear_op  # small-batch GEMV kernel on CPU
-from kvserve.ops.linear import pack_weight, packed_linear, widened_or_packed_linear
+from kvserve.ops.linear import pack_weight, packed_linear, small_batch_or_packed_linear
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -70,6 +69,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.tied = False
         self.weight_packed: Optional[torch.Tensor] = None
         self.float32_copy = False     # as LinearBase.float32_copy
+        self.small_batch_copy = False  # as LinearBase.small_batch_copy
 
     def tie_weights(self, embed_tokens: VocabParallelEmbedding) -> None:
         self.weight = embed_tokens.weight
@@ -77,8 +77,8 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def process_weights_after_loading(self) -> None:
         """On CPU, a oneDNN-prepacked copy for compute_logits (see ops.linear); the plain
-        weight is dropped unless the embedding shares it. A 16-bit weight with float32 math
-        stays as it is (ops.linear widens it)."""
+        weight is dropped unless the embedding shares it or small_batch_copy is set. A 16-bit
+        weight with float32 math stays as it is (ops.linear widens it)."""
         if self.compute_dtype not in (None, self.weight.dtype):
             if self.float32_copy:
                 self.weight_packed = pack_weight(self.weight.to(self.compute_dtype))
@@ -86,17 +86,16 @@ class ParallelLMHead(VocabParallelEmbedding):
         packed = pack_weight(self.weight)
         if packed is not None:
             self.weight_packed = packed
-            if not self.tied:
+            if not self.tied and not self.small_batch_copy:
                 self.weight.data = torch.empty(0, dtype=self.weight.dtype)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """hidden_states [N, hidden] -> float32 logits [N, vocab] over the full vocabulary."""
-        if self.compute_dtype not in (None, self.weight.dtype):
-            logits = widened_or_packed_linear(hidden_states, self.weight, self.weight_packed)
-        elif self.weight_packed is not None:
+        widened = self.compute_dtype not in (None, self.weight.dtype)
+        if self.weight_packed is not None and not widened and not self.small_batch_copy:
             logits = packed_linear(hidden_states, self.weight_packed)
         else:
-            logits = linear_op(hidden_states, self.weight)
+            logits = small_batch_or_packed_linear(hidden_states, self.weight, self.weight_packed)
         logits = tensor_model_parallel_all_gather(logits, dim=-1)
         return logits[..., :self.num_embeddings].float()
 

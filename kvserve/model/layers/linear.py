@@ -13,6 +13,7 @@ parameter that `shard_id` names).
 """
 from __future__ import annotations
 
+import logging
 from typing import Optional, Union
 
 import torch
@@ -21,8 +22,10 @@ from torch import nn
 from kvserve.distributed.parallel_state import (get_tp_rank, get_tp_world_size,
                                                 tensor_model_parallel_all_gather,
                                                 tensor_model_parallel_all_reduce)
-from kvserve.ops.linear import linear as linear_op  # small-batch GEMV kernel on CPU
-from kvserve.ops.linear import pack_weight, packed_linear, widened_or_packed_linear
+from kvserve.ops.linear import (SMALL_BATCH_COPY_ENV, keep_small_batch_copies, pack_weight,
+                                packed_linear, small_batch_or_packed_linear)
+
+logger = logging.getLogger(__name__)
 
 
 def divide(numerator: int, denominator: int) -> int:
@@ -81,15 +84,19 @@ class LinearBase(nn.Module):
         # With a 16-bit weight: also keep a prepacked copy in compute_dtype for large batches
         # (set by set_compute_dtype where memory allows).
         self.float32_copy = False
+        # With a prepacked weight: also keep the plain one for small batches (the small-batch
+        # kernel; set by set_small_batch_copies where it is faster and memory allows).
+        self.small_batch_copy = False
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
                       shard_id: Optional[Union[int, str]] = None) -> None:
         raise NotImplementedError
 
     def process_weights_after_loading(self) -> None:
-        """On CPU, keep the weight only in oneDNN's prepacked layout (see ops.linear); a
-        16-bit weight with float32 math stays as it is (ops.linear widens it), plus a
-        prepacked float32 copy for large batches when float32_copy is set."""
+        """On CPU, keep the weight in oneDNN's prepacked layout (see ops.linear), and the plain
+        one too only when small_batch_copy is set; a 16-bit weight with float32 math stays as
+        it is (ops.linear widens it), plus a prepacked float32 copy for large batches when
+        float32_copy is set."""
         if self.compute_dtype not in (None, self.weight.dtype):
             if self.float32_copy:
                 self.weight_packed = pack_weight(self.weight.to(self.compute_dtype))
@@ -97,19 +104,40 @@ class LinearBase(nn.Module):
         packed = pack_weight(self.weight)
         if packed is not None:
             self.weight_packed = packed
-            self.weight.data = torch.empty(0, dtype=self.weight.dtype)   # never read again
+            if not self.small_batch_copy:
+                self.weight.data = torch.empty(0, dtype=self.weight.dtype)   # never read again
 
     def apply_linear(self, x: torch.Tensor, with_bias: bool = True) -> torch.Tensor:
         bias = self.bias if with_bias else None
-        if self.compute_dtype not in (None, self.weight.dtype):
-            return widened_or_packed_linear(x, self.weight, self.weight_packed, bias)
-        if self.weight_packed is not None:
-            return packed_linear(x, self.weight_packed, bias)
-        return linear_op(x, self.weight, bias)
+        if self.weight_packed is None or self.weight.numel():    # plain weight (and packed)
+            return small_batch_or_packed_linear(x, self.weight, self.weight_packed, bias)
+        return packed_linear(x, self.weight_packed, bias)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.input_size}, out_features={self.output_size}, "
                 f"bias={self.bias is not None}, tp_size={self.tp_size}")
+
+
+def set_small_batch_copies(model: nn.Module) -> None:
+    """Decide for the whole model whether its prepacked linear weights (LinearBase, the LM
+    head: modules with `small_batch_copy`) also keep their plain layout for small batches
+    (ops.linear.keep_small_batch_copies). Call before process_weights_after_loading. A 16-bit
+    weight with float32 math keeps its plain layout anyway; a tied LM head shares the
+    embedding's, so neither costs memory."""
+    modules = [m for m in model.modules() if hasattr(m, "small_batch_copy")
+               and m.compute_dtype in (None, m.weight.dtype)]
+    if not modules or modules[0].weight.device.type != "cpu":    # nothing is packed on CUDA
+        return
+    dtype = modules[0].weight.dtype
+    copy_bytes = sum(m.weight.numel() * m.weight.element_size() for m in modules
+                     if not getattr(m, "tied", False))
+    keep = keep_small_batch_copies(dtype, copy_bytes)
+    for module in modules:
+        module.small_batch_copy = keep
+    if keep:
+        logger.info("Linear layers keep their plain %s weights beside the prepacked ones for "
+                    "batches of up to the small-batch kernel's rows (%.0f MiB; %s=auto|1|0).",
+                    dtype, copy_bytes / 2**20, SMALL_BATCH_COPY_ENV)
 
 
 class ReplicatedLinear(LinearBase):
