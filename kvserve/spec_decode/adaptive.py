@@ -4,12 +4,17 @@ It runs in the scheduler (engine core), so every worker rank gets the same decis
 model sharded with TP must run on all ranks alike), in `SchedulerOutput.spec_decode_draft_req_ids`.
 
 Cost model, per batch-size bucket b (1, 2, 3-4, 5-8, ...: the requests in the step), learned
-from the measured wall time of all-decode steps (steps with a prefill chunk are not measured):
+from all-decode steps (steps with a prefill chunk are not measured). A step's time is the
+engine loop's period from the previous step's update to this one's: everything drafting adds
+(the grammar bitmask of the draft positions, the longer output handling) is in it.
 
     step time = t0[b] + c[b] * (draft tokens verified) + (proposer time)
     t0[b]  EMA of (step time - proposer time) of steps that verified no drafts
     c[b]   EMA of (step time - proposer time - t0[b]) / drafts verified, over steps with drafts
-    p[b]   EMA of proposer time / drafts proposed (the worker measures the proposer)
+    p[b]   EMA of proposer time / drafts proposed, over steady steps: every request that
+           proposes had its drafts verified in this step. A request that resumes drafting
+           (its first drafts, or a probe) makes a draft model catch its KV up over every token
+           it missed; that one-off cost is not a draft token's price and would inflate p.
 
 A request drafting k tokens whose drafts are accepted at rate a (EMA, weight 0.3, of
 accepted / drafted over its drafting steps) adds a*k tokens to a step of B requests and
@@ -17,17 +22,23 @@ k*(c + p) to its time, so it raises the batch's token rate B / t0 exactly when
 
     a > break_even[b] = B * (c[b] + p[b]) / t0[b].
 
-The rule, per request and step:
+The rule, per request and step (bar = max(min_acceptance_rate, 1.1 * break_even): drafting
+must beat the break-even rate by 10%, a draft that only breaks even is not worth the noise):
 1. Batch size: nobody drafts in a step of more than `disable_by_batch_size` requests.
-2. A request drafts while its rate a >= max(min_acceptance_rate, 1.1 * break_even) (10% margin:
-   a draft that only breaks even is not worth the timing noise; a request with no drafting
-   history yet drafts: that is how a is learned; so is c while unknown).
-3. Probes: a request that stopped drafting drafts once every `probe_interval` of its steps;
+2. Out of reach: when bar > 1, even drafts that are always accepted lose (a proposer as costly
+   as the target), so nobody in the step drafts: no first drafts, no probes. A probe would
+   make a draft model catch up over every token its request missed, for nothing: with the
+   target as its own draft that alone cost ~12% of the run. The bar is computed every step
+   from the current t0 (measured by every step without drafts) and the last c, p, so a bucket
+   comes back within reach if the target's step gets slower relative to the proposer.
+3. A request drafts while its rate a >= bar (a request with no drafting history yet drafts:
+   that is how a is learned; so is c while unknown).
+4. Probes: a request that stopped drafting drafts once every `probe_interval` of its steps;
    each probe that does not bring a back above the bar doubles its interval (up to 8x), one
    that does resets it.
-4. t0 is learned, and refreshed after 256 steps of its bucket, by one step in which nobody
+5. t0 is learned, and refreshed after 256 steps of its bucket, by one step in which nobody
    drafts (at most one such step per 256).
-`min_acceptance_rate` = 0 turns rules 2-4 off: every request drafts whenever it can.
+`min_acceptance_rate` = 0 turns rules 2-5 off: every request drafts whenever it can.
 """
 from __future__ import annotations
 
@@ -101,6 +112,8 @@ class SpecDecodeController:
             return set()
         even = bucket.break_even(batch_size)
         self._bar = max(self.min_acceptance_rate, _MARGIN * even if even is not None else 0.0)
+        if self._bar > 1.0:
+            return set()   # out of reach: not even full acceptance pays (rule 2)
         out = set()
         for rid in req_ids:
             st = self._state.get(rid)
@@ -131,8 +144,10 @@ class SpecDecodeController:
         st.probing = False
 
     def observe_step(self, batch_size: int, num_verified: int, num_proposed: int,
-                     step_time: float, propose_time: float) -> None:
-        """The wall time of an all-decode step and the worker's proposer time in it."""
+                     step_time: float, propose_time: float, num_resumed: int = 0) -> None:
+        """The wall time of an all-decode step and the worker's proposer time in it;
+        `num_resumed`: requests that proposed without having drafts verified in the step
+        (their proposer caught up over the tokens they missed)."""
         if not self.adaptive or batch_size == 0:
             return
         bucket = self._buckets.setdefault(_bucket_of(batch_size), _Bucket())
@@ -143,7 +158,7 @@ class SpecDecodeController:
         elif bucket.t0 is not None:
             extra = max(target_time - bucket.t0, 0.0) / num_verified
             bucket.c = _ema(bucket.c, extra, _TIME_EMA)
-        if num_proposed > 0:
+        if num_proposed > 0 and num_resumed == 0:
             bucket.p = _ema(bucket.p, propose_time / num_proposed, _TIME_EMA)
 
     def drop(self, req_id: str) -> None:

@@ -58,3 +58,61 @@ def test_batch_cap_and_rule_off() -> None:
     assert ctl.draft_req_ids(["a", "b", "c"]) == set()
     ctl.record("a", 4, 0)
     assert ctl.draft_req_ids(["a", "b"]) == {"a", "b"}   # min_acceptance_rate 0: rule off
+
+
+def _simulate(ctl: SpecDecodeController, ids: list[str], steps: int, *, t0: float, c: float,
+              p: float, catch_up: float, rate: float, k: int = 3,
+              missed0: int = 0) -> tuple[float, list[int]]:
+    """The engine loop on a synthetic cost model, fed to the controller as the scheduler does.
+    A step verifies the drafts proposed after the previous one (t0 + c per draft) and then
+    proposes for the requests the rule picked: p per draft token, plus `catch_up` per token a
+    request missed since it last proposed (a draft model's KV catch-up; `missed0` tokens at
+    the start: the prompt). Every draft is accepted at `rate`. Returns (tokens per second,
+    the steps in which drafts were verified)."""
+    verify: set[str] = set()
+    missed = dict.fromkeys(ids, missed0)
+    clock = tokens = 0.0
+    verified_steps = []
+    for step in range(steps):
+        drafters = ctl.draft_req_ids(ids)
+        target = t0 + c * k * len(verify)
+        propose = sum(k * p + catch_up * missed[r] for r in drafters)
+        ctl.observe_step(len(ids), k * len(verify), k * len(drafters), target + propose, propose,
+                         num_resumed=len(drafters - verify))
+        accepted = round(rate * k)
+        for rid in ids:
+            produced = 1 + (accepted if rid in verify else 0)
+            tokens += produced
+            missed[rid] = 0 if rid in drafters else missed[rid] + produced
+        for rid in verify:
+            ctl.record(rid, k, accepted)
+        if verify:
+            verified_steps.append(step)
+        clock += target + propose
+        verify = drafters
+    return tokens / clock, verified_steps
+
+
+def test_draft_as_costly_as_target_stops_for_good() -> None:
+    # The target as its own draft (every draft accepted): a draft token costs a target step
+    # (p = t0), so even full acceptance loses and the request must stop drafting at once and
+    # not probe: each probe would re-read every token it missed (5 ms each, 12% of a step),
+    # which made the old rule 11% slower than plain. A new request in the bucket never drafts.
+    costs = dict(t0=0.040, c=0.002, p=0.042, catch_up=0.005, rate=1.0)
+    ctl = SpecDecodeController(3, 4, min_acceptance_rate=0.25, probe_interval=16)
+    _, warm_up = _simulate(ctl, ["warm"], 4, missed0=32, **costs)
+    assert warm_up, "a request with no history drafts: that is how the costs are learned"
+    tok_s, verified = _simulate(ctl, ["timed"], 256, missed0=32, **costs)
+    assert verified == [], verified
+    assert tok_s >= 0.97 / costs["t0"], tok_s * costs["t0"]
+
+
+def test_draft_that_pays_keeps_drafting_despite_catch_up() -> None:
+    # A draft model a fifth of the target: 80% acceptance pays ~1.9x. The first drafts must
+    # catch the draft's KV up over a 512-token prompt (0.5 s): a one-off, not the price of a
+    # draft token, so drafting must go on in every step after the first.
+    costs = dict(t0=0.040, c=0.002, p=0.008, catch_up=0.001, rate=0.8)
+    ctl = SpecDecodeController(3, 4, min_acceptance_rate=0.25, probe_interval=16)
+    tok_s, verified = _simulate(ctl, ["r"], 256, missed0=512, **costs)
+    assert len(verified) >= 250, len(verified)
+    assert tok_s >= 1.5 / costs["t0"], tok_s * costs["t0"]
