@@ -30,8 +30,8 @@ def test_break_even_from_step_costs() -> None:
     assert len(_run(ctl, "good", 0.5, 40)) == 40
     bad = _run(ctl, "bad", 0.0, 60)
     # Drafts on its first step (no history yet), then probes after 8, 16, 32 steps (each
-    # failed probe doubles the interval).
-    assert bad == [0, 8, 24, 56], bad
+    # failed probe doubles the interval); step 24 (the bucket's 65th) measures t0 instead.
+    assert bad == [0, 8, 25, 57], bad
     # The proposer's own time counts too: 60% of a step per draft token beats 50% acceptance.
     ctl2 = SpecDecodeController(4, None, min_acceptance_rate=0.01, probe_interval=8)
     _warm(ctl2, ["a"], t0=0.010, per_token=0.001)
@@ -116,3 +116,15 @@ def test_draft_that_pays_keeps_drafting_despite_catch_up() -> None:
     tok_s, verified = _simulate(ctl, ["r"], 256, missed0=512, **costs)
     assert len(verified) >= 250, len(verified)
     assert tok_s >= 1.5 / costs["t0"], tok_s * costs["t0"]
+
+
+def test_one_slow_step_does_not_bring_drafting_back() -> None:
+    # Out of reach as above; then one step without drafts takes 3x as long (a load spike).
+    # That must not make t0 look large enough for drafting to pay (an EMA of t0 did: the new
+    # request drafted, and kept drafting, since t0 is then only measured every 64 steps).
+    costs = dict(t0=0.040, c=0.002, p=0.042, catch_up=0.005, rate=1.0)
+    ctl = SpecDecodeController(3, 4, min_acceptance_rate=0.25, probe_interval=16)
+    _simulate(ctl, ["warm"], 8, missed0=32, **costs)
+    ctl.observe_step(1, 0, 0, 3 * costs["t0"], 0.0)
+    _, verified = _simulate(ctl, ["timed"], 128, missed0=32, **costs)
+    assert verified == [], verified
