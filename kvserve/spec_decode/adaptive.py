@@ -37,7 +37,8 @@ must beat the break-even rate by 10%, a draft that only breaks even is not worth
 4. Probes: a request that stopped drafting drafts once every `probe_interval` of its steps;
    each probe that does not bring a back above the bar doubles its interval (up to 8x), one
    that does resets it.
-5. t0 is learned, and refreshed after 64 steps of its bucket, by one step in which nobody
+5. t0 is learned from a bucket's first 3 steps (nobody drafts in them: one sample would be one
+   step's noise), and refreshed after 64 steps of its bucket by one step in which nobody
    drafts (at most one such step per 64: it gives up one step's drafts in 64).
 `min_acceptance_rate` = 0 turns rules 2-5 off: every request drafts whenever it can.
 """
@@ -51,6 +52,7 @@ _TIME_EMA = 0.2       # weight of the newest step-time sample
 _MAX_BACKOFF = 8      # probe interval grows up to this many times probe_interval
 _T0_REFRESH = 64      # steps of a bucket after which t0 is measured again
 _T0_SAMPLES = 5       # t0 is the median of this many latest samples
+_T0_FIRST = 3         # samples a bucket takes before anyone drafts in it
 _MARGIN = 1.1         # drafting must beat the break-even rate by this factor
 
 
@@ -109,7 +111,8 @@ class SpecDecodeController:
             return set(req_ids)
         bucket = self._buckets.setdefault(_bucket_of(batch_size), _Bucket())
         bucket.steps_since_t0 += 1
-        if ((bucket.t0 is None or bucket.steps_since_t0 > _T0_REFRESH)
+        if len(bucket.t0_samples) < _T0_FIRST or (
+                bucket.steps_since_t0 > _T0_REFRESH
                 and self._step - bucket.last_t0_probe >= _T0_REFRESH):
             bucket.last_t0_probe = self._step   # the next step verifies nothing: it measures t0
             return set()
