@@ -113,7 +113,9 @@ def run(model: str, prompts: list[Any], max_tokens: int, dtype: str,
         spec: Optional[dict], **kw: Any) -> dict:
     llm = LLM(model, dtype=dtype, max_model_len=1024, seed=0, speculative_config=spec, **kw)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+    # Warm-up: long enough for the rule's first t0 steps to pass and the proposer to run once
+    # (its first forward's one-off costs stay out of the timed run).
+    llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - start
