@@ -126,6 +126,7 @@ class Scheduler:
         # The adaptive rule (spec_decode/adaptive.py): who drafts, from acceptance and step times.
         self.spec_controller = spec_decode_controller
         self._step_start = 0.0
+        self._last_update: tuple[int, float] = (-1, 0.0)   # (step_id, time) of the last update
         self.kv_transfer = None
         if kv_connector is not None:
             from kvserve.kv_transfer.scheduling import KVTransferScheduling
@@ -515,17 +516,23 @@ class Scheduler:
         request.spec_token_ids = drafts
 
     def _observe_step_time(self, so: SchedulerOutput, runner_output: ModelRunnerOutput) -> None:
-        """Feed the adaptive rule the wall time of an all-decode step (schedule -> update)."""
+        """Feed the adaptive rule the cost of an all-decode step: the engine loop's period
+        since the previous step's update (what drafting adds outside schedule -> update, such
+        as the draft positions' grammar bitmask, included), else schedule -> update."""
         assert self.spec_controller is not None
-        step_time = time.perf_counter() - self._step_start
+        now = time.perf_counter()
+        last_id, last_time = self._last_update
+        self._last_update = (so.step_id, now)
+        step_time = now - (last_time if last_id == so.step_id - 1 else self._step_start)
         spec = so.scheduled_spec_decode_tokens
         if so.is_empty or any(n != 1 + len(spec.get(rid, ()))
                               for rid, n in so.num_scheduled_tokens.items()):
             return   # a prefill chunk in the step: not a decode step's cost
         proposed = sum(map(len, runner_output.spec_token_ids or ()))
+        drafters = so.spec_decode_draft_req_ids or set()
         self.spec_controller.observe_step(
             len(so.num_scheduled_tokens), sum(map(len, spec.values())), proposed, step_time,
-            runner_output.spec_propose_time)
+            runner_output.spec_propose_time, num_resumed=len(drafters.difference(spec)))
 
     def _advance_grammar(self, request: Request, new_tokens: list[int]) -> list[int]:
         """Move the request's matcher over its new tokens; a finished grammar stops the

@@ -4,12 +4,18 @@ It runs in the scheduler (engine core), so every worker rank gets the same decis
 model sharded with TP must run on all ranks alike), in `SchedulerOutput.spec_decode_draft_req_ids`.
 
 Cost model, per batch-size bucket b (1, 2, 3-4, 5-8, ...: the requests in the step), learned
-from the measured wall time of all-decode steps (steps with a prefill chunk are not measured):
+from all-decode steps (steps with a prefill chunk are not measured). A step's time is the
+engine loop's period from the previous step's update to this one's: everything drafting adds
+(the grammar bitmask of the draft positions, the longer output handling) is in it.
 
     step time = t0[b] + c[b] * (draft tokens verified) + (proposer time)
-    t0[b]  EMA of (step time - proposer time) of steps that verified no drafts
+    t0[b]  median of the last 5 (step time - proposer time) of steps that verified no drafts
+           (a median: one slow step, say a load spike, must not move the bar for long)
     c[b]   EMA of (step time - proposer time - t0[b]) / drafts verified, over steps with drafts
-    p[b]   EMA of proposer time / drafts proposed (the worker measures the proposer)
+    p[b]   EMA of proposer time / drafts proposed, over steady steps: every request that
+           proposes had its drafts verified in this step. A request that resumes drafting
+           (its first drafts, or a probe) makes a draft model catch its KV up over every token
+           it missed; that one-off cost is not a draft token's price and would inflate p.
 
 A request drafting k tokens whose drafts are accepted at rate a (EMA, weight 0.3, of
 accepted / drafted over its drafting steps) adds a*k tokens to a step of B requests and
@@ -17,27 +23,36 @@ k*(c + p) to its time, so it raises the batch's token rate B / t0 exactly when
 
     a > break_even[b] = B * (c[b] + p[b]) / t0[b].
 
-The rule, per request and step:
+The rule, per request and step (bar = max(min_acceptance_rate, 1.1 * break_even): drafting
+must beat the break-even rate by 10%, a draft that only breaks even is not worth the noise):
 1. Batch size: nobody drafts in a step of more than `disable_by_batch_size` requests.
-2. A request drafts while its rate a >= max(min_acceptance_rate, 1.1 * break_even) (10% margin:
-   a draft that only breaks even is not worth the timing noise; a request with no drafting
-   history yet drafts: that is how a is learned; so is c while unknown).
-3. Probes: a request that stopped drafting drafts once every `probe_interval` of its steps;
+2. Out of reach: when bar > 1, even drafts that are always accepted lose (a proposer as costly
+   as the target), so nobody in the step drafts: no first drafts, no probes. A probe would
+   make a draft model catch up over every token its request missed, for nothing: with the
+   target as its own draft, probes made a 256-token run 11% slower than plain. The bar is computed every step
+   from the current t0 (measured by every step without drafts) and the last c, p, so a bucket
+   comes back within reach if the target's step gets slower relative to the proposer.
+3. A request drafts while its rate a >= bar (a request with no drafting history yet drafts:
+   that is how a is learned; so is c while unknown).
+4. Probes: a request that stopped drafting drafts once every `probe_interval` of its steps;
    each probe that does not bring a back above the bar doubles its interval (up to 8x), one
    that does resets it.
-4. t0 is learned, and refreshed after 256 steps of its bucket, by one step in which nobody
-   drafts (at most one such step per 256).
-`min_acceptance_rate` = 0 turns rules 2-4 off: every request drafts whenever it can.
+5. t0 is learned from a bucket's first 3 steps (nobody drafts in them: one sample would be one
+   step's noise), and refreshed after 64 steps of its bucket by one step in which nobody
+   drafts (at most one such step per 64: it gives up one step's drafts in 64).
+`min_acceptance_rate` = 0 turns rules 2-5 off: every request drafts whenever it can.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 _RATE_EMA = 0.3       # weight of the newest acceptance-rate sample
 _TIME_EMA = 0.2       # weight of the newest step-time sample
 _MAX_BACKOFF = 8      # probe interval grows up to this many times probe_interval
-_T0_REFRESH = 256     # steps of a bucket after which t0 is measured again
+_T0_REFRESH = 64      # steps of a bucket after which t0 is measured again
+_T0_SAMPLES = 5       # t0 is the median of this many latest samples
+_T0_FIRST = 3         # samples a bucket takes before anyone drafts in it
 _MARGIN = 1.1         # drafting must beat the break-even rate by this factor
 
 
@@ -56,6 +71,7 @@ class _ReqState:
 @dataclass
 class _Bucket:
     t0: Optional[float] = None        # seconds per step without drafts
+    t0_samples: list[float] = field(default_factory=list)   # the latest, oldest first
     c: Optional[float] = None         # seconds per verified draft token
     p: Optional[float] = None         # seconds per proposed draft token
     steps_since_t0: int = 0
@@ -95,12 +111,15 @@ class SpecDecodeController:
             return set(req_ids)
         bucket = self._buckets.setdefault(_bucket_of(batch_size), _Bucket())
         bucket.steps_since_t0 += 1
-        if ((bucket.t0 is None or bucket.steps_since_t0 > _T0_REFRESH)
+        if len(bucket.t0_samples) < _T0_FIRST or (
+                bucket.steps_since_t0 > _T0_REFRESH
                 and self._step - bucket.last_t0_probe >= _T0_REFRESH):
             bucket.last_t0_probe = self._step   # the next step verifies nothing: it measures t0
             return set()
         even = bucket.break_even(batch_size)
         self._bar = max(self.min_acceptance_rate, _MARGIN * even if even is not None else 0.0)
+        if self._bar > 1.0:
+            return set()   # out of reach: not even full acceptance pays (rule 2)
         out = set()
         for rid in req_ids:
             st = self._state.get(rid)
@@ -131,19 +150,22 @@ class SpecDecodeController:
         st.probing = False
 
     def observe_step(self, batch_size: int, num_verified: int, num_proposed: int,
-                     step_time: float, propose_time: float) -> None:
-        """The wall time of an all-decode step and the worker's proposer time in it."""
+                     step_time: float, propose_time: float, num_resumed: int = 0) -> None:
+        """The wall time of an all-decode step and the worker's proposer time in it;
+        `num_resumed`: requests that proposed without having drafts verified in the step
+        (their proposer caught up over the tokens they missed)."""
         if not self.adaptive or batch_size == 0:
             return
         bucket = self._buckets.setdefault(_bucket_of(batch_size), _Bucket())
         target_time = max(step_time - propose_time, 0.0)
         if num_verified == 0:
-            bucket.t0 = _ema(bucket.t0, target_time, _TIME_EMA)
+            bucket.t0_samples = bucket.t0_samples[1 - _T0_SAMPLES:] + [target_time]
+            bucket.t0 = sorted(bucket.t0_samples)[(len(bucket.t0_samples) - 1) // 2]
             bucket.steps_since_t0 = 0
         elif bucket.t0 is not None:
             extra = max(target_time - bucket.t0, 0.0) / num_verified
             bucket.c = _ema(bucket.c, extra, _TIME_EMA)
-        if num_proposed > 0:
+        if num_proposed > 0 and num_resumed == 0:
             bucket.p = _ema(bucket.p, propose_time / num_proposed, _TIME_EMA)
 
     def drop(self, req_id: str) -> None:
