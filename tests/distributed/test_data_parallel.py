@@ -52,7 +52,10 @@ def _engines(server: RemoteServer) -> dict[str, psutil.Process]:
 
 
 def _generation_tokens(server: RemoteServer) -> dict[str, float]:
-    text = httpx.get(server.url_for("/metrics"), timeout=10).text
+    return _parse_generation_tokens(httpx.get(server.url_for("/metrics"), timeout=10).text)
+
+
+def _parse_generation_tokens(text: str) -> dict[str, float]:
     found = re.findall(r'^kvserve:generation_tokens_total\{engine="(\d+)"[^}]*\} ([0-9.e+]+)$',
                        text, flags=re.M)
     return {engine: float(value) for engine, value in found}
@@ -99,14 +102,20 @@ def test_killed_dp_engine_503_and_only_its_requests_fail(tiny_llama: str) -> Non
         model = tiny_llama
         victim = _engines(server)["KVSEngine_DP1"]
         prompts = [f"long request {i}" for i in range(8)]
-        max_tokens = 4 * _ALL_REDUCE_EVERY       # long enough to be under way when killed
+        # Long enough to be under way when killed: ~200 steps, and the kill comes as soon as
+        # the victim has produced its first tokens (a fixed sleep raced fast machines).
+        max_tokens = 6 * _ALL_REDUCE_EVERY
 
         async def run() -> list:
             task = asyncio.ensure_future(_complete_all(server, model, prompts, max_tokens))
-            await asyncio.sleep(1.5)
-            os.kill(victim.pid, signal.SIGKILL)
-            killed = time.monotonic()
             async with httpx.AsyncClient() as http:
+                deadline = time.monotonic() + 60
+                while _parse_generation_tokens(
+                        (await http.get(server.url_for("/metrics"))).text).get("1", 0) == 0:
+                    assert time.monotonic() < deadline, "the victim engine never generated"
+                    await asyncio.sleep(0.02)
+                os.kill(victim.pid, signal.SIGKILL)
+                killed = time.monotonic()
                 while (await http.get(server.url_for("/health"))).status_code != 503:
                     assert time.monotonic() - killed < 5.0, "/health still 200 after 5 s"
                     await asyncio.sleep(0.1)
