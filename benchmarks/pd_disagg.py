@@ -36,6 +36,7 @@ import time
 from typing import Any, Optional
 
 import httpx
+import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
@@ -148,14 +149,8 @@ def bench(url: str, model: str, args: argparse.Namespace, out_dir: str, label: s
 
 
 def percentile(values: list[float], q: float) -> float:
-    """Linear-interpolated percentile (numpy's default), q in [0, 100]."""
-    if not values:
-        return float("nan")
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100
-    lo = int(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+    """numpy's percentile (as `kvserve bench serve` reports them), NaN for no samples."""
+    return float(np.percentile(values, q)) if values else float("nan")
 
 
 def summarize(result: dict) -> dict[str, float]:
