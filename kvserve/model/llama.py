@@ -23,10 +23,12 @@ from kvserve.distributed.pp_utils import (IntermediateTensors, PPMissingLayer, g
                                           missing_prefixes)
 from kvserve.model.layers.attention import Attention, AttentionMetadata
 from kvserve.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from kvserve.model.layers.fused_decode import FusedDecodeStack
 from kvserve.model.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
                                          RowParallelLinear, default_weight_loader)
 from kvserve.model.layers.norm import RMSNorm
 from kvserve.model.layers.rotary import get_rope
+from kvserve.ops.decode_layers import enabled_by_env as fused_decode_enabled_by_env
 from kvserve.ops.fused import silu_and_mul
 
 
@@ -120,12 +122,19 @@ class LlamaModel(nn.Module):
             else PPMissingLayer() for i in range(config.num_layers))
         self.norm = (RMSNorm(config.hidden_size, float(config.hf_config.get("rms_norm_eps", 1e-6)))
                      if self.is_last else PPMissingLayer())
+        # A plain list: slicing the ModuleList builds a new one per step (~0.2 ms at batch 1).
+        self._local_layers = list(self.layers)[self.start_layer:self.end_layer]
+        # Small decode steps on CPU: all layers in one C++ call (fused_decode.py). Decided on
+        # the first such step, when the weights are final and the attention backend is bound.
+        self._fused_decode: Optional[FusedDecodeStack] = None
+        # KVSERVE_CPU_FUSED_DECODE=0: never (read here: a bad value fails at load).
+        self._fused_decode_decided = not fused_decode_enabled_by_env()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], attn_metadata: AttentionMetadata,
                 intermediate_tensors: Optional[IntermediateTensors] = None,
                 ) -> Union[torch.Tensor, IntermediateTensors]:
-        layers = self.layers[self.start_layer:self.end_layer]
+        layers = self._local_layers
         if len(kv_caches) != len(layers):
             raise ValueError(f"Got {len(kv_caches)} KV caches for {len(layers)} layers.")
         if self.is_first:
@@ -134,13 +143,28 @@ class LlamaModel(nn.Module):
             assert intermediate_tensors is not None, "a later stage needs the previous one's output"
             hidden_states = intermediate_tensors.hidden_states
             residual = intermediate_tensors.residual
-        for layer, kv_cache in zip(layers, kv_caches):
-            hidden_states, residual = layer(positions, hidden_states, residual, kv_cache,
+        fused = self._fused_decode_for(layers, hidden_states.shape[0], attn_metadata)
+        if fused is not None:
+            hidden_states, residual = fused(positions, hidden_states, residual, kv_caches,
                                             attn_metadata)
+        else:
+            for layer, kv_cache in zip(layers, kv_caches):
+                hidden_states, residual = layer(positions, hidden_states, residual, kv_cache,
+                                                attn_metadata)
         if not self.is_last:
             return IntermediateTensors(hidden_states, residual)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
+
+
+    def _fused_decode_for(self, layers: list[nn.Module], num_tokens: int,
+                          attn_metadata: AttentionMetadata) -> Optional[FusedDecodeStack]:
+        if not FusedDecodeStack.applies(num_tokens, attn_metadata):
+            return None
+        if not self._fused_decode_decided:
+            self._fused_decode = FusedDecodeStack.build(layers)
+            self._fused_decode_decided = True
+        return self._fused_decode
 
 
 class LlamaForCausalLM(nn.Module):

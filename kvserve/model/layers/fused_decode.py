@@ -1,0 +1,120 @@
+"""When a Llama-family decoder stack runs a step through one C++ call (ops.decode_layers).
+
+FusedDecodeStack.build(layers) says once, after loading, whether the stack qualifies and keeps
+the flat list of per-layer tensors the op takes; `applies(...)` is the per-step test. Both are
+conservative: anything the op does not do exactly as the layer-by-layer path (tensor
+parallelism's all-reduces, a KV connector's per-layer hooks, the TORCH_SDPA backend, a weight
+kept only prepacked, CUDA, prefill chunks, more rows than the small-batch kernel takes) keeps
+the Python path, whose output the op matches bit for bit.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional, Sequence
+
+import torch
+
+from kvserve.attention.backends.cpu import AttentionMetadata, CpuAttentionBackend
+from kvserve.distributed.parallel_state import get_tp_world_size
+from kvserve.model.layers.rotary import RotaryEmbedding
+from kvserve.ops.build import KERNEL_DTYPES
+from kvserve.ops.decode_layers import SLOTS, decode_layers_op
+from kvserve.ops.linear import SMALL_BATCH_MAX_ROWS, WIDENED_WEIGHT_DTYPES
+
+logger = logging.getLogger(__name__)
+
+
+def _linear_ok(linear: Any, act_dtype: torch.dtype) -> bool:
+    """The small-batch kernel can take this layer's plain weight (and bias) for act_dtype."""
+    w = linear.weight
+    if w.numel() == 0 or not w.is_contiguous() or w.device.type != "cpu":
+        return False     # kept only prepacked: that path is not in the op
+    if not (w.dtype == act_dtype or (act_dtype == torch.float32 and w.dtype in WIDENED_WEIGHT_DTYPES)):
+        return False
+    b = linear.bias
+    return b is None or (b.dtype == act_dtype and b.is_contiguous())
+
+
+def _why_not(layers: Sequence[Any]) -> Optional[str]:
+    """Why this stack cannot use the op (None: it can)."""
+    if not layers:
+        return "no local layers"
+    if get_tp_world_size() != 1:
+        return "tensor parallel (all-reduces between the layers)"
+    first = layers[0]
+    act = first.input_layernorm.weight.dtype
+    if act not in KERNEL_DTYPES or first.input_layernorm.weight.device.type != "cpu":
+        return f"activations {act} / not on CPU"
+    for layer in layers:
+        attn = layer.self_attn
+        backend = attn.attn.backend     # None: the Attention layer's default, CPU_ATTN
+        if (backend is not None and type(backend) is not CpuAttentionBackend) \
+                or attn.attn.kv_connector is not None:
+            return "not the CPU_ATTN backend, or a KV connector's per-layer hooks"
+        if type(attn.rotary_emb) is not RotaryEmbedding:
+            return "another rotary embedding"
+        mods = (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+        if not all(_linear_ok(m, act) for m in mods):
+            return "a linear weight the small-batch kernel cannot stream (prepacked only)"
+        norms = [layer.input_layernorm, layer.post_attention_layernorm]
+        norms += [attn.q_norm, attn.k_norm] if attn.qk_norm else []
+        if any(n.weight.dtype != act or n.eps != first.input_layernorm.eps for n in norms):
+            return "norm weights of another dtype or eps"
+        if attn.attn.scale != first.self_attn.attn.scale:
+            return "layers with different attention scales"
+    return None
+
+
+class FusedDecodeStack:
+    """The op and its arguments that do not change between steps."""
+
+    def __init__(self, op: Any, layers: Sequence[Any]) -> None:
+        self.op = op
+        first = layers[0].self_attn
+        self.num_heads = first.attn.num_heads
+        self.num_kv_heads = first.attn.num_kv_heads
+        self.head_dim = first.head_dim
+        self.scale = float(first.attn.scale)
+        self.eps = float(layers[0].input_layernorm.eps)
+        self.cos_cache = first.rotary_emb.cos_cache
+        self.sin_cache = first.rotary_emb.sin_cache
+        self.layer_tensors: list[Optional[torch.Tensor]] = []
+        for layer in layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            slot = {"input_norm": layer.input_layernorm.weight,
+                    "post_norm": layer.post_attention_layernorm.weight,
+                    "qkv_w": attn.qkv_proj.weight, "qkv_b": attn.qkv_proj.bias,
+                    "o_w": attn.o_proj.weight, "o_b": attn.o_proj.bias,
+                    "gate_up_w": mlp.gate_up_proj.weight, "gate_up_b": mlp.gate_up_proj.bias,
+                    "down_w": mlp.down_proj.weight, "down_b": mlp.down_proj.bias,
+                    "q_norm": attn.q_norm.weight if attn.qk_norm else None,
+                    "k_norm": attn.k_norm.weight if attn.qk_norm else None}
+            self.layer_tensors += [None if slot[s] is None else slot[s].detach() for s in SLOTS]
+
+    @classmethod
+    def build(cls, layers: Sequence[Any]) -> Optional["FusedDecodeStack"]:
+        """The stack's fused path, or None (logged once per model) where it cannot run."""
+        why = _why_not(layers)
+        op = decode_layers_op() if why is None else None
+        if why is None and op is None:
+            why = "its kernels are disabled or not built"
+        if why is not None:
+            logger.info("Decode steps run layer by layer: %s.", why)
+            return None
+        logger.info("Decode steps of up to %d tokens run all %d layers in one C++ call "
+                    "(KVSERVE_CPU_FUSED_DECODE=0 to turn off).", SMALL_BATCH_MAX_ROWS, len(layers))
+        return cls(op, layers)
+
+    @staticmethod
+    def applies(num_tokens: int, meta: Any) -> bool:
+        """A step of decodes only, few enough rows for the small-batch kernel."""
+        return (0 < num_tokens <= SMALL_BATCH_MAX_ROWS and type(meta) is AttentionMetadata
+                and meta.num_decode_tokens == num_tokens and meta.prefill_query_starts is None)
+
+    def __call__(self, positions: torch.Tensor, hidden_states: torch.Tensor,
+                 residual: Optional[torch.Tensor], kv_caches: list[torch.Tensor],
+                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.op(hidden_states.contiguous(), residual, positions, self.layer_tensors,
+                       kv_caches, meta.slot_mapping, meta.decode_block_tables,
+                       meta.decode_seq_lens, self.cos_cache, self.sin_cache, self.num_heads,
+                       self.num_kv_heads, self.head_dim, self.scale, self.eps)

@@ -1,0 +1,101 @@
+"""The fused decode path (all decoder layers of a small decode step in one C++ call,
+kvserve.model.layers.fused_decode) against the layer-by-layer path: bit-identical logits and
+KV caches, for every architecture switch it handles and every dtype mode. Its agreement with
+transformers is covered by tests/model/test_model.py, whose batched decode steps take it."""
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Callable
+
+import pytest
+import torch
+
+from kvserve.model.layers.fused_decode import FusedDecodeStack
+from kvserve.ops import build, decode_layers
+from kvserve.ops.linear import SMALL_BATCH_COPY_ENV, SMALL_BATCH_MAX_ROWS
+from tests.model.test_model import (CHECKPOINTS, AttentionMetadata, Seq, blocks_for, kv_caches,
+                                    load, random_tokens, run_step, shuffled_blocks)
+
+pytestmark = pytest.mark.skipif(
+    shutil.which(os.environ.get("CXX", "c++")) is None
+    or os.environ.get(build.DISABLE_ENV, "") not in ("", "0"), reason="no C++ kernels")
+
+CACHE_DTYPE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "auto": torch.float32}
+
+
+def load_both(path: str, dtype: str, monkeypatch: pytest.MonkeyPatch):
+    # Plain weights beside any prepacked ones (the default on AVX2 for float32 only), so that
+    # every dtype mode qualifies on every tier.
+    monkeypatch.setenv(SMALL_BATCH_COPY_ENV, "1")
+    monkeypatch.setenv(decode_layers.FUSED_DECODE_ENV, "1")
+    fused, cfg = load(path, dtype)
+    monkeypatch.setenv(decode_layers.FUSED_DECODE_ENV, "0")
+    plain, _ = load(path, dtype)
+    return fused, plain, cfg
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "auto"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "llama-bias"])
+def test_fused_decode_is_bit_identical(name: str, dtype: str, make_checkpoint: Callable[..., str],
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prefill three sequences, then decode steps of 3 rows (lengths differ) and of 1 row:
+    logits and every layer's KV cache equal bit for bit with the fused path on and off, and
+    the fused path did run."""
+    path = CHECKPOINTS[name](make_checkpoint)
+    if dtype == "auto":   # a bf16 checkpoint: 16-bit weights, float32 math without bf16 ISA
+        path = make_checkpoint(name.split("-")[0], save_dtype=torch.bfloat16,
+                               **({"head_dim": 32} if name == "qwen3" else {}),
+                               **({"attention_bias": True, "mlp_bias": True}
+                                  if name == "llama-bias" else {}))
+    fused, plain, cfg = load_both(path, dtype, monkeypatch)
+    prompt_lens, n_decode = [9, 5, 14], 4
+    pool = shuffled_blocks(3)
+    seqs = [Seq(random_tokens(n + n_decode, 20 + i, cfg.vocab_size), blocks_for(n + n_decode, pool))
+            for i, n in enumerate(prompt_lens)]
+    caches_f = kv_caches(cfg, CACHE_DTYPE[dtype], fill="garbage")
+    caches_p = [c.clone() for c in caches_f]
+    prefills = [(s, 0, n) for s, n in zip(seqs, prompt_lens)]
+    for model, caches in ((fused, caches_f), (plain, caches_p)):
+        run_step(model, caches, prefills=prefills)
+    pos = dict(enumerate(prompt_lens))
+    for step in range(n_decode):
+        rows = range(3) if step < n_decode - 1 else range(1)
+        decodes = [(seqs[i], pos[i]) for i in rows]
+        out_f = run_step(fused, caches_f, decodes=decodes)
+        out_p = run_step(plain, caches_p, decodes=decodes)
+        assert torch.equal(out_f, out_p), (step, (out_f - out_p).abs().max().item())
+        for i in rows:
+            pos[i] += 1
+    assert all(torch.equal(a, b) for a, b in zip(caches_f, caches_p))
+    assert fused.model._fused_decode is not None       # it ran
+    assert plain.model._fused_decode is None
+
+
+def test_when_the_fused_path_applies(tiny_llama: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    meta = AttentionMetadata(num_decode_tokens=SMALL_BATCH_MAX_ROWS,
+                             slot_mapping=torch.zeros(1), block_size=4)
+    assert FusedDecodeStack.applies(SMALL_BATCH_MAX_ROWS, meta)
+    assert not FusedDecodeStack.applies(SMALL_BATCH_MAX_ROWS + 1, meta)   # kernel's row limit
+    meta.num_decode_tokens = 2
+    assert not FusedDecodeStack.applies(3, meta)                          # a prefill token
+    # A weight kept only prepacked (bfloat16 without the plain copy) keeps the layer path.
+    monkeypatch.setenv(SMALL_BATCH_COPY_ENV, "0")
+    model, _ = load(tiny_llama, "bfloat16")
+    layers = list(model.model.layers)
+    if model.model.layers[0].self_attn.qkv_proj.weight.numel() == 0:
+        assert FusedDecodeStack.build(layers) is None
+    # So does a bound backend other than CPU_ATTN.
+    monkeypatch.setenv(SMALL_BATCH_COPY_ENV, "1")
+    model, _ = load(tiny_llama, "float32")
+    layers = list(model.model.layers)
+    assert FusedDecodeStack.build(layers) is not None
+    from kvserve.attention.backends.torch_sdpa import TorchSDPABackend
+    layers[1].self_attn.attn.backend = TorchSDPABackend(torch.device("cpu"))
+    assert FusedDecodeStack.build(layers) is None
+
+
+def test_fused_decode_env(tiny_llama: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(decode_layers.FUSED_DECODE_ENV, "yes")
+    with pytest.raises(ValueError, match="KVSERVE_CPU_FUSED_DECODE must be 0 or 1"):
+        load(tiny_llama)
