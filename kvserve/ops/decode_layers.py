@@ -1,12 +1,15 @@
-"""All decoder layers of a small pure-decode step in one C++ call (csrc/decode_layers.cpp).
+"""All decoder layers of a small step (T <= 8 tokens) in one C++ call (csrc/decode_layers.cpp).
 
     decode_layers(hidden [T, hidden], residual [T, hidden] | None, positions [T],
-                  layer_tensors (SLOTS per layer), kv_caches, slot_mapping, block_tables,
-                  seq_lens, cos_cache, sin_cache, num_heads, num_kv_heads, head_dim, scale, eps)
+                  layer_tensors (SLOTS per layer), kv_caches, slot_mapping, num_decode_tokens,
+                  decode_block_tables, decode_seq_lens, prefill_query_starts, prefill_query_lens,
+                  prefill_context_lens, prefill_block_tables (CPU_ATTN's metadata; None where
+                  the step has no decodes / no prefill chunks), cos_cache, sin_cache, num_heads,
+                  num_kv_heads, head_dim, scale, eps)
         -> (hidden, residual) after the last layer
 
 The op runs the same kernels as the layer-by-layer path (small_batch_linear, the fused norm /
-rotary / cache-write / silu ops, paged_decode_attention), in the same order, so its output is
+rotary / cache-write / silu ops, paged decode and prefill attention), in the same order, so its output is
 bit-identical; what it removes is the Python between them, a third of a batch-1 decode step
 on a 2-core AVX2 EPYC. kvserve.model.layers.fused_decode decides when a model can use it.
 
@@ -40,9 +43,10 @@ def enabled_by_env() -> bool:
 
 def _dependencies_loaded() -> bool:
     # The op calls these kernels through the dispatcher: their libraries must be loaded.
-    from kvserve.ops import fused, linear, paged_attention
+    from kvserve.ops import fused, linear, paged_attention, prefill_attention
     return (fused.kernels_active() and linear.cpu_kernel() is not None
-            and paged_attention.cpu_kernel() is not None)
+            and paged_attention.cpu_kernel() is not None
+            and prefill_attention.cpu_kernel() is not None)
 
 
 def decode_layers_op() -> Optional[Callable[..., tuple[torch.Tensor, torch.Tensor]]]:

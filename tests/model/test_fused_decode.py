@@ -39,9 +39,10 @@ def load_both(path: str, dtype: str, monkeypatch: pytest.MonkeyPatch):
 @pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "llama-bias"])
 def test_fused_decode_is_bit_identical(name: str, dtype: str, make_checkpoint: Callable[..., str],
                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    """Prefill three sequences, then decode steps of 3 rows (lengths differ) and of 1 row:
-    logits and every layer's KV cache equal bit for bit with the fused path on and off, and
-    the fused path did run."""
+    """A schedule of small steps -- pure decodes of 3 and 1 rows (different lengths), decodes
+    mixed with short prefill chunks, a 4-token chunk with a cached prefix (speculative
+    decoding's verification) -- and steps above 8 tokens (the layer path in both): logits and
+    every layer's KV cache equal bit for bit with the fused path on and off, and it ran."""
     path = CHECKPOINTS[name](make_checkpoint)
     if dtype == "auto":   # a bf16 checkpoint: 16-bit weights, float32 math without bf16 ISA
         path = make_checkpoint(name.split("-")[0], save_dtype=torch.bfloat16,
@@ -49,25 +50,25 @@ def test_fused_decode_is_bit_identical(name: str, dtype: str, make_checkpoint: C
                                **({"attention_bias": True, "mlp_bias": True}
                                   if name == "llama-bias" else {}))
     fused, plain, cfg = load_both(path, dtype, monkeypatch)
-    prompt_lens, n_decode = [9, 5, 14], 4
     pool = shuffled_blocks(3)
-    seqs = [Seq(random_tokens(n + n_decode, 20 + i, cfg.vocab_size), blocks_for(n + n_decode, pool))
-            for i, n in enumerate(prompt_lens)]
+    a, b, c = (Seq(random_tokens(24, 20 + i, cfg.vocab_size), blocks_for(24, pool))
+               for i in range(3))
+    schedule = [  # (decodes [(seq, position)], prefill chunks [(seq, start, end)])
+        ([], [(a, 0, 9)]),                         # 9 tokens: layer path
+        ([(a, 9)], [(b, 0, 5)]),                   # decode + a first chunk
+        ([(a, 10), (b, 5)], [(c, 0, 6)]),          # 8 tokens
+        ([(a, 11), (b, 6)], [(c, 6, 14)]),         # 10 tokens: layer path
+        ([(b, 7)], [(a, 12, 16)]),                 # a verification-like chunk on a prefix
+        ([(a, 16), (b, 8), (c, 14)], []),          # decodes of three lengths
+        ([(c, 15)], []),                           # batch 1
+    ]
     caches_f = kv_caches(cfg, CACHE_DTYPE[dtype], fill="garbage")
-    caches_p = [c.clone() for c in caches_f]
-    prefills = [(s, 0, n) for s, n in zip(seqs, prompt_lens)]
-    for model, caches in ((fused, caches_f), (plain, caches_p)):
-        run_step(model, caches, prefills=prefills)
-    pos = dict(enumerate(prompt_lens))
-    for step in range(n_decode):
-        rows = range(3) if step < n_decode - 1 else range(1)
-        decodes = [(seqs[i], pos[i]) for i in rows]
-        out_f = run_step(fused, caches_f, decodes=decodes)
-        out_p = run_step(plain, caches_p, decodes=decodes)
+    caches_p = [t.clone() for t in caches_f]
+    for step, (decodes, prefills) in enumerate(schedule):
+        out_f = run_step(fused, caches_f, decodes=decodes, prefills=prefills)
+        out_p = run_step(plain, caches_p, decodes=decodes, prefills=prefills)
         assert torch.equal(out_f, out_p), (step, (out_f - out_p).abs().max().item())
-        for i in rows:
-            pos[i] += 1
-    assert all(torch.equal(a, b) for a, b in zip(caches_f, caches_p))
+        assert all(torch.equal(x, y) for x, y in zip(caches_f, caches_p)), step
     assert fused.model._fused_decode is not None       # it ran
     assert plain.model._fused_decode is None
 
@@ -77,8 +78,7 @@ def test_when_the_fused_path_applies(tiny_llama: str, monkeypatch: pytest.Monkey
                              slot_mapping=torch.zeros(1), block_size=4)
     assert FusedDecodeStack.applies(SMALL_BATCH_MAX_ROWS, meta)
     assert not FusedDecodeStack.applies(SMALL_BATCH_MAX_ROWS + 1, meta)   # kernel's row limit
-    meta.num_decode_tokens = 2
-    assert not FusedDecodeStack.applies(3, meta)                          # a prefill token
+    assert not FusedDecodeStack.applies(0, meta)
     # A weight kept only prepacked (bfloat16 without the plain copy) keeps the layer path.
     monkeypatch.setenv(SMALL_BATCH_COPY_ENV, "0")
     model, _ = load(tiny_llama, "bfloat16")

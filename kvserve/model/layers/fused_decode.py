@@ -1,10 +1,12 @@
-"""When a Llama-family decoder stack runs a step through one C++ call (ops.decode_layers).
+"""When a Llama-family decoder stack runs a small step through one C++ call (ops.decode_layers):
+steps of at most the small-batch linear's rows (8) -- decodes, speculative decoding's
+verification of 1 + k tokens, short prefill chunks, or a mix.
 
 FusedDecodeStack.build(layers) says once, after loading, whether the stack qualifies and keeps
 the flat list of per-layer tensors the op takes; `applies(...)` is the per-step test. Both are
 conservative: anything the op does not do exactly as the layer-by-layer path (tensor
 parallelism's all-reduces, a KV connector's per-layer hooks, the TORCH_SDPA backend, a weight
-kept only prepacked, CUDA, prefill chunks, more rows than the small-batch kernel takes) keeps
+kept only prepacked, CUDA, more rows than the small-batch kernel takes) keeps
 the Python path, whose output the op matches bit for bit.
 """
 from __future__ import annotations
@@ -99,22 +101,24 @@ class FusedDecodeStack:
         if why is None and op is None:
             why = "its kernels are disabled or not built"
         if why is not None:
-            logger.info("Decode steps run layer by layer: %s.", why)
+            logger.info("Small steps run layer by layer: %s.", why)
             return None
-        logger.info("Decode steps of up to %d tokens run all %d layers in one C++ call "
+        logger.info("Steps of up to %d tokens run all %d layers in one C++ call "
                     "(KVSERVE_CPU_FUSED_DECODE=0 to turn off).", SMALL_BATCH_MAX_ROWS, len(layers))
         return cls(op, layers)
 
     @staticmethod
     def applies(num_tokens: int, meta: Any) -> bool:
-        """A step of decodes only, few enough rows for the small-batch kernel."""
-        return (0 < num_tokens <= SMALL_BATCH_MAX_ROWS and type(meta) is AttentionMetadata
-                and meta.num_decode_tokens == num_tokens and meta.prefill_query_starts is None)
+        """A step of few enough tokens for the small-batch kernel (decodes, speculative
+        decoding's verification, short prefill chunks), with CPU_ATTN's metadata."""
+        return 0 < num_tokens <= SMALL_BATCH_MAX_ROWS and type(meta) is AttentionMetadata
 
     def __call__(self, positions: torch.Tensor, hidden_states: torch.Tensor,
                  residual: Optional[torch.Tensor], kv_caches: list[torch.Tensor],
                  meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         return self.op(hidden_states.contiguous(), residual, positions, self.layer_tensors,
-                       kv_caches, meta.slot_mapping, meta.decode_block_tables,
-                       meta.decode_seq_lens, self.cos_cache, self.sin_cache, self.num_heads,
-                       self.num_kv_heads, self.head_dim, self.scale, self.eps)
+                       kv_caches, meta.slot_mapping, meta.num_decode_tokens,
+                       meta.decode_block_tables, meta.decode_seq_lens, meta.prefill_query_starts,
+                       meta.prefill_query_lens, meta.prefill_context_lens,
+                       meta.prefill_block_tables, self.cos_cache, self.sin_cache,
+                       self.num_heads, self.num_kv_heads, self.head_dim, self.scale, self.eps)

@@ -1,16 +1,23 @@
-// Every decoder layer of a small pure-decode step in one call (Llama family, CPU):
+// Every decoder layer of a small step in one call (Llama family, CPU):
 //
 //   decode_layers(hidden, residual?, positions, layer_tensors, kv_caches, slot_mapping,
-//                 block_tables, seq_lens, cos_cache, sin_cache, num_heads, num_kv_heads,
+//                 num_decode_tokens, decode_block_tables?, decode_seq_lens?,
+//                 prefill_query_starts?, prefill_query_lens?, prefill_context_lens?,
+//                 prefill_block_tables?, cos_cache, sin_cache, num_heads, num_kv_heads,
 //                 head_dim, scale, eps) -> (hidden, residual)
+//
+// A small step is one of at most the small-batch linear's rows (8): batch-1..8 decodes,
+// speculative decoding's verification (1 + k tokens of a request), short prefill chunks, or a
+// mix, laid out as CPU_ATTN's metadata says (decodes first, then prefill chunks).
 //
 // Why: at batch 1 a layer's arithmetic outside its four matrix-vector products is tiny, yet the
 // Python layer path spent ~0.5-0.7 ms per layer on this AVX2 EPYC (module calls, views, splits,
 // empties, wrapper checks; a torch op costs 3-7 us of dispatch here), a third of a decode step.
 // This loop calls the very same kernels (small_batch_linear, fused_add_rms_norm, rotary,
-// reshape_and_cache, paged_decode_attention, silu_and_mul) in the same order through the
-// dispatcher from C++, so its results are bit-identical to the layer-by-layer path: it removes
-// Python, not arithmetic. The tier-specific vector code stays in those kernels.
+// reshape_and_cache, paged_decode_attention / paged_prefill_attention, silu_and_mul) in the
+// same order through the dispatcher from C++, so its results are bit-identical to the
+// layer-by-layer path: it removes Python, not arithmetic. The tier-specific vector code stays
+// in those kernels.
 //
 // layer_tensors: kSlots per layer, in the order of the Slot enum below (absent ones None).
 // hidden / residual [T, hidden] as LlamaDecoderLayer takes them (residual None before the
@@ -64,6 +71,12 @@ struct Ops {
                                       const at::Tensor&, double)>
       decode = find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                   const at::Tensor&, double)>("kvserve::paged_decode_attention");
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                      const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                      double)>
+      prefill = find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                   const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                   double)>("kvserve::paged_prefill_attention");
 };
 
 const Ops& ops() {
@@ -76,11 +89,36 @@ struct Dims {
   double scale, eps;
 };
 
+// The step's attention metadata (CPU_ATTN's AttentionMetadata).
+struct Meta {
+  const at::Tensor& slot_mapping;
+  int64_t num_decodes;
+  const Opt &decode_tables, &decode_seq_lens;
+  const Opt &prefill_starts, &prefill_lens, &prefill_ctxs, &prefill_tables;
+};
+
+// CpuAttentionBackend.forward's arithmetic: q [T, H, D] -> [T, H, D]. Prefill chunks in one
+// call (its decode rows come back as zeros), then the decode rows.
+at::Tensor attend(const Ops& op, const at::Tensor& q3, const at::Tensor& kv_cache,
+                  const Meta& m, double scale) {
+  at::Tensor out;
+  if (m.prefill_starts.has_value())
+    out = op.prefill.call(q3, kv_cache, *m.prefill_starts, *m.prefill_lens, *m.prefill_ctxs,
+                          *m.prefill_tables, scale);
+  if (m.num_decodes > 0) {
+    const bool all = m.num_decodes == q3.size(0);
+    at::Tensor dec = op.decode.call(all ? q3 : q3.narrow(0, 0, m.num_decodes), kv_cache,
+                                    *m.decode_tables, *m.decode_seq_lens, scale);
+    if (out.defined()) out.narrow(0, 0, m.num_decodes).copy_(dec);
+    else out = dec;
+  }
+  return out;
+}
+
 // Attention of one layer: x [T, hidden] (normed) -> o_proj output [T, hidden].
 at::Tensor attention(const Ops& op, const at::Tensor& x, const Opt* w, const at::Tensor& positions,
-                     at::Tensor& kv_cache, const at::Tensor& slot_mapping,
-                     const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                     const at::Tensor& cos, const at::Tensor& sin, const Dims& d) {
+                     at::Tensor& kv_cache, const Meta& m, const at::Tensor& cos,
+                     const at::Tensor& sin, const Dims& d) {
   const at::Tensor qkv = op.linear.call(x, *w[kQkvW], w[kQkvB]);
   const int64_t q_size = d.H * d.D, kv_size = d.Hkv * d.D;
   at::Tensor q = qkv.narrow(1, 0, q_size);
@@ -92,11 +130,11 @@ at::Tensor attention(const Ops& op, const at::Tensor& x, const Opt* w, const at:
   }
   op.rotary.call(positions, q, k, d.D, cos, sin);
   op.cache_write.call(k.view({d.T, d.Hkv, d.D}), v.view({d.T, d.Hkv, d.D}), kv_cache,
-                      slot_mapping);
+                      m.slot_mapping);
   at::Tensor q3 = q.view({d.T, d.H, d.D});
   const bool cast = q3.scalar_type() != kv_cache.scalar_type();
   if (cast) q3 = q3.to(kv_cache.scalar_type());
-  at::Tensor out = op.decode.call(q3, kv_cache, block_tables, seq_lens, d.scale);
+  at::Tensor out = attend(op, q3, kv_cache, m, d.scale);
   if (cast) out = out.to(q.scalar_type());
   return op.linear.call(out.view({d.T, q_size}), *w[kOW], w[kOB]);
 }
@@ -104,7 +142,9 @@ at::Tensor attention(const Ops& op, const at::Tensor& x, const Opt* w, const at:
 std::tuple<at::Tensor, at::Tensor> decode_layers(
     const at::Tensor& hidden_in, const Opt& residual_in, const at::Tensor& positions,
     const c10::List<Opt>& layer_tensors, at::TensorList kv_caches, const at::Tensor& slot_mapping,
-    const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& cos_cache,
+    int64_t num_decode_tokens, const Opt& decode_block_tables, const Opt& decode_seq_lens,
+    const Opt& prefill_query_starts, const Opt& prefill_query_lens,
+    const Opt& prefill_context_lens, const Opt& prefill_block_tables, const at::Tensor& cos_cache,
     const at::Tensor& sin_cache, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
     double scale, double eps) {
   const int64_t L = static_cast<int64_t>(kv_caches.size());
@@ -114,6 +154,15 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
               "decode_layers: hidden must be a contiguous [T, hidden] tensor");
   const Ops& op = ops();
   const Dims d{hidden_in.size(0), num_heads, num_kv_heads, head_dim, scale, eps};
+  const Meta meta{slot_mapping, num_decode_tokens, decode_block_tables, decode_seq_lens,
+                  prefill_query_starts, prefill_query_lens, prefill_context_lens,
+                  prefill_block_tables};
+  TORCH_CHECK(num_decode_tokens == 0 || (decode_block_tables.has_value() && decode_seq_lens.has_value()),
+              "decode_layers: decodes without their block tables / seq_lens");
+  TORCH_CHECK(num_decode_tokens == d.T ||
+                  (prefill_query_starts.has_value() && prefill_query_lens.has_value() &&
+                   prefill_context_lens.has_value() && prefill_block_tables.has_value()),
+              "decode_layers: prefill tokens without their chunk metadata");
   std::vector<Opt> w(layer_tensors.begin(), layer_tensors.end());
   for (int64_t l = 0; l < L; ++l)
     for (Slot s : {kInputNorm, kPostNorm, kQkvW, kOW, kGateUpW, kDownW})
@@ -131,8 +180,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
       op.add_norm.call(hidden, residual, *lw[kInputNorm], eps);
     }
     at::Tensor kv_cache = kv_caches[l];
-    hidden = attention(op, hidden, lw, positions, kv_cache, slot_mapping, block_tables, seq_lens,
-                       cos_cache, sin_cache, d);
+    hidden = attention(op, hidden, lw, positions, kv_cache, meta, cos_cache, sin_cache, d);
     op.add_norm.call(hidden, residual, *lw[kPostNorm], eps);
     const at::Tensor act = op.silu_and_mul.call(op.linear.call(hidden, *lw[kGateUpW], lw[kGateUpB]));
     hidden = op.linear.call(act, *lw[kDownW], lw[kDownB]);
@@ -147,7 +195,9 @@ std::string isa() { return "composite (each kernel's own tier)"; }
 // A fragment: paged_attention.cpp owns TORCH_LIBRARY(kvserve).
 TORCH_LIBRARY_FRAGMENT(kvserve, m) {
   m.def("decode_layers(Tensor hidden, Tensor? residual, Tensor positions, Tensor?[] layer_tensors, "
-        "Tensor(a!)[] kv_caches, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, "
+        "Tensor(a!)[] kv_caches, Tensor slot_mapping, int num_decode_tokens, "
+        "Tensor? decode_block_tables, Tensor? decode_seq_lens, Tensor? prefill_query_starts, "
+        "Tensor? prefill_query_lens, Tensor? prefill_context_lens, Tensor? prefill_block_tables, "
         "Tensor cos_cache, Tensor sin_cache, int num_heads, int num_kv_heads, int head_dim, "
         "float scale, float eps) -> (Tensor, Tensor)");
   m.def("decode_layers_isa() -> str", &isa);
