@@ -183,20 +183,25 @@ def test_two_api_servers_share_the_port(tiny_llama: str) -> None:
         names = {p.name() for p in psutil.Process(server.proc.pid).children(recursive=True)}
         assert {"KVSAPIServer0", "KVSAPIServer1"} <= names, names
         prompts = [f"request {i}" for i in range(32)]
-        results = asyncio.run(_complete_all(server, tiny_llama, prompts, MAX_TOKENS))
-        assert not [r for r in results if isinstance(r, BaseException)], results[:3]
-        # Which server answered: each one's access log lines carry its process name.
-        log = server.log_text()
-        served = {i: len(re.findall(rf'\[APIServer_{i}\].*"POST /v1/completions', log))
-                  for i in (0, 1)}
-        assert served[0] > 0 and served[1] > 0 and sum(served.values()) == 32, served
+        # The kernel spreads connections only over the sockets already listening: a server that
+        # came up a moment after the first answered /health may miss a whole first round.
+        for rounds in range(1, 4):
+            results = asyncio.run(_complete_all(server, tiny_llama, prompts, MAX_TOKENS))
+            assert not [r for r in results if isinstance(r, BaseException)], results[:3]
+            # Which server answered: each one's access log lines carry its process name.
+            log = server.log_text()
+            served = {i: len(re.findall(rf'\[APIServer_{i}\].*"POST /v1/completions', log))
+                      for i in (0, 1)}
+            if served[0] > 0 and served[1] > 0:
+                break
+        assert served[0] > 0 and served[1] > 0 and sum(served.values()) == 32 * rounds, served
         # /metrics (from either server) adds up both servers' requests.
         for _ in range(4):
             text = httpx.get(server.url_for("/metrics"), timeout=10).text
-            assert sum(_generation_tokens_in(text)) == 32 * MAX_TOKENS
+            assert sum(_generation_tokens_in(text)) == 32 * rounds * MAX_TOKENS
             success = re.findall(r'^kvserve:request_success_total\{[^}]*finished_reason='
                                  r'"length"[^}]*\} ([0-9.e+]+)$', text, flags=re.M)
-            assert sum(float(v) for v in success) == 32, success
+            assert sum(float(v) for v in success) == 32 * rounds, success
         assert server.terminate(timeout=30) == 0, server.log_text()[-3000:]
         deadline = time.monotonic() + 10
         while server.session_alive() and time.monotonic() < deadline:
