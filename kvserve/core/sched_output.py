@@ -55,6 +55,8 @@ class SchedulerOutput:
     # The requests that propose drafts after this step (the adaptive rule's choice, made by
     # the scheduler so that every rank agrees); None: all of them.
     spec_decode_draft_req_ids: Optional[set[str]] = None
+    # How many tokens each of them proposes (the rule's k' <= num_speculative_tokens; None: k).
+    spec_decode_num_draft_tokens: Optional[int] = None
     # The KV connector's work for the workers this step (KVConnectorMetadata), if any.
     kv_connector_metadata: Optional[Any] = None
 

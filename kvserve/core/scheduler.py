@@ -216,8 +216,10 @@ class Scheduler:
 
         output = self._make_output(num_scheduled, new_blocks, scheduled_new, preempted)
         if self.spec_controller is not None:
-            output.spec_decode_draft_req_ids = self.spec_controller.draft_req_ids(
-                list(num_scheduled))
+            drafters = self.spec_controller.draft_req_ids(list(num_scheduled))
+            output.spec_decode_draft_req_ids = drafters
+            output.spec_decode_num_draft_tokens = self.spec_controller.num_draft_tokens(
+                len(num_scheduled), drafters)
         if self.kv_transfer is not None:
             output.kv_connector_metadata = self.kv_transfer.connector.build_connector_meta(output)
         # Advance progress now: the workers compute these tokens in this step.

@@ -136,11 +136,13 @@ class SpecDecodeRunner:
     # ------------------------------------------------------------------ propose
     def propose(self, ib: InputBatch, sample_rows: np.ndarray,
                 draft_req_ids: Optional[set[str]], batch_size: int,
-                target: Optional[TargetHiddenStates] = None) -> list[list[int]]:
+                target: Optional[TargetHiddenStates] = None,
+                num_draft_tokens: Optional[int] = None) -> list[list[int]]:
         """Drafts for each sampling row (its tokens already include this step's) whose request
         is in `draft_req_ids` (None: every row). `target`: the step's hidden states, for
-        proposers that read them (EAGLE)."""
-        num_drafts = self._num_drafts(ib, sample_rows, draft_req_ids)
+        proposers that read them (EAGLE). `num_draft_tokens`: the adaptive rule's k' (None:
+        num_speculative_tokens)."""
+        num_drafts = self._num_drafts(ib, sample_rows, draft_req_ids, num_draft_tokens)
         if target is not None:
             return self._propose_with_target(ib, sample_rows, num_drafts, batch_size, target)
         if not num_drafts.any():
@@ -148,8 +150,10 @@ class SpecDecodeRunner:
         return self.proposer.propose(ib, sample_rows, num_drafts)
 
     def _num_drafts(self, ib: InputBatch, sample_rows: np.ndarray,
-                    draft_req_ids: Optional[set[str]]) -> np.ndarray:
-        k = self.config.num_speculative_tokens
+                    draft_req_ids: Optional[set[str]],
+                    num_draft_tokens: Optional[int] = None) -> np.ndarray:
+        k = min(num_draft_tokens or self.config.num_speculative_tokens,
+                self.config.num_speculative_tokens)
         if draft_req_ids is None:
             num_drafts = np.full(len(sample_rows), k, dtype=np.int64)
         else:

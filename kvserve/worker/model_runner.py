@@ -224,7 +224,8 @@ class ModelRunner:
                 sample_mask=step.sample_mask, hidden=hidden)
         drafts = self.spec_decode.propose(self.input_batch, sample_rows,
                                           so.spec_decode_draft_req_ids, len(step.req_ids),
-                                          target=target)
+                                          target=target,
+                                          num_draft_tokens=so.spec_decode_num_draft_tokens)
         out: list[list[int]] = [[] for _ in step.req_ids]
         for i, d in zip(np.nonzero(step.sample_mask)[0], drafts):
             out[i] = d

@@ -135,3 +135,38 @@ def test_one_slow_step_does_not_bring_drafting_back() -> None:
     _simulate(ctl, ["warm"], 8, missed0=32, slow_step=0, **costs)
     _, verified = _simulate(ctl, ["timed"], 128, missed0=32, **costs)
     assert verified == [], verified
+
+
+def _verified(ctl: SpecDecodeController, extra: dict[int, float], t0: float) -> None:
+    """One batch-1 step per entry: n drafts verified in t0 + extra[n]."""
+    for n, e in extra.items():
+        ctl.observe_step(1, n, 0, t0 + e, 0.0)
+
+
+def test_fewer_drafts_when_verification_is_compute_bound() -> None:
+    # bf16 weights on the AVX2 EPYC: a plain step 14 ms, verifying 4 drafts 12 ms more (the
+    # linears turn compute-bound above 2 rows), 2 drafts 4.6 ms more. Acceptance 2 of 4 each
+    # time: per position q = 2/3. 4 drafts: 2.6 tokens / 26 ms; 2 drafts: 2.1 / 18.6 ms.
+    ctl = SpecDecodeController(4, None, min_acceptance_rate=0.01, probe_interval=8)
+    _warm(ctl, ["r"], t0=0.014, per_token=0.003)          # extra[4] = 12 ms
+    assert ctl.num_draft_tokens(1, {"r"}) == 4            # r's acceptance not known yet
+    for _ in range(5):
+        ctl.record("r", 4, 2)
+    # Only extra[4] measured: 2 drafts, interpolated at 6 ms, already look better.
+    assert ctl.num_draft_tokens(1, {"r"}) == 2
+    _verified(ctl, {2: 0.0046}, t0=0.014)
+    assert ctl.num_draft_tokens(1, {"r"}) == 2            # measured: stays
+    # Memory-bound verification (float32 here: ~1.9 ms per draft token, linear): 4 drafts.
+    lin = SpecDecodeController(4, None, min_acceptance_rate=0.01, probe_interval=8)
+    _warm(lin, ["r"], t0=0.022, per_token=0.0019)
+    for _ in range(5):
+        lin.record("r", 4, 2)
+    assert lin.num_draft_tokens(1, {"r"}) == 4
+    _verified(lin, {2: 0.0038}, t0=0.022)
+    assert lin.num_draft_tokens(1, {"r"}) == 4
+    # Full acceptance pays for all k even at the compute-bound costs; the rule off keeps k.
+    for _ in range(20):
+        ctl.record("r", 4, 4)
+    assert ctl.num_draft_tokens(1, {"r"}) == 4
+    off = SpecDecodeController(4, None, min_acceptance_rate=0.0, probe_interval=8)
+    assert off.num_draft_tokens(1, {"r"}) == 4

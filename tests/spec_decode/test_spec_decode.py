@@ -185,3 +185,22 @@ def test_sampling_distribution_unchanged(peaked_llama: str) -> None:
     # Checked after the distributions, so that a wrong acceptance rule fails on them.
     assert stats["num_drafts"] >= n // 4, stats          # many requests drafted
     assert stats["num_accepted_tokens"] < stats["num_draft_tokens"]   # and some were rejected
+
+
+def test_fewer_draft_tokens_reach_the_proposer(tiny_llama: str, baseline: list,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rule's k' (SchedulerOutput.spec_decode_num_draft_tokens) caps every proposal:
+    pinned to 2 of num_speculative_tokens = 4, no request drafts more than 2 tokens, the
+    later positions are never accepted, and greedy outputs are unchanged. In process, so that
+    the pin reaches the engine core's scheduler."""
+    from kvserve.spec_decode.adaptive import SpecDecodeController
+    monkeypatch.setenv("KVSERVE_ENABLE_MULTIPROCESSING", "0")
+    monkeypatch.setattr(SpecDecodeController, "num_draft_tokens", lambda self, b, d: 2)
+    llm = LLM(tiny_llama, **BASE, speculative_config=NGRAM)
+    outs = llm.generate(prompts(), GREEDY, use_tqdm=False)
+    assert_same_outputs(baseline, outs, "ngram, k' = 2")
+    spec = assert_spec_metrics_add_up(llm, min_accepted=20)
+    assert spec["num_draft_tokens"] <= 2 * spec["num_drafts"], spec
+    assert spec["num_accepted_tokens_per_pos"][2:] == [0, 0], spec
+    assert_all_blocks_free(llm)
+    llm.shutdown()
