@@ -156,7 +156,6 @@ class LlamaModel(nn.Module):
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
-
     def _fused_decode_for(self, layers: list[nn.Module], num_tokens: int,
                           attn_metadata: AttentionMetadata) -> Optional[FusedDecodeStack]:
         if not FusedDecodeStack.applies(num_tokens, attn_metadata):

@@ -52,11 +52,18 @@ def is_widened(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return x.dtype == torch.float32 and weight.dtype in WIDENED_WEIGHT_DTYPES
 
 
+def kernel_takes(x_dtype: torch.dtype, weight: torch.Tensor,
+                 bias: Optional[torch.Tensor]) -> bool:
+    """Whether the kernel takes this weight (and bias) for activations of x_dtype: the same
+    dtype (float32 / bfloat16), or a 16-bit weight widened for float32 x; contiguous."""
+    dtypes_ok = ((x_dtype == weight.dtype and weight.dtype in KERNEL_DTYPES)
+                 or (x_dtype == torch.float32 and weight.dtype in WIDENED_WEIGHT_DTYPES))
+    return (dtypes_ok and weight.is_contiguous()
+            and (bias is None or (bias.dtype == x_dtype and bias.is_contiguous())))
+
+
 def _kernel_applies(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> bool:
-    dtypes_ok = ((x.dtype == weight.dtype and weight.dtype in KERNEL_DTYPES)
-                 or is_widened(x, weight))
-    return (x.device.type == "cpu" and x.dim() == 2 and dtypes_ok and weight.is_contiguous()
-            and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous())))
+    return x.device.type == "cpu" and x.dim() == 2 and kernel_takes(x.dtype, weight, bias)
 
 
 def small_batch_linear(x: torch.Tensor, weight: torch.Tensor,

@@ -21,20 +21,16 @@ from kvserve.distributed.parallel_state import get_tp_world_size
 from kvserve.model.layers.rotary import RotaryEmbedding
 from kvserve.ops.build import KERNEL_DTYPES
 from kvserve.ops.decode_layers import SLOTS, decode_layers_op
-from kvserve.ops.linear import SMALL_BATCH_MAX_ROWS, WIDENED_WEIGHT_DTYPES
+from kvserve.ops.linear import SMALL_BATCH_MAX_ROWS, kernel_takes
 
 logger = logging.getLogger(__name__)
 
 
 def _linear_ok(linear: Any, act_dtype: torch.dtype) -> bool:
-    """The small-batch kernel can take this layer's plain weight (and bias) for act_dtype."""
+    """The small-batch kernel can take this layer's plain weight (and bias) for act_dtype;
+    an empty weight is one kept only prepacked, a path the op does not have."""
     w = linear.weight
-    if w.numel() == 0 or not w.is_contiguous() or w.device.type != "cpu":
-        return False     # kept only prepacked: that path is not in the op
-    if not (w.dtype == act_dtype or (act_dtype == torch.float32 and w.dtype in WIDENED_WEIGHT_DTYPES)):
-        return False
-    b = linear.bias
-    return b is None or (b.dtype == act_dtype and b.is_contiguous())
+    return w.numel() > 0 and w.device.type == "cpu" and kernel_takes(act_dtype, w, linear.bias)
 
 
 def _why_not(layers: Sequence[Any]) -> Optional[str]:

@@ -174,7 +174,8 @@ void generic_item(const Params& P, const Item& it, GenericScratch& sc) {
 
 #if defined(KVS_AVX2)
 struct Avx2Scratch {
-  std::vector<float> q, s, o;   // [lanes][D] query rows, [lanes][kmax] scores, [lanes][D] out
+  // [lanes][D] query rows, [lanes][kmax] scores, [lanes][D] out, [lanes] 1 / softmax sum
+  std::vector<float> q, s, o, inv;
 };
 
 template <typename T>
@@ -189,6 +190,7 @@ void avx2_item(const Params& P, const Item& it, Avx2Scratch& sc) {
   sc.q.resize(L * D);
   sc.s.resize(L * n);
   sc.o.assign(L * D, 0.f);
+  sc.inv.resize(L);
   float* const q = sc.q.data();
   float* const s = sc.s.data();
   float* const o = sc.o.data();
@@ -203,7 +205,7 @@ void avx2_item(const Params& P, const Item& it, Avx2Scratch& sc) {
     for (int64_t lane = first; lane < L; ++lane)
       s[lane * n + j] = dot8(q + lane * D, kr, D) * P.scale;
   }
-  std::vector<float> inv(L);
+  float* const inv = sc.inv.data();
   for (int64_t lane = 0; lane < L; ++lane) {
     float* const sl = s + lane * n;
     const int64_t nkeys = g.pos[lane] + 1;
