@@ -28,6 +28,7 @@ from kvserve.model.layers.linear import (MergedColumnParallelLinear, QKVParallel
                                          RowParallelLinear, default_weight_loader)
 from kvserve.model.layers.norm import RMSNorm
 from kvserve.model.layers.rotary import get_rope
+from kvserve.ops.decode_layers import decode_layers_op
 from kvserve.ops.decode_layers import enabled_by_env as fused_decode_enabled_by_env
 from kvserve.ops.fused import silu_and_mul
 
@@ -155,6 +156,13 @@ class LlamaModel(nn.Module):
             return IntermediateTensors(hidden_states, residual)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
+
+    def process_weights_after_loading(self) -> None:
+        """Compile the fused small-step op (and the kernels it calls) at load, not in the
+        first step: an engine killed during its first request (the kill tests) then cannot
+        die mid-build and leave the build's lock for every later engine to wait on."""
+        if not self._fused_decode_decided and next(self.parameters()).device.type == "cpu":
+            decode_layers_op()
 
     def _fused_decode_for(self, layers: list[nn.Module], num_tokens: int,
                           attn_metadata: AttentionMetadata) -> Optional[FusedDecodeStack]:
