@@ -117,7 +117,8 @@ def test_other_tier_runs_every_kernel(tier: str) -> None:
     env = dict(os.environ, **{cpu_isa.ISA_ENV: tier})
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-         "tests/ops/test_tier_kernels.py", "tests/test_auto_dtype.py"],
+         "tests/ops/test_tier_kernels.py", "tests/test_auto_dtype.py",
+         "tests/model/test_tiled_weights.py::test_tiled_kernel_matches_plain"],
         env=env, cwd=REPO, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert " passed" in proc.stdout and " failed" not in proc.stdout

@@ -14,7 +14,7 @@ from torch import nn
 from kvserve.distributed.parallel_state import (get_tp_rank, get_tp_world_size,
                                                 tensor_model_parallel_all_gather,
                                                 tensor_model_parallel_all_reduce)
-from kvserve.model.layers.linear import copy_checked
+from kvserve.model.layers.linear import copy_checked, tile_16bit_weight
 from kvserve.ops.linear import pack_weight, packed_linear, small_batch_or_packed_linear
 
 
@@ -24,6 +24,7 @@ class VocabParallelEmbedding(nn.Module):
         self.tp_rank = get_tp_rank()
         self.tp_size = get_tp_world_size()
         self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
         self.shard_size = -(-num_embeddings // self.tp_size)
         self.vocab_start = self.tp_rank * self.shard_size
         self.vocab_end = min(self.vocab_start + self.shard_size, num_embeddings)
@@ -58,7 +59,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"num_embeddings={self.num_embeddings}, shard=[{self.vocab_start}, "
-                f"{self.vocab_end}), embedding_dim={self.weight.shape[1]}")
+                f"{self.vocab_end}), embedding_dim={self.embedding_dim}")
 
 
 class ParallelLMHead(VocabParallelEmbedding):
@@ -82,6 +83,8 @@ class ParallelLMHead(VocabParallelEmbedding):
         if self.compute_dtype not in (None, self.weight.dtype):
             if self.float32_copy:
                 self.weight_packed = pack_weight(self.weight.to(self.compute_dtype))
+            if not self.tied:     # the embedding's lookups need nn.Linear's row layout
+                tile_16bit_weight(self)
             return
         packed = pack_weight(self.weight)
         if packed is not None:

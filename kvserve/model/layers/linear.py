@@ -23,7 +23,7 @@ from kvserve.distributed.parallel_state import (get_tp_rank, get_tp_world_size,
                                                 tensor_model_parallel_all_gather,
                                                 tensor_model_parallel_all_reduce)
 from kvserve.ops.linear import (SMALL_BATCH_COPY_ENV, keep_small_batch_copies, pack_weight,
-                                packed_linear, small_batch_or_packed_linear)
+                                packed_linear, small_batch_or_packed_linear, tile_weight)
 
 logger = logging.getLogger(__name__)
 
@@ -94,12 +94,14 @@ class LinearBase(nn.Module):
 
     def process_weights_after_loading(self) -> None:
         """On CPU, keep the weight in oneDNN's prepacked layout (see ops.linear), and the plain
-        one too only when small_batch_copy is set; a 16-bit weight with float32 math stays as
-        it is (ops.linear widens it), plus a prepacked float32 copy for large batches when
+        one too only when small_batch_copy is set; a 16-bit weight with float32 math stays
+        16-bit (ops.linear widens it; a bf16 one tiled for the small-batch kernel where
+        ops.linear.tile_weight applies), plus a prepacked float32 copy for large batches when
         float32_copy is set."""
         if self.compute_dtype not in (None, self.weight.dtype):
             if self.float32_copy:
                 self.weight_packed = pack_weight(self.weight.to(self.compute_dtype))
+            tile_16bit_weight(self)
             return
         packed = pack_weight(self.weight)
         if packed is not None:
@@ -116,6 +118,15 @@ class LinearBase(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.input_size}, out_features={self.output_size}, "
                 f"bias={self.bias is not None}, tp_size={self.tp_size}")
+
+
+def tile_16bit_weight(module: nn.Module) -> None:
+    """Replace a bf16 weight with float32 math by its tiled layout (ops.linear.tile_weight)
+    where that applies; every user of the weight takes either layout (ops.linear)."""
+    if module.compute_dtype == torch.float32:
+        tiled = tile_weight(module.weight)
+        if tiled is not None:
+            module.weight.data = tiled
 
 
 def set_small_batch_copies(model: nn.Module) -> None:

@@ -1,0 +1,104 @@
+"""bf16 weights with float32 math (dtype "auto" without bf16 instructions) kept in the
+small-batch kernel's tiled layout (ops.linear.tile_weight): the kernel's result is bit-identical
+to the plain layout's for every batch size, and so is a whole model's -- small steps (the kernel,
+the fused decode op), large ones (the untiled float32 copy or the prepacked one), a tied LM head
+(left plain for the embedding's lookups). tests/ops/test_cpu_isa.py runs the kernel part on
+every tier the host supports."""
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Callable
+
+import pytest
+import torch
+
+from kvserve.ops import build, cpu_isa
+from kvserve.ops import linear as kl
+from tests.model.test_model import (Seq, blocks_for, kv_caches, load, random_tokens, run_step,
+                                    shuffled_blocks)
+
+pytestmark = pytest.mark.skipif(
+    shutil.which(os.environ.get("CXX", "c++")) is None
+    or os.environ.get(build.DISABLE_ENV, "") not in ("", "0"), reason="no C++ kernels")
+
+
+def tiling_expected() -> bool:
+    """The kernel has the layout on every tier with the avx2 path (all but generic)."""
+    return cpu_isa.selected_tier() != "generic"
+
+
+@pytest.mark.parametrize("n,k", [(8, 32), (52, 96), (36, 768), (12, 2048)])
+def test_tiled_kernel_matches_plain(n: int, k: int) -> None:
+    gen = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    bias = torch.randn(n, generator=gen)
+    tiled = kl.tile_weight(w)
+    if not tiling_expected():
+        assert tiled is None
+        pytest.skip("generic tier: no tiled layout")
+    assert tiled is not None and tiled.shape == (n // 4, k // 16, 4, 16)
+    assert torch.equal(kl.untile_weight(tiled), w)
+    assert torch.equal(kl.untile_weight(tiled, torch.float32), w.float())
+    op = kl.cpu_kernel()
+    for m in range(1, 12):      # every x-row chunk size, one and two chunks
+        x = torch.randn(m, k, generator=gen)
+        assert torch.equal(op(x, tiled, bias), op(x, w, bias)), m
+    # ops.linear takes it at every batch size: the kernel up to 8 rows, then widened_linear.
+    for m in (1, 8, 9, 40):
+        x = torch.randn(2, m, k, generator=gen)
+        out = kl.linear(x, tiled, bias)
+        assert out.shape == (2, m, n)
+        torch.testing.assert_close(out, torch.nn.functional.linear(x, w.float(), bias),
+                                   rtol=1e-5, atol=1e-4)
+
+
+def test_tile_weight_declines() -> None:
+    assert kl.tile_weight(torch.randn(8, 32)) is None                      # float32
+    assert kl.tile_weight(torch.randn(8, 32).half()) is None               # fp16
+    assert kl.tile_weight(torch.randn(6, 32).bfloat16()) is None           # N % 4
+    assert kl.tile_weight(torch.randn(8, 40).bfloat16()) is None           # K % 16
+
+
+def test_tiled_weights_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    w = torch.randn(8, 32).bfloat16()
+    monkeypatch.setenv(kl.TILED_WEIGHTS_ENV, "0")
+    assert kl.tile_weight(w) is None
+    monkeypatch.setenv(kl.TILED_WEIGHTS_ENV, "yes")
+    with pytest.raises(ValueError, match="KVSERVE_CPU_TILED_WEIGHTS must be 0 or 1"):
+        kl.tile_weight(w)
+
+
+@pytest.mark.parametrize("float32_copy", ["0", "1"], ids=["widen-per-call", "float32-copy"])
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_tiled_model_is_bit_identical(tied: bool, float32_copy: str,
+                                      make_checkpoint: Callable[..., str],
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    path = make_checkpoint("llama", save_dtype=torch.bfloat16, tie_word_embeddings=tied)
+    monkeypatch.setenv(kl.FLOAT32_COPY_ENV, float32_copy)
+    monkeypatch.setenv(kl.TILED_WEIGHTS_ENV, "1")
+    tiled, cfg = load(path, "auto")
+    monkeypatch.setenv(kl.TILED_WEIGHTS_ENV, "0")
+    plain, _ = load(path, "auto")
+    if cfg.weight_dtype is None:
+        pytest.skip("this tier has bf16 math: auto runs bf16, nothing is widened")
+    layer = tiled.model.layers[0]
+    weights = [layer.self_attn.qkv_proj.weight, layer.self_attn.o_proj.weight,
+               layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight]
+    assert all(w.dim() == (4 if tiling_expected() else 2) for w in weights)
+    assert tiled.lm_head.weight.dim() == (2 if tied or not tiling_expected() else 4)
+    assert plain.model.layers[0].self_attn.qkv_proj.weight.dim() == 2
+
+    pool = shuffled_blocks(2)
+    a, b = (Seq(random_tokens(30, 40 + i, cfg.vocab_size), blocks_for(30, pool))
+            for i in range(2))
+    schedule = [([], [(a, 0, 12)]),               # 12 tokens: a large batch
+                ([(a, 12)], [(b, 0, 5)]),         # 6 tokens: the kernel / fused op
+                ([(a, 13), (b, 5)], []),          # batch-2 decode
+                ([(b, 6)], [])]                   # batch-1 decode
+    caches_t = kv_caches(cfg, torch.float32)
+    caches_p = kv_caches(cfg, torch.float32)
+    for step, (decodes, prefills) in enumerate(schedule):
+        out_t = run_step(tiled, caches_t, decodes=decodes, prefills=prefills)
+        out_p = run_step(plain, caches_p, decodes=decodes, prefills=prefills)
+        assert torch.equal(out_t, out_p), (step, (out_t - out_p).abs().max().item())
