@@ -13,11 +13,17 @@
 // and padded table entries are never read, so whatever they hold (stale values, NaN) cannot
 // reach the result.
 //
-// Work split: an item is (kv head, sequence), ordered kv-head-major, and each thread gets one
+// Work split: an item is (sequence, kv head), ordered sequence-major, and each thread gets one
 // contiguous run of items holding about the same number of tokens (see split_items).
 //
-//   items:   (h0,s0) (h0,s1) ... (h0,sN-1) (h1,s0) ... (h1,sN-1) (h2,s0) ...
+//   items:   (s0,h0) (s0,h1) ... (s0,hK-1) (s1,h0) ... (s1,hK-1) (s2,h0) ...
 //   threads:  0 ............................... 0 | 1 ....................
+//
+// Sequence-major because a token's K (V) rows of all kv heads are adjacent in a block: a
+// thread's consecutive items read neighbouring bytes of the same blocks. Measured (AVX2 Zen 1, 2
+// threads, 12 heads x 64, float32, 32 sequences x 256 tokens, 50 MB of KV from memory): 7.9 ->
+// 4.9 ms per call against the kv-head-major order, which read each block's 12 head slices (256
+// bytes, 3 KB apart) in 12 passes far apart in time.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -37,6 +43,7 @@
 #include <immintrin.h>
 #endif
 #include "vec_avx2.h"
+
 
 namespace {
 
@@ -143,6 +150,8 @@ struct GenericStep {
 // head_dim a multiple of 8; the portable step's loops 8 floats wide, K/V widened in registers.
 
 #if defined(KVS_AVX2)
+#define KVS_AVX2_STEP_INLINE inline __attribute__((always_inline))
+
 template <typename T>
 struct Avx2Step {
   static int64_t pos(int64_t d) { return d; }
@@ -189,6 +198,85 @@ struct Avx2Step {
         float* ag = acc + g * D;
         for (int64_t d = 0; d < D; d += 8)
           _mm256_storeu_ps(ag + d, _mm256_fmadd_ps(p, load8(vr + d), _mm256_loadu_ps(ag + d)));
+      }
+    }
+  }
+};
+#endif
+
+#if defined(KVS_AVX2)
+// The AVX2 step for head_dim = 8 * NV (32, 64, 128): the same online softmax with the row in
+// registers. Scores 8 tokens at a time, their 8 dot products summed across lanes together
+// (hsum8x8) instead of one horizontal sum per token, and a query head's accumulator kept in
+// registers over the block instead of loaded and stored per V row. Against Avx2Step (Zen 1, 12
+// heads x 64, float32, alternating runs in one process): 1 x 128 tokens 66 -> 50 us, 1 x 512
+// 300 -> 225 us, 32 x 256 9.2 -> 6.5 ms (before the sequence-major order below).
+template <typename T, int NV>
+struct Avx2StepD {
+  static int64_t pos(int64_t d) { return d; }
+
+  static KVS_AVX2_STEP_INLINE __m256 hsum8x8(const __m256 (&v)[8]) {
+    // Lane i of the result = the sum of v[i]'s 8 lanes.
+    const __m256 t0 = _mm256_hadd_ps(v[0], v[1]), t1 = _mm256_hadd_ps(v[2], v[3]);
+    const __m256 t2 = _mm256_hadd_ps(v[4], v[5]), t3 = _mm256_hadd_ps(v[6], v[7]);
+    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
+                         _mm256_permute2f128_ps(u0, u1, 0x31));
+  }
+
+  static void run(const T* kb, const T* vb, int64_t stride, int64_t ntok, int64_t G, int64_t D,
+                  int64_t BS, Scratch& sc) {
+    using namespace kvs_avx2;
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = sc.q.data() + g * D;
+      float* sg = sc.s.data() + g * BS;
+      int64_t j = 0;
+      for (; j + 8 <= ntok; j += 8) {
+        __m256 a[8];
+        for (int t = 0; t < 8; ++t) {
+          const T* kr = kb + (j + t) * stride;
+          a[t] = _mm256_mul_ps(load8(kr), _mm256_loadu_ps(qg));
+          for (int c = 1; c < NV; ++c)
+            a[t] = _mm256_fmadd_ps(load8(kr + 8 * c), _mm256_loadu_ps(qg + 8 * c), a[t]);
+        }
+        _mm256_storeu_ps(sg + j, hsum8x8(a));
+      }
+      for (; j < ntok; ++j) sg[j] = dot8(qg, kb + j * stride, D);
+
+      const __m256 vmx0 = _mm256_set1_ps(sc.m[g]);
+      __m256 vm = vmx0;
+      j = 0;
+      for (; j + 8 <= ntok; j += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(sg + j));
+      float mx = hmax8(vm);
+      for (; j < ntok; ++j) mx = std::max(mx, sg[j]);
+      const float alpha = std::exp(sc.m[g] - mx);  // exp(-inf) = 0 on the first block
+      sc.m[g] = mx;
+      const __m256 vmx = _mm256_set1_ps(mx);
+      __m256 vsum = _mm256_setzero_ps();
+      j = 0;
+      for (; j + 8 <= ntok; j += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + j), vmx));
+        _mm256_storeu_ps(sg + j, e);
+        vsum = _mm256_add_ps(vsum, e);
+      }
+      float sum = hsum8(vsum);
+      for (; j < ntok; ++j) sum += (sg[j] = std::exp(sg[j] - mx));
+      sc.l[g] = sc.l[g] * alpha + sum;
+
+      float* ag = sc.acc.data() + g * D;
+      // Halves of at most 8 registers for D = 128 (16 accumulators would spill).
+      constexpr int kPart = NV < 8 ? NV : 8;
+      for (int c0 = 0; c0 < NV; c0 += kPart) {
+        __m256 acc[kPart];
+        const __m256 va = _mm256_set1_ps(alpha);
+        for (int c = 0; c < kPart; ++c)
+          acc[c] = _mm256_mul_ps(va, _mm256_loadu_ps(ag + 8 * (c0 + c)));
+        for (int64_t t = 0; t < ntok; ++t) {
+          const T* vr = vb + t * stride + 8 * c0;
+          const __m256 p = _mm256_set1_ps(sg[t]);
+          for (int c = 0; c < kPart; ++c) acc[c] = _mm256_fmadd_ps(p, load8(vr + 8 * c), acc[c]);
+        }
+        for (int c = 0; c < kPart; ++c) _mm256_storeu_ps(ag + 8 * (c0 + c), acc[c]);
       }
     }
   }
@@ -479,14 +567,14 @@ void attend_item(const Params& P, int64_t n, int64_t kh, Scratch& sc) {
   }
 }
 
-// Work items are ordered kv-head-major, u = kh * N + n: a thread's contiguous run covers the
-// same heads of consecutive sequences. Boundaries [bounds[t], bounds[t+1]) give each thread
+// Work items are ordered sequence-major, u = n * Hkv + kh: a thread's contiguous run covers
+// the kv heads of consecutive sequences. Boundaries [bounds[t], bounds[t+1]) give each thread
 // about the same number of tokens (plus a fixed cost per item for its setup and its first,
 // unprefetched block), however ragged seq_lens are.
 std::vector<int64_t> split_items(const Params& P, int64_t threads) {
   const int64_t N = P.num_seqs, items = P.num_kv_heads * N;
   constexpr int64_t kItemOverhead = 16;
-  auto cost = [&](int64_t u) { return P.seq_lens[u % N] + kItemOverhead; };
+  auto cost = [&](int64_t u) { return P.seq_lens[u / P.num_kv_heads] + kItemOverhead; };
   int64_t total = 0;
   for (int64_t n = 0; n < N; ++n) total += P.seq_lens[n] + kItemOverhead;
   total *= P.num_kv_heads;
@@ -517,7 +605,7 @@ void run(const Params& P) {
     Scratch sc(P.groups, P.head_dim, P.block_size);
     for (int64_t t = tb; t < te; ++t)
       for (int64_t u = bounds[t]; u < bounds[t + 1]; ++u)
-        attend_item<T, Step>(P, u % N, u / N, sc);
+        attend_item<T, Step>(P, u / P.num_kv_heads, u % P.num_kv_heads, sc);
   });
 }
 
@@ -533,6 +621,12 @@ KVS_NOINLINE void dispatch_head_dim(const Params& P) {
   }
 #endif
 #if defined(KVS_AVX2)
+  switch (P.head_dim) {
+    case 32: return run<T, Avx2StepD<T, 4>>(P);
+    case 64: return run<T, Avx2StepD<T, 8>>(P);
+    case 128: return run<T, Avx2StepD<T, 16>>(P);
+    default: break;
+  }
   if (P.head_dim % 8 == 0) return run<T, Avx2Step<T>>(P);
 #endif
   run<T, GenericStep<T>>(P);
