@@ -19,7 +19,7 @@ a real bf16 checkpoint is served (the issue's bf16 run; on a CPU without bf16 in
 math is emulated); draft and EAGLE checkpoints load in the target's compute dtype.
 
     python benchmarks/spec_decode.py [--dtype float32|auto] [--max-tokens 96] [--batch 32]
-                                     [--skip-demo] [--only ...] [--sweep 1,2,4]
+                                     [--repeats 3] [--skip-demo] [--only ...] [--sweep 1,2,4]
                                      [--output-json out.json]
 """
 from __future__ import annotations
@@ -29,6 +29,7 @@ import json
 import os
 import platform
 import random
+import statistics
 import sys
 import time
 from typing import Any, Optional
@@ -41,6 +42,7 @@ from kvserve import LLM, SamplingParams  # noqa: E402
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
          "prompt_lookup_max": 4}
+KV_CACHE_MEMORY = 512 << 20
 NO_ADAPT = {"disable_by_batch_size": None, "min_acceptance_rate": 0.0}
 CODE = '''def merge_sorted(a, b):
     out = []
@@ -109,41 +111,71 @@ def ensure_eagle_head(model_dir: str = DEFAULT_MODEL_DIR) -> str:
     return path
 
 
-def run(model: str, prompts: list[Any], max_tokens: int, dtype: str,
-        spec: Optional[dict], **kw: Any) -> dict:
-    llm = LLM(model, dtype=dtype, max_model_len=1024, seed=0, speculative_config=spec, **kw)
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+def make_llm(model: str, dtype: str, spec: Optional[dict], warmup: list[Any], **kw: Any) -> LLM:
+    # A fixed KV pool: the default (a share of free memory) would differ from run to run.
+    llm = LLM(model, dtype=dtype, max_model_len=1024, seed=0, speculative_config=spec,
+              kv_cache_memory=KV_CACHE_MEMORY, **kw)
     # Warm-up: long enough for the rule's first t0 steps to pass and the proposer to run once
-    # (its first forward's one-off costs stay out of the timed run).
-    llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+    # (its first forward's one-off costs stay out of the timed runs).
+    llm.generate(warmup, SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+    return llm
+
+
+def timed(llm: LLM, prompts: list[Any], max_tokens: int) -> tuple[float, list]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - start
-    stats = llm.get_stats().get("spec_decoding")
-    llm.shutdown()
-    n = sum(len(o.outputs[0].token_ids) for o in outs)
-    result = {"tok_s": n / wall, "wall_s": wall, "tokens": [o.outputs[0].token_ids for o in outs]}
-    if stats and stats["num_drafts"]:
-        result["mean_acceptance_length"] = 1 + stats["num_accepted_tokens"] / stats["num_drafts"]
-        result["acceptance_rate"] = stats["num_accepted_tokens"] / stats["num_draft_tokens"]
-        result["num_drafts"] = stats["num_drafts"]
-    return result
+    return wall, [o.outputs[0].token_ids for o in outs]
 
 
 def compare(name: str, model: str, prompts: list[Any], args: argparse.Namespace,
             variants: dict[str, Optional[dict]], **kw: Any) -> dict:
-    rows = {label: run(model, prompts, args.max_tokens, args.dtype, spec, **kw)
-            for label, spec in variants.items()}
-    base = rows["plain"]
-    print(f"\n{name}")
+    """`--repeats` rounds; each round times every variant once, in an order rotated every
+    round, each on a fresh engine. This machine's speed drifts by tens of % within minutes
+    (and once a single engine instance ran 40% slower than its neighbours for a whole
+    comparison), so a variant is compared with the plain run of the same round: the reported
+    ratio is the median of the per-round ratios, tok/s the median of the rounds."""
+    labels = list(variants)
+    walls: dict[str, list[float]] = {label: [] for label in labels}
+    tokens: dict[str, list] = {}
+    spec_stats: dict[str, list[dict]] = {label: [] for label in labels}
+    for rep in range(args.repeats):
+        for label in labels[rep % len(labels):] + labels[:rep % len(labels)]:
+            llm = make_llm(model, args.dtype, variants[label], prompts[:1], **kw)
+            before = llm.get_stats().get("spec_decoding")
+            wall, tokens[label] = timed(llm, prompts, args.max_tokens)
+            after = llm.get_stats().get("spec_decoding")
+            llm.shutdown()
+            walls[label].append(wall)
+            if after:   # the timed run's own counts (the warm-up's taken out)
+                spec_stats[label].append({k: after[k] - (before or {}).get(k, 0)
+                                          for k in ("num_drafts", "num_draft_tokens",
+                                                    "num_accepted_tokens")})
+    rows = {}
+    for label in labels:
+        n = sum(len(t) for t in tokens[label])
+        ratios = [walls["plain"][i] / walls[label][i] for i in range(args.repeats)]
+        r = {"tok_s": n / statistics.median(walls[label]),
+             "tok_s_rounds": [n / w for w in walls[label]],
+             "ratio_vs_plain": statistics.median(ratios),
+             "ratio_rounds": ratios, "same_tokens": tokens[label] == tokens["plain"]}
+        total = {k: sum(st[k] for st in spec_stats[label])
+                 for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
+        if total["num_drafts"]:
+            r["mean_acceptance_length"] = 1 + total["num_accepted_tokens"] / total["num_drafts"]
+            r["acceptance_rate"] = total["num_accepted_tokens"] / total["num_draft_tokens"]
+        if spec_stats[label]:
+            r["num_drafts_rounds"] = [st["num_drafts"] for st in spec_stats[label]]
+        rows[label] = r
+    print(f"\n{name} ({args.repeats} rounds)")
     for label, r in rows.items():
-        same = r["tokens"] == base["tokens"]
         acc = (f", mean acceptance length {r['mean_acceptance_length']:.2f}, acceptance "
-               f"{100 * r['acceptance_rate']:.0f}%") if "num_drafts" in r else ""
-        print(f"  {label:<22} {r['tok_s']:7.1f} tok/s  x{r['tok_s'] / base['tok_s']:.2f}"
-              f"  same tokens: {same}{acc}")
-    for r in rows.values():
-        r.pop("tokens")
+               f"{100 * r['acceptance_rate']:.0f}%, drafts per round {r['num_drafts_rounds']}"
+               if "mean_acceptance_length" in r else "")
+        spread = "/".join(f"{x:.2f}" for x in r["ratio_rounds"])
+        print(f"  {label:<26} {r['tok_s']:7.1f} tok/s  x{r['ratio_vs_plain']:.2f} ({spread})"
+              f"  same tokens: {r['same_tokens']}{acc}")
     return rows
 
 
@@ -153,6 +185,8 @@ def main() -> None:
                    help='a torch dtype, or "auto": a bfloat16 copy of the checkpoint')
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=3,
+                   help="rounds per comparison (variants interleaved; medians reported)")
     p.add_argument("--skip-demo", action="store_true")
     p.add_argument("--only", default=None,
                    help="comma list: random,repetitive,demo,draft,eagle,batch,sweep "
