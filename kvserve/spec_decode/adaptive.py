@@ -44,8 +44,8 @@ must beat the break-even rate by 10%, a draft that only breaks even is not worth
 
 How many tokens the drafting requests propose (num_draft_tokens, one k' <= k per step): the
 cost of verifying n draft tokens is not linear in n. On a 2-core AVX2 EPYC the step's linears
-are memory-bound at 1-2 rows and compute-bound above (bf16 weights: 12.8 / 13.8 / 24.7 ms at 1 /
-2 / 5 rows), so 4 drafts can cost 1.9x a plain step where 2 cost 1.3x. Per bucket the rule keeps
+are memory-bound at 1-2 rows and compute-bound above (tiled bf16 weights: 10.4 / 11.7 / 24.1 ms
+at 1 / 2 / 5 rows), so 4 drafts can cost 2.3x a plain step's linears where 1 costs 1.1x. Per bucket the rule keeps
 extra[n] (EMA of step time - proposer time - t0 over steps that verified n drafts) and, with
 each drafting request's per-position acceptance q (EMA of accepted / positions tried: a draft
 is tried when every draft before it was accepted), picks the k' maximising
