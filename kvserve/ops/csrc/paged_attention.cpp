@@ -152,6 +152,7 @@ struct GenericStep {
 #if defined(KVS_AVX2)
 #define KVS_AVX2_STEP_INLINE inline __attribute__((always_inline))
 
+
 template <typename T>
 struct Avx2Step {
   static int64_t pos(int64_t d) { return d; }
@@ -173,17 +174,7 @@ struct Avx2Step {
       for (int64_t j = 0; j < ntok; ++j) mx = std::max(mx, sg[j]);
       const float alpha = std::exp(sc.m[g] - mx);  // exp(-inf) = 0 on the first block
       sc.m[g] = mx;
-      const __m256 vmx = _mm256_set1_ps(mx);
-      __m256 vsum = _mm256_setzero_ps();
-      int64_t j = 0;
-      for (; j + 8 <= ntok; j += 8) {
-        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + j), vmx));
-        _mm256_storeu_ps(sg + j, e);
-        vsum = _mm256_add_ps(vsum, e);
-      }
-      float sum = hsum8(vsum);
-      for (; j < ntok; ++j) sum += (sg[j] = std::exp(sg[j] - mx));
-      sc.l[g] = sc.l[g] * alpha + sum;
+      sc.l[g] = sc.l[g] * alpha + exp_sum(sg, ntok, mx);
       if (alpha != 1.f) {
         const __m256 va = _mm256_set1_ps(alpha);
         float* ag = acc + g * D;
@@ -243,25 +234,14 @@ struct Avx2StepD {
       }
       for (; j < ntok; ++j) sg[j] = dot8(qg, kb + j * stride, D);
 
-      const __m256 vmx0 = _mm256_set1_ps(sc.m[g]);
-      __m256 vm = vmx0;
+      __m256 vm = _mm256_set1_ps(sc.m[g]);
       j = 0;
       for (; j + 8 <= ntok; j += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(sg + j));
       float mx = hmax8(vm);
       for (; j < ntok; ++j) mx = std::max(mx, sg[j]);
       const float alpha = std::exp(sc.m[g] - mx);  // exp(-inf) = 0 on the first block
       sc.m[g] = mx;
-      const __m256 vmx = _mm256_set1_ps(mx);
-      __m256 vsum = _mm256_setzero_ps();
-      j = 0;
-      for (; j + 8 <= ntok; j += 8) {
-        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + j), vmx));
-        _mm256_storeu_ps(sg + j, e);
-        vsum = _mm256_add_ps(vsum, e);
-      }
-      float sum = hsum8(vsum);
-      for (; j < ntok; ++j) sum += (sg[j] = std::exp(sg[j] - mx));
-      sc.l[g] = sc.l[g] * alpha + sum;
+      sc.l[g] = sc.l[g] * alpha + exp_sum(sg, ntok, mx);
 
       float* ag = sc.acc.data() + g * D;
       // Halves of at most 8 registers for D = 128 (16 accumulators would spill).

@@ -211,18 +211,7 @@ void avx2_item(const Params& P, const Item& it, Avx2Scratch& sc) {
     const int64_t nkeys = g.pos[lane] + 1;
     __m256 vmax = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
     for (int64_t j = 0; j < nkeys; ++j) vmax = _mm256_max_ps(vmax, _mm256_set1_ps(sl[j]));
-    const float mx = hmax8(vmax);
-    const __m256 vmx = _mm256_set1_ps(mx);
-    __m256 vsum = _mm256_setzero_ps();
-    int64_t j = 0;
-    for (; j + 8 <= nkeys; j += 8) {
-      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sl + j), vmx));
-      _mm256_storeu_ps(sl + j, e);
-      vsum = _mm256_add_ps(vsum, e);
-    }
-    float sum = hsum8(vsum);
-    for (; j < nkeys; ++j) sum += (sl[j] = std::exp(sl[j] - mx));
-    inv[lane] = 1.f / sum;
+    inv[lane] = 1.f / exp_sum(sl, nkeys, hmax8(vmax));
   }
   first = 0;
   for (int64_t j = 0; j < n; ++j) {

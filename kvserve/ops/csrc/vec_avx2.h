@@ -12,6 +12,7 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -130,6 +131,21 @@ KVS_AVX2_INLINE float dot8(const float* q, const T* k, int64_t D) {
   }
   if (d < D) a0 = _mm256_fmadd_ps(load8(k + d), _mm256_loadu_ps(q + d), a0);
   return hsum8(_mm256_add_ps(a0, a1));
+}
+
+// s[j] = exp(s[j] - mx) for j < n, in place (a softmax's numerators); returns their sum.
+KVS_AVX2_INLINE float exp_sum(float* s, int64_t n, float mx) {
+  const __m256 vmx = _mm256_set1_ps(mx);
+  __m256 vsum = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), vmx));
+    _mm256_storeu_ps(s + j, e);
+    vsum = _mm256_add_ps(vsum, e);
+  }
+  float sum = hsum8(vsum);
+  for (; j < n; ++j) sum += (s[j] = std::exp(s[j] - mx));
+  return sum;
 }
 
 }  // namespace kvs_avx2
