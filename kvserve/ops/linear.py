@@ -2,7 +2,8 @@
 
     x       [..., K]  float32 | bfloat16
     weight  [N, K]    x's dtype, or bfloat16 / float16 with float32 x (nn.Linear layout);
-                      or a bfloat16 weight tiled for float32 x (tile_weight, [N/4, K/16, 4, 16])
+                      or a bfloat16 weight tiled (tile_weight): [N/4, K/16, 4, 16] for
+                      float32 x, [N/4, K/32, 4, 32] for bfloat16 x
     bias    [N]       optional, x's dtype
     -> out  [..., N]  x's dtype
 
@@ -59,7 +60,7 @@ def kernel_takes(x_dtype: torch.dtype, weight: torch.Tensor,
     dtype (float32 / bfloat16), or a 16-bit weight widened for float32 x; contiguous."""
     dtypes_ok = ((x_dtype == weight.dtype and weight.dtype in KERNEL_DTYPES)
                  or (x_dtype == torch.float32 and weight.dtype in WIDENED_WEIGHT_DTYPES))
-    layout_ok = weight.dim() == 2 or (is_tiled(weight) and x_dtype == torch.float32)
+    layout_ok = weight.dim() == 2 or (is_tiled(weight) and weight.shape[3] == TILE_COLS.get(x_dtype))
     return (dtypes_ok and layout_ok and weight.is_contiguous()
             and (bias is None or (bias.dtype == x_dtype and bias.is_contiguous())))
 
@@ -107,7 +108,7 @@ def _torch_linear(x: torch.Tensor, weight: torch.Tensor,
                   bias: Optional[torch.Tensor]) -> torch.Tensor:
     if weight.dtype != x.dtype:
         return widened_linear(x, weight, bias)
-    return F.linear(x, weight, bias)
+    return F.linear(x, untile_weight(weight) if is_tiled(weight) else weight, bias)
 
 
 # KVSERVE_CPU_FLOAT32_COPY: "auto" (default) | "1" | "0" -- whether 16-bit weights with float32
@@ -133,26 +134,28 @@ def keep_float32_copies(copy_bytes: int) -> bool:
 # KVSERVE_CPU_SMALL_BATCH_COPY: "auto" (default) | "1" | "0" -- whether a weight kept in
 # oneDNN's prepacked layout also keeps its plain layout for the small-batch kernel.
 SMALL_BATCH_COPY_ENV = "KVSERVE_CPU_SMALL_BATCH_COPY"
-# Kernel tiers where the kernel beat the prepacked weight up to SMALL_BATCH_MAX_ROWS rows.
-# AVX2 EPYC, float32, one thread, CPU time (benchmarks/linear.py --threads 1 --clock cpu
-# --stat median), the 110M Llama's shapes: 1.15-1.75x at M = 1, 1.2-1.5x at M = 8; oneDNN's
-# AVX2 path has a fixed cost per call that a stream over the weight does not. On the AVX-512
-# Zen 4 the packed weight matched the kernel at M = 1 (measured there earlier), so no second
-# copy there.
-SMALL_BATCH_COPY_TIERS = ("avx2",)
+# Kernel tiers (per weight dtype) where keeping the plain weight beside the prepacked one pays:
+# with plain weights a small step runs every decoder layer in one C++ call through this kernel
+# (model/layers/fused_decode.py), which a prepacked-only weight cannot. Batch-1 decode of the
+# 110M Llama, 2 threads, alternating runs (benchmarks/README.md, issue 16): AVX2 EPYC float32
+# 1.15-1.75x per linear alone; AVX-512 Zen 4 (avx512_bf16 tier) float32 44-46 -> 51-56 tok/s,
+# bfloat16 72-78 -> 87-91 (and more with the tiled copy, tile_weight). A bf16 weight with bf16
+# math has the kernel's dpbf16 path only on avx512_bf16.
+SMALL_BATCH_COPY_TIERS = {torch.float32: ("avx2", "avx512", "avx512_bf16"),
+                          torch.bfloat16: ("avx512_bf16",)}
 
 
 def keep_small_batch_copies(dtype: torch.dtype, copy_bytes: int) -> bool:
     """Whether prepacked linear weights of `dtype` also keep their plain layout (`copy_bytes`
     in all) so that batches of up to SMALL_BATCH_MAX_ROWS rows run the small-batch kernel
-    (small_batch_or_packed_linear). "auto": float32 weights where the kernel is built for a
-    tier in SMALL_BATCH_COPY_TIERS and the copy is at most a quarter of the available memory;
-    "1" always (where the kernel applies), "0" never (one prepacked copy, as before)."""
+    (small_batch_or_packed_linear) and the fused small-step path. "auto": where the kernel is
+    built for a tier in SMALL_BATCH_COPY_TIERS[dtype] and the copy is at most a quarter of the
+    available memory; "1" always (where the kernel applies), "0" never (one prepacked copy)."""
     mode = _copy_mode(SMALL_BATCH_COPY_ENV)
     if mode != "auto":
         return mode == "1"
     from kvserve.ops import cpu_isa
-    return (dtype == torch.float32 and cpu_isa.selected_tier() in SMALL_BATCH_COPY_TIERS
+    return (cpu_isa.selected_tier() in SMALL_BATCH_COPY_TIERS.get(dtype, ())
             and _dispatch_kernel() is not None and _fits_in_memory(copy_bytes))
 
 
@@ -181,10 +184,13 @@ def widened_linear(x: torch.Tensor, weight: torch.Tensor,
 
 
 # ---------------------------------------------------------------------- tiled bf16 weights
-# KVSERVE_CPU_TILED_WEIGHTS: "1" (default) | "0" -- whether bf16 weights with float32 math keep
-# the small-batch kernel's tiled layout instead of nn.Linear's.
+# KVSERVE_CPU_TILED_WEIGHTS: "1" (default) | "0" -- whether bf16 weights streamed by the
+# small-batch kernel keep its tiled layout instead of nn.Linear's.
 TILED_WEIGHTS_ENV = "KVSERVE_CPU_TILED_WEIGHTS"
-TILE_ROWS, TILE_COLS = 4, 16
+TILE_ROWS = 4
+# Columns per block, by the activations' dtype: float32 x (the avx2 path's widened pairs) takes
+# 16-column blocks, bfloat16 x (dpbf16, 32 values per instruction) 32-column ones.
+TILE_COLS = {torch.float32: 16, torch.bfloat16: 32}
 
 
 def is_tiled(weight: torch.Tensor) -> bool:
@@ -193,27 +199,33 @@ def is_tiled(weight: torch.Tensor) -> bool:
 
 
 def out_features(weight: torch.Tensor) -> int:
-    """N of a linear weight, plain [N, K] or tiled [N/4, K/16, 4, 16]."""
+    """N of a linear weight, plain [N, K] or tiled [N/4, K/c, 4, c]."""
     return weight.shape[0] * weight.shape[2] if is_tiled(weight) else weight.shape[0]
 
 
-def tile_weight(weight: torch.Tensor) -> Optional[torch.Tensor]:
-    """A bf16 weight [N, K] for float32 math in the small-batch kernel's tiled layout
-    [N/4, K/16, 4, 16] (each group of 4 rows stored as its 16-column blocks side by side), or
-    None where it does not apply: not a bf16 CPU weight, N % 4 or K % 16 not 0,
-    KVSERVE_CPU_TILED_WEIGHTS=0, or no kernel build with the avx2 path (checked once).
+def tile_weight(weight: torch.Tensor,
+                x_dtype: torch.dtype = torch.float32) -> Optional[torch.Tensor]:
+    """A bf16 weight [N, K] for activations of x_dtype in the small-batch kernel's tiled layout
+    [N/4, K/c, 4, c] (each group of 4 rows stored as its c-column blocks side by side; c from
+    TILE_COLS), or None where it does not apply: not a bf16 CPU weight, N % 4 or K % c not 0,
+    KVSERVE_CPU_TILED_WEIGHTS=0, or no kernel build with that tiled path (checked once).
 
-    Why: a decode step streams the weight once, and on Zen 1 four interleaved row streams read
-    10-15% slower than one sequential stream (csrc/linear.cpp, "Tiled bf16 weights"). The
-    kernel's products and their order are unchanged, so outputs are bit-identical; larger
-    batches untile into their float32 copy (widened_linear) or use the prepacked one."""
-    if (weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.dim() != 2
-            or weight.shape[0] % TILE_ROWS or weight.shape[1] % TILE_COLS
-            or not _tiling_enabled()):
+    Why: a decode step streams the weight once, and 4 interleaved row streams read below one
+    sequential stream: 10-15% on Zen 1 (float32 x, csrc/linear.cpp "Tiled bf16 weights"),
+    17 against 28-30 GB/s on Zen 4 (bfloat16 x on dpbf16). The kernel's products and their
+    order are unchanged, so outputs are bit-identical; larger batches untile into their
+    float32 copy (widened_linear) or use the prepacked one."""
+    cols = TILE_COLS.get(x_dtype)
+    if (cols is None or weight.device.type != "cpu" or weight.dtype != torch.bfloat16
+            or weight.dim() != 2 or weight.shape[0] % TILE_ROWS or weight.shape[1] % cols
+            or not _tiling_enabled(x_dtype)):
         return None
+    return _tiled(weight.detach(), cols).contiguous()
+
+
+def _tiled(weight: torch.Tensor, cols: int) -> torch.Tensor:
     n, k = weight.shape
-    return weight.detach().view(n // TILE_ROWS, TILE_ROWS, k // TILE_COLS,
-                                TILE_COLS).transpose(1, 2).contiguous()
+    return weight.view(n // TILE_ROWS, TILE_ROWS, k // cols, cols).transpose(1, 2)
 
 
 def untile_weight(tiled: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
@@ -224,35 +236,34 @@ def untile_weight(tiled: torch.Tensor, dtype: Optional[torch.dtype] = None) -> t
     return out
 
 
-def _tiling_enabled() -> bool:
+def _tiling_enabled(x_dtype: torch.dtype) -> bool:
     # Read at every model load (a bad value is a ValueError there); the kernel probed once.
     mode = os.environ.get(TILED_WEIGHTS_ENV, "1").strip()
     if mode not in ("0", "1"):
         raise ValueError(f"{TILED_WEIGHTS_ENV} must be 0 or 1, got {mode!r}")
-    return mode == "1" and _tiled_kernel_works()
+    return mode == "1" and _tiled_kernel_works(x_dtype)
 
 
-@functools.lru_cache(maxsize=1)
-def _tiled_kernel_works() -> bool:
+@functools.lru_cache(maxsize=None)
+def _tiled_kernel_works(x_dtype: torch.dtype) -> bool:
     op = _dispatch_kernel()
     if op is None:
         return False
     gen = torch.Generator().manual_seed(0)
-    w = torch.randn(8, 32, generator=gen).to(torch.bfloat16)
-    x = torch.randn(3, 32, generator=gen)
-    n, k = w.shape
-    tiled = w.view(n // TILE_ROWS, TILE_ROWS, k // TILE_COLS, TILE_COLS).transpose(1, 2)
+    w = torch.randn(8, 64, generator=gen).to(torch.bfloat16)
+    x = torch.randn(3, 64, generator=gen).to(x_dtype)
     try:
-        same = torch.equal(op(x, tiled.contiguous(), None), op(x, w, None))
-    except RuntimeError:     # a build without the avx2 path (generic tier) refuses the layout
+        same = torch.equal(op(x, _tiled(w, TILE_COLS[x_dtype]).contiguous(), None),
+                           op(x, w, None))
+    except RuntimeError:     # a build without this tiled path (no avx2 / no dpbf16) refuses it
         return False
     if not same:
         logger.warning("The small-batch kernel's tiled bf16 layout gave another result than the "
-                       "plain one; bf16 weights stay plain.")
+                       "plain one for %s x; bf16 weights stay plain.", x_dtype)
         return False
-    logger.info("bf16 weights with float32 math are kept tiled for the small-batch kernel "
-                "(4 x 16 blocks, one sequential stream per step; %s=0 keeps them plain).",
-                TILED_WEIGHTS_ENV)
+    logger.info("bf16 weights streamed by the small-batch kernel with %s math are kept tiled "
+                "(4 x %d blocks, one sequential stream per step; %s=0 keeps them plain).",
+                x_dtype, TILE_COLS[x_dtype], TILED_WEIGHTS_ENV)
     return True
 
 

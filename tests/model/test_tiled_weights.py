@@ -1,8 +1,9 @@
-"""bf16 weights with float32 math (dtype "auto" without bf16 instructions) kept in the
-small-batch kernel's tiled layout (ops.linear.tile_weight): the kernel's result is bit-identical
-to the plain layout's for every batch size, and so is a whole model's -- small steps (the kernel,
-the fused decode op), large ones (the untiled float32 copy or the prepacked one), a tied LM head
-(left plain for the embedding's lookups). tests/ops/test_cpu_isa.py runs the kernel part on
+"""bf16 weights kept in the small-batch kernel's tiled layout (ops.linear.tile_weight): with
+float32 math (dtype "auto" without bf16 instructions; 16-column blocks), and the plain copy kept
+beside a prepacked bf16 weight with bf16 math (dpbf16 on avx512_bf16; 32-column blocks). The
+kernel's result is bit-identical to the plain layout's for every batch size, and so is a whole
+model's -- small steps (the kernel, the fused decode op), large ones (the untiled float32 copy
+or the prepacked one), a tied LM head (left plain for the embedding's lookups). tests/ops/test_cpu_isa.py runs the kernel part on
 every tier the host supports."""
 from __future__ import annotations
 
@@ -53,11 +54,39 @@ def test_tiled_kernel_matches_plain(n: int, k: int) -> None:
                                    rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("n,k", [(8, 32), (52, 96), (36, 768), (12, 2048)])
+def test_tiled_bf16_math_kernel_matches_plain(n: int, k: int) -> None:
+    gen = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    bias = torch.randn(n, generator=gen).bfloat16()
+    tiled = kl.tile_weight(w, torch.bfloat16)
+    if cpu_isa.selected_tier() != "avx512_bf16":
+        assert tiled is None
+        pytest.skip("no dpbf16 below avx512_bf16: no tiled layout for bf16 math")
+    assert tiled is not None and tiled.shape == (n // 4, k // 32, 4, 32)
+    assert torch.equal(kl.untile_weight(tiled), w)
+    assert kl.kernel_takes(torch.bfloat16, tiled, bias)
+    assert not kl.kernel_takes(torch.float32, tiled, None)     # 32-column blocks: bf16 x only
+    op = kl.cpu_kernel()
+    for m in range(1, 12):
+        x = torch.randn(m, k, generator=gen).bfloat16()
+        assert torch.equal(op(x, tiled, bias), op(x, w, bias)), m
+    with pytest.raises(RuntimeError, match="tiled weight must be"):
+        op(torch.randn(2, k, generator=gen), tiled, None)
+    for m in (1, 8, 9, 40):     # the kernel up to 8 rows, then F.linear on the untiled weight
+        x = torch.randn(m, k, generator=gen).bfloat16()
+        torch.testing.assert_close(kl.linear(x, tiled, bias).float(),
+                                   torch.nn.functional.linear(x, w, bias).float(),
+                                   rtol=2e-2, atol=2e-2)
+
+
 def test_tile_weight_declines() -> None:
     assert kl.tile_weight(torch.randn(8, 32)) is None                      # float32
     assert kl.tile_weight(torch.randn(8, 32).half()) is None               # fp16
     assert kl.tile_weight(torch.randn(6, 32).bfloat16()) is None           # N % 4
     assert kl.tile_weight(torch.randn(8, 40).bfloat16()) is None           # K % 16
+    assert kl.tile_weight(torch.randn(8, 48).bfloat16(), torch.bfloat16) is None  # K % 32
+    assert kl.tile_weight(torch.randn(8, 32).bfloat16(), torch.float16) is None   # no such x
 
 
 def test_tiled_weights_env(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -98,6 +127,39 @@ def test_tiled_model_is_bit_identical(tied: bool, float32_copy: str,
                 ([(b, 6)], [])]                   # batch-1 decode
     caches_t = kv_caches(cfg, torch.float32)
     caches_p = kv_caches(cfg, torch.float32)
+    for step, (decodes, prefills) in enumerate(schedule):
+        out_t = run_step(tiled, caches_t, decodes=decodes, prefills=prefills)
+        out_p = run_step(plain, caches_p, decodes=decodes, prefills=prefills)
+        assert torch.equal(out_t, out_p), (step, (out_t - out_p).abs().max().item())
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_tiled_copy_bf16_model_is_bit_identical(tied: bool, make_checkpoint: Callable[..., str],
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """dtype bfloat16 with bf16 math: the plain copy kept beside each prepacked weight
+    (KVSERVE_CPU_SMALL_BATCH_COPY=1) is tiled, and every step matches the plain copy's."""
+    if cpu_isa.selected_tier() != "avx512_bf16" or kl.pack_weight(torch.zeros(8, 8)) is None:
+        pytest.skip("bf16 math with a tiled copy needs dpbf16 (avx512_bf16) and oneDNN packing")
+    path = make_checkpoint("llama", save_dtype=torch.bfloat16, tie_word_embeddings=tied)
+    monkeypatch.setenv(kl.SMALL_BATCH_COPY_ENV, "1")
+    monkeypatch.setenv(kl.TILED_WEIGHTS_ENV, "1")
+    tiled, cfg = load(path, "bfloat16")
+    monkeypatch.setenv(kl.TILED_WEIGHTS_ENV, "0")
+    plain, _ = load(path, "bfloat16")
+    layer = tiled.model.layers[0]
+    weights = [layer.self_attn.qkv_proj.weight, layer.self_attn.o_proj.weight,
+               layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight]
+    assert all(w.dim() == 4 and w.shape[3] == 32 for w in weights)
+    assert tiled.lm_head.weight.dim() == (2 if tied else 4)
+    assert plain.model.layers[0].self_attn.qkv_proj.weight.dim() == 2
+
+    pool = shuffled_blocks(2)
+    a, b = (Seq(random_tokens(30, 50 + i, cfg.vocab_size), blocks_for(30, pool))
+            for i in range(2))
+    schedule = [([], [(a, 0, 12)]), ([(a, 12)], [(b, 0, 5)]), ([(a, 13), (b, 5)], []),
+                ([(b, 6)], [])]
+    caches_t = kv_caches(cfg, torch.bfloat16)
+    caches_p = kv_caches(cfg, torch.bfloat16)
     for step, (decodes, prefills) in enumerate(schedule):
         out_t = run_step(tiled, caches_t, decodes=decodes, prefills=prefills)
         out_p = run_step(plain, caches_p, decodes=decodes, prefills=prefills)

@@ -1,6 +1,7 @@
 """Prepacked linear weights that also keep their plain layout for small batches
-(ops.linear.keep_small_batch_copies; the default for float32 on AVX2, where the small-batch
-kernel beats oneDNN's prepacked path up to SMALL_BATCH_MAX_ROWS rows): which path each batch
+(ops.linear.keep_small_batch_copies; the default for float32 on every vector tier and for
+bfloat16 on avx512_bf16, where the small-batch kernel and the fused small-step path beat
+oneDNN's prepacked path up to SMALL_BATCH_MAX_ROWS rows): which path each batch
 size takes, the policy, and the layers that use it. The model against transformers with and
 without the copies is in tests/model/test_model.py."""
 from __future__ import annotations
@@ -64,10 +65,11 @@ def test_layer_keeps_the_plain_weight_only_with_the_copy(keep: bool) -> None:
 
 def test_small_batch_copy_policy(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(kl.SMALL_BATCH_COPY_ENV, "auto")
-    avx2 = cpu_isa.selected_tier() in kl.SMALL_BATCH_COPY_TIERS
-    assert kl.keep_small_batch_copies(torch.float32, 1 << 20) == avx2
+    tier = cpu_isa.selected_tier()
+    assert kl.keep_small_batch_copies(torch.float32, 1 << 20) == (tier != "generic")
+    assert kl.keep_small_batch_copies(torch.bfloat16, 1 << 20) == (tier == "avx512_bf16")
     assert not kl.keep_small_batch_copies(torch.float32, 1 << 60)     # more than memory allows
-    assert not kl.keep_small_batch_copies(torch.bfloat16, 1 << 20)
+    assert not kl.keep_small_batch_copies(torch.float16, 1 << 20)
     monkeypatch.setenv(kl.SMALL_BATCH_COPY_ENV, "0")
     assert not kl.keep_small_batch_copies(torch.float32, 1)
     monkeypatch.setenv(kl.SMALL_BATCH_COPY_ENV, "1")

@@ -108,6 +108,8 @@ class LinearBase(nn.Module):
             self.weight_packed = packed
             if not self.small_batch_copy:
                 self.weight.data = torch.empty(0, dtype=self.weight.dtype)   # never read again
+            else:    # the plain copy only serves the small-batch kernel
+                tile_plain_copy(self)
 
     def apply_linear(self, x: torch.Tensor, with_bias: bool = True) -> torch.Tensor:
         bias = self.bias if with_bias else None
@@ -127,6 +129,15 @@ def tile_16bit_weight(module: nn.Module) -> None:
         tiled = tile_weight(module.weight)
         if tiled is not None:
             module.weight.data = tiled
+
+
+def tile_plain_copy(module: nn.Module) -> None:
+    """A bf16 weight kept plain beside its prepacked copy serves only the small-batch kernel:
+    keep it in that kernel's tiled layout for bf16 math (ops.linear.tile_weight), where it
+    applies."""
+    tiled = tile_weight(module.weight, module.weight.dtype)
+    if tiled is not None:
+        module.weight.data = tiled
 
 
 def set_small_batch_copies(model: nn.Module) -> None:
