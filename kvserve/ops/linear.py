@@ -272,9 +272,9 @@ def _tiled_kernel_works(x_dtype: torch.dtype) -> bool:
 # inductor does for frozen CPU models); F.linear re-derives that work on every call. Measured
 # here with weights read from memory (benchmarks/linear.py), bf16 [4096, 768]: 3x at
 # M = 1, 2.5x at M = 8, 1.6x at M = 64, 1.1x at M = 2048, bit-identical outputs; float32 2-3.8x
-# (same math, another summation order). At M = 1 it also matched the GEMV kernel above (AVX-512
-# Zen 4), so there a packed weight serves every batch size and the plain copy is dropped; on
-# AVX2 the kernel wins small batches, and keep_small_batch_copies keeps both.
+# (same math, another summation order). At M = 1 a packed weight alone matched the GEMV kernel
+# above per call (AVX-512 Zen 4), but only plain weights can take the fused small-step path, so
+# keep_small_batch_copies keeps both where memory allows.
 # The batch size oneDNN tunes the layout for; any M works.
 PACK_BATCH_HINT = 64
 
