@@ -111,13 +111,21 @@ def test_tiled_model_is_bit_identical(tied: bool, float32_copy: str,
     plain, _ = load(path, "auto")
     if cfg.weight_dtype is None:
         pytest.skip("this tier has bf16 math: auto runs bf16, nothing is widened")
-    layer = tiled.model.layers[0]
-    weights = [layer.self_attn.qkv_proj.weight, layer.self_attn.o_proj.weight,
-               layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight]
-    assert all(w.dim() == (4 if tiling_expected() else 2) for w in weights)
+    assert all(w.dim() == (4 if tiling_expected() else 2) for w in layer_weights(tiled))
     assert tiled.lm_head.weight.dim() == (2 if tied or not tiling_expected() else 4)
     assert plain.model.layers[0].self_attn.qkv_proj.weight.dim() == 2
+    check_same_steps(tiled, plain, cfg, torch.float32)
 
+
+def layer_weights(model: torch.nn.Module) -> list[torch.Tensor]:
+    layer = model.model.layers[0]
+    return [layer.self_attn.qkv_proj.weight, layer.self_attn.o_proj.weight,
+            layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight]
+
+
+def check_same_steps(tiled: torch.nn.Module, plain: torch.nn.Module, cfg,
+                     cache_dtype: torch.dtype) -> None:
+    """Both models give bit-identical logits over large, mixed, batch-2 and batch-1 steps."""
     pool = shuffled_blocks(2)
     a, b = (Seq(random_tokens(30, 40 + i, cfg.vocab_size), blocks_for(30, pool))
             for i in range(2))
@@ -125,8 +133,8 @@ def test_tiled_model_is_bit_identical(tied: bool, float32_copy: str,
                 ([(a, 12)], [(b, 0, 5)]),         # 6 tokens: the kernel / fused op
                 ([(a, 13), (b, 5)], []),          # batch-2 decode
                 ([(b, 6)], [])]                   # batch-1 decode
-    caches_t = kv_caches(cfg, torch.float32)
-    caches_p = kv_caches(cfg, torch.float32)
+    caches_t = kv_caches(cfg, cache_dtype)
+    caches_p = kv_caches(cfg, cache_dtype)
     for step, (decodes, prefills) in enumerate(schedule):
         out_t = run_step(tiled, caches_t, decodes=decodes, prefills=prefills)
         out_p = run_step(plain, caches_p, decodes=decodes, prefills=prefills)
@@ -146,21 +154,7 @@ def test_tiled_copy_bf16_model_is_bit_identical(tied: bool, make_checkpoint: Cal
     tiled, cfg = load(path, "bfloat16")
     monkeypatch.setenv(kl.TILED_WEIGHTS_ENV, "0")
     plain, _ = load(path, "bfloat16")
-    layer = tiled.model.layers[0]
-    weights = [layer.self_attn.qkv_proj.weight, layer.self_attn.o_proj.weight,
-               layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight]
-    assert all(w.dim() == 4 and w.shape[3] == 32 for w in weights)
+    assert all(w.dim() == 4 and w.shape[3] == 32 for w in layer_weights(tiled))
     assert tiled.lm_head.weight.dim() == (2 if tied else 4)
     assert plain.model.layers[0].self_attn.qkv_proj.weight.dim() == 2
-
-    pool = shuffled_blocks(2)
-    a, b = (Seq(random_tokens(30, 50 + i, cfg.vocab_size), blocks_for(30, pool))
-            for i in range(2))
-    schedule = [([], [(a, 0, 12)]), ([(a, 12)], [(b, 0, 5)]), ([(a, 13), (b, 5)], []),
-                ([(b, 6)], [])]
-    caches_t = kv_caches(cfg, torch.bfloat16)
-    caches_p = kv_caches(cfg, torch.bfloat16)
-    for step, (decodes, prefills) in enumerate(schedule):
-        out_t = run_step(tiled, caches_t, decodes=decodes, prefills=prefills)
-        out_p = run_step(plain, caches_p, decodes=decodes, prefills=prefills)
-        assert torch.equal(out_t, out_p), (step, (out_t - out_p).abs().max().item())
+    check_same_steps(tiled, plain, cfg, torch.bfloat16)
