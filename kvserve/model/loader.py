@@ -18,6 +18,7 @@ from torch import nn
 
 from kvserve.config import ModelConfig
 from kvserve.model.layers.compute_dtype import set_compute_dtype
+from kvserve.model.huge_pages import move_weights_to_huge_pages
 from kvserve.model.layers.linear import set_small_batch_copies
 from kvserve.model.registry import get_model_class
 
@@ -104,6 +105,8 @@ def build_and_load(build: Callable[[], nn.Module], weights: Iterable[tuple[str, 
         process = getattr(module, "process_weights_after_loading", None)
         if process is not None:
             process()
+    if device.type == "cpu":
+        move_weights_to_huge_pages(model)
     return model.eval()
 
 

@@ -274,7 +274,7 @@ def test_offline_vs_hf_runs(tiny_llama: str, tmp_path: Any, monkeypatch: pytest.
     assert script.main(["--model", tiny_llama, "--dtypes", "float32", "--num-prompts", "3",
                         "--min-prompt-len", "4", "--max-prompt-len", "20", "--output-len", "4",
                         "--hf-batch-sizes", "2", "3", "--batch1-prompt-len", "4",
-                        "--batch1-tokens", "3", "--num-iters", "1", "--bandwidth-mb", "64",
+                        "--batch1-tokens", "16", "--num-iters", "2", "--bandwidth-mb", "64",
                         "--output-json", str(out)]) == 0
     r = json.loads(out.read_text())
     e = r["dtypes"]["float32"]

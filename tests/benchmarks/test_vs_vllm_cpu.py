@@ -32,7 +32,7 @@ def test_worker_times_kvserve_and_reports(tiny_llama: str, tmp_path: Any,
     ids = vs.prompt_token_ids(tiny_llama)
     spec = dict(engine="kvserve", model=tiny_llama, dtype="float32", max_model_len=64,
                 kv_cache_bytes=8 << 20, vllm_gpu_memory_utilization=0.5,
-                parts=["offline", "batch1"], offline_output_len=5, batch1_tokens=6,
+                parts=["offline", "batch1"], offline_output_len=5, batch1_tokens=24,
                 offline_prompts=vs.make_prompts(3, 4, 12, ids, seed=1),
                 batch1_prompts=vs.make_prompts(3, 8, 8, ids, seed=2))
     spec_path, out_path = tmp_path / "spec.json", tmp_path / "out.json"

@@ -1,0 +1,73 @@
+"""A CPU model's weights moved into one MADV_HUGEPAGE arena at load (model/huge_pages.py):
+every parameter lands in the advised mapping (the kernel's VmFlags say "hg"), a tied weight
+stays one tensor, and the model computes exactly what it computed before the move."""
+from __future__ import annotations
+
+import sys
+from typing import Callable
+
+import pytest
+import torch
+
+from kvserve.model import huge_pages
+from tests.model.test_model import (Seq, blocks_for, kv_caches, load, random_tokens, run_step,
+                                    shuffled_blocks)
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux madvise")
+
+
+def vm_flags(address: int) -> list[str]:
+    """The VmFlags of the mapping of this process that holds `address`."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and all(c in "0123456789abcdef-" for c in head):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "VmFlags:":
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_weights_move_into_an_advised_arena(tied: bool, make_checkpoint: Callable[..., str],
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    # Large enough (~5 MiB) that the arena spans whole huge pages.
+    path = make_checkpoint("llama", tie_word_embeddings=tied, hidden_size=128, vocab_size=4096)
+    monkeypatch.setenv(huge_pages.HUGE_PAGES_ENV, "0")
+    plain, cfg = load(path)
+    monkeypatch.setenv(huge_pages.HUGE_PAGES_ENV, "1")
+    moved, _ = load(path)
+
+    params = [p for p in moved.parameters() if p.numel() > 0]
+    ptrs = sorted(p.data_ptr() for p in params)
+    assert all(ptr % 64 == 0 for ptr in ptrs)
+    # One storage for all of them, advised as a whole (VmFlags "hg" = MADV_HUGEPAGE).
+    assert len({p.untyped_storage().data_ptr() for p in params}) == 1
+    first_huge = (ptrs[0] + huge_pages.HUGE_PAGE - 1) // huge_pages.HUGE_PAGE * huge_pages.HUGE_PAGE
+    assert "hg" in vm_flags(first_huge)
+    assert "hg" not in vm_flags(next(plain.parameters()).data_ptr())
+    if tied:
+        assert moved.lm_head.weight is moved.model.embed_tokens.weight
+
+    pool = shuffled_blocks(2)
+    a, b = (Seq(random_tokens(30, 60 + i, cfg.vocab_size), blocks_for(30, pool))
+            for i in range(2))
+    caches_m, caches_p = kv_caches(cfg, torch.float32), kv_caches(cfg, torch.float32)
+    for decodes, prefills in [([], [(a, 0, 12)]), ([(a, 12)], [(b, 0, 5)]), ([(b, 5)], [])]:
+        out_m = run_step(moved, caches_m, decodes=decodes, prefills=prefills)
+        out_p = run_step(plain, caches_p, decodes=decodes, prefills=prefills)
+        assert torch.equal(out_m, out_p)
+
+
+def test_auto_follows_the_host_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    layer = torch.nn.Linear(1024, 1024, bias=False)     # 4 MiB: above one huge page
+    monkeypatch.setenv(huge_pages.HUGE_PAGES_ENV, "auto")
+    moved = huge_pages.move_weights_to_huge_pages(layer)
+    assert (moved > 0) == (huge_pages.thp_mode() == "madvise")
+    monkeypatch.setenv(huge_pages.HUGE_PAGES_ENV, "0")
+    assert huge_pages.move_weights_to_huge_pages(layer) == 0
+    monkeypatch.setenv(huge_pages.HUGE_PAGES_ENV, "yes")
+    with pytest.raises(ValueError, match="KVSERVE_CPU_HUGE_PAGES must be auto, 1 or 0"):
+        huge_pages.move_weights_to_huge_pages(layer)
