@@ -19,7 +19,8 @@ a real bf16 checkpoint is served (the issue's bf16 run; on a CPU without bf16 in
 math is emulated); draft and EAGLE checkpoints load in the target's compute dtype.
 
     python benchmarks/spec_decode.py [--dtype float32|auto] [--max-tokens 96] [--batch 32]
-                                     [--repeats 3] [--skip-demo] [--only ...] [--sweep 1,2,4]
+                                     [--repeats 3] [--live] [--skip-demo] [--only ...]
+                                     [--sweep 1,2,4]
                                      [--output-json out.json]
 """
 from __future__ import annotations
@@ -132,7 +133,8 @@ def timed(llm: LLM, prompts: list[Any], max_tokens: int) -> tuple[float, list]:
 def compare(name: str, model: str, prompts: list[Any], args: argparse.Namespace,
             variants: dict[str, Optional[dict]], **kw: Any) -> dict:
     """`--repeats` rounds; each round times every variant once, in an order rotated every
-    round, each on a fresh engine. This machine's speed drifts by tens of % within minutes
+    round, each on a fresh engine (--live: on one engine per variant, made before the first
+    round and kept for all). This machine's speed drifts by tens of % within minutes
     (and once a single engine instance ran 40% slower than its neighbours for a whole
     comparison), so a variant is compared with the plain run of the same round: the reported
     ratio is the median of the per-round ratios, tok/s the median of the rounds."""
@@ -140,18 +142,25 @@ def compare(name: str, model: str, prompts: list[Any], args: argparse.Namespace,
     walls: dict[str, list[float]] = {label: [] for label in labels}
     tokens: dict[str, list] = {}
     spec_stats: dict[str, list[dict]] = {label: [] for label in labels}
+    keep_alive = getattr(args, "live", False)
+    live = ({label: make_llm(model, args.dtype, variants[label], prompts[:1], **kw)
+             for label in labels} if keep_alive else {})
     for rep in range(args.repeats):
         for label in labels[rep % len(labels):] + labels[:rep % len(labels)]:
-            llm = make_llm(model, args.dtype, variants[label], prompts[:1], **kw)
+            llm = live.get(label) or make_llm(model, args.dtype, variants[label], prompts[:1],
+                                              **kw)
             before = llm.get_stats().get("spec_decoding")
             wall, tokens[label] = timed(llm, prompts, args.max_tokens)
             after = llm.get_stats().get("spec_decoding")
-            llm.shutdown()
+            if not keep_alive:
+                llm.shutdown()
             walls[label].append(wall)
             if after:   # the timed run's own counts (the warm-up's taken out)
                 spec_stats[label].append({k: after[k] - (before or {}).get(k, 0)
                                           for k in ("num_drafts", "num_draft_tokens",
                                                     "num_accepted_tokens")})
+    for llm in live.values():
+        llm.shutdown()
     rows = {}
     for label in labels:
         n = sum(len(t) for t in tokens[label])
@@ -187,6 +196,10 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3,
                    help="rounds per comparison (variants interleaved; medians reported)")
+    p.add_argument("--live", action="store_true",
+                   help="one engine per variant, alive for all rounds (its adaptive rule keeps "
+                        "what it learned, as a server's does); default: a fresh engine per "
+                        "variant per round")
     p.add_argument("--skip-demo", action="store_true")
     p.add_argument("--only", default=None,
                    help="comma list: random,repetitive,demo,draft,eagle,batch,sweep "
