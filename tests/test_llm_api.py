@@ -121,6 +121,30 @@ def test_bad_words(llm: LLM) -> None:
     assert free_blocks_ok(llm)
 
 
+def test_per_request_settings_in_a_mixed_batch(llm: LLM) -> None:
+    """logit_bias, allowed_token_ids, min_tokens and logprobs apply to their own request only,
+    in a batch with plain greedy neighbours, and still after a shorter request finishes
+    first and the rows are condensed (InputBatch keeps per-row flags for them)."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = ["one two", "three four", "five six", "seven eight"]
+    plain = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    forced = 7
+    allowed = [11, 12, 13]
+    params = [SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),   # ends first
+              SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True,
+                             logit_bias={forced: 100.0}),
+              greedy,
+              # The last row: it moves into the first one's row when that request ends.
+              SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True,
+                             allowed_token_ids=allowed, logprobs=2)]
+    outs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert outs[0].token_ids == plain[0][:3]
+    assert outs[1].token_ids == [forced] * 12
+    assert outs[2].token_ids == plain[2] and outs[2].logprobs is None
+    assert set(outs[3].token_ids) <= set(allowed) and len(outs[3].logprobs) == 12
+    assert free_blocks_ok(llm)
+
+
 def test_n_copies(llm: LLM) -> None:
     out = llm.generate("Hello", SamplingParams(n=3, temperature=1.0, max_tokens=10, seed=5,
                                                ignore_eos=True), use_tqdm=False)

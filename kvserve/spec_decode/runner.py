@@ -108,11 +108,11 @@ class SpecDecodeRunner:
         metadata = ib.make_sampling_metadata(rows, prefixes)
         metadata.generators = {}
         generators = {}
-        for s, row in enumerate(sample_rows):
+        for s in np.flatnonzero(ib.seeded[sample_rows]).tolist():
+            row = sample_rows[s]     # per-request seed, from the request's output position
             gen = ib.generators[row]
-            if gen is not None:   # per-request seed, from the request's output position
-                gen.manual_seed(_position_seed(ib.params[row].seed, len(ib.output_token_ids[row])))
-                generators[s] = gen
+            gen.manual_seed(_position_seed(ib.params[row].seed, len(ib.output_token_ids[row])))
+            generators[s] = gen
         spec_meta = SpecDecodeMetadata.make(k, layout.draft_token_ids, logits.device)
         out = self.rejection_sampler(logits, metadata, spec_meta, generators)
         tokens = out.output_token_ids.tolist()

@@ -40,6 +40,14 @@ class InputBatch:
         self.presence = np.zeros(R, dtype=np.float32)
         self.frequency = np.zeros(R, dtype=np.float32)
         self.repetition = np.ones(R, dtype=np.float32)
+        # What only some requests use, as flags, so that a step's sampling metadata is built
+        # with vector operations and visits just the requests that use each feature.
+        self.seeded = np.zeros(R, dtype=bool)
+        self.logprobs = np.full(R, _NO_LOGPROBS, dtype=np.int64)     # -1: the whole vocabulary
+        self.min_tokens = np.zeros(R, dtype=np.int64)
+        self.has_allowed = np.zeros(R, dtype=bool)
+        self.has_bad_words = np.zeros(R, dtype=bool)
+        self.has_logit_bias = np.zeros(R, dtype=bool)
         self.params: list[Optional[SamplingParams]] = [None] * R
         self.generators: list[Optional[torch.Generator]] = [None] * R
         self.output_token_ids: list[list[int]] = [[] for _ in range(R)]
@@ -73,6 +81,12 @@ class InputBatch:
         self.frequency[row] = p.frequency_penalty
         self.repetition[row] = p.repetition_penalty
         self.generators[row] = torch.Generator(device=self.device) if p.seed is not None else None
+        self.seeded[row] = p.seed is not None
+        self.logprobs[row] = _NO_LOGPROBS if p.logprobs is None else p.logprobs
+        self.min_tokens[row] = p.min_tokens or 0
+        self.has_allowed[row] = bool(p.allowed_token_ids)
+        self.has_bad_words[row] = bool(p.bad_words_token_ids)
+        self.has_logit_bias[row] = bool(p.logit_bias)
         self.eos_token_ids[row] = set(req.eos_token_ids)
         self.output_token_ids[row] = list(req.token_ids[req.num_prompt_tokens:])
         return row
@@ -107,7 +121,8 @@ class InputBatch:
         self.block_table[dst, :nb] = self.block_table[src, :nb]
         for arr in (self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens,
                     self.num_blocks, self.temperature, self.top_p, self.top_k, self.min_p,
-                    self.presence, self.frequency, self.repetition):
+                    self.presence, self.frequency, self.repetition, self.seeded, self.logprobs,
+                    self.min_tokens, self.has_allowed, self.has_bad_words, self.has_logit_bias):
             arr[dst] = arr[src]
         self.params[dst] = self.params[src]
         self.generators[dst] = self.generators[src]
@@ -129,31 +144,33 @@ class InputBatch:
         the drafts before that position: they count as output (penalties, min_tokens, bad
         words) exactly as they would had they been sampled one at a time."""
         dev = self.device
-        if draft_prefixes is None:
-            outputs = [self.output_token_ids[r] for r in rows]
-        else:
-            outputs = [self.output_token_ids[r] + d for r, d in zip(rows, draft_prefixes)]
+        rows = np.asarray(rows)
+
+        def output_of(i: int) -> list[int]:
+            out = self.output_token_ids[rows[i]]
+            return out if draft_prefixes is None else out + draft_prefixes[i]
+
         temp = self.temperature[rows]
         greedy = temp == 0.0
         top_p, top_k, min_p = self.top_p[rows], self.top_k[rows], self.min_p[rows]
-        params = [self.params[r] for r in rows]
         generators = {}
-        for i, r in enumerate(rows):
-            gen = self.generators[r]
-            if gen is not None:
-                # Seed from (request seed, output position): a seeded request samples the same
-                # tokens whatever its batch, and also after preemption and recompute.
-                gen.manual_seed(_position_seed(params[i].seed, len(outputs[i])))
-                generators[i] = gen
-        logprob_counts = [p.logprobs for p in params if p.logprobs is not None]
+        for i in np.flatnonzero(self.seeded[rows]).tolist():
+            gen = self.generators[rows[i]]
+            # Seed from (request seed, output position): a seeded request samples the same
+            # tokens whatever its batch, and also after preemption and recompute.
+            gen.manual_seed(_position_seed(self.params[rows[i]].seed, len(output_of(i))))
+            generators[i] = gen
+        lp = self.logprobs[rows]
         max_lp: Optional[int] = None
-        if logprob_counts:
-            max_lp = -1 if -1 in logprob_counts else max(logprob_counts)
+        if (lp != _NO_LOGPROBS).any():
+            max_lp = -1 if (lp == -1).any() else int(lp.max())
 
         presence, frequency, repetition = self.presence[rows], self.frequency[rows], self.repetition[rows]
         use_penalties = bool((presence != 0).any() or (frequency != 0).any() or (repetition != 1).any())
         prompt_ids = None
+        outputs: list[list[int]] = []
         if use_penalties:
+            outputs = [output_of(i) for i in range(len(rows))]
             max_prompt = int(self.num_prompt_tokens[rows].max())
             prompt = np.full((len(rows), max_prompt), self.vocab_size, dtype=np.int64)
             for i, r in enumerate(rows):
@@ -162,21 +179,23 @@ class InputBatch:
             prompt_ids = torch.from_numpy(prompt).to(dev)
 
         allowed_mask = None
-        if any(p.allowed_token_ids for p in params):
+        if self.has_allowed[rows].any():
             allowed_mask = torch.zeros(len(rows), self.vocab_size, dtype=torch.bool, device=dev)
-            for i, p in enumerate(params):
-                if p.allowed_token_ids:
-                    allowed_mask[i] = True
-                    allowed_mask[i, p.allowed_token_ids] = False
+            for i in np.flatnonzero(self.has_allowed[rows]).tolist():
+                allowed_mask[i] = True
+                allowed_mask[i, self.params[rows[i]].allowed_token_ids] = False
         min_tokens = {}
-        for i, (r, p) in enumerate(zip(rows, params)):
-            if p.min_tokens and len(outputs[i]) < p.min_tokens:
+        for i in np.flatnonzero(self.min_tokens[rows] > 0).tolist():
+            r, p = rows[i], self.params[rows[i]]
+            if len(output_of(i)) < p.min_tokens:
                 forbid = set(p.stop_token_ids or [])
                 if not p.ignore_eos:
                     forbid |= self.eos_token_ids[r]
                 min_tokens[i] = forbid
-        bad_words = {i: (p.bad_words_token_ids, outputs[i])
-                     for i, p in enumerate(params) if p.bad_words_token_ids}
+        bad_words = {i: (self.params[rows[i]].bad_words_token_ids, output_of(i))
+                     for i in np.flatnonzero(self.has_bad_words[rows]).tolist()}
+        logit_bias = ([self.params[r].logit_bias for r in rows]
+                      if self.has_logit_bias[rows].any() else [])
 
         return SamplingMetadata(
             temperature=torch.from_numpy(temp.copy()).to(dev),
@@ -189,10 +208,13 @@ class InputBatch:
             frequency_penalties=torch.from_numpy(frequency.copy()).to(dev) if use_penalties else None,
             repetition_penalties=torch.from_numpy(repetition.copy()).to(dev) if use_penalties else None,
             prompt_token_ids=prompt_ids,
-            output_token_ids=outputs if use_penalties else [],
-            logit_bias=[p.logit_bias for p in params] if any(p.logit_bias for p in params) else [],
+            output_token_ids=outputs,
+            logit_bias=logit_bias,
             allowed_token_ids_mask=allowed_mask,
             min_tokens=min_tokens, bad_words=bad_words)
+
+
+_NO_LOGPROBS = -2     # InputBatch.logprobs of a request that asks for none
 
 
 def _position_seed(seed: int, position: int) -> int:
