@@ -180,7 +180,14 @@ def test_two_node_dp_on_loopback(tiny_llama: str) -> None:
 def test_two_api_servers_share_the_port(tiny_llama: str) -> None:
     server = RemoteServer(tiny_llama, [*SERVER_ENGINE_ARGS, "--api-server-count", "2"])
     try:
-        names = {p.name() for p in psutil.Process(server.proc.pid).children(recursive=True)}
+        # /health answered means one server is up; the other may still be importing (a
+        # spawned process is named "python" until its entry point names it).
+        deadline = time.monotonic() + 60
+        while True:
+            names = {p.name() for p in psutil.Process(server.proc.pid).children(recursive=True)}
+            if {"KVSAPIServer0", "KVSAPIServer1"} <= names or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
         assert {"KVSAPIServer0", "KVSAPIServer1"} <= names, names
         prompts = [f"request {i}" for i in range(32)]
         # The kernel spreads connections only over the sockets already listening: a server that
