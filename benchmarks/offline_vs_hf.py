@@ -11,7 +11,8 @@ Issue 2's benchmark. The model is a random ~110M-parameter Llama (hidden 768, 12
   and 32 prompts; the best batch size is the peer's number;
 - output tokens/s of both and the ratio;
 - batch-1 decode tokens/s (kvserve and Hugging Face, prefill excluded) against the bandwidth
-  limit: measured memory read bandwidth / bytes of weights a decode step reads.
+  limit: memory read bandwidth / bytes of weights a decode step reads, the bandwidth read just
+  before and just after kvserve's batch-1 run (their mean; the header's is the run's first).
 
 dtype "auto" runs a bfloat16 copy of the checkpoint with dtype="auto" (what a user of a real
 bf16 checkpoint gets): on a CPU without bf16 instructions its weights stay bf16 (the limit is
@@ -79,8 +80,8 @@ def hf_batch1_decode(model: Any, prompt_len: int, num_tokens: int, vocab_size: i
     return num_tokens / max(long - short, 1e-9)
 
 
-def bench_dtype(model: str, dtype: str, requests: list[SampleRequest], args: argparse.Namespace,
-                bandwidth_gb_s: float) -> dict[str, Any]:
+def bench_dtype(model: str, dtype: str, requests: list[SampleRequest],
+                args: argparse.Namespace) -> dict[str, Any]:
     from kvserve import LLM
     from kvserve.benchmarks.latency import measure_decode_throughput
 
@@ -106,9 +107,15 @@ def bench_dtype(model: str, dtype: str, requests: list[SampleRequest], args: arg
         entry["kvserve_output_tok_s"] = expected / elapsed
         entry["kvserve_elapsed_s"] = elapsed
         entry["kvserve_num_preemptions"] = llm.get_stats()["num_preemptions"]
+        # The limit from the bandwidth read just before and just after the batch-1 run: a
+        # shared host's bandwidth moves by tens of % within minutes (benchmarks/README.md,
+        # the Zen 4 run), so one reading at the start misplaced later dtypes' limits.
+        before = measure_memory_bandwidth(args.bandwidth_mb)["read_gb_s"]
         b1 = measure_decode_throughput(llm, 1, args.batch1_prompt_len, args.batch1_tokens,
                                        num_iters=args.num_iters)
+        after = measure_memory_bandwidth(args.bandwidth_mb)["read_gb_s"]
         entry["kvserve_batch1_decode_tok_s"] = b1["decode_tokens_per_second"]
+        entry["read_gb_s_around_batch1"] = [before, after]
     finally:
         llm.shutdown()
         del llm
@@ -137,6 +144,7 @@ def bench_dtype(model: str, dtype: str, requests: list[SampleRequest], args: arg
         del hf
         gc.collect()
 
+    bandwidth_gb_s = sum(entry["read_gb_s_around_batch1"]) / 2
     limits = roofline_limits(model, weights, bandwidth_gb_s, peak_gflop_s=float("nan"))
     entry["weight_bytes"] = limits["weight_bytes"]
     entry["batch1_decode_limit_tok_s"] = limits["batch1_decode_limit_tok_s"]
@@ -151,10 +159,11 @@ def format_report(result: dict[str, Any]) -> str:
              f"{result['params_decode'] / 1e6:.1f}M read per decode step)",
              f"Workload: {result['num_prompts']} requests, prompts {result['prompt_len_range']}, "
              f"{result['output_len']} output tokens each, greedy, EOS ignored",
-             f"Memory read bandwidth: {result['memory_bandwidth']['read_gb_s']:.1f} GB/s", "",
+             f"Memory read bandwidth: {result['memory_bandwidth']['read_gb_s']:.1f} GB/s at the "
+             f"start; each limit is from the reads around its batch-1 run", "",
              "| dtype | kvserve out tok/s | HF out tok/s (best bs) | ratio | kvserve batch-1 tok/s "
-             "| HF batch-1 tok/s | bandwidth limit | batch-1 / limit |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| HF batch-1 tok/s | read GB/s (before / after) | bandwidth limit | batch-1 / limit |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for dtype, e in result["dtypes"].items():
         hf = (f"{e['hf_output_tok_s']:.1f} ({e['hf_best_batch_size']})"
               if "hf_output_tok_s" in e else "-")
@@ -162,6 +171,8 @@ def format_report(result: dict[str, Any]) -> str:
         hf1 = f"{e['hf_batch1_decode_tok_s']:.1f}" if "hf_batch1_decode_tok_s" in e else "-"
         lines.append(f"| {dtype} | {e['kvserve_output_tok_s']:.1f} | {hf} | {ratio} | "
                      f"{e['kvserve_batch1_decode_tok_s']:.1f} | {hf1} | "
+                     f"{e['read_gb_s_around_batch1'][0]:.1f} / "
+                     f"{e['read_gb_s_around_batch1'][1]:.1f} | "
                      f"{e['batch1_decode_limit_tok_s']:.0f} | "
                      f"{100 * e['kvserve_batch1_fraction_of_limit']:.0f}% |")
     bf = result["dtypes"].get("bfloat16")
@@ -216,7 +227,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         "prompt_len_range": [args.min_prompt_len, args.max_prompt_len],
         "output_len": args.output_len, "memory_bandwidth": bw, "dtypes": {}}
     for dtype in args.dtypes:
-        result["dtypes"][dtype] = bench_dtype(model, dtype, requests, args, bw["read_gb_s"])
+        result["dtypes"][dtype] = bench_dtype(model, dtype, requests, args)
     print()
     print(format_report(result))
     if args.output_json:

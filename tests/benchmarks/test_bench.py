@@ -286,3 +286,5 @@ def test_offline_vs_hf_runs(tiny_llama: str, tmp_path: Any, monkeypatch: pytest.
     assert math.isclose(e["kvserve_batch1_fraction_of_limit"],
                         e["kvserve_batch1_decode_tok_s"] / e["batch1_decode_limit_tok_s"])
     assert r["memory_bandwidth"]["read_gb_s"] > 0
+    before, after = e["read_gb_s_around_batch1"]
+    assert before > 0 and after > 0
