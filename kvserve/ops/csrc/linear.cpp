@@ -61,6 +61,28 @@ constexpr int kPrefetchMinRows = 3;
 // Prefetch distance of a tiled weight's single stream (see "Tiled bf16 weights").
 constexpr int64_t kTiledPrefetchBytes = 1024;
 
+#if defined(KVS_AVX2) || defined(__AVX512F__)
+// Prefetch for k-block `step` of pass `pass` over a tiled group of 4 rows (R rows per pass):
+// `row0` is the group's row-0 block at that step, a step reads `step_bytes` (4 rows' blocks),
+// the group is `group_bytes`. R = 4 (one pass): the group's own stream, kTiledPrefetchBytes
+// ahead. R < 4: the group takes 4 / R passes and only the first reads memory (the others
+// find it in L1), so a first-pass-only prefetch left memory idle 3 passes in 4 (on a Zen 4,
+// avx2 tier, 5 rows ran 1.5x slower tiled than plain). Instead pass p prefetches the next
+// group's blocks i with i % passes == p: the whole next group, once, spread over all passes.
+template <int R>
+KVS_INLINE void prefetch_tiled(const void* row0, int64_t group_bytes, int64_t step, int pass,
+                               int step_bytes) {
+  const char* at = static_cast<const char*>(row0);
+  if constexpr (R == 4) {
+    at += kTiledPrefetchBytes;
+  } else {
+    if (step % (4 / R) != pass) return;
+    at += group_bytes;
+  }
+  for (int c = 0; c < step_bytes; c += 64) _mm_prefetch(at + c, _MM_HINT_T0);
+}
+#endif
+
 inline float to_float(float v) { return v; }
 inline float to_float(c10::BFloat16 v) { return static_cast<float>(v); }
 inline float to_float(c10::Half v) { return static_cast<float>(v); }
@@ -148,15 +170,15 @@ KVS_INLINE void dots_avx512(const float* x, const float* w, int64_t K, float (&r
 //
 // Tiled (the plain copy of a bf16 weight kept beside its prepacked one, see "Tiled bf16
 // weights" below): [N/4, K/32, 4, 32], each 32-value block one cache line, a group's 4 lines
-// per step side by side. With R = 4 a group is one sequential stream, prefetched
-// kTiledPrefetchBytes ahead by the group's first pass; `w` points at the row's first block.
+// per step side by side. With R = 4 a group is one sequential stream (prefetch_tiled); `w`
+// points at the row's first block, the pass's rows start at row `pass * R` of the group.
 // Plain rows read 4 interleaved streams: 17 GB/s on the Zen 4 over the 110M Llama's linears
 // at 1 x row, against 28-30 GB/s for a plain read.
 constexpr int64_t kDpTileCols = 32;
 
 template <int MB, int R, bool Tiled = false>
 KVS_INLINE void dots_avx512(const c10::BFloat16* x, const c10::BFloat16* w, int64_t K,
-                            float (&res)[MB][R], bool first_pass = true) {
+                            float (&res)[MB][R], int pass = 0) {
   const auto at = [K](int r, int64_t k) -> int64_t {
     return Tiled ? r * kDpTileCols + k * 4 : r * K + k;
   };
@@ -165,10 +187,8 @@ KVS_INLINE void dots_avx512(const c10::BFloat16* x, const c10::BFloat16* w, int6
   int64_t k = 0;
   for (; k + 32 <= K; k += 32) {
     if constexpr (Tiled) {
-      if (first_pass) {
-        const char* ahead = reinterpret_cast<const char*>(w + at(0, k)) + kTiledPrefetchBytes;
-        for (int c = 0; c < 256; c += 64) _mm_prefetch(ahead + c, _MM_HINT_T0);
-      }
+      prefetch_tiled<R>(w - pass * R * kDpTileCols + k * 4, 4 * K * 2, k / 32, pass,
+                        4 * kDpTileCols * 2);
     } else if constexpr (MB >= kPrefetchMinRows) {
       for (int r = 0; r < R; ++r)
         _mm_prefetch(reinterpret_cast<const char*>(w + r * K + k) + kPrefetchBytes, _MM_HINT_T0);
@@ -291,21 +311,8 @@ KVS_INLINE void dots_avx2_bf16(const float* xp, const c10::BFloat16* w, int64_t 
   int64_t k = 0;
   for (; k + kPairBlock <= K; k += kPairBlock) {
     if constexpr (Tiled) {
-      // The group's blocks are one stream, prefetched kTiledPrefetchBytes ahead. With R < 4
-      // (3+ x rows) the group takes 4 / R passes and only its first pass reads memory (the
-      // others find it in L1), so a first-pass-only prefetch left memory idle 3 passes in 4:
-      // on a Zen 4 (avx2 tier) 5 rows ran 1.5x slower tiled than plain. Instead pass p
-      // prefetches the next group's k-blocks i with i % passes == p: the whole next group,
-      // once, spread over all of this group's passes.
-      if constexpr (R == 4) {
-        const char* ahead = reinterpret_cast<const char*>(w + at(0, k)) + kTiledPrefetchBytes;
-        _mm_prefetch(ahead, _MM_HINT_T0);
-        _mm_prefetch(ahead + 64, _MM_HINT_T0);
-      } else if ((k / kPairBlock) % (4 / R) == pass) {
-        const char* next = reinterpret_cast<const char*>(w - pass * R * kPairBlock + 4 * K + k * 4);
-        _mm_prefetch(next, _MM_HINT_T0);
-        _mm_prefetch(next + 64, _MM_HINT_T0);
-      }
+      prefetch_tiled<R>(w - pass * R * kPairBlock + k * 4, 4 * K * 2, k / kPairBlock, pass,
+                        4 * kPairBlock * 2);
     } else {
       // The R rows are adjacent in memory: prefetch the same share of the weight
       // kPairPrefetchBytes further on, linearly (see kPairPrefetchBytes).
@@ -396,7 +403,7 @@ KVS_INLINE void rows(const TX* x, const TW* w, const TX* bias, TX* out, int64_t 
     if constexpr (kPairedBf16<TX, TW>) dots_avx2_bf16<MB, R, true>(x, wt, K, res, (n % 4) / R);
 #endif
 #if defined(KVS_HAVE_DPBF16)
-    if constexpr (kDpBf16<TX, TW>) dots_avx512<MB, R, true>(x, wt, K, res, n % 4 == 0);
+    if constexpr (kDpBf16<TX, TW>) dots_avx512<MB, R, true>(x, wt, K, res, (n % 4) / R);
 #endif
   } else if constexpr (p == Path::kAvx512) {
 #if defined(__AVX512F__)
