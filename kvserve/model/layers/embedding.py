@@ -14,7 +14,7 @@ from torch import nn
 from kvserve.distributed.parallel_state import (get_tp_rank, get_tp_world_size,
                                                 tensor_model_parallel_all_gather,
                                                 tensor_model_parallel_all_reduce)
-from kvserve.model.layers.linear import copy_checked, tile_16bit_weight, tile_plain_copy
+from kvserve.model.layers.linear import copy_checked, tile_streamed_weight
 from kvserve.ops.linear import pack_weight, packed_linear, small_batch_or_packed_linear
 
 
@@ -84,7 +84,7 @@ class ParallelLMHead(VocabParallelEmbedding):
             if self.float32_copy:
                 self.weight_packed = pack_weight(self.weight.to(self.compute_dtype))
             if not self.tied:     # the embedding's lookups need nn.Linear's row layout
-                tile_16bit_weight(self)
+                tile_streamed_weight(self, self.compute_dtype)
             return
         packed = pack_weight(self.weight)
         if packed is not None:
@@ -92,7 +92,7 @@ class ParallelLMHead(VocabParallelEmbedding):
             if not self.tied and not self.small_batch_copy:
                 self.weight.data = torch.empty(0, dtype=self.weight.dtype)
             elif not self.tied:
-                tile_plain_copy(self)
+                tile_streamed_weight(self, self.weight.dtype)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """hidden_states [N, hidden] -> float32 logits [N, vocab] over the full vocabulary."""

@@ -101,7 +101,7 @@ class LinearBase(nn.Module):
         if self.compute_dtype not in (None, self.weight.dtype):
             if self.float32_copy:
                 self.weight_packed = pack_weight(self.weight.to(self.compute_dtype))
-            tile_16bit_weight(self)
+            tile_streamed_weight(self, self.compute_dtype)
             return
         packed = pack_weight(self.weight)
         if packed is not None:
@@ -109,7 +109,7 @@ class LinearBase(nn.Module):
             if not self.small_batch_copy:
                 self.weight.data = torch.empty(0, dtype=self.weight.dtype)   # never read again
             else:    # the plain copy only serves the small-batch kernel
-                tile_plain_copy(self)
+                tile_streamed_weight(self, self.weight.dtype)
 
     def apply_linear(self, x: torch.Tensor, with_bias: bool = True) -> torch.Tensor:
         bias = self.bias if with_bias else None
@@ -122,20 +122,12 @@ class LinearBase(nn.Module):
                 f"bias={self.bias is not None}, tp_size={self.tp_size}")
 
 
-def tile_16bit_weight(module: nn.Module) -> None:
-    """Replace a bf16 weight with float32 math by its tiled layout (ops.linear.tile_weight)
-    where that applies; every user of the weight takes either layout (ops.linear)."""
-    if module.compute_dtype == torch.float32:
-        tiled = tile_weight(module.weight)
-        if tiled is not None:
-            module.weight.data = tiled
-
-
-def tile_plain_copy(module: nn.Module) -> None:
-    """A bf16 weight kept plain beside its prepacked copy serves only the small-batch kernel:
-    keep it in that kernel's tiled layout for bf16 math (ops.linear.tile_weight), where it
-    applies."""
-    tiled = tile_weight(module.weight, module.weight.dtype)
+def tile_streamed_weight(module: nn.Module, x_dtype: torch.dtype) -> None:
+    """Replace a bf16 weight that the small-batch kernel streams with activations of x_dtype
+    (float32: a 16-bit weight with float32 math; bfloat16: the plain copy kept beside a
+    prepacked weight) by that kernel's tiled layout, where ops.linear.tile_weight applies;
+    every user of the weight takes either layout (ops.linear)."""
+    tiled = tile_weight(module.weight, x_dtype)
     if tiled is not None:
         module.weight.data = tiled
 
