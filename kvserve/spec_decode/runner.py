@@ -26,7 +26,7 @@ from kvserve.core.sched_output import LogprobsLists, SchedulerOutput
 from kvserve.sample.rejection_sampler import RejectionSampler, SpecDecodeMetadata
 from kvserve.spec_decode.base import Proposer, TargetHiddenStates
 from kvserve.spec_decode.config import SpeculativeConfig
-from kvserve.worker.input_batch import InputBatch, _position_seed
+from kvserve.worker.input_batch import InputBatch
 
 
 @dataclass
@@ -106,13 +106,7 @@ class SpecDecodeRunner:
                              np.cumsum(k)[:-1]) if k else []
         prefixes = [d[:j].tolist() for d in drafts_of for j in range(len(d) + 1)]
         metadata = ib.make_sampling_metadata(rows, prefixes)
-        metadata.generators = {}
-        generators = {}
-        for s in np.flatnonzero(ib.seeded[sample_rows]).tolist():
-            row = sample_rows[s]     # per-request seed, from the request's output position
-            gen = ib.generators[row]
-            gen.manual_seed(_position_seed(ib.params[row].seed, len(ib.output_token_ids[row])))
-            generators[s] = gen
+        generators = ib.seeded_generators(sample_rows)
         spec_meta = SpecDecodeMetadata.make(k, layout.draft_token_ids, logits.device)
         out = self.rejection_sampler(logits, metadata, spec_meta, generators)
         tokens = out.output_token_ids.tolist()

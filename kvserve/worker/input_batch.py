@@ -136,13 +136,28 @@ class InputBatch:
         self.output_token_ids[row].append(token)
 
     # ------------------------------------------------------------------ sampling
+    def seeded_generators(self, rows: np.ndarray) -> dict[int, torch.Generator]:
+        """The generators of the seeded requests among `rows` (by position in `rows`), each
+        seeded from (request seed, output position): a seeded request samples the same tokens
+        whatever its batch, and also after preemption and recompute."""
+        rows = np.asarray(rows)
+        generators = {}
+        for i in np.flatnonzero(self.seeded[rows]).tolist():
+            r = rows[i]
+            self.generators[r].manual_seed(
+                _position_seed(self.params[r].seed, len(self.output_token_ids[r])))
+            generators[i] = self.generators[r]
+        return generators
+
     def make_sampling_metadata(self, rows: np.ndarray,
                                draft_prefixes: Optional[list[list[int]]] = None) -> SamplingMetadata:
         """Sampling settings for `rows` (the rows that sample this step, in logits order).
 
         Speculative decoding passes a row once per scored position, with `draft_prefixes[i]`
         the drafts before that position: they count as output (penalties, min_tokens, bad
-        words) exactly as they would had they been sampled one at a time."""
+        words) exactly as they would had they been sampled one at a time. Its rejection
+        sampler draws from one generator per request (seeded_generators), so with draft
+        prefixes the metadata carries none."""
         dev = self.device
         rows = np.asarray(rows)
 
@@ -153,13 +168,7 @@ class InputBatch:
         temp = self.temperature[rows]
         greedy = temp == 0.0
         top_p, top_k, min_p = self.top_p[rows], self.top_k[rows], self.min_p[rows]
-        generators = {}
-        for i in np.flatnonzero(self.seeded[rows]).tolist():
-            gen = self.generators[rows[i]]
-            # Seed from (request seed, output position): a seeded request samples the same
-            # tokens whatever its batch, and also after preemption and recompute.
-            gen.manual_seed(_position_seed(self.params[rows[i]].seed, len(output_of(i))))
-            generators[i] = gen
+        generators = self.seeded_generators(rows) if draft_prefixes is None else {}
         lp = self.logprobs[rows]
         max_lp: Optional[int] = None
         if (lp != _NO_LOGPROBS).any():
