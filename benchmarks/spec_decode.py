@@ -147,8 +147,8 @@ def compare(name: str, model: str, prompts: list[Any], args: argparse.Namespace,
              for label in labels} if keep_alive else {})
     for rep in range(args.repeats):
         for label in labels[rep % len(labels):] + labels[:rep % len(labels)]:
-            llm = live.get(label) or make_llm(model, args.dtype, variants[label], prompts[:1],
-                                              **kw)
+            llm = (live[label] if keep_alive
+                   else make_llm(model, args.dtype, variants[label], prompts[:1], **kw))
             before = llm.get_stats().get("spec_decoding")
             wall, tokens[label] = timed(llm, prompts, args.max_tokens)
             after = llm.get_stats().get("spec_decoding")
