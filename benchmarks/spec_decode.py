@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import random
@@ -112,6 +113,23 @@ def ensure_eagle_head(model_dir: str = DEFAULT_MODEL_DIR) -> str:
     return path
 
 
+def median_ci95(xs: list[float]) -> Optional[tuple[float, float]]:
+    """A distribution-free 95% confidence interval of the median of `xs` (order statistics:
+    the widest symmetric pair [x_(k), x_(n+1-k)] that leaves at most 2.5% in each binomial
+    tail). None below 6 samples, where no such pair reaches 95%. One round's ratio spreads by
+    tens of % on a shared host; this says how many rounds a 3% question needs."""
+    n = len(xs)
+    ys = sorted(xs)
+    tail, k = 0.0, 0      # P(Binomial(n, 1/2) < k), k = 0, 1, ...
+    while True:
+        p_k = math.comb(n, k) / 2 ** n
+        if tail + p_k > 0.025:
+            break
+        tail += p_k
+        k += 1
+    return None if k == 0 else (ys[k - 1], ys[n - k])
+
+
 def make_llm(model: str, dtype: str, spec: Optional[dict], warmup: list[Any], **kw: Any) -> LLM:
     # A fixed KV pool: the default (a share of free memory) would differ from run to run.
     llm = LLM(model, dtype=dtype, max_model_len=1024, seed=0, speculative_config=spec,
@@ -168,6 +186,7 @@ def compare(name: str, model: str, prompts: list[Any], args: argparse.Namespace,
         r = {"tok_s": n / statistics.median(walls[label]),
              "tok_s_rounds": [n / w for w in walls[label]],
              "ratio_vs_plain": statistics.median(ratios),
+             "ratio_ci95": median_ci95(ratios),
              "ratio_rounds": ratios, "same_tokens": tokens[label] == tokens["plain"]}
         total = {k: sum(st[k] for st in spec_stats[label])
                  for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
@@ -182,8 +201,11 @@ def compare(name: str, model: str, prompts: list[Any], args: argparse.Namespace,
         acc = (f", mean acceptance length {r['mean_acceptance_length']:.2f}, acceptance "
                f"{100 * r['acceptance_rate']:.0f}%, drafts per round {r['num_drafts_rounds']}"
                if "mean_acceptance_length" in r else "")
-        spread = "/".join(f"{x:.2f}" for x in r["ratio_rounds"])
-        print(f"  {label:<26} {r['tok_s']:7.1f} tok/s  x{r['ratio_vs_plain']:.2f} ({spread})"
+        spread = ("/".join(f"{x:.2f}" for x in r["ratio_rounds"]) if args.repeats <= 9 else
+                  f"rounds {min(r['ratio_rounds']):.2f}-{max(r['ratio_rounds']):.2f}")
+        if r["ratio_ci95"] and label != "plain":
+            spread += ", 95% CI of the median {:.3f}-{:.3f}".format(*r["ratio_ci95"])
+        print(f"  {label:<26} {r['tok_s']:7.1f} tok/s  x{r['ratio_vs_plain']:.3f} ({spread})"
               f"  same tokens: {r['same_tokens']}{acc}")
     return rows
 

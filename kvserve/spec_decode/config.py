@@ -34,8 +34,9 @@ class SpeculativeConfig:
     disable_by_batch_size: Optional[int] = 4
     # A request drafts while the EMA of its acceptance rate is at least this and at least the
     # break-even rate measured from step times; 0 turns the per-request rule off (every
-    # request drafts whenever it can). A request that stopped probes again after
-    # `probe_interval` of its steps (doubling after each failed probe, up to 8x). With the rule
+    # request drafts whenever it can). A request that stopped probes again (one draft token)
+    # after `probe_interval` of its steps (doubling after each failed probe, up to 8x); a new
+    # request starts from the acceptance of the requests before it. With the rule
     # on, num_speculative_tokens is the most a request drafts per step: fewer where verifying
     # that many costs more than they are expected to gain (measured step times).
     min_acceptance_rate: float = 0.25

@@ -288,3 +288,19 @@ def test_offline_vs_hf_runs(tiny_llama: str, tmp_path: Any, monkeypatch: pytest.
     assert r["memory_bandwidth"]["read_gb_s"] > 0
     before, after = e["read_gb_s_around_batch1"]
     assert before > 0 and after > 0
+
+
+def test_median_confidence_interval() -> None:
+    # spec_decode.py's distribution-free 95% interval of the median: the order statistics of
+    # the binomial table (n = 9: 2nd and 8th; n = 100: 40th and 61st), none below 6 samples,
+    # and it covers the true median of a skewed distribution in about 95% of trials.
+    ci = _load_script("spec_decode").median_ci95
+    assert ci([1.0, 2.0, 3.0, 4.0, 5.0]) is None
+    assert ci([float(x) for x in range(1, 10)]) == (2.0, 8.0)
+    assert ci([float(x) for x in range(1, 101)]) == (40.0, 61.0)
+    rng = random.Random(0)
+    hits = 0
+    for _ in range(400):
+        lo, hi = ci([rng.expovariate(1.0) for _ in range(30)])
+        hits += lo <= math.log(2) <= hi
+    assert 0.92 * 400 <= hits <= 0.995 * 400, hits

@@ -170,3 +170,45 @@ def test_fewer_drafts_when_verification_is_compute_bound() -> None:
     assert ctl.num_draft_tokens(1, {"r"}) == 4
     off = SpecDecodeController(4, None, min_acceptance_rate=0.0, probe_interval=8)
     assert off.num_draft_tokens(1, {"r"}) == 4
+
+
+def test_host_slowing_down_does_not_bring_drafting_back() -> None:
+    # The target as its own draft, out of reach; then the whole host slows down by 30% (a
+    # shared host's neighbours): t0 follows at once, the proposer's cost is only measured
+    # while drafting. Kept in seconds, the stale proposer cost against the slower t0 made full
+    # acceptance look worth it again; as a fraction of t0 it does not.
+    costs = dict(t0=0.040, c=0.002, p=0.042, catch_up=0.005, rate=1.0)
+    ctl = SpecDecodeController(3, 4, min_acceptance_rate=0.25, probe_interval=16)
+    _simulate(ctl, ["warm"], 8, missed0=32, **costs)
+    slower = {k: (1.3 * v if k != "rate" else v) for k, v in costs.items()}
+    _, verified = _simulate(ctl, ["timed"], 128, missed0=32, **slower)
+    assert verified == [], verified
+
+
+def test_new_request_starts_from_the_requests_before_it() -> None:
+    # Drafts never accepted (a random draft model): the first request learns that with one
+    # full drafting step; the requests after it start from that and only probe, one token at
+    # a time. A proposer that pays again is taken up by the next request's first probe.
+    ctl = SpecDecodeController(4, None, min_acceptance_rate=0.01, probe_interval=8)
+    _warm(ctl, ["a"], t0=0.010, per_token=0.001)
+    assert ctl.draft_req_ids(["first"]) == {"first"}
+    assert ctl.num_draft_tokens(1, {"first"}) == 4
+    ctl.record("first", 4, 0)
+    ctl.drop("first")
+    probes = []
+    for step in range(20):
+        if ctl.draft_req_ids(["next"]):
+            probes.append((step, ctl.num_draft_tokens(1, {"next"})))
+            ctl.record("next", 1, 0)
+    assert probes == [(7, 1)], probes      # its first probe after probe_interval steps
+    ctl.drop("next")
+    # A request whose probe is accepted drafts again (k while its per-position rate is new).
+    for step in range(8):
+        if ctl.draft_req_ids(["back"]):
+            assert ctl.num_draft_tokens(1, {"back"}) == 1
+            ctl.record("back", 1, 1)
+    assert ctl.draft_req_ids(["back"]) == {"back"}
+    # After requests that were accepted, a new request drafts from its first step.
+    for _ in range(6):
+        ctl.record("back", 4, 4)
+    assert ctl.draft_req_ids(["new"]) == {"new"}
