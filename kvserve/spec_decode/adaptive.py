@@ -34,9 +34,10 @@ must beat the break-even rate by 10%, a draft that only breaks even is not worth
 2. Out of reach: when bar > 1, even drafts that are always accepted lose (a proposer as costly
    as the target), so nobody in the step drafts: no first drafts, no probes. A probe would
    make a draft model catch up over every token its request missed, for nothing: with the
-   target as its own draft, probes made a 256-token run 11% slower than plain. The bar is computed every step
-   from the current t0 (measured by every step without drafts) and the last c, p, so a bucket
-   comes back within reach if the target's step gets slower relative to the proposer.
+   target as its own draft, probes made a 256-token run 11% slower than plain. c and p are
+   fractions of t0, so a bucket out of reach stays out while nothing drafts in it: the
+   proposer's cost relative to the target's is a property of the two models on this host,
+   which a host-wide slow-down or speed-up does not change.
 3. A request drafts while its rate a >= bar. A new request starts from the rate of the
    requests before it (an EMA over every verification, weight 0.3): below the bar it waits
    for its first probe, else it drafts; the engine's first request drafts (that is how a is
