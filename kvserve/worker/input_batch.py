@@ -6,7 +6,8 @@ so preparing a step is a handful of vectorised index operations rather than per-
 """
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -52,6 +53,10 @@ class InputBatch:
         self.generators: list[Optional[torch.Generator]] = [None] * R
         self.output_token_ids: list[list[int]] = [[] for _ in range(R)]
         self.eos_token_ids: list[set[int]] = [set() for _ in range(R)]
+        # Membership version (bumped by every add and remove) and the sampling settings of the
+        # last rows asked for, under (version, rows): see make_sampling_metadata.
+        self._version = 0
+        self._settings: Optional[tuple[tuple[int, bytes], _RowSettings]] = None
 
     @property
     def num_reqs(self) -> int:
@@ -62,6 +67,7 @@ class InputBatch:
         row = len(self.req_ids)
         if row >= self.max_num_reqs:
             raise RuntimeError(f"InputBatch is full ({self.max_num_reqs} requests).")
+        self._version += 1
         self.req_ids.append(req.req_id)
         self.req_id_to_index[req.req_id] = row
         n = len(req.token_ids)
@@ -103,6 +109,7 @@ class InputBatch:
             row = self.req_id_to_index.pop(rid, None)
             if row is None:
                 continue
+            self._version += 1
             last = len(self.req_ids) - 1
             if row != last:
                 self._move_row(last, row)
@@ -157,18 +164,43 @@ class InputBatch:
         the drafts before that position: they count as output (penalties, min_tokens, bad
         words) exactly as they would had they been sampled one at a time. Its rejection
         sampler draws from one generator per request (seeded_generators), so with draft
-        prefixes the metadata carries none."""
-        dev = self.device
-        rows = np.asarray(rows)
+        prefixes the metadata carries none.
+
+        The settings fixed by which requests sample in which order (temperatures, top-p/k,
+        min-p, penalty weights, prompt ids, allowed-token masks, logit biases) are built once
+        and reused while the batch's membership and `rows` stay the same (a decode loop's
+        steps); only what moves with the outputs is built per step. Building them took
+        ~0.19 ms of a 7.5 ms batch-1 step (Zen 4, avx2 tier)."""
+        rows = np.asarray(rows, dtype=np.int64)
+        key = (self._version, rows.tobytes())
+        if self._settings is None or self._settings[0] != key:
+            self._settings = (key, self._row_settings(rows))
+        st = self._settings[1]
 
         def output_of(i: int) -> list[int]:
             out = self.output_token_ids[rows[i]]
             return out if draft_prefixes is None else out + draft_prefixes[i]
 
+        min_tokens = {}
+        for i in st.min_tokens_rows:
+            if len(output_of(i)) < self.params[rows[i]].min_tokens:
+                min_tokens[i] = st.min_tokens_forbid[i]
+        return SamplingMetadata(
+            **st.fields,
+            generators=(self.seeded_generators(rows) if st.any_seeded and draft_prefixes is None
+                        else {}),
+            output_token_ids=([output_of(i) for i in range(len(rows))] if st.use_penalties
+                              else []),
+            min_tokens=min_tokens,
+            bad_words={i: (self.params[rows[i]].bad_words_token_ids, output_of(i))
+                       for i in st.bad_words_rows})
+
+    def _row_settings(self, rows: np.ndarray) -> "_RowSettings":
+        """What make_sampling_metadata takes from the requests' settings alone."""
+        dev = self.device
         temp = self.temperature[rows]
         greedy = temp == 0.0
         top_p, top_k, min_p = self.top_p[rows], self.top_k[rows], self.min_p[rows]
-        generators = self.seeded_generators(rows) if draft_prefixes is None else {}
         lp = self.logprobs[rows]
         max_lp: Optional[int] = None
         if (lp != _NO_LOGPROBS).any():
@@ -177,9 +209,7 @@ class InputBatch:
         presence, frequency, repetition = self.presence[rows], self.frequency[rows], self.repetition[rows]
         use_penalties = bool((presence != 0).any() or (frequency != 0).any() or (repetition != 1).any())
         prompt_ids = None
-        outputs: list[list[int]] = []
         if use_penalties:
-            outputs = [output_of(i) for i in range(len(rows))]
             max_prompt = int(self.num_prompt_tokens[rows].max())
             prompt = np.full((len(rows), max_prompt), self.vocab_size, dtype=np.int64)
             for i, r in enumerate(rows):
@@ -193,34 +223,42 @@ class InputBatch:
             for i in np.flatnonzero(self.has_allowed[rows]).tolist():
                 allowed_mask[i] = True
                 allowed_mask[i, self.params[rows[i]].allowed_token_ids] = False
-        min_tokens = {}
+        forbid = {}
         for i in np.flatnonzero(self.min_tokens[rows] > 0).tolist():
-            r, p = rows[i], self.params[rows[i]]
-            if len(output_of(i)) < p.min_tokens:
-                forbid = set(p.stop_token_ids or [])
-                if not p.ignore_eos:
-                    forbid |= self.eos_token_ids[r]
-                min_tokens[i] = forbid
-        bad_words = {i: (self.params[rows[i]].bad_words_token_ids, output_of(i))
-                     for i in np.flatnonzero(self.has_bad_words[rows]).tolist()}
-        logit_bias = ([self.params[r].logit_bias for r in rows]
-                      if self.has_logit_bias[rows].any() else [])
+            p = self.params[rows[i]]
+            forbid[i] = set(p.stop_token_ids or []) | (set() if p.ignore_eos
+                                                       else self.eos_token_ids[rows[i]])
+        return _RowSettings(
+            fields=dict(
+                temperature=torch.from_numpy(temp.copy()).to(dev),
+                all_greedy=bool(greedy.all()), all_random=bool((~greedy).all()),
+                top_p=None if (top_p == 1.0).all() else torch.from_numpy(top_p.copy()).to(dev),
+                top_k=None if (top_k == 0).all() else torch.from_numpy(top_k.copy()).to(dev),
+                min_p=None if (min_p == 0.0).all() else torch.from_numpy(min_p.copy()).to(dev),
+                max_num_logprobs=max_lp,
+                presence_penalties=torch.from_numpy(presence.copy()).to(dev) if use_penalties else None,
+                frequency_penalties=torch.from_numpy(frequency.copy()).to(dev) if use_penalties else None,
+                repetition_penalties=torch.from_numpy(repetition.copy()).to(dev) if use_penalties else None,
+                prompt_token_ids=prompt_ids,
+                logit_bias=([self.params[r].logit_bias for r in rows]
+                            if self.has_logit_bias[rows].any() else []),
+                allowed_token_ids_mask=allowed_mask),
+            use_penalties=use_penalties,
+            any_seeded=bool(self.seeded[rows].any()),
+            min_tokens_rows=list(forbid), min_tokens_forbid=forbid,
+            bad_words_rows=np.flatnonzero(self.has_bad_words[rows]).tolist())
 
-        return SamplingMetadata(
-            temperature=torch.from_numpy(temp.copy()).to(dev),
-            all_greedy=bool(greedy.all()), all_random=bool((~greedy).all()),
-            top_p=None if (top_p == 1.0).all() else torch.from_numpy(top_p.copy()).to(dev),
-            top_k=None if (top_k == 0).all() else torch.from_numpy(top_k.copy()).to(dev),
-            min_p=None if (min_p == 0.0).all() else torch.from_numpy(min_p.copy()).to(dev),
-            generators=generators, max_num_logprobs=max_lp,
-            presence_penalties=torch.from_numpy(presence.copy()).to(dev) if use_penalties else None,
-            frequency_penalties=torch.from_numpy(frequency.copy()).to(dev) if use_penalties else None,
-            repetition_penalties=torch.from_numpy(repetition.copy()).to(dev) if use_penalties else None,
-            prompt_token_ids=prompt_ids,
-            output_token_ids=outputs,
-            logit_bias=logit_bias,
-            allowed_token_ids_mask=allowed_mask,
-            min_tokens=min_tokens, bad_words=bad_words)
+
+@dataclass
+class _RowSettings:
+    """make_sampling_metadata's per-rows part: fixed while the same requests sample in the
+    same order (a request's SamplingParams never change while it is in the batch)."""
+    fields: dict[str, Any]                 # SamplingMetadata keyword arguments
+    use_penalties: bool
+    any_seeded: bool
+    min_tokens_rows: list[int]             # positions in rows with min_tokens > 0
+    min_tokens_forbid: dict[int, set[int]]
+    bad_words_rows: list[int]
 
 
 _NO_LOGPROBS = -2     # InputBatch.logprobs of a request that asks for none

@@ -47,3 +47,38 @@ def test_spec_metadata_carries_no_generators() -> None:
     meta = ib.make_sampling_metadata(rows, [[], [3], []])
     assert meta.generators == {}
     assert sorted(ib.make_sampling_metadata(rows).generators) == [0, 1, 2]
+
+
+def _new(rid: str, **params: object) -> NewRequestData:
+    return NewRequestData(req_id=rid, token_ids=list(range(10)), num_prompt_tokens=8,
+                          sampling_params=SamplingParams(**params), block_ids=[0],
+                          num_computed_tokens=0)
+
+
+def test_settings_reused_while_batch_unchanged_and_rebuilt_when_it_changes() -> None:
+    # The settings part of the metadata is built once per (membership, rows): the same rows
+    # twice share it; a request leaving and another taking its row (same rows array) must not
+    # get the old request's settings, nor a reordered rows array the old order's.
+    ib = InputBatch(max_num_reqs=4, max_model_len=64, max_blocks_per_req=4, vocab_size=100,
+                    device=torch.device("cpu"))
+    ib.add_request(_new("a", temperature=0.5, top_k=5))
+    ib.add_request(_new("b", temperature=0.0))
+    rows = np.array([0, 1])
+    m1, m2 = ib.make_sampling_metadata(rows), ib.make_sampling_metadata(rows)
+    assert m1.temperature is m2.temperature
+    assert m1.temperature.tolist() == [0.5, 0.0] and m1.top_k.tolist() == [5, 0]
+    assert ib.make_sampling_metadata(np.array([1, 0])).temperature.tolist() == [0.0, 0.5]
+    ib.make_sampling_metadata(rows)
+    ib.remove_requests({"b"})
+    ib.add_request(_new("c", temperature=0.75, presence_penalty=1.0, min_tokens=4,
+                        stop_token_ids=[7]))
+    m3 = ib.make_sampling_metadata(rows)
+    assert m3.temperature.tolist() == [0.5, 0.75]
+    assert m3.presence_penalties.tolist() == [0.0, 1.0]
+    # What moves with the outputs is built per step: c has 2 outputs of its min_tokens 4.
+    assert m3.min_tokens == {1: {7}} and m3.output_token_ids[1] == [8, 9]
+    ib.append_token(1, 3)
+    ib.append_token(1, 4)
+    m4 = ib.make_sampling_metadata(rows)
+    assert m4.min_tokens == {} and m4.output_token_ids[1] == [8, 9, 3, 4]
+    assert m4.temperature is m3.temperature
