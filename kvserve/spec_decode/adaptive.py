@@ -234,7 +234,7 @@ class SpecDecodeController:
             bucket.t0_samples = bucket.t0_samples[1 - _T0_SAMPLES:] + [target_time]
             bucket.t0 = sorted(bucket.t0_samples)[(len(bucket.t0_samples) - 1) // 2]
             bucket.steps_since_t0 = 0
-        elif bucket.t0 is not None and bucket.t0 > 0:
+        elif bucket.t0:   # (a t0 of 0 has no fractions)
             extra = max(target_time - bucket.t0, 0.0) / bucket.t0
             bucket.c = _ema(bucket.c, extra / num_verified, _TIME_EMA)
             bucket.extra[num_verified] = _ema(bucket.extra.get(num_verified), extra, _TIME_EMA)

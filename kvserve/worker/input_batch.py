@@ -182,9 +182,9 @@ class InputBatch:
             return out if draft_prefixes is None else out + draft_prefixes[i]
 
         min_tokens = {}
-        for i in st.min_tokens_rows:
+        for i, forbid in st.min_tokens_forbid.items():
             if len(output_of(i)) < self.params[rows[i]].min_tokens:
-                min_tokens[i] = st.min_tokens_forbid[i]
+                min_tokens[i] = forbid
         return SamplingMetadata(
             **st.fields,
             generators=(self.seeded_generators(rows) if st.any_seeded and draft_prefixes is None
@@ -245,7 +245,7 @@ class InputBatch:
                 allowed_token_ids_mask=allowed_mask),
             use_penalties=use_penalties,
             any_seeded=bool(self.seeded[rows].any()),
-            min_tokens_rows=list(forbid), min_tokens_forbid=forbid,
+            min_tokens_forbid=forbid,
             bad_words_rows=np.flatnonzero(self.has_bad_words[rows]).tolist())
 
 
@@ -256,8 +256,7 @@ class _RowSettings:
     fields: dict[str, Any]                 # SamplingMetadata keyword arguments
     use_penalties: bool
     any_seeded: bool
-    min_tokens_rows: list[int]             # positions in rows with min_tokens > 0
-    min_tokens_forbid: dict[int, set[int]]
+    min_tokens_forbid: dict[int, set[int]]  # position in rows with min_tokens > 0 -> stop ids
     bad_words_rows: list[int]
 
 

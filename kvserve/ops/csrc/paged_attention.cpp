@@ -619,7 +619,10 @@ void run(const Params& P) {
                    work / kMinWorkPerThread}));
   const std::vector<int64_t> bounds = split_items(P, threads);
   at::parallel_for(0, threads, 1, [&](int64_t tb, int64_t te) {
-    std::vector<Scratch> scs(P.num_kv_heads, Scratch(P.groups, P.head_dim, P.block_size));
+    int64_t heads = 1;   // the most kv heads of one sequence this thread holds
+    for (int64_t t = tb; t < te; ++t)
+      heads = std::max(heads, std::min(P.num_kv_heads, bounds[t + 1] - bounds[t]));
+    std::vector<Scratch> scs(heads, Scratch(P.groups, P.head_dim, P.block_size));
     for (int64_t t = tb; t < te; ++t)
       for (int64_t u = bounds[t]; u < bounds[t + 1];) {
         // this thread's kv heads of sequence n: the rest of its run within that sequence
