@@ -19,7 +19,9 @@ Steady state::
     output PULL  ◄──────────── [*frames] ──────── PUSH ◄─ output IO thread ◄─ output_queue
 
 The busy loop blocks on `input_queue.get()` while there is nothing to schedule, so an idle
-engine uses no CPU. Utility calls and aborts travel on the same input socket as requests, so
+engine uses no CPU. Step outputs that no one reads before a request finishes (final-only
+requests without stop strings, no stats kept) are held and sent together (OutputCoalescer):
+on a CPU host each message takes CPU from the forward pass. Utility calls and aborts travel on the same input socket as requests, so
 they are handled in order with them. A fatal error is not swallowed: the engine sends
 ENGINE_CORE_DEAD with its traceback on the output socket and exits; the frontend's monitor
 also notices the process exit by itself (SIGKILL, segfault).
@@ -47,6 +49,7 @@ from kvserve.config import KVServeConfig
 from kvserve.engine.core import EngineCore
 from kvserve.engine.messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest,
                                      EngineCoreRequestType, FinishReason)
+from kvserve.engine.output_coalescer import OutputCoalescer
 from kvserve.engine.serial_utils import MsgpackDecoder, MsgpackEncoder
 from kvserve.executor.base import Executor
 
@@ -128,6 +131,7 @@ class EngineCoreProc(EngineCore):
             assert config is not None
             self.num_clients = len(init.addresses.inputs)
             super().__init__(config, executor_class)     # loads the model, sizes the KV cache
+            self.output_coalescer = OutputCoalescer(self.log_stats)
             try:
                 self._start_io_threads(init.addresses, identity)
             except BaseException:
@@ -214,7 +218,13 @@ class EngineCoreProc(EngineCore):
             self._handle_client_request(*request)
 
     def _process_engine_step(self) -> None:
-        outputs = self.step()
+        outputs = self.output_coalescer.filter(self.step())
+        if outputs is None and not self.scheduler.has_unfinished_requests():
+            outputs = self.output_coalescer.flush()     # nothing may wait on an idle engine
+        if outputs is not None:
+            self._send_outputs(outputs)
+
+    def _send_outputs(self, outputs: EngineCoreOutputs) -> None:
         outputs.engine_index = self.engine_index
         if outputs.outputs or outputs.finished_requests or outputs.scheduler_stats is not None:
             if self.num_clients == 1:
@@ -222,6 +232,12 @@ class EngineCoreProc(EngineCore):
             else:
                 for client in self._split_by_client(outputs):
                     self.output_queue.put_nowait(client)
+
+    def _send_held_outputs(self) -> None:
+        """Before any other message: the frontend sees every message in engine order."""
+        held = self.output_coalescer.flush()
+        if held is not None:
+            self._send_outputs(held)
 
     def _split_by_client(self, outputs: EngineCoreOutputs) -> list[tuple[int, EngineCoreOutputs]]:
         """Several API servers: each gets its own requests' outputs, and every one the
@@ -250,6 +266,7 @@ class EngineCoreProc(EngineCore):
             self._add_request_or_fail(request)
         elif request_type == EngineCoreRequestType.ABORT:
             self.abort_requests(request)
+            self.output_coalescer.drop(request)
             if self.num_clients > 1:
                 for rid in request:
                     self._request_clients.pop(rid, None)
@@ -272,11 +289,13 @@ class EngineCoreProc(EngineCore):
         except Exception:
             logger.exception("Request %s could not be added; finishing it with an error.",
                              request.request_id)
+            self._send_held_outputs()
             self.output_queue.put_nowait((request.client_index, EngineCoreOutputs(
                 outputs=[EngineCoreOutput(request_id=request.request_id, new_token_ids=[],
                                           finish_reason=FinishReason.ERROR)],
                 timestamp=time.monotonic())))
             return
+        self.output_coalescer.add_request(request)
         if self.num_clients > 1:
             self._request_clients[request.request_id] = request.client_index
 
@@ -288,6 +307,7 @@ class EngineCoreProc(EngineCore):
             result = getattr(self, method_name)(*args)
         except Exception as e:
             failure = f"Call to {method_name} failed: {type(e).__name__}: {e}\n{traceback.format_exc()}"
+        self._send_held_outputs()
         self.output_queue.put_nowait((client, EngineCoreOutputs(
             utility_output=(call_id, failure, result))))
 
