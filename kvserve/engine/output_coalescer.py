@@ -22,6 +22,7 @@ engine order. Nothing waits longer than MAX_HOLD_S (checked at each step).
 """
 from __future__ import annotations
 
+import os
 import time
 from typing import Iterable, Optional
 
@@ -31,6 +32,16 @@ from kvserve.sampling_params import RequestOutputKind
 # An upper bound on how stale the frontend's view can get (progress bars, a client polling
 # LLMEngine.step); one message per MAX_HOLD_S costs nothing measurable.
 MAX_HOLD_S = 0.5
+
+# KVSERVE_HOLD_OUTPUTS=0: send every step's outputs (the behaviour before; for A/B runs).
+HOLD_OUTPUTS_ENV = "KVSERVE_HOLD_OUTPUTS"
+
+
+def holding_enabled() -> bool:
+    mode = os.environ.get(HOLD_OUTPUTS_ENV, "1").strip()
+    if mode not in ("0", "1"):
+        raise ValueError(f"{HOLD_OUTPUTS_ENV} must be 0 or 1, got {mode!r}")
+    return mode == "1"
 
 
 def _concat(a: Optional[list], b: Optional[list]) -> Optional[list]:
@@ -56,7 +67,7 @@ class OutputCoalescer:
     """Decides, step by step, what of the engine core's outputs to send now."""
 
     def __init__(self, log_stats: bool, max_hold_s: float = MAX_HOLD_S) -> None:
-        self.enabled = not log_stats
+        self.enabled = not log_stats and holding_enabled()
         self.max_hold_s = max_hold_s
         self._holdable: set[str] = set()     # requests whose per-step outputs may wait
         self._started: set[str] = set()      # ... whose first token has gone out

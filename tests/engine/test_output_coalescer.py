@@ -53,8 +53,10 @@ def test_holds_after_the_first_token_and_sends_all_at_the_finish() -> None:
     assert c.num_tracked() == 0 and c.flush() is None
 
 
-@pytest.mark.parametrize("why", ["stop strings", "streamed", "stats kept"])
-def test_sends_every_step_when_someone_reads_it(why: str) -> None:
+@pytest.mark.parametrize("why", ["stop strings", "streamed", "stats kept", "turned off"])
+def test_sends_every_step_when_someone_reads_it(why: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    if why == "turned off":
+        monkeypatch.setenv("KVSERVE_HOLD_OUTPUTS", "0")
     c = OutputCoalescer(log_stats=why == "stats kept")
     c.add_request(request("a", stop=["x"]) if why == "stop strings"
                   else request("a", RequestOutputKind.DELTA) if why == "streamed"
