@@ -21,8 +21,8 @@ Steady state::
 The busy loop blocks on `input_queue.get()` while there is nothing to schedule, so an idle
 engine uses no CPU. Step outputs that no one reads before a request finishes (final-only
 requests without stop strings, no stats kept) are held and sent together (OutputCoalescer):
-on a CPU host each message takes CPU from the forward pass. Utility calls and aborts travel on the same input socket as requests, so
-they are handled in order with them. A fatal error is not swallowed: the engine sends
+on a CPU host each message takes CPU from the forward pass. Utility calls and aborts travel
+on the same input socket as requests, so they are handled in order with them. A fatal error is not swallowed: the engine sends
 ENGINE_CORE_DEAD with its traceback on the output socket and exits; the frontend's monitor
 also notices the process exit by itself (SIGKILL, segfault).
 """
@@ -219,10 +219,10 @@ class EngineCoreProc(EngineCore):
 
     def _process_engine_step(self) -> None:
         outputs = self.output_coalescer.filter(self.step())
-        if outputs is None and not self.scheduler.has_unfinished_requests():
-            outputs = self.output_coalescer.flush()     # nothing may wait on an idle engine
         if outputs is not None:
             self._send_outputs(outputs)
+        elif not self.scheduler.has_unfinished_requests():
+            self._send_held_outputs()     # nothing may wait on an idle engine
 
     def _send_outputs(self, outputs: EngineCoreOutputs) -> None:
         outputs.engine_index = self.engine_index

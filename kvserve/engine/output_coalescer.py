@@ -22,11 +22,11 @@ engine order. Nothing waits longer than MAX_HOLD_S (checked at each step).
 """
 from __future__ import annotations
 
-import os
 import time
 from typing import Iterable, Optional
 
 from kvserve.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+from kvserve.envs import env_switch
 from kvserve.sampling_params import RequestOutputKind
 
 # An upper bound on how stale the frontend's view can get (progress bars, a client polling
@@ -35,13 +35,6 @@ MAX_HOLD_S = 0.5
 
 # KVSERVE_HOLD_OUTPUTS=0: send every step's outputs (the behaviour before; for A/B runs).
 HOLD_OUTPUTS_ENV = "KVSERVE_HOLD_OUTPUTS"
-
-
-def holding_enabled() -> bool:
-    mode = os.environ.get(HOLD_OUTPUTS_ENV, "1").strip()
-    if mode not in ("0", "1"):
-        raise ValueError(f"{HOLD_OUTPUTS_ENV} must be 0 or 1, got {mode!r}")
-    return mode == "1"
 
 
 def _concat(a: Optional[list], b: Optional[list]) -> Optional[list]:
@@ -67,7 +60,7 @@ class OutputCoalescer:
     """Decides, step by step, what of the engine core's outputs to send now."""
 
     def __init__(self, log_stats: bool, max_hold_s: float = MAX_HOLD_S) -> None:
-        self.enabled = not log_stats and holding_enabled()
+        self.enabled = not log_stats and env_switch(HOLD_OUTPUTS_ENV)
         self.max_hold_s = max_hold_s
         self._holdable: set[str] = set()     # requests whose per-step outputs may wait
         self._started: set[str] = set()      # ... whose first token has gone out
@@ -100,9 +93,7 @@ class OutputCoalescer:
         now = time.monotonic()
         if not self._held:
             self._held_since = now
-        for out in outputs.outputs:
-            held = self._held.get(out.request_id)
-            self._held[out.request_id] = out if held is None else merge_outputs(held, out)
+        self._hold(outputs.outputs)
         if self._held and now - self._held_since >= self.max_hold_s:
             return self.flush()
         return None
@@ -123,11 +114,8 @@ class OutputCoalescer:
 
     def _with_held(self, outputs: EngineCoreOutputs) -> EngineCoreOutputs:
         if self._held:
-            merged = self._held
-            for out in outputs.outputs:
-                held = merged.get(out.request_id)
-                merged[out.request_id] = out if held is None else merge_outputs(held, out)
-            outputs.outputs = list(merged.values())
+            self._hold(outputs.outputs)
+            outputs.outputs = list(self._held.values())
             self._held = {}
         for out in outputs.outputs:
             if out.finished:
@@ -137,6 +125,11 @@ class OutputCoalescer:
         for rid in outputs.finished_requests or ():
             self._forget(rid)
         return outputs
+
+    def _hold(self, outputs: list[EngineCoreOutput]) -> None:
+        for out in outputs:
+            held = self._held.get(out.request_id)
+            self._held[out.request_id] = out if held is None else merge_outputs(held, out)
 
     def _forget(self, rid: str) -> None:
         self._holdable.discard(rid)

@@ -17,11 +17,11 @@ KVSERVE_CPU_FUSED_DECODE=0 turns it off (the per-layer path runs; same output).
 """
 from __future__ import annotations
 
-import os
 from typing import Callable, Optional
 
 import torch
 
+from kvserve.envs import env_switch
 from kvserve.ops.build import CpuKernel
 
 # Per-layer tensor slots, in csrc/decode_layers.cpp's order.
@@ -35,10 +35,7 @@ _KERNEL = CpuKernel("decode_layers.cpp", op="decode_layers", isa_op="decode_laye
 
 def enabled_by_env() -> bool:
     """KVSERVE_CPU_FUSED_DECODE: "1" (default) or "0"; anything else is a ValueError."""
-    mode = os.environ.get(FUSED_DECODE_ENV, "1").strip()
-    if mode not in ("0", "1"):
-        raise ValueError(f"{FUSED_DECODE_ENV} must be 0 or 1, got {mode!r}")
-    return mode == "1"
+    return env_switch(FUSED_DECODE_ENV)
 
 
 def _dependencies_loaded() -> bool:

@@ -31,6 +31,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from kvserve.envs import env_switch
 from kvserve.ops.build import DISABLE_ENV, KERNEL_DTYPES, CpuKernel
 
 logger = logging.getLogger(__name__)
@@ -238,10 +239,7 @@ def untile_weight(tiled: torch.Tensor, dtype: Optional[torch.dtype] = None) -> t
 
 def _tiling_enabled(x_dtype: torch.dtype) -> bool:
     # Read at every model load (a bad value is a ValueError there); the kernel probed once.
-    mode = os.environ.get(TILED_WEIGHTS_ENV, "1").strip()
-    if mode not in ("0", "1"):
-        raise ValueError(f"{TILED_WEIGHTS_ENV} must be 0 or 1, got {mode!r}")
-    return mode == "1" and _tiled_kernel_works(x_dtype)
+    return env_switch(TILED_WEIGHTS_ENV) and _tiled_kernel_works(x_dtype)
 
 
 @functools.lru_cache(maxsize=None)
