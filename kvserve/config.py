@@ -42,7 +42,8 @@ def resolve_weight_dtype(dtype: Any, hf_config: dict, device: str) -> Optional[t
     dtype "auto" on a CPU without bf16 instructions (below the avx512_bf16 tier): bf16 math
     there is emulated (~4x slower than float32), so a bf16/fp16 checkpoint keeps its weights
     16-bit (half the bytes per decode step) and activations, math and the KV cache are float32
-    (ModelConfig.dtype). An explicit dtype keeps its meaning."""
+    (ModelConfig.dtype; kv_cache_dtype="bfloat16" keeps the cache 16-bit too). An explicit
+    dtype keeps its meaning."""
     if dtype not in (None, "auto") or device != "cpu":
         return None
     name = str(hf_config.get("torch_dtype") or hf_config.get("dtype") or "float32")
@@ -53,10 +54,40 @@ def resolve_weight_dtype(dtype: Any, hf_config: dict, device: str) -> Optional[t
     if cpu_isa.has_native_bf16():
         return None
     logger.info("dtype=auto: %s checkpoint on a CPU without bf16 math (kernel tier %s): weights "
-                "stay %s in memory; activations, math and the KV cache are float32.",
+                "stay %s in memory; activations, math and the KV cache are float32 "
+                "(kv_cache_dtype=bfloat16 keeps the KV cache 16-bit).",
                 name.replace("torch.", ""), cpu_isa.selected_tier() or "none",
                 name.replace("torch.", ""))
     return stored
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, model_config: "ModelConfig",
+                           device: str) -> torch.dtype:
+    """vLLM's --kv-cache-dtype: "auto" is the model's dtype (activations). On CPU a 16-bit
+    cache beside float32 activations is also allowed ("bfloat16"): half the bytes each decode
+    step reads and twice the tokens per GiB, at bf16 rounding of K, V and the query in
+    attention. The CPU kernels store float32 or bfloat16; CUDA keeps the model's dtype."""
+    name = str(kv_cache_dtype).replace("torch.", "")
+    if name == "auto":
+        return model_config.dtype
+    if name.startswith("fp8"):
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}: fp8 KV caches are not supported; "
+                         f"use auto, bfloat16 or float32.")
+    dtype = _DTYPES.get(name)
+    if dtype is None:
+        raise ValueError(f"Unknown kv_cache_dtype {kv_cache_dtype!r}; supported: auto, "
+                         f"bfloat16, float32.")
+    if device.startswith("cuda"):
+        if dtype != model_config.dtype:
+            raise ValueError(f"kv_cache_dtype={name} with dtype {model_config.dtype}: on CUDA "
+                             f"the KV cache keeps the model's dtype (kv_cache_dtype=auto).")
+        return dtype
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"kv_cache_dtype={name}: the CPU KV cache is float32 or bfloat16.")
+    if dtype != model_config.dtype:
+        logger.info("KV cache in %s beside %s activations (kv_cache_dtype=%s).",
+                    name, str(model_config.dtype).replace("torch.", ""), name)
+    return dtype
 
 
 @dataclass
@@ -195,6 +226,8 @@ def load_hf_config(path: str, hf_config_path: Optional[str] = None,
 @dataclass
 class CacheConfig:
     block_size: int = 16
+    # The KV cache's dtype (vLLM's --kv-cache-dtype, resolved): None = the model's dtype.
+    kv_cache_dtype: Optional[torch.dtype] = None
     kv_cache_memory: Optional[int] = None       # bytes; None = default for the device
     num_gpu_blocks_override: Optional[int] = None
     enable_prefix_caching: bool = True

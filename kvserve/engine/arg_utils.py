@@ -16,7 +16,7 @@ import torch
 from kvserve.attention.selector import resolve_backend_name
 from kvserve.config import (CacheConfig, DeviceConfig, KVServeConfig, ModelConfig,
                             ParallelConfig, SchedulerConfig, SpeculativeConfig,
-                            StructuredOutputsConfig)
+                            StructuredOutputsConfig, resolve_kv_cache_dtype)
 
 _HELP = {
     "model": "Path to a Hugging Face checkpoint directory or a .gguf file, 'demo' for the built-in "
@@ -31,6 +31,8 @@ _HELP = {
     "dtype": "Weight and activation dtype: auto, float32, bfloat16, float16.",
     "max_model_len": "Context length (prompt + output). Defaults to the model's max_position_embeddings.",
     "block_size": "Tokens per KV cache block.",
+    "kv_cache_dtype": "KV cache dtype: auto (the model's dtype), bfloat16 or float32. On CPU "
+                      "bfloat16 beside float32 activations halves the KV bytes.",
     "kv_cache_memory": "Bytes of memory for the KV cache (default: 2 GiB on CPU, 90%% of free memory on CUDA).",
     "num_gpu_blocks_override": "Use exactly this many KV cache blocks (for testing).",
     "enable_prefix_caching": "Reuse KV blocks of shared prompt prefixes.",
@@ -87,6 +89,7 @@ class EngineArgs:
     dtype: str = "auto"
     max_model_len: Optional[int] = None
     block_size: int = 16
+    kv_cache_dtype: str = "auto"
     kv_cache_memory: Optional[int] = None
     num_gpu_blocks_override: Optional[int] = None
     enable_prefix_caching: bool = True
@@ -225,6 +228,7 @@ class EngineArgs:
             model_config=model_config,
             cache_config=CacheConfig(
                 block_size=self.block_size, kv_cache_memory=self.kv_cache_memory,
+                kv_cache_dtype=resolve_kv_cache_dtype(self.kv_cache_dtype, model_config, device),
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
                 enable_prefix_caching=self.enable_prefix_caching,
                 gpu_memory_utilization=self.gpu_memory_utilization),

@@ -56,9 +56,13 @@ class SharedStorageConnector(KVConnectorBase):
             self.kv_transfer_config.get_from_extra_config("shared_storage_path", ""))
         os.makedirs(self.storage_path, exist_ok=True)
         mc = config.model_config
-        # Files are only valid for this model, dtype, block size and KV layout.
-        ident = json.dumps([os.path.realpath(mc.model), mc.hf_config, str(mc.dtype),
-                            self.block_size], sort_keys=True, default=str)
+        # Files are only valid for this model, dtype, block size and KV layout (and a KV cache
+        # dtype other than the model's).
+        parts = [os.path.realpath(mc.model), mc.hf_config, str(mc.dtype), self.block_size]
+        kv_dtype = config.cache_config.kv_cache_dtype
+        if kv_dtype is not None and kv_dtype != mc.dtype:
+            parts.append(str(kv_dtype))
+        ident = json.dumps(parts, sort_keys=True, default=str)
         self._model_key = hashlib.sha256(ident.encode()).digest()
         self._pending_loads: dict[str, list[tuple[int, str]]] = {}
         self._save_state: dict[str, _SaveState] = {}

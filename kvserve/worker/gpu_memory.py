@@ -67,7 +67,7 @@ def profile_memory(runner, utilization: float) -> tuple[int, MemoryProfile]:
         num_decodes=int((qlens == 1).sum()), query_starts=starts, query_lens=qlens,
         context_lens=np.zeros(R, np.int64), block_table=np.zeros((R, width), np.int64),
         slot_mapping=np.zeros(T, np.int64), block_size=runner.block_size)
-    scratch = [torch.zeros(runner.kv_cache_shape(1), dtype=runner.dtype, device=dev)
+    scratch = [torch.zeros(runner.kv_cache_shape(1), dtype=runner.kv_dtype, device=dev)
                for _ in range(mc.num_layers)]
     torch.cuda.synchronize(dev)
     torch.cuda.empty_cache()

@@ -57,6 +57,7 @@ class ModelRunner:
         self.device = device
         mc = config.model_config
         self.dtype = mc.dtype
+        self.kv_dtype = config.cache_config.kv_cache_dtype or mc.dtype
         self.block_size = config.cache_config.block_size
         self.max_model_len = mc.max_model_len
         self.max_blocks_per_req = cdiv(self.max_model_len, self.block_size)
@@ -99,7 +100,7 @@ class ModelRunner:
 
     def kv_cache_bytes_per_block(self) -> int:
         shape = self.kv_cache_shape(1)
-        per_layer = int(np.prod(shape)) * torch.empty((), dtype=self.dtype).element_size()
+        per_layer = int(np.prod(shape)) * torch.empty((), dtype=self.kv_dtype).element_size()
         draft = self.spec_decode.kv_cache_bytes_per_block() if self.spec_decode else 0
         return per_layer * self.num_local_layers + draft
 
@@ -107,7 +108,7 @@ class ModelRunner:
         # Zeroed, not empty: masked-out slots are multiplied by 0 in attention, and garbage
         # NaNs would survive that.
         shape = self.kv_cache_shape(num_blocks)
-        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.kv_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
                           for _ in range(self.num_local_layers)]
         if self.spec_decode is not None:
             self.spec_decode.initialize_kv_cache(num_blocks)
