@@ -133,3 +133,29 @@ def test_rotary_and_cache_write(dtype: torch.dtype, head_size: int) -> None:
 def test_attention_kernels(dtype: torch.dtype, head_dim: int) -> None:
     tpa.check(pa.cpu_kernel(), [1, 16, 17, 40], 2, 3, head_dim, 16, dtype)
     tpf.check(pf.cpu_kernel(), [(0, 37), (20, 1), (33, 20)], 2, 2, head_dim, 16, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+def test_attention_split_over_threads_keeps_the_bits(dtype: torch.dtype) -> None:
+    """Decode attention of long sequences split over 1, 2 and 3 threads (on the avx2 tier a
+    sequence's token chunks spread over threads and fold afterwards), and one sequence alone:
+    the same bits every time, and close to the reference."""
+    lens = [700, 5, 300]
+    q, kv_cache, tables, seq_lens = tpa.make_case(lens, 2, 3, 64, 16, dtype, seed=4)
+    op = pa.cpu_kernel()
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        for t in (1, 2, 3):
+            torch.set_num_threads(t)
+            outs.append(op(q, kv_cache, tables, seq_lens, 0.125))
+            outs.append(op(q[:1], kv_cache, tables[:1], seq_lens[:1], 0.125))
+    finally:
+        torch.set_num_threads(threads)
+    for out in outs[2::2]:
+        assert torch.equal(out, outs[0])
+    for alone in outs[1::2]:
+        assert torch.equal(alone, outs[0][:1])
+    torch.testing.assert_close(outs[0].double(),
+                               tpa.reference(q, kv_cache, tables, seq_lens, 0.125),
+                               **tpa.TOLERANCES[dtype])

@@ -13,7 +13,11 @@
 // and padded table entries are never read, so whatever they hold (stale values, NaN) cannot
 // reach the result.
 //
-// Work split: an item is (sequence, kv head), ordered sequence-major, and each thread gets one
+// Work split with AVX2 (the avx2 tier and the AVX-512 ones) and head_dim 32 / 64 / 128: whole
+// blocks per thread, read in memory order for every head at once; a sequence's tokens are cut
+// into chunks whose softmax states fold in a fixed order (see "Row order" below). Elsewhere
+// (head_dim 256 on AVX-512, other head dims, portable builds): an item is (sequence, kv
+// head), ordered sequence-major, and each thread gets one
 // contiguous run of items holding about the same number of tokens (see split_items); a
 // thread steps the items of one sequence together, block by block (attend_heads).
 //
@@ -151,7 +155,6 @@ struct GenericStep {
 // head_dim a multiple of 8; the portable step's loops 8 floats wide, K/V widened in registers.
 
 #if defined(KVS_AVX2)
-#define KVS_AVX2_STEP_INLINE inline __attribute__((always_inline))
 
 
 template <typename T>
@@ -196,76 +199,9 @@ struct Avx2Step {
 };
 #endif
 
-#if defined(KVS_AVX2)
-// The AVX2 step for head_dim = 8 * NV (32, 64, 128): the same online softmax with the row in
-// registers. Scores 8 tokens at a time, their 8 dot products summed across lanes together
-// (hsum8x8) instead of one horizontal sum per token, and a query head's accumulator kept in
-// registers over the block instead of loaded and stored per V row. Against Avx2Step (Zen 1, 12
-// heads x 64, float32, alternating runs in one process): 1 x 128 tokens 66 -> 50 us, 1 x 512
-// 300 -> 225 us, 32 x 256 9.2 -> 6.5 ms (before the sequence-major order below).
-template <typename T, int NV>
-struct Avx2StepD {
-  static int64_t pos(int64_t d) { return d; }
-
-  static KVS_AVX2_STEP_INLINE __m256 hsum8x8(const __m256 (&v)[8]) {
-    // Lane i of the result = the sum of v[i]'s 8 lanes.
-    const __m256 t0 = _mm256_hadd_ps(v[0], v[1]), t1 = _mm256_hadd_ps(v[2], v[3]);
-    const __m256 t2 = _mm256_hadd_ps(v[4], v[5]), t3 = _mm256_hadd_ps(v[6], v[7]);
-    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
-    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
-                         _mm256_permute2f128_ps(u0, u1, 0x31));
-  }
-
-  static void run(const T* kb, const T* vb, int64_t stride, int64_t ntok, int64_t G, int64_t D,
-                  int64_t BS, Scratch& sc) {
-    using namespace kvs_avx2;
-    for (int64_t g = 0; g < G; ++g) {
-      const float* qg = sc.q.data() + g * D;
-      float* sg = sc.s.data() + g * BS;
-      int64_t j = 0;
-      for (; j + 8 <= ntok; j += 8) {
-        __m256 a[8];
-        for (int t = 0; t < 8; ++t) {
-          const T* kr = kb + (j + t) * stride;
-          a[t] = _mm256_mul_ps(load8(kr), _mm256_loadu_ps(qg));
-          for (int c = 1; c < NV; ++c)
-            a[t] = _mm256_fmadd_ps(load8(kr + 8 * c), _mm256_loadu_ps(qg + 8 * c), a[t]);
-        }
-        _mm256_storeu_ps(sg + j, hsum8x8(a));
-      }
-      for (; j < ntok; ++j) sg[j] = dot8(qg, kb + j * stride, D);
-
-      __m256 vm = _mm256_set1_ps(sc.m[g]);
-      j = 0;
-      for (; j + 8 <= ntok; j += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(sg + j));
-      float mx = hmax8(vm);
-      for (; j < ntok; ++j) mx = std::max(mx, sg[j]);
-      const float alpha = std::exp(sc.m[g] - mx);  // exp(-inf) = 0 on the first block
-      sc.m[g] = mx;
-      sc.l[g] = sc.l[g] * alpha + exp_sum(sg, ntok, mx);
-
-      float* ag = sc.acc.data() + g * D;
-      // Halves of at most 8 registers for D = 128 (16 accumulators would spill).
-      constexpr int kPart = NV < 8 ? NV : 8;
-      for (int c0 = 0; c0 < NV; c0 += kPart) {
-        __m256 acc[kPart];
-        const __m256 va = _mm256_set1_ps(alpha);
-        for (int c = 0; c < kPart; ++c)
-          acc[c] = _mm256_mul_ps(va, _mm256_loadu_ps(ag + 8 * (c0 + c)));
-        for (int64_t t = 0; t < ntok; ++t) {
-          const T* vr = vb + t * stride + 8 * c0;
-          const __m256 p = _mm256_set1_ps(sg[t]);
-          for (int c = 0; c < kPart; ++c) acc[c] = _mm256_fmadd_ps(p, load8(vr + 8 * c), acc[c]);
-        }
-        for (int c = 0; c < kPart; ++c) _mm256_storeu_ps(ag + 8 * (c0 + c), acc[c]);
-      }
-    }
-  }
-};
-#endif
-
 // ------------------------------------------------------------------------------------------
-// AVX-512 block step: head_dim = 16 * NV, a K/V row lives in NV registers. Decode attention
+// AVX-512 block step (head_dim 256 since the row order below took 32 / 64 / 128): head_dim =
+// 16 * NV, a K/V row lives in NV registers. Decode attention
 // reads each K/V element once, so the cost per element decides: bfloat16 rows are widened
 // with in-lane ops only (even elements, then odd ones, of every 32: q and acc are kept in that
 // order too), and 16 dot products are summed across lanes together. With AVX512_BF16 the
@@ -635,24 +571,287 @@ void run(const Params& P) {
   });
 }
 
+#if defined(KVS_AVX2)
+// ------------------------------------------------------------------------------------------
+// Row order (AVX2 code, every tier from avx2 up; head_dim 32 / 64 / 128). A thread takes whole
+// blocks and steps every query head of the sequence through them with the cache read in memory
+// order: a token's K (then V) rows of all kv heads one after another, so the hardware
+// prefetchers see one stream per block. The head split (run) has two threads read alternate
+// parts of each token's row and each thread a head's 16 rows 3 KB apart. Measured per call
+// (Zen 4, avx2 tier, 2 threads, 12 heads x 64, batch 1, after a 200 MB read, two alternating
+// runs), head split -> row order: float32 72 -> 57-61 us at 128 tokens, 206-210 -> 156-169 at
+// 512, 546-550 -> 416-436 at 1500; bfloat16 76 -> 55 at 128, 526 -> 388 at 1500.
+//
+// Whole blocks per thread means splitting a sequence's tokens, not its heads: the tokens are
+// cut into chunks of whole blocks (chunk_blocks, from the sequence's length alone), each
+// chunk's softmax state starts from nothing, and a sequence's chunk states are folded in chunk
+// order (fold). So the result depends on neither the batch nor the thread count. A sequence
+// whose chunks span threads has its chunk states stored and folded after the parallel region
+// (the same fold, the same bits).
+
+constexpr int64_t kMinChunkTokens = 32;  // below this a fold costs a visible share of a chunk
+constexpr int64_t kMaxChunks = 16;       // enough to spread one sequence over 16 threads
+
+inline int64_t num_blocks(const Params& P, int64_t n) {
+  return (P.seq_lens[n] + P.block_size - 1) / P.block_size;
+}
+
+inline int64_t chunk_blocks(const Params& P, int64_t n) {
+  return std::max({int64_t{1}, kMinChunkTokens / P.block_size,
+                   (num_blocks(P, n) + kMaxChunks - 1) / kMaxChunks});
+}
+
+// Softmax state of all Hq query heads of a sequence: running max m [Hq], sum l [Hq],
+// accumulator acc [Hq, D]; for a chunk also q pre-scaled [Hq, D] and the block's scores s
+// [Hq, BS]. Kept per thread across calls (no allocation per call).
+struct RowState {
+  std::vector<float> q, acc, s, m, l;
+  void fit(int64_t Hq, int64_t D, int64_t BS) {
+    q.resize(Hq * D), acc.resize(Hq * D), s.resize(Hq * BS), m.resize(Hq), l.resize(Hq);
+  }
+  void reset() {
+    std::fill(acc.begin(), acc.end(), 0.f);
+    std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
+    std::fill(l.begin(), l.end(), 0.f);
+  }
+};
+
+// into = into (+) the next chunk's state (m2, l2, acc2), Hq heads. Out of line so that the fold
+// in the parallel region and the one after it are the same machine code (the same bits).
+KVS_NOINLINE void fold(RowState& into, const float* m2, const float* l2, const float* acc2,
+                       int64_t Hq, int64_t D) {
+  for (int64_t h = 0; h < Hq; ++h) {
+    if (m2[h] == -std::numeric_limits<float>::infinity()) continue;  // an empty chunk
+    const float mx = std::max(into.m[h], m2[h]);
+    const float a = std::exp(into.m[h] - mx), b = std::exp(m2[h] - mx);  // exp(-inf) = 0
+    into.m[h] = mx;
+    into.l[h] = into.l[h] * a + l2[h] * b;
+    float* acc = into.acc.data() + h * D;
+    const float* add = acc2 + h * D;
+    for (int64_t d = 0; d < D; ++d) acc[d] = acc[d] * a + add[d] * b;
+  }
+}
+
+// Lane i of the result = the sum of v[i]'s 8 lanes (one tree for 8 sums instead of one
+// horizontal sum each).
+inline __attribute__((always_inline)) __m256 hsum8x8(const __m256 (&v)[8]) {
+  const __m256 t0 = _mm256_hadd_ps(v[0], v[1]), t1 = _mm256_hadd_ps(v[2], v[3]);
+  const __m256 t2 = _mm256_hadd_ps(v[4], v[5]), t3 = _mm256_hadd_ps(v[6], v[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// One block, every query head, rows in memory order. D = 8 * NV.
+template <typename T, int NV>
+struct Avx2RowStep {
+  static void run(const Params& P, const T* kb, const T* vb, int64_t ntok, RowState& st) {
+    using namespace kvs_avx2;
+    constexpr int64_t D = 8 * NV;
+    const int64_t Hkv = P.num_kv_heads, G = P.groups, Hq = Hkv * G, BS = P.block_size;
+    const int64_t ts = P.kv_stride_token, hs = P.kv_stride_head;
+    float* const s = st.s.data();
+    float* const acc = st.acc.data();
+    // Scores, 8 (row, query head) dot products reduced together (hsum8x8: each lane's sum
+    // has the same shape wherever it sits, so a score does not depend on its neighbours).
+    __m256 a[8];
+    int64_t where[8];
+    int cnt = 0;
+    auto flush = [&]() {
+      for (int i = cnt; i < 8; ++i) a[i] = _mm256_setzero_ps();
+      alignas(32) float r[8];
+      _mm256_store_ps(r, hsum8x8(a));
+      for (int i = 0; i < cnt; ++i) s[where[i]] = r[i];
+      cnt = 0;
+    };
+    for (int64_t j = 0; j < ntok; ++j)
+      for (int64_t h = 0; h < Hkv; ++h) {
+        const T* kr = kb + j * ts + h * hs;
+        for (int64_t g = 0; g < G; ++g) {
+          const float* qg = st.q.data() + (h * G + g) * D;
+          __m256 d = _mm256_mul_ps(load8(kr), _mm256_loadu_ps(qg));
+          for (int c = 1; c < NV; ++c)
+            d = _mm256_fmadd_ps(load8(kr + 8 * c), _mm256_loadu_ps(qg + 8 * c), d);
+          a[cnt] = d;
+          where[cnt] = (h * G + g) * BS + j;
+          if (++cnt == 8) flush();
+        }
+      }
+    if (cnt) flush();
+    // Online softmax update per query head (as the block steps above).
+    for (int64_t qh = 0; qh < Hq; ++qh) {
+      float* sg = s + qh * BS;
+      float mx = st.m[qh];
+      for (int64_t j = 0; j < ntok; ++j) mx = std::max(mx, sg[j]);
+      const float alpha = std::exp(st.m[qh] - mx);  // exp(-inf) = 0 on the first block
+      st.m[qh] = mx;
+      st.l[qh] = st.l[qh] * alpha + exp_sum(sg, ntok, mx);
+      if (alpha != 1.f) {
+        const __m256 va = _mm256_set1_ps(alpha);
+        float* ag = acc + qh * D;
+        for (int c = 0; c < NV; ++c)
+          _mm256_storeu_ps(ag + 8 * c, _mm256_mul_ps(va, _mm256_loadu_ps(ag + 8 * c)));
+      }
+    }
+    // acc += p * v, rows in memory order.
+    for (int64_t j = 0; j < ntok; ++j)
+      for (int64_t h = 0; h < Hkv; ++h) {
+        const T* vr = vb + j * ts + h * hs;
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t qh = h * G + g;
+          const __m256 p = _mm256_set1_ps(s[qh * BS + j]);
+          float* ag = acc + qh * D;
+          for (int c = 0; c < NV; ++c)
+            _mm256_storeu_ps(ag + 8 * c,
+                             _mm256_fmadd_ps(p, load8(vr + 8 * c), _mm256_loadu_ps(ag + 8 * c)));
+        }
+      }
+  }
+};
+
+// Chunk states of the sequences that span threads: per chunk m [Hq], l [Hq], acc [Hq * D].
+struct StoredChunks {
+  std::vector<float> data;
+  std::vector<int64_t> base;  // per sequence: offset of its chunk 0, or -1 (not stored)
+  int64_t per_chunk = 0;
+  float* at(int64_t n, int64_t c) { return data.data() + base[n] + c * per_chunk; }
+};
+
+template <typename T>
+void write_rows(const Params& P, int64_t n, const RowState& st) {
+  const int64_t Hq = P.num_kv_heads * P.groups, D = P.head_dim;
+  T* out = static_cast<T*>(P.out) + n * P.out_stride_n;
+  for (int64_t qh = 0; qh < Hq; ++qh) {
+    // An empty sequence (never scheduled for decode) gives zeros rather than 0/0.
+    const float inv = P.seq_lens[n] > 0 ? 1.f / st.l[qh] : 0.f;
+    for (int64_t d = 0; d < D; ++d)
+      out[qh * P.out_stride_h + d] = static_cast<T>(st.acc[qh * D + d] * inv);
+  }
+}
+
+// Chunks [c0, c1) of sequence n: each chunk stepped block by block into `part`, then folded
+// into `total` (the thread holds the whole sequence: written out at the end) or stored.
+template <typename T, int NV>
+void attend_rows(const Params& P, int64_t n, int64_t c0, int64_t c1, RowState& part,
+                 RowState& total, StoredChunks& stored) {
+  const int64_t Hq = P.num_kv_heads * P.groups, D = P.head_dim, BS = P.block_size;
+  const int64_t len = P.seq_lens[n], cb = chunk_blocks(P, n);
+  const bool store = stored.base[n] >= 0;
+  const T* q = static_cast<const T*>(P.q) + n * P.q_stride_n;
+  for (int64_t qh = 0; qh < Hq; ++qh)
+    for (int64_t d = 0; d < D; ++d)
+      part.q[qh * D + d] = to_float(q[qh * P.q_stride_h + d]) * P.scale;
+  if (!store) total.reset();
+  const T* K = static_cast<const T*>(P.k);
+  const T* V = static_cast<const T*>(P.v);
+  const int64_t b_end = std::min(c1 * cb, num_blocks(P, n));
+  for (int64_t c = c0; c < c1; ++c) {
+    part.reset();
+    for (int64_t b = c * cb; b < std::min((c + 1) * cb, b_end); ++b) {
+      const int64_t off = checked_block(P, n, b) * P.kv_stride_block;
+      Avx2RowStep<T, NV>::run(P, K + off, V + off, std::min(BS, len - b * BS), part);
+    }
+    if (!store) {
+      fold(total, part.m.data(), part.l.data(), part.acc.data(), Hq, D);
+      continue;
+    }
+    float* dst = stored.at(n, c);
+    std::copy(part.m.begin(), part.m.end(), dst);
+    std::copy(part.l.begin(), part.l.end(), dst + Hq);
+    std::copy(part.acc.begin(), part.acc.end(), dst + 2 * Hq);
+  }
+  if (!store) write_rows<T>(P, n, total);
+}
+
+template <typename T, int NV>
+void run_rows(const Params& P) {
+  const int64_t N = P.num_seqs, BS = P.block_size;
+  const int64_t Hq = P.num_kv_heads * P.groups, D = P.head_dim;
+  // The chunk list, sequence-major, and each thread's contiguous run of it with about the
+  // same tokens (plus a fixed cost per chunk: its setup, fold and first block).
+  constexpr int64_t kChunkOverhead = 16;
+  std::vector<int64_t> first(N + 1, 0), seq, cost;
+  int64_t total_cost = 0, work = 0;
+  for (int64_t n = 0; n < N; ++n) {
+    const int64_t cb = chunk_blocks(P, n), len = P.seq_lens[n];
+    const int64_t chunks = std::max<int64_t>(1, (num_blocks(P, n) + cb - 1) / cb);
+    for (int64_t c = 0; c < chunks; ++c) {
+      cost.push_back(std::max<int64_t>(0, std::min(cb * BS, len - c * cb * BS)) + kChunkOverhead);
+      seq.push_back(n);
+      total_cost += cost.back();
+    }
+    first[n + 1] = first[n] + chunks;
+    work += len;
+  }
+  // A second thread from a few hundred (token, query head) pairs (see run()).
+  constexpr int64_t kMinWorkPerThread = 256;
+  const int64_t items = first[N];
+  const int64_t threads = std::max<int64_t>(
+      1, std::min({static_cast<int64_t>(at::get_num_threads()), items,
+                   work * Hq / kMinWorkPerThread}));
+  std::vector<int64_t> bounds(threads + 1, items);
+  bounds[0] = 0;
+  for (int64_t t = 1, u = 0, done = 0; t < threads; ++t) {
+    const int64_t target = total_cost / threads * t + total_cost % threads * t / threads;
+    while (u < items && done + cost[u] <= target) done += cost[u++];
+    bounds[t] = u;
+  }
+  StoredChunks stored{{}, std::vector<int64_t>(N, -1), Hq * (D + 2)};
+  int64_t size = 0;
+  for (int64_t t = 1; t < threads; ++t) {
+    const int64_t u = bounds[t];
+    if (u <= 0 || u >= items || u == first[seq[u]] || stored.base[seq[u]] >= 0) continue;
+    stored.base[seq[u]] = size;                       // a cut inside sequence seq[u]
+    size += (first[seq[u] + 1] - first[seq[u]]) * stored.per_chunk;
+  }
+  stored.data.resize(size);
+
+  at::parallel_for(0, threads, 1, [&](int64_t tb, int64_t te) {
+    static thread_local RowState part, total;
+    part.fit(Hq, D, BS);
+    total.fit(Hq, D, BS);
+    for (int64_t t = tb; t < te; ++t)
+      for (int64_t u = bounds[t]; u < bounds[t + 1];) {
+        const int64_t n = seq[u], end = std::min(bounds[t + 1], first[n + 1]);
+        attend_rows<T, NV>(P, n, u - first[n], end - first[n], part, total, stored);
+        u = end;
+      }
+  });
+  RowState st;
+  st.fit(Hq, D, BS);
+  for (int64_t n = 0; n < N; ++n) {
+    if (stored.base[n] < 0) continue;
+    st.reset();
+    for (int64_t c = 0; c < first[n + 1] - first[n]; ++c) {
+      const float* x = stored.at(n, c);
+      fold(st, x, x + Hq, x + 2 * Hq, Hq, D);
+    }
+    write_rows<T>(P, n, st);
+  }
+}
+#endif  // KVS_AVX2
+
 template <typename T>
 KVS_NOINLINE void dispatch_head_dim(const Params& P) {
+#if defined(KVS_AVX2)
+  // Row order on every tier with AVX2 (AVX-512 builds too): a decode step's KV is cold, and
+  // there reading it in memory order beat the AVX-512 step's head split (Zen 4, avx512_bf16
+  // tier, 12 heads x 64, batch 1, after a 200 MB read, two alternating runs: float32 86 -> 65
+  // us at 128 tokens, 224 -> 174 at 512, 666 -> 469 at 1500; bfloat16 60 -> 52, 152 -> 134,
+  // 443 -> 361). From cache the dpbf16 step is faster (bf16, 512 tokens: 41 against 52 us).
+  switch (P.head_dim) {
+    case 32: return run_rows<T, 4>(P);
+    case 64: return run_rows<T, 8>(P);
+    case 128: return run_rows<T, 16>(P);
+    default: break;
+  }
+#endif
 #if defined(__AVX512F__)
   switch (P.head_dim) {
-    case 32: return run<T, Avx512Step<T, 2>>(P);
-    case 64: return run<T, Avx512Step<T, 4>>(P);
-    case 128: return run<T, Avx512Step<T, 8>>(P);
     case 256: return run<T, Avx512Step<T, 16>>(P);
     default: break;
   }
 #endif
 #if defined(KVS_AVX2)
-  switch (P.head_dim) {
-    case 32: return run<T, Avx2StepD<T, 4>>(P);
-    case 64: return run<T, Avx2StepD<T, 8>>(P);
-    case 128: return run<T, Avx2StepD<T, 16>>(P);
-    default: break;
-  }
   if (P.head_dim % 8 == 0) return run<T, Avx2Step<T>>(P);
 #endif
   run<T, GenericStep<T>>(P);
