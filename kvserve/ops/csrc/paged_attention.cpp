@@ -157,6 +157,23 @@ struct GenericStep {
 #if defined(KVS_AVX2)
 
 
+// Online softmax update of one query head over a block's scores sg [ntok]: new running max m,
+// what was accumulated (acc [D], D a multiple of 8) rescaled, sg replaced by exp(sg - m), and
+// their sum added to l.
+inline void softmax_update8(float* sg, int64_t ntok, float& m, float& l, float* acc, int64_t D) {
+  using namespace kvs_avx2;
+  float mx = m;
+  for (int64_t j = 0; j < ntok; ++j) mx = std::max(mx, sg[j]);
+  const float alpha = std::exp(m - mx);  // exp(-inf) = 0 on the first block
+  m = mx;
+  l = l * alpha + exp_sum(sg, ntok, mx);
+  if (alpha != 1.f) {
+    const __m256 va = _mm256_set1_ps(alpha);
+    for (int64_t d = 0; d < D; d += 8)
+      _mm256_storeu_ps(acc + d, _mm256_mul_ps(va, _mm256_loadu_ps(acc + d)));
+  }
+}
+
 template <typename T>
 struct Avx2Step {
   static int64_t pos(int64_t d) { return d; }
@@ -172,20 +189,8 @@ struct Avx2Step {
         s[g * BS + j] = dot8(sc.q.data() + g * D, kr, D);
       }
     }
-    for (int64_t g = 0; g < G; ++g) {
-      float* sg = s + g * BS;
-      float mx = sc.m[g];
-      for (int64_t j = 0; j < ntok; ++j) mx = std::max(mx, sg[j]);
-      const float alpha = std::exp(sc.m[g] - mx);  // exp(-inf) = 0 on the first block
-      sc.m[g] = mx;
-      sc.l[g] = sc.l[g] * alpha + exp_sum(sg, ntok, mx);
-      if (alpha != 1.f) {
-        const __m256 va = _mm256_set1_ps(alpha);
-        float* ag = acc + g * D;
-        for (int64_t d = 0; d < D; d += 8)
-          _mm256_storeu_ps(ag + d, _mm256_mul_ps(va, _mm256_loadu_ps(ag + d)));
-      }
-    }
+    for (int64_t g = 0; g < G; ++g)
+      softmax_update8(s + g * BS, ntok, sc.m[g], sc.l[g], acc + g * D, D);
     for (int64_t j = 0; j < ntok; ++j) {
       const T* vr = vb + j * stride;
       for (int64_t g = 0; g < G; ++g) {
@@ -677,21 +682,9 @@ struct Avx2RowStep {
         }
       }
     if (cnt) flush();
-    // Online softmax update per query head (as the block steps above).
-    for (int64_t qh = 0; qh < Hq; ++qh) {
-      float* sg = s + qh * BS;
-      float mx = st.m[qh];
-      for (int64_t j = 0; j < ntok; ++j) mx = std::max(mx, sg[j]);
-      const float alpha = std::exp(st.m[qh] - mx);  // exp(-inf) = 0 on the first block
-      st.m[qh] = mx;
-      st.l[qh] = st.l[qh] * alpha + exp_sum(sg, ntok, mx);
-      if (alpha != 1.f) {
-        const __m256 va = _mm256_set1_ps(alpha);
-        float* ag = acc + qh * D;
-        for (int c = 0; c < NV; ++c)
-          _mm256_storeu_ps(ag + 8 * c, _mm256_mul_ps(va, _mm256_loadu_ps(ag + 8 * c)));
-      }
-    }
+    // Online softmax update per query head.
+    for (int64_t qh = 0; qh < Hq; ++qh)
+      softmax_update8(s + qh * BS, ntok, st.m[qh], st.l[qh], acc + qh * D, D);
     // acc += p * v, rows in memory order.
     for (int64_t j = 0; j < ntok; ++j)
       for (int64_t h = 0; h < Hkv; ++h) {
