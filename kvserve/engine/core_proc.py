@@ -22,9 +22,9 @@ The busy loop blocks on `input_queue.get()` while there is nothing to schedule, 
 engine uses no CPU. Step outputs that no one reads before a request finishes (final-only
 requests without stop strings, no stats kept) are held and sent together (OutputCoalescer):
 on a CPU host each message takes CPU from the forward pass. Utility calls and aborts travel
-on the same input socket as requests, so they are handled in order with them. A fatal error is not swallowed: the engine sends
-ENGINE_CORE_DEAD with its traceback on the output socket and exits; the frontend's monitor
-also notices the process exit by itself (SIGKILL, segfault).
+on the same input socket as requests, so they are handled in order with them. A fatal error
+is not swallowed: the engine sends ENGINE_CORE_DEAD with its traceback on the output socket
+and exits; the frontend's monitor also notices the process exit by itself (SIGKILL, segfault).
 """
 from __future__ import annotations
 

@@ -523,13 +523,25 @@ void attend_heads(const Params& P, int64_t n, int64_t kh0, int64_t kh1, Scratch*
 // the kv heads of consecutive sequences. Boundaries [bounds[t], bounds[t+1]) give each thread
 // about the same number of tokens (plus a fixed cost per item for its setup and its first,
 // unprefetched block), however ragged seq_lens are.
-std::vector<int64_t> split_items(const Params& P, int64_t threads) {
-  const int64_t N = P.num_seqs, items = P.num_kv_heads * N;
-  constexpr int64_t kItemOverhead = 16;
-  auto cost = [&](int64_t u) { return P.seq_lens[u / P.num_kv_heads] + kItemOverhead; };
-  int64_t total = 0;
-  for (int64_t n = 0; n < N; ++n) total += P.seq_lens[n] + kItemOverhead;
-  total *= P.num_kv_heads;
+// Waking a second thread costs more than a small call's work (tens of microseconds here).
+// A second thread pays from a few hundred (token, query head) pairs: a decode step's KV has
+// been pushed out of the caches by the weights streamed since the last step, so even one
+// short sequence is memory-latency bound, and two threads keep twice the loads in flight.
+// Measured (Zen 4, avx2 tier, float32, batch 1, 12 heads x 64, after a 200 MB read, per
+// call): 64 tokens 74 -> 56 us, 128 tokens 113 -> 81 us, 512 tokens 377 -> 248 us against
+// the former bar of 8192 pairs (one thread below ~680 tokens at batch 1).
+constexpr int64_t kMinWorkPerThread = 256;
+
+// Threads for `items` work items holding `pairs` (token, query head) pairs in all.
+inline int64_t num_threads(int64_t items, int64_t pairs) {
+  return std::max<int64_t>(1, std::min({static_cast<int64_t>(at::get_num_threads()), items,
+                                        pairs / kMinWorkPerThread}));
+}
+
+// [0, items) cut into `threads` contiguous runs [bounds[t], bounds[t + 1]) of about equal
+// cost(u) each (`total` = the sum of all costs).
+template <typename Cost>
+std::vector<int64_t> balanced_bounds(int64_t items, int64_t threads, int64_t total, Cost cost) {
   std::vector<int64_t> bounds(threads + 1, items);
   bounds[0] = 0;
   int64_t u = 0, done = 0;  // cost of items [0, u)
@@ -541,23 +553,22 @@ std::vector<int64_t> split_items(const Params& P, int64_t threads) {
   return bounds;
 }
 
+std::vector<int64_t> split_items(const Params& P, int64_t threads) {
+  const int64_t N = P.num_seqs;
+  constexpr int64_t kItemOverhead = 16;
+  int64_t total = 0;
+  for (int64_t n = 0; n < N; ++n) total += P.seq_lens[n] + kItemOverhead;
+  return balanced_bounds(P.num_kv_heads * N, threads, total * P.num_kv_heads, [&](int64_t u) {
+    return P.seq_lens[u / P.num_kv_heads] + kItemOverhead;
+  });
+}
+
 template <typename T, typename Step>
 void run(const Params& P) {
   const int64_t N = P.num_seqs;
-  // Waking a second thread costs more than a small call's work (tens of microseconds here).
-  // A second thread pays from a few hundred (token, query head) pairs: a decode step's KV has
-  // been pushed out of the caches by the weights streamed since the last step, so even one
-  // short sequence is memory-latency bound, and two threads keep twice the loads in flight.
-  // Measured (Zen 4, avx2 tier, float32, batch 1, 12 heads x 64, after a 200 MB read, per
-  // call): 64 tokens 74 -> 56 us, 128 tokens 113 -> 81 us, 512 tokens 377 -> 248 us against
-  // the former bar of 8192 pairs (one thread below ~680 tokens at batch 1).
-  constexpr int64_t kMinWorkPerThread = 256;
   int64_t work = 0;
   for (int64_t n = 0; n < N; ++n) work += P.seq_lens[n];
-  work *= P.num_kv_heads * P.groups;
-  const int64_t threads = std::max<int64_t>(
-      1, std::min({static_cast<int64_t>(at::get_num_threads()), N * P.num_kv_heads,
-                   work / kMinWorkPerThread}));
+  const int64_t threads = num_threads(N * P.num_kv_heads, work * P.num_kv_heads * P.groups);
   const std::vector<int64_t> bounds = split_items(P, threads);
   at::parallel_for(0, threads, 1, [&](int64_t tb, int64_t te) {
     int64_t heads = 1;   // the most kv heads of one sequence this thread holds
@@ -775,19 +786,10 @@ void run_rows(const Params& P) {
     first[n + 1] = first[n] + chunks;
     work += len;
   }
-  // A second thread from a few hundred (token, query head) pairs (see run()).
-  constexpr int64_t kMinWorkPerThread = 256;
   const int64_t items = first[N];
-  const int64_t threads = std::max<int64_t>(
-      1, std::min({static_cast<int64_t>(at::get_num_threads()), items,
-                   work * Hq / kMinWorkPerThread}));
-  std::vector<int64_t> bounds(threads + 1, items);
-  bounds[0] = 0;
-  for (int64_t t = 1, u = 0, done = 0; t < threads; ++t) {
-    const int64_t target = total_cost / threads * t + total_cost % threads * t / threads;
-    while (u < items && done + cost[u] <= target) done += cost[u++];
-    bounds[t] = u;
-  }
+  const int64_t threads = num_threads(items, work * Hq);
+  const std::vector<int64_t> bounds =
+      balanced_bounds(items, threads, total_cost, [&](int64_t u) { return cost[u]; });
   StoredChunks stored{{}, std::vector<int64_t>(N, -1), Hq * (D + 2)};
   int64_t size = 0;
   for (int64_t t = 1; t < threads; ++t) {
@@ -809,6 +811,7 @@ void run_rows(const Params& P) {
         u = end;
       }
   });
+  if (size == 0) return;                  // no sequence spans threads
   RowState st;
   st.fit(Hq, D, BS);
   for (int64_t n = 0; n < N; ++n) {
