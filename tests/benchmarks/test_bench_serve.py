@@ -72,10 +72,13 @@ def _check_result(r: dict[str, Any], num_prompts: int = NUM_PROMPTS) -> None:
     assert r["p99_ttft_ms"] <= r["p99_e2el_ms"] <= r["duration"] * 1000
     assert math.isclose(r["mean_ttft_ms"], ttfts.mean())
     assert math.isclose(r["p90_ttft_ms"], np.percentile(ttfts, 90))
-    itls = np.concatenate([np.array(i) for i in r["itls"]]) * 1000
-    assert itls.size >= num_prompts          # several chunks per request
+    # The server merges the tokens a client has not read yet into one chunk (as vLLM's output
+    # collector does), so how many chunks (ITLs + 1) a request gets depends on timing: with a
+    # tiny model and 3 concurrent streams most of the 8 tokens can come in one chunk.
+    itls = np.concatenate([np.zeros(0), *(np.array(i) for i in r["itls"])]) * 1000
     assert all(len(i) <= OUTPUT_LEN - 1 for i in r["itls"])
-    assert math.isclose(r["mean_itl_ms"], itls.mean())
+    assert (itls > 0).all()
+    assert math.isclose(r["mean_itl_ms"], itls.mean() if itls.size else 0.0)
     assert all(t for t in r["generated_texts"]) and not any(r["errors"])
 
 
