@@ -2,8 +2,8 @@
 
     x       [..., K]  float32 | bfloat16
     weight  [N, K]    x's dtype, or bfloat16 / float16 with float32 x (nn.Linear layout);
-                      or a bfloat16 weight tiled (tile_weight): [N/4, K/16, 4, 16] for
-                      float32 x, [N/4, K/32, 4, 32] for bfloat16 x
+                      or tiled (tile_weight): [N/4, K/16, 4, 16] bfloat16 or float32 for
+                      float32 x, [N/4, K/32, 4, 32] bfloat16 for bfloat16 x
     bias    [N]       optional, x's dtype
     -> out  [..., N]  x's dtype
 
@@ -184,13 +184,15 @@ def widened_linear(x: torch.Tensor, weight: torch.Tensor,
                     bias)
 
 
-# ---------------------------------------------------------------------- tiled bf16 weights
-# KVSERVE_CPU_TILED_WEIGHTS: "1" (default) | "0" -- whether bf16 weights streamed by the
-# small-batch kernel keep its tiled layout instead of nn.Linear's.
+# ---------------------------------------------------------------------- tiled weights
+# KVSERVE_CPU_TILED_WEIGHTS: "1" (default) | "0" -- whether weights streamed by the small-batch
+# kernel (bf16, and the float32 plain copies kept beside prepacked ones) keep its tiled layout
+# instead of nn.Linear's.
 TILED_WEIGHTS_ENV = "KVSERVE_CPU_TILED_WEIGHTS"
 TILE_ROWS = 4
-# Columns per block, by the activations' dtype: float32 x (the avx2 path's widened pairs) takes
-# 16-column blocks, bfloat16 x (dpbf16, 32 values per instruction) 32-column ones.
+# Columns per block, by the activations' dtype: float32 x (the avx2 path's widened bf16 pairs; a
+# float32 weight's cache-line blocks) takes 16-column blocks, bfloat16 x (dpbf16, 32 values per
+# instruction) 32-column ones.
 TILE_COLS = {torch.float32: 16, torch.bfloat16: 32}
 
 
@@ -206,10 +208,11 @@ def out_features(weight: torch.Tensor) -> int:
 
 def tile_weight(weight: torch.Tensor,
                 x_dtype: torch.dtype = torch.float32) -> Optional[torch.Tensor]:
-    """A bf16 weight [N, K] for activations of x_dtype in the small-batch kernel's tiled layout
+    """A weight [N, K] for activations of x_dtype in the small-batch kernel's tiled layout
     [N/4, K/c, 4, c] (each group of 4 rows stored as its c-column blocks side by side; c from
-    TILE_COLS), or None where it does not apply: not a bf16 CPU weight, N % 4 or K % c not 0,
-    KVSERVE_CPU_TILED_WEIGHTS=0, or no kernel build with that tiled path (checked once).
+    TILE_COLS), or None where it does not apply: not a CPU weight of bf16 (any x) or float32
+    (float32 x), N % 4 or K % c not 0, KVSERVE_CPU_TILED_WEIGHTS=0, or no kernel build with
+    that tiled path (checked once).
 
     Why: a decode step streams the weight once, and 4 interleaved row streams read below one
     sequential stream: 10-15% on Zen 1 (float32 x, csrc/linear.cpp "Tiled bf16 weights"),
@@ -217,9 +220,10 @@ def tile_weight(weight: torch.Tensor,
     order are unchanged, so outputs are bit-identical; larger batches untile into their
     float32 copy (widened_linear) or use the prepacked one."""
     cols = TILE_COLS.get(x_dtype)
-    if (cols is None or weight.device.type != "cpu" or weight.dtype != torch.bfloat16
+    dtype_ok = weight.dtype == torch.bfloat16 or weight.dtype == x_dtype == torch.float32
+    if (cols is None or weight.device.type != "cpu" or not dtype_ok
             or weight.dim() != 2 or weight.shape[0] % TILE_ROWS or weight.shape[1] % cols
-            or not _tiling_enabled(x_dtype)):
+            or not _tiling_enabled(x_dtype, weight.dtype)):
         return None
     return _tiled(weight.detach(), cols).contiguous()
 
@@ -237,18 +241,18 @@ def untile_weight(tiled: torch.Tensor, dtype: Optional[torch.dtype] = None) -> t
     return out
 
 
-def _tiling_enabled(x_dtype: torch.dtype) -> bool:
+def _tiling_enabled(x_dtype: torch.dtype, w_dtype: torch.dtype) -> bool:
     # Read at every model load (a bad value is a ValueError there); the kernel probed once.
-    return env_switch(TILED_WEIGHTS_ENV) and _tiled_kernel_works(x_dtype)
+    return env_switch(TILED_WEIGHTS_ENV) and _tiled_kernel_works(x_dtype, w_dtype)
 
 
 @functools.lru_cache(maxsize=None)
-def _tiled_kernel_works(x_dtype: torch.dtype) -> bool:
+def _tiled_kernel_works(x_dtype: torch.dtype, w_dtype: torch.dtype) -> bool:
     op = _dispatch_kernel()
     if op is None:
         return False
     gen = torch.Generator().manual_seed(0)
-    w = torch.randn(8, 64, generator=gen).to(torch.bfloat16)
+    w = torch.randn(8, 64, generator=gen).to(w_dtype)
     x = torch.randn(3, 64, generator=gen).to(x_dtype)
     try:
         same = torch.equal(op(x, _tiled(w, TILE_COLS[x_dtype]).contiguous(), None),
@@ -256,12 +260,12 @@ def _tiled_kernel_works(x_dtype: torch.dtype) -> bool:
     except RuntimeError:     # a build without this tiled path (no avx2 / no dpbf16) refuses it
         return False
     if not same:
-        logger.warning("The small-batch kernel's tiled bf16 layout gave another result than the "
-                       "plain one for %s x; bf16 weights stay plain.", x_dtype)
+        logger.warning("The small-batch kernel's tiled layout gave another result than the plain "
+                       "one for %s weights with %s x; they stay plain.", w_dtype, x_dtype)
         return False
-    logger.info("bf16 weights streamed by the small-batch kernel with %s math are kept tiled "
+    logger.info("%s weights streamed by the small-batch kernel with %s math are kept tiled "
                 "(4 x %d blocks, one sequential stream per step; %s=0 keeps them plain).",
-                x_dtype, TILE_COLS[x_dtype], TILED_WEIGHTS_ENV)
+                w_dtype, x_dtype, TILE_COLS[x_dtype], TILED_WEIGHTS_ENV)
     return True
 
 

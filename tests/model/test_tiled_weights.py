@@ -1,5 +1,6 @@
-"""bf16 weights kept in the small-batch kernel's tiled layout (ops.linear.tile_weight): with
-float32 math (dtype "auto" without bf16 instructions; 16-column blocks), and the plain copy kept
+"""Weights kept in the small-batch kernel's tiled layout (ops.linear.tile_weight): bf16 with
+float32 math (dtype "auto" without bf16 instructions; 16-column blocks), the plain copy kept
+beside a prepacked float32 weight (16-column blocks, every vector tier), and the plain copy kept
 beside a prepacked bf16 weight with bf16 math (dpbf16 on avx512_bf16; 32-column blocks). The
 kernel's result is bit-identical to the plain layout's for every batch size, and so is a whole
 model's -- small steps (the kernel, the fused decode op), large ones (the untiled float32 copy
@@ -29,17 +30,18 @@ def tiling_expected() -> bool:
     return cpu_isa.selected_tier() != "generic"
 
 
+@pytest.mark.parametrize("w_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
 @pytest.mark.parametrize("n,k", [(8, 32), (52, 96), (36, 768), (12, 2048)])
-def test_tiled_kernel_matches_plain(n: int, k: int) -> None:
+def test_tiled_kernel_matches_plain(n: int, k: int, w_dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(n + k)
-    w = torch.randn(n, k, generator=gen).bfloat16()
+    w = torch.randn(n, k, generator=gen).to(w_dtype)
     bias = torch.randn(n, generator=gen)
     tiled = kl.tile_weight(w)
     if not tiling_expected():
         assert tiled is None
         pytest.skip("generic tier: no tiled layout")
     assert tiled is not None and tiled.shape == (n // 4, k // 16, 4, 16)
-    assert torch.equal(kl.untile_weight(tiled), w)
+    assert tiled.dtype == w_dtype and torch.equal(kl.untile_weight(tiled), w)
     assert torch.equal(kl.untile_weight(tiled, torch.float32), w.float())
     op = kl.cpu_kernel()
     for m in range(1, 12):      # every x-row chunk size, one and two chunks
@@ -81,7 +83,9 @@ def test_tiled_bf16_math_kernel_matches_plain(n: int, k: int) -> None:
 
 
 def test_tile_weight_declines() -> None:
-    assert kl.tile_weight(torch.randn(8, 32)) is None                      # float32
+    assert kl.tile_weight(torch.randn(8, 32), torch.bfloat16) is None      # float32, bf16 x
+    assert kl.tile_weight(torch.randn(6, 32)) is None                      # float32, N % 4
+    assert kl.tile_weight(torch.randn(8, 40)) is None                      # float32, K % 16
     assert kl.tile_weight(torch.randn(8, 32).half()) is None               # fp16
     assert kl.tile_weight(torch.randn(6, 32).bfloat16()) is None           # N % 4
     assert kl.tile_weight(torch.randn(8, 40).bfloat16()) is None           # K % 16
@@ -139,6 +143,28 @@ def check_same_steps(tiled: torch.nn.Module, plain: torch.nn.Module, cfg,
         out_t = run_step(tiled, caches_t, decodes=decodes, prefills=prefills)
         out_p = run_step(plain, caches_p, decodes=decodes, prefills=prefills)
         assert torch.equal(out_t, out_p), (step, (out_t - out_p).abs().max().item())
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_tiled_copy_float32_model_is_bit_identical(tied: bool,
+                                                   make_checkpoint: Callable[..., str],
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """dtype float32: the plain copy kept beside each prepacked weight
+    (KVSERVE_CPU_SMALL_BATCH_COPY=1) is tiled on every vector tier, and every step matches the
+    plain copy's."""
+    if not tiling_expected() or kl.pack_weight(torch.zeros(8, 8)) is None:
+        pytest.skip("a tiled float32 copy needs a vector tier and oneDNN packing")
+    path = make_checkpoint("llama", save_dtype=torch.float32, tie_word_embeddings=tied)
+    monkeypatch.setenv(kl.SMALL_BATCH_COPY_ENV, "1")
+    monkeypatch.setenv(kl.TILED_WEIGHTS_ENV, "1")
+    tiled, cfg = load(path, "float32")
+    monkeypatch.setenv(kl.TILED_WEIGHTS_ENV, "0")
+    plain, _ = load(path, "float32")
+    assert all(w.dim() == 4 and w.dtype == torch.float32 and w.shape[3] == 16
+               for w in layer_weights(tiled))
+    assert tiled.lm_head.weight.dim() == (2 if tied else 4)
+    assert plain.model.layers[0].self_attn.qkv_proj.weight.dim() == 2
+    check_same_steps(tiled, plain, cfg, torch.float32)
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])

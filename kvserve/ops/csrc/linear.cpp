@@ -4,8 +4,9 @@
 //   weight  [N, K]   x's dtype, or bfloat16 / float16 with float32 x (16-bit weights, float32
 //                    math: dtype "auto" on a CPU without bf16 instructions); contiguous
 //                    (nn.Linear layout)
-//           or [N/4, K/16, 4, 16] bfloat16 with float32 x: the same weight tiled (see
-//                    "Tiled bf16 weights" below; ops/linear.py tile_weight makes it)
+//           or [N/4, K/16, 4, 16] bfloat16 or float32 with float32 x, [N/4, K/32, 4, 32]
+//                    bfloat16 with bfloat16 x: the same weight tiled (see "Tiled bf16
+//                    weights" and kF32TileCols below; ops/linear.py tile_weight makes it)
 //   bias    [N]      x's dtype, optional
 //   out     [M, N]   x's dtype; everything accumulates in float32
 //
@@ -60,6 +61,12 @@ constexpr int64_t kPrefetchBytes = 1024;
 constexpr int kPrefetchMinRows = 3;
 // Prefetch distance of a tiled weight's single stream (see "Tiled bf16 weights").
 constexpr int64_t kTiledPrefetchBytes = 1024;
+// Tiled float32 weights: the plain float32 copy kept beside a prepacked weight for small batches
+// is tiled like a bf16 one ("Tiled bf16 weights"), [N/4, K/16, 4, 16]: each 16-column block one
+// cache line (one AVX-512 vector, two AVX2 ones), a group's 4 rows side by side, so a one-pass
+// group reads one sequential stream where plain rows read 4 interleaved ones. Same products in
+// the same order as the plain layout, so the same bits.
+constexpr int64_t kF32TileCols = 16;
 
 #if defined(KVS_AVX2) || defined(__AVX512F__)
 // Prefetch for k-block `step` of pass `pass` over a tiled group of 4 rows (R rows per pass):
@@ -141,23 +148,30 @@ KVS_INLINE void hsums(const __m512 (&acc)[C], float* res) {
 
 
 #if defined(__AVX512F__)
-template <int MB, int R>
-KVS_INLINE void dots_avx512(const float* x, const float* w, int64_t K, float (&res)[MB][R]) {
+// Tiled ("Tiled float32 weights"): w points at the row's first 16-column block, one vector.
+template <int MB, int R, bool Tiled = false>
+KVS_INLINE void dots_avx512(const float* x, const float* w, int64_t K, float (&res)[MB][R],
+                            int pass = 0) {
   __m512 acc[MB * R];
   for (int i = 0; i < MB * R; ++i) acc[i] = _mm512_setzero_ps();
   int64_t k = 0;
   for (; k + 16 <= K; k += 16) {
-    if constexpr (MB >= kPrefetchMinRows)
+    if constexpr (Tiled) {
+      prefetch_tiled<R>(w - pass * R * kF32TileCols + k * 4, 4 * K * 4, k / kF32TileCols, pass,
+                        4 * kF32TileCols * 4);
+    } else if constexpr (MB >= kPrefetchMinRows) {
       for (int r = 0; r < R; ++r)
         _mm_prefetch(reinterpret_cast<const char*>(w + r * K + k) + kPrefetchBytes, _MM_HINT_T0);
+    }
     __m512 wv[R];
-    for (int r = 0; r < R; ++r) wv[r] = _mm512_loadu_ps(w + r * K + k);
+    for (int r = 0; r < R; ++r)
+      wv[r] = _mm512_loadu_ps(w + (Tiled ? r * kF32TileCols + k * 4 : r * K + k));
     for (int m = 0; m < MB; ++m) {
       const __m512 xv = _mm512_loadu_ps(x + m * K + k);
       for (int r = 0; r < R; ++r) acc[m * R + r] = _mm512_fmadd_ps(xv, wv[r], acc[m * R + r]);
     }
   }
-  if (k < K) {
+  if (!Tiled && k < K) {     // a tiled weight has K % 16 == 0
     const __mmask16 mask = static_cast<__mmask16>((1u << (K - k)) - 1);
     __m512 wv[R];
     for (int r = 0; r < R; ++r) wv[r] = _mm512_maskz_loadu_ps(mask, w + r * K + k);
@@ -230,14 +244,24 @@ constexpr int64_t kPairPrefetchBytes = 12288;
 #if defined(KVS_AVX2)
 // 8 lanes; the weight (any storage) widened in registers. Accumulator (m, r) is acc[m * R + r];
 // MB * R <= 8 so that accumulators, R weight vectors and one x vector fit in 16 registers.
-template <typename TX, typename TW, int MB, int R>
-KVS_INLINE void dots_avx2(const TX* x, const TW* w, int64_t K, float (&res)[MB][R]) {
+// Tiled (float32 only, "Tiled float32 weights"): w points at the row's first 16-column block;
+// column k of row r is then in block k / 16, 4 blocks (64 values) per step.
+template <typename TX, typename TW, int MB, int R, bool Tiled = false>
+KVS_INLINE void dots_avx2(const TX* x, const TW* w, int64_t K, float (&res)[MB][R],
+                          int pass = 0) {
   using namespace kvs_avx2;
+  constexpr int64_t C = kF32TileCols;
+  const auto at = [K](int r, int64_t k) -> int64_t {
+    return Tiled ? r * C + (k / C) * 4 * C + k % C : r * K + k;
+  };
   __m256 acc[MB * R];
   for (int i = 0; i < MB * R; ++i) acc[i] = _mm256_setzero_ps();
   int64_t k = 0;
   for (; k + 8 <= K; k += 8) {
-    if constexpr (std::is_same<TW, c10::Half>::value) {
+    if constexpr (Tiled) {
+      if (k % C == 0)
+        prefetch_tiled<R>(w - pass * R * C + k * 4, 4 * K * 4, k / C, pass, 4 * C * 4);
+    } else if constexpr (std::is_same<TW, c10::Half>::value) {
       // fp16 rows are as short as bf16 ones: the same linear prefetch (dots_avx2_bf16).
       const char* ahead = reinterpret_cast<const char*>(w) + kPairPrefetchBytes + (k / 8) * R * 16;
       for (int c = 0; c < R * 16; c += 64) _mm_prefetch(ahead + c, _MM_HINT_T0);
@@ -246,7 +270,7 @@ KVS_INLINE void dots_avx2(const TX* x, const TW* w, int64_t K, float (&res)[MB][
         _mm_prefetch(reinterpret_cast<const char*>(w + r * K + k) + kPrefetchBytes, _MM_HINT_T0);
     }
     __m256 wv[R];
-    for (int r = 0; r < R; ++r) wv[r] = load8(w + r * K + k);
+    for (int r = 0; r < R; ++r) wv[r] = load8(w + at(r, k));
     for (int m = 0; m < MB; ++m) {
       const __m256 xv = load8(x + m * K + k);
       for (int r = 0; r < R; ++r) acc[m * R + r] = _mm256_fmadd_ps(xv, wv[r], acc[m * R + r]);
@@ -255,7 +279,8 @@ KVS_INLINE void dots_avx2(const TX* x, const TW* w, int64_t K, float (&res)[MB][
   for (int m = 0; m < MB; ++m)
     for (int r = 0; r < R; ++r) {
       float t = hsum8(acc[m * R + r]);
-      for (int64_t j = k; j < K; ++j) t += to_float(x[m * K + j]) * to_float(w[r * K + j]);
+      if constexpr (!Tiled)  // a tiled weight has K % 16 == 0
+        for (int64_t j = k; j < K; ++j) t += to_float(x[m * K + j]) * to_float(w[r * K + j]);
       res[m][r] = t;
     }
 }
@@ -383,10 +408,16 @@ template <typename TX, typename TW>
 constexpr bool kDpBf16 = path_of<TX, TW>() == Path::kAvx512 &&
                          std::is_same<TX, c10::BFloat16>::value;
 
+// float32 x with a float32 weight on a vector path.
+template <typename TX, typename TW>
+constexpr bool kVectorF32 = path_of<TX, TW>() != Path::kGeneric &&
+                            std::is_same<TX, float>::value && std::is_same<TW, float>::value;
+
 // Columns per block of a tiled weight for this pair (0: the pair has no tiled path).
 template <typename TX, typename TW>
 constexpr int64_t tile_cols() {
   if constexpr (kPairedBf16<TX, TW>) return kPairBlock;
+  if constexpr (kVectorF32<TX, TW>) return kF32TileCols;
 #if defined(KVS_HAVE_DPBF16)
   if constexpr (kDpBf16<TX, TW>) return kDpTileCols;
 #endif
@@ -406,11 +437,18 @@ KVS_INLINE void rows(const TX* x, const TW* w, const TX* bias, TX* out, int64_t 
       for (int m = 0; m < MB; ++m)
         for (int r = 0; r < R; ++r) res[m][r] = 0.f;
     const TW* wt = w + (n / 4) * 4 * K + (n % 4) * tile_cols<TX, TW>();
+    const int pass = (n % 4) / R;
+#if defined(__AVX512F__)
+    if constexpr (kVectorF32<TX, TW> && p == Path::kAvx512)
+      dots_avx512<MB, R, true>(x, wt, K, res, pass);
+#endif
 #if defined(KVS_AVX2)
-    if constexpr (kPairedBf16<TX, TW>) dots_avx2_bf16<MB, R, true>(x, wt, K, res, (n % 4) / R);
+    if constexpr (kVectorF32<TX, TW> && p == Path::kAvx2)
+      dots_avx2<TX, TW, MB, R, true>(x, wt, K, res, pass);
+    if constexpr (kPairedBf16<TX, TW>) dots_avx2_bf16<MB, R, true>(x, wt, K, res, pass);
 #endif
 #if defined(KVS_HAVE_DPBF16)
-    if constexpr (kDpBf16<TX, TW>) dots_avx512<MB, R, true>(x, wt, K, res, (n % 4) / R);
+    if constexpr (kDpBf16<TX, TW>) dots_avx512<MB, R, true>(x, wt, K, res, pass);
 #endif
   } else if constexpr (p == Path::kAvx512) {
 #if defined(__AVX512F__)
@@ -505,16 +543,17 @@ at::Tensor small_batch_linear(const at::Tensor& x, const at::Tensor& weight,
   TORCH_CHECK(x.dim() == 2 && (weight.dim() == 2 || tiled),
               "x must be [M, K] and weight [N, K] (or tiled [N/4, K/16, 4, 16])");
   if (tiled) {
-    const bool f32_x = x.scalar_type() == at::kFloat;
-    const int64_t cols = f32_x ? tile_cols<float, c10::BFloat16>()
-                               : tile_cols<c10::BFloat16, c10::BFloat16>();
-    TORCH_CHECK(cols > 0 && weight.scalar_type() == at::kBFloat16 &&
+    const bool f32_x = x.scalar_type() == at::kFloat, f32_w = weight.scalar_type() == at::kFloat;
+    const int64_t cols = !f32_x ? tile_cols<c10::BFloat16, c10::BFloat16>()
+                         : f32_w ? tile_cols<float, float>()
+                                 : tile_cols<float, c10::BFloat16>();
+    TORCH_CHECK(cols > 0 && (weight.scalar_type() == at::kBFloat16 || (f32_w && f32_x)) &&
                     (f32_x || x.scalar_type() == at::kBFloat16) &&
                     weight.size(2) == kGroupRows && weight.size(3) == cols,
-                "small_batch_linear: a tiled weight must be bfloat16 [N/4, K/c, 4, c] with c = 16 "
-                "for float32 x (a build with the avx2 path) or c = 32 for bfloat16 x (a build "
-                "with dpbf16); got ", weight.scalar_type(), " ", weight.sizes(), " with ",
-                x.scalar_type(), " x");
+                "small_batch_linear: a tiled weight must be [N/4, K/c, 4, c]: bfloat16 with c = 16 "
+                "or float32 with c = 16 for float32 x (a build with a vector path), bfloat16 with "
+                "c = 32 for bfloat16 x (a build with dpbf16); got ", weight.scalar_type(), " ",
+                weight.sizes(), " with ", x.scalar_type(), " x");
   }
   const bool same = x.scalar_type() == weight.scalar_type();
   const bool widened = x.scalar_type() == at::kFloat &&
@@ -544,7 +583,10 @@ at::Tensor small_batch_linear(const at::Tensor& x, const at::Tensor& weight,
   const float* bf = static_cast<const float*>(bias_ptr);
   switch (weight.scalar_type()) {
     case at::kFloat:
-      run<float, float>(xf, weight.data_ptr<float>(), bf, out.data_ptr<float>(), M, N, K);
+      if (tiled)
+        run<float, float, true>(xf, weight.data_ptr<float>(), bf, out.data_ptr<float>(), M, N, K);
+      else
+        run<float, float>(xf, weight.data_ptr<float>(), bf, out.data_ptr<float>(), M, N, K);
       break;
     case at::kHalf:
       run<float, c10::Half>(xf, weight.data_ptr<c10::Half>(), bf, out.data_ptr<float>(), M, N, K);
