@@ -4,8 +4,8 @@ beside a prepacked float32 weight (16-column blocks, every vector tier), and the
 beside a prepacked bf16 weight with bf16 math (dpbf16 on avx512_bf16; 32-column blocks). The
 kernel's result is bit-identical to the plain layout's for every batch size, and so is a whole
 model's -- small steps (the kernel, the fused decode op), large ones (the untiled float32 copy
-or the prepacked one), a tied LM head (left plain for the embedding's lookups). tests/ops/test_cpu_isa.py runs the kernel part on
-every tier the host supports."""
+or the prepacked one), a tied LM head (tiled too: the embedding looks its rows up in the
+tiles). tests/ops/test_cpu_isa.py runs the kernel part on every tier the host supports."""
 from __future__ import annotations
 
 import os
@@ -116,7 +116,8 @@ def test_tiled_model_is_bit_identical(tied: bool, float32_copy: str,
     if cfg.weight_dtype is None:
         pytest.skip("this tier has bf16 math: auto runs bf16, nothing is widened")
     assert all(w.dim() == (4 if tiling_expected() else 2) for w in layer_weights(tiled))
-    assert tiled.lm_head.weight.dim() == (2 if tied or not tiling_expected() else 4)
+    assert tiled.lm_head.weight.dim() == (4 if tiling_expected() else 2)
+    assert (tiled.model.embed_tokens.weight is tiled.lm_head.weight) == tied
     assert plain.model.layers[0].self_attn.qkv_proj.weight.dim() == 2
     check_same_steps(tiled, plain, cfg, torch.float32)
 
@@ -162,7 +163,8 @@ def test_tiled_copy_float32_model_is_bit_identical(tied: bool,
     plain, _ = load(path, "float32")
     assert all(w.dim() == 4 and w.dtype == torch.float32 and w.shape[3] == 16
                for w in layer_weights(tiled))
-    assert tiled.lm_head.weight.dim() == (2 if tied else 4)
+    assert tiled.lm_head.weight.dim() == 4
+    assert (tiled.model.embed_tokens.weight is tiled.lm_head.weight) == tied
     assert plain.model.layers[0].self_attn.qkv_proj.weight.dim() == 2
     check_same_steps(tiled, plain, cfg, torch.float32)
 
@@ -181,6 +183,7 @@ def test_tiled_copy_bf16_model_is_bit_identical(tied: bool, make_checkpoint: Cal
     monkeypatch.setenv(kl.TILED_WEIGHTS_ENV, "0")
     plain, _ = load(path, "bfloat16")
     assert all(w.dim() == 4 and w.shape[3] == 32 for w in layer_weights(tiled))
-    assert tiled.lm_head.weight.dim() == (2 if tied else 4)
+    assert tiled.lm_head.weight.dim() == 4
+    assert (tiled.model.embed_tokens.weight is tiled.lm_head.weight) == tied
     assert plain.model.layers[0].self_attn.qkv_proj.weight.dim() == 2
     check_same_steps(tiled, plain, cfg, torch.bfloat16)

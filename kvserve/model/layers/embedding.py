@@ -15,7 +15,8 @@ from kvserve.distributed.parallel_state import (get_tp_rank, get_tp_world_size,
                                                 tensor_model_parallel_all_gather,
                                                 tensor_model_parallel_all_reduce)
 from kvserve.model.layers.linear import copy_checked, tile_streamed_weight
-from kvserve.ops.linear import pack_weight, packed_linear, small_batch_or_packed_linear
+from kvserve.ops.linear import (TILE_ROWS, is_tiled, pack_weight, packed_linear,
+                                small_batch_or_packed_linear)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -49,13 +50,19 @@ class VocabParallelEmbedding(nn.Module):
 
     def _lookup(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self._rows(input_ids)
         # Ids outside this rank's range look up row 0 and are zeroed; the all-reduce then
         # leaves exactly the owning rank's row for every token.
         in_range = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
         local_ids = torch.where(in_range, input_ids - self.vocab_start, 0)
-        out = F.embedding(local_ids, self.weight).masked_fill_(~in_range.unsqueeze(-1), 0)
+        out = self._rows(local_ids).masked_fill_(~in_range.unsqueeze(-1), 0)
         return tensor_model_parallel_all_reduce(out)
+
+    def _rows(self, ids: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        if is_tiled(w):     # shared with a tied LM head that keeps it tiled (ParallelLMHead)
+            return w[ids // TILE_ROWS, :, ids % TILE_ROWS, :].reshape(*ids.shape, -1)
+        return F.embedding(ids, w)
 
     def extra_repr(self) -> str:
         return (f"num_embeddings={self.num_embeddings}, shard=[{self.vocab_start}, "
@@ -79,20 +86,21 @@ class ParallelLMHead(VocabParallelEmbedding):
     def process_weights_after_loading(self) -> None:
         """On CPU, a oneDNN-prepacked copy for compute_logits (see ops.linear); the plain
         weight is dropped unless the embedding shares it or small_batch_copy is set. A 16-bit
-        weight with float32 math stays as it is (ops.linear widens it)."""
+        weight with float32 math stays as it is (ops.linear widens it). A weight that the
+        small-batch kernel streams is tiled where ops.linear.tile_weight applies, a tied one
+        too: the embedding then looks its rows up in the tiles (VocabParallelEmbedding._rows)."""
         if self.compute_dtype not in (None, self.weight.dtype):
             if self.float32_copy:
                 self.weight_packed = pack_weight(self.weight.to(self.compute_dtype))
-            if not self.tied:     # the embedding's lookups need nn.Linear's row layout
-                tile_streamed_weight(self, self.compute_dtype)
+            tile_streamed_weight(self, self.compute_dtype)
             return
         packed = pack_weight(self.weight)
         if packed is not None:
             self.weight_packed = packed
-            if not self.tied and not self.small_batch_copy:
-                self.weight.data = torch.empty(0, dtype=self.weight.dtype)
-            elif not self.tied:
+            if self.small_batch_copy:
                 tile_streamed_weight(self, self.weight.dtype)
+            elif not self.tied:
+                self.weight.data = torch.empty(0, dtype=self.weight.dtype)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """hidden_states [N, hidden] -> float32 logits [N, vocab] over the full vocabulary."""
