@@ -2,7 +2,7 @@
 
     x       [..., K]  float32 | bfloat16
     weight  [N, K]    x's dtype, or bfloat16 / float16 with float32 x (nn.Linear layout);
-                      or tiled (tile_weight): [N/4, K/16, 4, 16] bfloat16 or float32 for
+                      or tiled (tile_weight): [N/4, K/16, 4, 16] of any of those for
                       float32 x, [N/4, K/32, 4, 32] bfloat16 for bfloat16 x
     bias    [N]       optional, x's dtype
     -> out  [..., N]  x's dtype
@@ -210,9 +210,9 @@ def tile_weight(weight: torch.Tensor,
                 x_dtype: torch.dtype = torch.float32) -> Optional[torch.Tensor]:
     """A weight [N, K] for activations of x_dtype in the small-batch kernel's tiled layout
     [N/4, K/c, 4, c] (each group of 4 rows stored as its c-column blocks side by side; c from
-    TILE_COLS), or None where it does not apply: not a CPU weight of bf16 (any x) or float32
-    (float32 x), N % 4 or K % c not 0, KVSERVE_CPU_TILED_WEIGHTS=0, or no kernel build with
-    that tiled path (checked once).
+    TILE_COLS), or None where it does not apply: not a CPU weight of bf16 (any x) or float32 /
+    float16 (float32 x), N % 4 or K % c not 0, KVSERVE_CPU_TILED_WEIGHTS=0, or no kernel build
+    with that tiled path (checked once).
 
     Why: a decode step streams the weight once, and 4 interleaved row streams read below one
     sequential stream: 10-15% on Zen 1 (float32 x, csrc/linear.cpp "Tiled bf16 weights"),
@@ -220,7 +220,8 @@ def tile_weight(weight: torch.Tensor,
     order are unchanged, so outputs are bit-identical; larger batches untile into their
     float32 copy (widened_linear) or use the prepacked one."""
     cols = TILE_COLS.get(x_dtype)
-    dtype_ok = weight.dtype == torch.bfloat16 or weight.dtype == x_dtype == torch.float32
+    dtype_ok = (weight.dtype == torch.bfloat16
+                or (x_dtype == torch.float32 and weight.dtype in (torch.float32, torch.float16)))
     if (cols is None or weight.device.type != "cpu" or not dtype_ok
             or weight.dim() != 2 or weight.shape[0] % TILE_ROWS or weight.shape[1] % cols
             or not _tiling_enabled(x_dtype, weight.dtype)):

@@ -1,5 +1,5 @@
-"""Weights kept in the small-batch kernel's tiled layout (ops.linear.tile_weight): bf16 with
-float32 math (dtype "auto" without bf16 instructions; 16-column blocks), the plain copy kept
+"""Weights kept in the small-batch kernel's tiled layout (ops.linear.tile_weight): bf16 / fp16
+with float32 math (dtype "auto" without bf16 instructions; 16-column blocks), the plain copy kept
 beside a prepacked float32 weight (16-column blocks, every vector tier), and the plain copy kept
 beside a prepacked bf16 weight with bf16 math (dpbf16 on avx512_bf16; 32-column blocks). The
 kernel's result is bit-identical to the plain layout's for every batch size, and so is a whole
@@ -30,7 +30,8 @@ def tiling_expected() -> bool:
     return cpu_isa.selected_tier() != "generic"
 
 
-@pytest.mark.parametrize("w_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("w_dtype", [torch.bfloat16, torch.float16, torch.float32],
+                         ids=["bf16", "fp16", "f32"])
 @pytest.mark.parametrize("n,k", [(8, 32), (52, 96), (36, 768), (12, 2048)])
 def test_tiled_kernel_matches_plain(n: int, k: int, w_dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(n + k)
@@ -86,7 +87,7 @@ def test_tile_weight_declines() -> None:
     assert kl.tile_weight(torch.randn(8, 32), torch.bfloat16) is None      # float32, bf16 x
     assert kl.tile_weight(torch.randn(6, 32)) is None                      # float32, N % 4
     assert kl.tile_weight(torch.randn(8, 40)) is None                      # float32, K % 16
-    assert kl.tile_weight(torch.randn(8, 32).half()) is None               # fp16
+    assert kl.tile_weight(torch.randn(8, 32).half(), torch.bfloat16) is None  # fp16, bf16 x
     assert kl.tile_weight(torch.randn(6, 32).bfloat16()) is None           # N % 4
     assert kl.tile_weight(torch.randn(8, 40).bfloat16()) is None           # K % 16
     assert kl.tile_weight(torch.randn(8, 48).bfloat16(), torch.bfloat16) is None  # K % 32
@@ -104,10 +105,11 @@ def test_tiled_weights_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.parametrize("float32_copy", ["0", "1"], ids=["widen-per-call", "float32-copy"])
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-def test_tiled_model_is_bit_identical(tied: bool, float32_copy: str,
+@pytest.mark.parametrize("save_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_tiled_model_is_bit_identical(tied: bool, float32_copy: str, save_dtype: torch.dtype,
                                       make_checkpoint: Callable[..., str],
                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    path = make_checkpoint("llama", save_dtype=torch.bfloat16, tie_word_embeddings=tied)
+    path = make_checkpoint("llama", save_dtype=save_dtype, tie_word_embeddings=tied)
     monkeypatch.setenv(kl.FLOAT32_COPY_ENV, float32_copy)
     monkeypatch.setenv(kl.TILED_WEIGHTS_ENV, "1")
     tiled, cfg = load(path, "auto")

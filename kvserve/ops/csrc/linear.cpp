@@ -4,7 +4,7 @@
 //   weight  [N, K]   x's dtype, or bfloat16 / float16 with float32 x (16-bit weights, float32
 //                    math: dtype "auto" on a CPU without bf16 instructions); contiguous
 //                    (nn.Linear layout)
-//           or [N/4, K/16, 4, 16] bfloat16 or float32 with float32 x, [N/4, K/32, 4, 32]
+//           or [N/4, K/16, 4, 16] bf16 / fp16 / float32 with float32 x, [N/4, K/32, 4, 32]
 //                    bfloat16 with bfloat16 x: the same weight tiled (see "Tiled bf16
 //                    weights" and kF32TileCols below; ops/linear.py tile_weight makes it)
 //   bias    [N]      x's dtype, optional
@@ -65,7 +65,8 @@ constexpr int64_t kTiledPrefetchBytes = 1024;
 // is tiled like a bf16 one ("Tiled bf16 weights"), [N/4, K/16, 4, 16]: each 16-column block one
 // cache line (one AVX-512 vector, two AVX2 ones), a group's 4 rows side by side, so a one-pass
 // group reads one sequential stream where plain rows read 4 interleaved ones. Same products in
-// the same order as the plain layout, so the same bits.
+// the same order as the plain layout, so the same bits. A float16 weight with float32 x (F16C
+// widening, AVX2 path) is tiled the same way.
 constexpr int64_t kF32TileCols = 16;
 
 #if defined(KVS_AVX2) || defined(__AVX512F__)
@@ -244,8 +245,8 @@ constexpr int64_t kPairPrefetchBytes = 12288;
 #if defined(KVS_AVX2)
 // 8 lanes; the weight (any storage) widened in registers. Accumulator (m, r) is acc[m * R + r];
 // MB * R <= 8 so that accumulators, R weight vectors and one x vector fit in 16 registers.
-// Tiled (float32 only, "Tiled float32 weights"): w points at the row's first 16-column block;
-// column k of row r is then in block k / 16, 4 blocks (64 values) per step.
+// Tiled (float32, or float16 widened; "Tiled float32 weights"): w points at the row's first
+// 16-column block; column k of row r is then in block k / 16, 4 blocks (64 values) per step.
 template <typename TX, typename TW, int MB, int R, bool Tiled = false>
 KVS_INLINE void dots_avx2(const TX* x, const TW* w, int64_t K, float (&res)[MB][R],
                           int pass = 0) {
@@ -260,7 +261,8 @@ KVS_INLINE void dots_avx2(const TX* x, const TW* w, int64_t K, float (&res)[MB][
   for (; k + 8 <= K; k += 8) {
     if constexpr (Tiled) {
       if (k % C == 0)
-        prefetch_tiled<R>(w - pass * R * C + k * 4, 4 * K * 4, k / C, pass, 4 * C * 4);
+        prefetch_tiled<R>(w - pass * R * C + k * 4, 4 * K * sizeof(TW), k / C, pass,
+                          4 * C * sizeof(TW));
     } else if constexpr (std::is_same<TW, c10::Half>::value) {
       // fp16 rows are as short as bf16 ones: the same linear prefetch (dots_avx2_bf16).
       const char* ahead = reinterpret_cast<const char*>(w) + kPairPrefetchBytes + (k / 8) * R * 16;
@@ -413,11 +415,16 @@ template <typename TX, typename TW>
 constexpr bool kVectorF32 = path_of<TX, TW>() != Path::kGeneric &&
                             std::is_same<TX, float>::value && std::is_same<TW, float>::value;
 
+// float32 x with a float16 weight on the AVX2 path (widened by F16C).
+template <typename TX, typename TW>
+constexpr bool kWidenedF16 = path_of<TX, TW>() == Path::kAvx2 && std::is_same<TX, float>::value &&
+                             std::is_same<TW, c10::Half>::value;
+
 // Columns per block of a tiled weight for this pair (0: the pair has no tiled path).
 template <typename TX, typename TW>
 constexpr int64_t tile_cols() {
   if constexpr (kPairedBf16<TX, TW>) return kPairBlock;
-  if constexpr (kVectorF32<TX, TW>) return kF32TileCols;
+  if constexpr (kVectorF32<TX, TW> || kWidenedF16<TX, TW>) return kF32TileCols;
 #if defined(KVS_HAVE_DPBF16)
   if constexpr (kDpBf16<TX, TW>) return kDpTileCols;
 #endif
@@ -443,7 +450,7 @@ KVS_INLINE void rows(const TX* x, const TW* w, const TX* bias, TX* out, int64_t 
       dots_avx512<MB, R, true>(x, wt, K, res, pass);
 #endif
 #if defined(KVS_AVX2)
-    if constexpr (kVectorF32<TX, TW> && p == Path::kAvx2)
+    if constexpr ((kVectorF32<TX, TW> && p == Path::kAvx2) || kWidenedF16<TX, TW>)
       dots_avx2<TX, TW, MB, R, true>(x, wt, K, res, pass);
     if constexpr (kPairedBf16<TX, TW>) dots_avx2_bf16<MB, R, true>(x, wt, K, res, pass);
 #endif
@@ -543,17 +550,19 @@ at::Tensor small_batch_linear(const at::Tensor& x, const at::Tensor& weight,
   TORCH_CHECK(x.dim() == 2 && (weight.dim() == 2 || tiled),
               "x must be [M, K] and weight [N, K] (or tiled [N/4, K/16, 4, 16])");
   if (tiled) {
-    const bool f32_x = x.scalar_type() == at::kFloat, f32_w = weight.scalar_type() == at::kFloat;
-    const int64_t cols = !f32_x ? tile_cols<c10::BFloat16, c10::BFloat16>()
-                         : f32_w ? tile_cols<float, float>()
-                                 : tile_cols<float, c10::BFloat16>();
-    TORCH_CHECK(cols > 0 && (weight.scalar_type() == at::kBFloat16 || (f32_w && f32_x)) &&
-                    (f32_x || x.scalar_type() == at::kBFloat16) &&
-                    weight.size(2) == kGroupRows && weight.size(3) == cols,
-                "small_batch_linear: a tiled weight must be [N/4, K/c, 4, c]: bfloat16 with c = 16 "
-                "or float32 with c = 16 for float32 x (a build with a vector path), bfloat16 with "
-                "c = 32 for bfloat16 x (a build with dpbf16); got ", weight.scalar_type(), " ",
-                weight.sizes(), " with ", x.scalar_type(), " x");
+    const at::ScalarType wt = weight.scalar_type();
+    const int64_t cols = x.scalar_type() == at::kBFloat16
+                             ? (wt == at::kBFloat16 ? tile_cols<c10::BFloat16, c10::BFloat16>() : 0)
+                         : x.scalar_type() != at::kFloat ? 0
+                         : wt == at::kFloat              ? tile_cols<float, float>()
+                         : wt == at::kHalf               ? tile_cols<float, c10::Half>()
+                         : wt == at::kBFloat16           ? tile_cols<float, c10::BFloat16>()
+                                                         : 0;
+    TORCH_CHECK(cols > 0 && weight.size(2) == kGroupRows && weight.size(3) == cols,
+                "small_batch_linear: a tiled weight must be [N/4, K/c, 4, c]: float32, float16 "
+                "or bfloat16 with c = 16 for float32 x (a build with a vector path), bfloat16 "
+                "with c = 32 for bfloat16 x (a build with dpbf16); got ", weight.scalar_type(),
+                " ", weight.sizes(), " with ", x.scalar_type(), " x");
   }
   const bool same = x.scalar_type() == weight.scalar_type();
   const bool widened = x.scalar_type() == at::kFloat &&
@@ -589,7 +598,12 @@ at::Tensor small_batch_linear(const at::Tensor& x, const at::Tensor& weight,
         run<float, float>(xf, weight.data_ptr<float>(), bf, out.data_ptr<float>(), M, N, K);
       break;
     case at::kHalf:
-      run<float, c10::Half>(xf, weight.data_ptr<c10::Half>(), bf, out.data_ptr<float>(), M, N, K);
+      if (tiled)
+        run<float, c10::Half, true>(xf, weight.data_ptr<c10::Half>(), bf, out.data_ptr<float>(),
+                                    M, N, K);
+      else
+        run<float, c10::Half>(xf, weight.data_ptr<c10::Half>(), bf, out.data_ptr<float>(), M, N,
+                              K);
       break;
     case at::kBFloat16:
       if (tiled && xf != nullptr)
