@@ -9,6 +9,9 @@ exact values kvserve computes with. Then, per dtype, with the same number of thr
 - prompt processing tokens/s (one prompt of --prompt-len tokens, time to its first token);
 - a sanity check that the two engines agree: the greedy tokens of both on one prompt.
 
+Both engines stay loaded and take turns, round by round, so that a drift of the memory
+bandwidth during the run lands on both; the ratios are medians of the rounds' pairs.
+
     python benchmarks/vs_llamacpp.py [--model PATH] [--dtypes float32 bfloat16]
         [--prompt-len 512] [--decode-tokens 128] [--output-json out.json]
 
@@ -279,65 +282,85 @@ def measure_offline(model: str, dtype: str, args: argparse.Namespace) -> dict[st
             "offline_requests": args.offline_requests}
 
 
+def _open_kvserve(model: str, dtype: str, ctx: int, entry: dict[str, Any]) -> Any:
+    from kvserve import LLM
+
+    if dtype == "float16":      # a float16 checkpoint as users get it: dtype="auto"
+        llm = LLM(ensure_checkpoint_as(model, "float16"), dtype="auto", max_model_len=ctx,
+                  max_num_seqs=1, enable_prefix_caching=False)
+        entry["kvserve_dtype"] = (f"auto (weights {llm.llm_engine.config.model_config.weight_dtype}"
+                                  f", math {llm.llm_engine.config.model_config.dtype})")
+        return llm
+    return LLM(model, dtype=dtype, max_model_len=ctx, max_num_seqs=1, enable_prefix_caching=False)
+
+
 def bench_dtype(model: str, dtype: str, gguf_path: str, args: argparse.Namespace) -> dict[str, Any]:
-    from kvserve import LLM, SamplingParams
+    """Both engines stay loaded and take turns round by round (the order alternates), so a
+    drift of the machine's memory bandwidth (on shared hosts it moves 2x within minutes)
+    lands on both sides: the ratios are the medians of each round's pair; the tok/s columns
+    are each side's best round."""
+    from kvserve import SamplingParams
     from kvserve.benchmarks.latency import (measure_decode_throughput,
                                             measure_prefill_throughput, random_token_prompts)
 
     threads = torch.get_num_threads()
     ctx = max(args.prompt_len + 1,
               args.decode_prompt_len + max(args.decode_tokens + 1, args.check_tokens)) + 16
-    entry: dict[str, Any] = {"gguf": gguf_path, "threads": threads}
-
+    entry: dict[str, Any] = {"gguf": gguf_path, "threads": threads, "rounds": args.num_iters}
     if args.offline_requests:
         entry.update(measure_offline(model, dtype, args))
-    if dtype == "float16":      # a float16 checkpoint as users get it: dtype="auto"
-        llm = LLM(ensure_checkpoint_as(model, "float16"), dtype="auto", max_model_len=ctx,
-                  max_num_seqs=1, enable_prefix_caching=False)
-        entry["kvserve_dtype"] = (f"auto (weights {llm.llm_engine.config.model_config.weight_dtype}"
-                                  f", math {llm.llm_engine.config.model_config.dtype})")
-    else:
-        llm = LLM(model, dtype=dtype, max_model_len=ctx, max_num_seqs=1,
-                  enable_prefix_caching=False)
+    llm = _open_kvserve(model, dtype, ctx, entry)
+    runner = None
     try:
         check_prompt = random_token_prompts(llm, 1, args.decode_prompt_len, seed=7)[0]["prompt_token_ids"]
         ref = llm.generate([{"prompt_token_ids": check_prompt}],
                            SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=args.check_tokens,
                                           detokenize=False), use_tqdm=False)[0].outputs[0].token_ids
-        entry["kvserve_decode_tok_s"] = measure_decode_throughput(
-            llm, 1, args.decode_prompt_len, args.decode_tokens, args.num_iters)["decode_tokens_per_second"]
-        entry["kvserve_prefill_tok_s"] = measure_prefill_throughput(
-            llm, args.prompt_len, args.num_iters)["prefill_tokens_per_second"]
         pp_prompts = [p["prompt_token_ids"] for p in
                       random_token_prompts(llm, args.num_iters, args.prompt_len, seed=11)]
         dec_prompts = [p["prompt_token_ids"] for p in
                        random_token_prompts(llm, args.num_iters, args.decode_prompt_len, seed=13)]
+        sides: dict[str, Any] = {
+            "kvserve_decode": lambda i: measure_decode_throughput(
+                llm, 1, args.decode_prompt_len, args.decode_tokens, 1,
+                seed=1000 + 10 * i)["decode_tokens_per_second"],
+            "kvserve_prefill": lambda i: measure_prefill_throughput(
+                llm, args.prompt_len, 1, seed=2000 + 10 * i)["prefill_tokens_per_second"]}
+        if not args.kvserve_only:
+            runner = LlamaCppRunner(gguf_path, ctx, threads)
+            got, _ = runner.greedy(check_prompt, args.check_tokens)
+            runner.prefill(pp_prompts[0])                        # warm-up
+            sides["llamacpp_decode"] = lambda i: args.decode_tokens / runner.greedy(
+                dec_prompts[i], args.decode_tokens + 1)[1]
+            sides["llamacpp_prefill"] = lambda i: args.prompt_len / runner.prefill(pp_prompts[i])
+        rounds: dict[str, list[float]] = {name: [] for name in sides}
+        for i in range(args.num_iters):
+            for what in ("decode", "prefill"):
+                order = [n for n in sides if n.endswith(what)]
+                for name in (order if i % 2 == 0 else order[::-1]):
+                    rounds[name].append(sides[name](i))
     finally:
         llm.shutdown()
+        if runner is not None:
+            runner.close()
+    for name, values in rounds.items():
+        entry[f"{name}_tok_s"] = max(values)
+        entry[f"{name}_rounds"] = values
     if args.kvserve_only:
         return entry
-
-    runner = LlamaCppRunner(gguf_path, ctx, threads)
-    try:
-        got, _ = runner.greedy(check_prompt, args.check_tokens)
-        runner.prefill(pp_prompts[0])                        # warm-up
-        entry["llamacpp_prefill_tok_s"] = args.prompt_len / min(runner.prefill(p) for p in pp_prompts)
-        best = min(runner.greedy(p, args.decode_tokens + 1)[1] for p in dec_prompts)
-        entry["llamacpp_decode_tok_s"] = args.decode_tokens / best
-    finally:
-        runner.close()
     agree = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), min(len(ref), len(got)))
     entry["greedy_tokens_agreeing"] = agree
     entry["greedy_tokens_checked"] = args.check_tokens
-    entry["decode_ratio"] = entry["kvserve_decode_tok_s"] / entry["llamacpp_decode_tok_s"]
-    entry["prefill_ratio"] = entry["kvserve_prefill_tok_s"] / entry["llamacpp_prefill_tok_s"]
+    for what in ("decode", "prefill"):
+        entry[f"{what}_ratio"] = float(np.median(
+            [a / b for a, b in zip(rounds[f"kvserve_{what}"], rounds[f"llamacpp_{what}"])]))
     return entry
 
 
 def format_report(result: dict[str, Any]) -> str:
     lines = [f"Machine: {result['machine']}", f"Model: {result['model']}", "",
-             "| dtype | kvserve decode tok/s | llama.cpp decode tok/s | ratio | kvserve prefill "
-             "tok/s | llama.cpp prefill tok/s | ratio | greedy agreement |",
+             "| dtype | kvserve decode tok/s | llama.cpp decode tok/s | ratio (median of rounds) | "
+             "kvserve prefill tok/s | llama.cpp prefill tok/s | ratio | greedy agreement |",
              "|---|---|---|---|---|---|---|---|"]
     if any("llamacpp_decode_tok_s" not in e for e in result["dtypes"].values()):
         lines[2:] = ["| dtype | kvserve decode tok/s | kvserve prefill tok/s | kvserve offline tok/s |",
@@ -371,7 +394,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-prompt-len", type=int, default=32, help="Decode: prompt before it.")
     p.add_argument("--decode-tokens", type=int, default=128, help="Decode: steps timed.")
     p.add_argument("--check-tokens", type=int, default=16, help="Greedy tokens compared.")
-    p.add_argument("--num-iters", type=int, default=3, help="Best of this many runs.")
+    p.add_argument("--num-iters", type=int, default=3,
+                   help="Rounds; in each, the two engines take turns (the order alternates).")
     p.add_argument("--offline-requests", type=int, default=0,
                    help="Also measure kvserve offline throughput on this many requests.")
     p.add_argument("--kvserve-only", action="store_true",
