@@ -149,43 +149,25 @@ def check_same_steps(tiled: torch.nn.Module, plain: torch.nn.Module, cfg,
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-def test_tiled_copy_float32_model_is_bit_identical(tied: bool,
-                                                   make_checkpoint: Callable[..., str],
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """dtype float32: the plain copy kept beside each prepacked weight
-    (KVSERVE_CPU_SMALL_BATCH_COPY=1) is tiled on every vector tier, and every step matches the
-    plain copy's."""
-    if not tiling_expected() or kl.pack_weight(torch.zeros(8, 8)) is None:
-        pytest.skip("a tiled float32 copy needs a vector tier and oneDNN packing")
-    path = make_checkpoint("llama", save_dtype=torch.float32, tie_word_embeddings=tied)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_tiled_copy_model_is_bit_identical(dtype: torch.dtype, tied: bool,
+                                           make_checkpoint: Callable[..., str],
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """dtype float32 (every vector tier; 16-column blocks) or bfloat16 with bf16 math (dpbf16 on
+    avx512_bf16; 32-column blocks): the plain copy kept beside each prepacked weight
+    (KVSERVE_CPU_SMALL_BATCH_COPY=1) is tiled, and every step matches the plain copy's."""
+    tiles = tiling_expected() if dtype == torch.float32 else cpu_isa.selected_tier() == "avx512_bf16"
+    if not tiles or kl.pack_weight(torch.zeros(8, 8)) is None:
+        pytest.skip(f"no tiled {dtype} copy on this tier, or no oneDNN packing")
+    path = make_checkpoint("llama", save_dtype=dtype, tie_word_embeddings=tied)
     monkeypatch.setenv(kl.SMALL_BATCH_COPY_ENV, "1")
     monkeypatch.setenv(kl.TILED_WEIGHTS_ENV, "1")
-    tiled, cfg = load(path, "float32")
+    tiled, cfg = load(path, str(dtype).removeprefix("torch."))
     monkeypatch.setenv(kl.TILED_WEIGHTS_ENV, "0")
-    plain, _ = load(path, "float32")
-    assert all(w.dim() == 4 and w.dtype == torch.float32 and w.shape[3] == 16
+    plain, _ = load(path, str(dtype).removeprefix("torch."))
+    assert all(w.dim() == 4 and w.dtype == dtype and w.shape[3] == kl.TILE_COLS[dtype]
                for w in layer_weights(tiled))
     assert tiled.lm_head.weight.dim() == 4
     assert (tiled.model.embed_tokens.weight is tiled.lm_head.weight) == tied
     assert plain.model.layers[0].self_attn.qkv_proj.weight.dim() == 2
-    check_same_steps(tiled, plain, cfg, torch.float32)
-
-
-@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-def test_tiled_copy_bf16_model_is_bit_identical(tied: bool, make_checkpoint: Callable[..., str],
-                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    """dtype bfloat16 with bf16 math: the plain copy kept beside each prepacked weight
-    (KVSERVE_CPU_SMALL_BATCH_COPY=1) is tiled, and every step matches the plain copy's."""
-    if cpu_isa.selected_tier() != "avx512_bf16" or kl.pack_weight(torch.zeros(8, 8)) is None:
-        pytest.skip("bf16 math with a tiled copy needs dpbf16 (avx512_bf16) and oneDNN packing")
-    path = make_checkpoint("llama", save_dtype=torch.bfloat16, tie_word_embeddings=tied)
-    monkeypatch.setenv(kl.SMALL_BATCH_COPY_ENV, "1")
-    monkeypatch.setenv(kl.TILED_WEIGHTS_ENV, "1")
-    tiled, cfg = load(path, "bfloat16")
-    monkeypatch.setenv(kl.TILED_WEIGHTS_ENV, "0")
-    plain, _ = load(path, "bfloat16")
-    assert all(w.dim() == 4 and w.shape[3] == 32 for w in layer_weights(tiled))
-    assert tiled.lm_head.weight.dim() == 4
-    assert (tiled.model.embed_tokens.weight is tiled.lm_head.weight) == tied
-    assert plain.model.layers[0].self_attn.qkv_proj.weight.dim() == 2
-    check_same_steps(tiled, plain, cfg, torch.bfloat16)
+    check_same_steps(tiled, plain, cfg, dtype)
