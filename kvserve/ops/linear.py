@@ -186,8 +186,8 @@ def widened_linear(x: torch.Tensor, weight: torch.Tensor,
 
 # ---------------------------------------------------------------------- tiled weights
 # KVSERVE_CPU_TILED_WEIGHTS: "1" (default) | "0" -- whether weights streamed by the small-batch
-# kernel (bf16, and the float32 plain copies kept beside prepacked ones) keep its tiled layout
-# instead of nn.Linear's.
+# kernel (16-bit ones, and the float32 plain copies kept beside prepacked ones) keep its tiled
+# layout instead of nn.Linear's.
 TILED_WEIGHTS_ENV = "KVSERVE_CPU_TILED_WEIGHTS"
 TILE_ROWS = 4
 # Columns per block, by the activations' dtype: float32 x (the avx2 path's widened bf16 pairs; a
