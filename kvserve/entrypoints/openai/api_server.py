@@ -425,7 +425,8 @@ def init_app_state(engine_client: Any, state: Any, args: argparse.Namespace) -> 
                                            chat_template=chat_template,
                                            response_role=getattr(args, "response_role", "assistant"),
                                            enable_auto_tools=getattr(args, "enable_auto_tool_choice", False),
-                                           tool_parser=getattr(args, "tool_call_parser", None))
+                                           tool_parser=getattr(args, "tool_call_parser", None),
+                                           reasoning_parser=getattr(args, "reasoning_parser", None))
     state.serving_tokenization = OpenAIServingTokenization(engine_client, models, load,
                                                            chat_template=chat_template)
 

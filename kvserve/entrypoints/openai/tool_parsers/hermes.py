@@ -1,0 +1,26 @@
+"""hermes (Qwen2.5, Hermes, many others): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
+blocks; the text outside them is content."""
+from __future__ import annotations
+
+from typing import Optional
+
+from kvserve.entrypoints.openai.tool_parsers.abstract_tool_parser import (CallState, ParseResult,
+                                                                         ToolParser)
+from kvserve.entrypoints.openai.tool_parsers.json_calls import scan_call, skip_space
+from kvserve.entrypoints.openai.tool_parsers.registry import register_tool_parser
+from kvserve.entrypoints.openai.tool_parsers.tagged import parse_tagged
+
+
+def json_body(body: str, closed: bool) -> Optional[CallState]:
+    """A block whose body is one JSON call object (blank lines around it allowed)."""
+    pos = skip_space(body, 0)
+    if pos == len(body) or body[pos] != "{":
+        return None
+    call = scan_call(body, pos).call
+    return call if call.name is not None else None     # named: a call from here on
+
+
+@register_tool_parser("hermes")
+class HermesToolParser(ToolParser):
+    def parse(self, text: str, final: bool) -> ParseResult:
+        return parse_tagged(text, final, "<tool_call>", "</tool_call>", json_body)
