@@ -151,6 +151,16 @@ class OpenAIServingChat(OpenAIServing):
 
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Any = None
                                      ) -> Union[ChatCompletionResponse, StreamingResult]:
+        ctx, generator, tracker = self.start_chat(request, raw_request)
+        if request.stream:
+            return StreamingResult(self._stream(ctx, generator, tracker, raw_request), tracker)
+        final = await self.final_output(ctx, generator, tracker)
+        return self._full_response(ctx, final)
+
+    def start_chat(self, request: ChatCompletionRequest, raw_request: Any = None
+                   ) -> tuple["_ChatContext", Any, RequestTracker]:
+        """Render, check and submit a chat request: its context, the engine's output stream
+        and the tracker that aborts it (the Responses API starts its requests here too)."""
         self.check_model(request.model)
         self.check_engine()
         request_id = self.make_request_id(request, raw_request)
@@ -184,21 +194,24 @@ class OpenAIServingChat(OpenAIServing):
             priority=request.priority, cache_salt=request.cache_salt)
         ctx = _ChatContext(request, request_id, self.models.response_model_name(request.model),
                            now(), role, echo_text, ids, tool_mode, reasons)
-        if request.stream:
-            return StreamingResult(self._stream(ctx, generator, tracker, raw_request), tracker)
+        return ctx, generator, tracker
+
+    @staticmethod
+    async def final_output(ctx: "_ChatContext", generator: Any, tracker: RequestTracker
+                           ) -> RequestOutput:
         final: Optional[RequestOutput] = None
         try:
             async with aclosing(generator) as stream:
                 async for res in stream:
                     final = res
             if final is not None and final.finished:
-                tracker.finished(request_id)
+                tracker.finished(ctx.request_id)
         except Exception as e:
             raise to_serving_error(e) from e
         finally:
             tracker.close()
         assert final is not None, "the request finished without output"
-        return self._full_response(ctx, final)
+        return final
 
     # ------------------------------------------------------------------ whole response
     def _full_response(self, ctx: "_ChatContext", res: RequestOutput) -> ChatCompletionResponse:
