@@ -32,7 +32,9 @@ from kvserve.sampling_params import StructuredOutputsParams
 from tests.entrypoints.conftest import SERVER_ENGINE_ARGS, RemoteServer
 from tests.utils import random_prompts
 
-pytestmark = pytest.mark.timeout(600)
+# Under load a server's first start (kernels compiled for the session) takes minutes.
+pytestmark = pytest.mark.timeout(1500)
+STARTUP_TIMEOUT_S = 1200
 
 REGEX = r"[a-f]{2,4}-\d{1,3}"
 ENGINE = dict(dtype="float32", max_model_len=256, kv_cache_memory=16 << 20, seed=0)
@@ -90,7 +92,8 @@ def server(think_model: tuple[str, int]) -> Iterator[RemoteServer]:
         *SERVER_ENGINE_ARGS, "--uvicorn-log-level", "warning",
         "--structured-outputs-config", '{"disable_any_whitespace": true}',
         "--reasoning-parser", "deepseek_r1",
-        "--enable-auto-tool-choice", "--tool-call-parser", "hermes"], startup_timeout=300)
+        "--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
+        startup_timeout=STARTUP_TIMEOUT_S)
     try:
         yield srv
     finally:

@@ -6,7 +6,7 @@ bad input as 400 / 404."""
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Iterator
 
 import jsonschema
 import openai
@@ -15,15 +15,27 @@ import pytest
 from kvserve.entrypoints.openai import serving_responses
 from kvserve.entrypoints.openai.protocol import ResponsesRequest
 from kvserve.entrypoints.openai.serving_responses import OpenAIServingResponses
-# The same server (tiny_llama, hermes, no whitespace in JSON), started again for this module.
-from tests.entrypoints.test_structured_outputs_server import server  # noqa: F401
+from tests.entrypoints.conftest import SERVER_ENGINE_ARGS, RemoteServer
+from tests.entrypoints.test_reasoning_and_tools_e2e import STARTUP_TIMEOUT_S
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = pytest.mark.timeout(1500)
 
 WEATHER_PARAMS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6}},
                   "required": ["city"], "additionalProperties": False}
 WEATHER = {"type": "function", "name": "get_weather", "description": "Weather in a city",
            "parameters": WEATHER_PARAMS}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama: str) -> Iterator[RemoteServer]:
+    srv = RemoteServer(tiny_llama, [
+        *SERVER_ENGINE_ARGS, "--uvicorn-log-level", "warning",
+        "--structured-outputs-config", '{"disable_any_whitespace": true}'],
+        startup_timeout=STARTUP_TIMEOUT_S)
+    try:
+        yield srv
+    finally:
+        srv.close()
 
 
 def _events(stream: Any) -> list[Any]:
@@ -122,3 +134,32 @@ def test_the_store_keeps_the_newest(monkeypatch: pytest.MonkeyPatch) -> None:
     assert list(handler.store) == ids[2:]
     with pytest.raises(Exception, match="not found"):
         handler.retrieve(ids[0])
+
+
+def test_stream_events_for_reasoning_text_and_a_call() -> None:
+    """The event order when one stream holds all three kinds of output item."""
+    from kvserve.entrypoints.openai.protocol import DeltaMessage
+    from kvserve.entrypoints.openai.serving_responses import _EventWriter
+
+    writer = _EventWriter({})
+    chunks = [DeltaMessage(reasoning_content="a"), DeltaMessage(reasoning_content="b", content="c"),
+              DeltaMessage(tool_calls=[{"index": 0, "id": "call_1", "type": "function",
+                                        "function": {"name": "f", "arguments": "{"}}]),
+              DeltaMessage(tool_calls=[{"index": 0, "function": {"arguments": "}"}}])]
+    raw = [e for d in chunks for e in writer.deltas(d)] + writer.close_item()
+    events = [json.loads(e.split("data: ", 1)[1]) for e in raw]
+    assert [e["type"].removeprefix("response.") for e in events] == [
+        "output_item.added", "reasoning_text.delta", "reasoning_text.delta",
+        "reasoning_text.done", "output_item.done",
+        "output_item.added", "content_part.added", "output_text.delta", "output_text.done",
+        "content_part.done", "output_item.done",
+        "output_item.added", "function_call_arguments.delta", "function_call_arguments.delta",
+        "function_call_arguments.done", "output_item.done"]
+    assert all(e.startswith(f"event: {v['type']}\n") for e, v in zip(raw, events))
+    assert [e["output_index"] for e in events if e["type"] == "response.output_item.done"] == [0, 1, 2]
+    assert [(i["type"], i["status"]) for i in writer.items] == [
+        ("reasoning", "completed"), ("message", "completed"), ("function_call", "completed")]
+    assert writer.items[0]["content"][0]["text"] == "ab"
+    assert writer.items[1]["content"][0]["text"] == "c"
+    assert (writer.items[2]["name"], writer.items[2]["arguments"], writer.items[2]["call_id"]) == (
+        "f", "{}", "call_1")
