@@ -300,8 +300,8 @@ def test_reasoning_then_tool_calls(think_tokenizer: Tokenizer) -> None:
     text = ('The user wants weather; call the tool.</think>\n\n<tool_call>\n{"name": '
             '"get_weather", "arguments": {"city": "Paris"}}\n</tool_call>')
     r1 = get_reasoning_parser("deepseek_r1")(think_tokenizer)
-    hermes = get_tool_parser("hermes")(WEATHER_TOOLS)
     for pieces in [[text]] + cuts(text, seeds=2):
+        hermes = get_tool_parser("hermes")(WEATHER_TOOLS)          # one per stream
         parser = ChoiceParser(ReasoningStreamer(r1), ToolCallStreamer(hermes.parse, hermes.make_id),
                               "auto")
         reasoning, content, deltas, finish = "", "", [], None

@@ -37,7 +37,8 @@ class ParseResult:
 
 
 class ToolParser:
-    """Base of the `--tool-call-parser` parsers: one instance per generated choice."""
+    """Base of the `--tool-call-parser` parsers: one instance per generated choice (it keeps
+    the state of its scans between the parses of one stream)."""
 
     name = ""
     # The parser's markers are special tokens the detokenizer would otherwise drop.
@@ -45,6 +46,8 @@ class ToolParser:
 
     def __init__(self, tools: Optional[list[dict[str, Any]]] = None) -> None:
         self.tools = tools or []
+        # Scans of partial JSON kept between the parses of one stream (json_calls.py).
+        self.scans: dict[int, Any] = {}
 
     def parse(self, text: str, final: bool) -> ParseResult:
         """The monotone parse of the text so far (module docstring)."""
@@ -80,13 +83,24 @@ def partial_marker(text: str, *markers: str) -> int:
     return longest
 
 
-def json_arguments(pairs: list[tuple[str, Any]], closed: bool) -> str:
+class JsonArguments:
     """`json.dumps(dict(pairs))` written pair by pair: the text for the first k pairs is a
     prefix of the text for all of them, so arguments whose values come one at a time
-    (pythonic, qwen3_coder) stream as they complete. `closed` adds the final brace."""
-    body = ", ".join(f"{json.dumps(k, ensure_ascii=False)}: {json.dumps(v, ensure_ascii=False)}"
-                     for k, v in pairs)
-    return "{" + body + ("}" if closed else "")
+    (pythonic, qwen3_coder) stream as they complete. It also keeps where in the model's text
+    the next pair starts (`pos`) and where the call ended (`end`), so that a stream reads each
+    pair once."""
+
+    def __init__(self, pos: int) -> None:
+        self.pos = pos
+        self.end: Optional[int] = None
+        self._body = ""
+
+    def add(self, key: str, value: Any) -> None:
+        pair = f"{json.dumps(key, ensure_ascii=False)}: {json.dumps(value, ensure_ascii=False)}"
+        self._body += f", {pair}" if self._body else pair
+
+    def text(self) -> str:
+        return "{" + self._body + ("}" if self.end is not None else "")
 
 
 class ToolCallStreamer:

@@ -24,5 +24,5 @@ class RequiredToolParser(ToolParser):
             return ParseResult()
         if text[pos] != "[":
             return ParseResult(content=text)
-        calls, _ = scan_call_array(text, pos, ("parameters",))
+        calls, _ = scan_call_array(text, pos, ("parameters",), self.scans)
         return ParseResult(calls=calls)

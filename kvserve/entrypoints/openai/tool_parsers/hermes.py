@@ -11,16 +11,15 @@ from kvserve.entrypoints.openai.tool_parsers.registry import register_tool_parse
 from kvserve.entrypoints.openai.tool_parsers.tagged import parse_tagged
 
 
-def json_body(body: str, closed: bool) -> Optional[CallState]:
-    """A block whose body is one JSON call object (blank lines around it allowed)."""
-    pos = skip_space(body, 0)
-    if pos == len(body) or body[pos] != "{":
-        return None
-    call = scan_call(body, pos).call
-    return call if call.name is not None else None     # named: a call from here on
-
-
 @register_tool_parser("hermes")
 class HermesToolParser(ToolParser):
     def parse(self, text: str, final: bool) -> ParseResult:
-        return parse_tagged(text, final, "<tool_call>", "</tool_call>", json_body)
+        return parse_tagged(text, final, "<tool_call>", "</tool_call>", self._body)
+
+    def _body(self, text: str, start: int, end: int, closed: bool) -> Optional[CallState]:
+        """One JSON call object (blank lines around it allowed); a call once it is named."""
+        pos = skip_space(text, start)
+        if pos >= end or text[pos] != "{":
+            return None
+        call = scan_call(text, pos, limit=end, cache=self.scans).call
+        return call if call.name is not None else None

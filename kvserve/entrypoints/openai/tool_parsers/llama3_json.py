@@ -27,7 +27,7 @@ class Llama3JsonToolParser(ToolParser):
             return ParseResult(content=text)
         result = ParseResult()
         while True:
-            scanned = scan_call(text, pos)
+            scanned = scan_call(text, pos, cache=self.scans)
             if scanned.call.name is None or not scanned.has_arguments:
                 if scanned.end is None and not final:
                     return result                      # undecided

@@ -31,7 +31,7 @@ class MistralToolParser(ToolParser):
         result = ParseResult(content=text[:i])
         pos = skip_space(text, i + len(BOT))
         if pos < len(text) and text[pos] == "[":
-            result.calls, end = scan_call_array(text, pos)
+            result.calls, end = scan_call_array(text, pos, cache=self.scans)
             if end is not None:
                 result.content += text[end:]
             return result
@@ -43,7 +43,7 @@ class MistralToolParser(ToolParser):
             args_at = skip_space(text, a + len(ARGS))
             if args_at == len(text) or text[args_at] != "{":
                 return result
-            end = value_end(text, args_at)
+            end = value_end(text, args_at, self.scans)
             result.calls[-1].arguments = text[args_at:end or len(text)]
             if end is None:
                 return result

@@ -10,40 +10,25 @@ from typing import Any, Optional
 
 from kvserve.entrypoints.openai.tool_parsers.abstract_tool_parser import (CallState, ParseResult,
                                                                          ToolParser,
-                                                                         json_arguments)
+                                                                         JsonArguments)
 from kvserve.entrypoints.openai.tool_parsers.registry import register_tool_parser
 
 _START = re.compile(r"\s*\[\s*(?=[A-Za-z_][\w.]*\s*\()")
 _MAYBE_START = re.compile(r"\s*(\[\s*([A-Za-z_][\w.]*\s*)?)?")
 _CALL = re.compile(r"\s*([A-Za-z_][\w.]*)\s*\(")
 _KEYWORD = re.compile(r"\s*([A-Za-z_]\w*)\s*=")
+_CLOSE = re.compile(r"\s*\)")
 # A string (q1 / q2: its closing quote, absent while open), a bracket or comma, anything else.
 _TOKEN = re.compile(r"""(?P<str>[rRbBuU]{0,2}(?:'(?:[^'\\\n]|\\.)*(?P<q1>')?"""
                     r"""|"(?:[^"\\\n]|\\.)*(?P<q2>")?))|[()\[\]{},]|[^'"()\[\]{},]+""")
 
 
-def _value_end(text: str, pos: int) -> Optional[int]:
-    """Where the argument value starting at `pos` ends: the top-level "," or ")" after it
-    (None: not written yet)."""
-    depth = 0
-    for m in _TOKEN.finditer(text, pos):
-        tok = m.group()
-        if m.group("str") is not None:
-            if m.group("q1") is None and m.group("q2") is None:
-                return None                              # a string still being written
-        elif tok in ("(", "[", "{"):
-            depth += 1
-        elif tok in (")", "]", "}"):
-            if depth == 0:
-                return m.start()
-            depth -= 1
-        elif tok == "," and depth == 0:
-            return m.start()
-    return None
-
-
 @register_tool_parser("pythonic")
 class PythonicToolParser(ToolParser):
+    def __init__(self, tools: Optional[list[dict[str, Any]]] = None) -> None:
+        super().__init__(tools)
+        self.values: dict[int, tuple[int, int]] = {}   # value start -> (scanned to, depth)
+
     def parse(self, text: str, final: bool) -> ParseResult:
         start = _START.match(text)
         if start is None:
@@ -56,7 +41,7 @@ class PythonicToolParser(ToolParser):
             call_match = _CALL.match(text, pos)
             if call_match is None:
                 return result
-            call = CallState(call_match.group(1), "{")
+            call = CallState(call_match.group(1))
             result.calls.append(call)
             pos = self._arguments(text, call_match.end(), call)
             if pos is None:
@@ -69,24 +54,44 @@ class PythonicToolParser(ToolParser):
                 result.content = text[pos:]
                 return result
 
-    @staticmethod
-    def _arguments(text: str, pos: int, call: CallState) -> Optional[int]:
+    def _arguments(self, text: str, start: int, call: CallState) -> Optional[int]:
         """Fill `call.arguments` with the keyword arguments complete so far; the index past
         the call's ")" once it is closed (None before)."""
-        pairs: list[tuple[str, Any]] = []
-        while True:
-            close = re.compile(r"\s*\)").match(text, pos)
+        args = self.scans.setdefault(start, JsonArguments(start))
+        while args.end is None:
+            close = _CLOSE.match(text, args.pos)
             if close is not None:
-                call.arguments = json_arguments(pairs, closed=True)
-                return close.end()
-            keyword = _KEYWORD.match(text, pos)
-            end = _value_end(text, keyword.end()) if keyword is not None else None
+                args.end = close.end()
+                break
+            keyword = _KEYWORD.match(text, args.pos)
+            end = self._value_end(text, keyword.end()) if keyword is not None else None
             if keyword is None or end is None:
-                return None
+                break
             try:
                 value = ast.literal_eval(text[keyword.end():end].strip())
             except (ValueError, SyntaxError):
-                return None                              # not a literal: the call stops here
-            pairs.append((keyword.group(1), value))
-            call.arguments = json_arguments(pairs, closed=False)
-            pos = end + 1 if text[end] == "," else end
+                break                                    # not a literal: the call stops here
+            args.add(keyword.group(1), value)
+            args.pos = end + 1 if text[end] == "," else end
+        call.arguments = args.text()
+        return args.end
+
+    def _value_end(self, text: str, start: int) -> Optional[int]:
+        """Where the argument value starting at `start` ends: the top-level "," or ")" after
+        it (None: not written yet). The scan resumes where the last parse left it."""
+        pos, depth = self.values.get(start, (start, 0))
+        end = None
+        for m in _TOKEN.finditer(text, pos):
+            tok = m.group()
+            if m.group("str") is not None and m.group("q1") is None and m.group("q2") is None:
+                break                                    # a string still being written
+            if tok in ("(", "[", "{"):
+                depth += 1
+            elif tok in (",", ")", "]", "}"):
+                if depth == 0:
+                    end = m.start()
+                    break
+                depth -= tok != ","
+            pos = m.end()
+        self.values[start] = (pos, depth)
+        return end

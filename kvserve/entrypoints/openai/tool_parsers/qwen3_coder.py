@@ -21,7 +21,7 @@ from typing import Any, Optional
 
 from kvserve.entrypoints.openai.tool_parsers.abstract_tool_parser import (CallState, ParseResult,
                                                                          ToolParser,
-                                                                         json_arguments)
+                                                                         JsonArguments)
 from kvserve.entrypoints.openai.tool_parsers.registry import register_tool_parser
 from kvserve.entrypoints.openai.tool_parsers.tagged import parse_tagged
 
@@ -60,21 +60,30 @@ def convert_value(value: str, schema: Optional[dict[str, Any]]) -> Any:
 
 @register_tool_parser("qwen3_coder")
 class Qwen3CoderToolParser(ToolParser):
+    def __init__(self, tools: Optional[list[dict[str, Any]]] = None) -> None:
+        super().__init__(tools)
+        self.names: dict[int, str] = {}                 # block start -> function name
+
     def parse(self, text: str, final: bool) -> ParseResult:
         return parse_tagged(text, final, "<tool_call>", "</tool_call>", self._body)
 
-    def _body(self, body: str, closed: bool) -> Optional[CallState]:
-        function = _FUNCTION.search(body)
-        if function is None:
-            return None
-        name = function.group(1).strip()
+    def _body(self, text: str, start: int, end: int, closed: bool) -> Optional[CallState]:
+        args = self.scans.get(start)
+        if args is None:
+            function = _FUNCTION.search(text, start, end)
+            if function is None:
+                return None
+            args = self.scans[start] = JsonArguments(function.end())
+            self.names[start] = function.group(1).strip()
+        name = self.names[start]
         properties = self.tool_parameters(name)
-        pairs = []
-        for m in _PARAMETER.finditer(body, function.end()):
+        for m in _PARAMETER.finditer(text, args.pos, end):
             value = m.group(2)
             value = value[1:] if value.startswith("\n") else value
             value = value[:-1] if value.endswith("\n") else value
             key = m.group(1).strip()
-            pairs.append((key, convert_value(value, properties.get(key))))
-        done = closed or "</function>" in body[function.end():]
-        return CallState(name, json_arguments(pairs, closed=done))
+            args.add(key, convert_value(value, properties.get(key)))
+            args.pos = m.end()
+        if args.end is None and (closed or text.find("</function>", args.pos, end) >= 0):
+            args.end = end
+        return CallState(name, args.text())

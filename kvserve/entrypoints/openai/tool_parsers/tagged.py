@@ -9,8 +9,9 @@ from typing import Callable, Optional
 from kvserve.entrypoints.openai.tool_parsers.abstract_tool_parser import (CallState, ParseResult,
                                                                          partial_marker)
 
-# body text, whether the block is closed -> the call (None: not nameable (yet))
-BodyParser = Callable[[str, bool], Optional[CallState]]
+# (text, body start, body end, whether the block is closed) -> the call (None: not nameable
+# (yet)). Positions are the whole text's, so that a parser may keep state per block.
+BodyParser = Callable[[str, int, int, bool], Optional[CallState]]
 
 
 def parse_tagged(text: str, final: bool, start_tag: str, end_tag: str,
@@ -31,7 +32,7 @@ def parse_tagged(text: str, final: bool, start_tag: str, end_tag: str,
         if not closed and not final:
             # "</tool_c" at the end belongs to the end tag, not to the call's body.
             body_end -= partial_marker(text[body_start:], end_tag)
-        call = parse_body(text[body_start:body_end], closed or final)
+        call = parse_body(text, body_start, body_end, closed or final)
         if call is None:
             if not (closed or final):
                 return result                  # undecided: hold the block back
