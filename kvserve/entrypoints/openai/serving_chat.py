@@ -25,13 +25,13 @@ from kvserve.entrypoints.openai.protocol import (ChatCompletionLogProb, ChatComp
                                                  ChatCompletionResponseStreamChoice,
                                                  ChatCompletionStreamResponse, ChatMessage,
                                                  DeltaMessage, UsageInfo)
+from kvserve.entrypoints.openai.reasoning_parsers import (ReasoningParser, ReasoningStreamer,
+                                                          get_reasoning_parser)
 from kvserve.entrypoints.openai.serving_engine import (SSE_DONE, LoadTracker, OpenAIServing,
                                                        RequestTracker, ServingError,
                                                        StreamingResult, clamp_logprob,
                                                        error_payload, now, sse, to_serving_error)
 from kvserve.entrypoints.openai.serving_models import OpenAIServingModels
-from kvserve.entrypoints.openai.reasoning_parsers import (ReasoningParser, ReasoningStreamer,
-                                                          get_reasoning_parser)
 from kvserve.entrypoints.openai.tool_calls import named_tool
 from kvserve.entrypoints.openai.tool_parsers import (NamedToolParser, RequiredToolParser,
                                                      ToolCallStreamer, ToolParser,
