@@ -8,6 +8,8 @@ import sys
 from typing import Optional
 
 from kvserve.engine.arg_utils import EngineArgs
+from kvserve.entrypoints.openai.reasoning_parsers import reasoning_parser_names
+from kvserve.entrypoints.openai.tool_parsers import tool_parser_names
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -96,9 +98,15 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="Let the model call tools on its own (tool_choice='auto'); needs "
                         "--tool-call-parser.")
-    g.add_argument("--tool-call-parser", type=str, default=None, choices=["hermes"],
-                   help="How tool calls are written in the model's text (hermes: "
-                        "<tool_call>{...}</tool_call>).")
+    g.add_argument("--tool-call-parser", type=str, default=None, choices=tool_parser_names(),
+                   help="How tool calls are written in the model's text (vLLM's names): hermes "
+                        "(<tool_call>{...}</tool_call>), llama3_json ({\"name\", "
+                        "\"parameters\"}), mistral ([TOOL_CALLS][...]), pythonic "
+                        "([f(a=1)]), qwen3_coder (<tool_call><function=f>...).")
+    g.add_argument("--reasoning-parser", type=str, default=None,
+                   choices=reasoning_parser_names(),
+                   help="Return the model's <think>...</think> reasoning as reasoning_content "
+                        "(vLLM's names); structured outputs apply after the reasoning.")
     g.add_argument("--headless", action="store_true",
                    help="Run this node's data-parallel engines only (no API server); they "
                         "connect to the front node at --data-parallel-address / "

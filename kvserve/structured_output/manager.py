@@ -7,6 +7,10 @@
                    that sample this step, shipped to the workers with the SchedulerOutput
     update      ─► accept_tokens per sampled token; a terminated matcher ends the request
 
+A request that reasons first (`reasoning_end_token_id` set by a server with
+--reasoning-parser) keeps its matcher aside until that token is generated: until then it
+has no grammar, so no bitmask row, draft check or jump-forward applies to the reasoning.
+
 The backend (xgrammar) and its tokenizer info are built once, on the first structured request,
 inside the pool as well.
 """
@@ -88,13 +92,15 @@ class StructuredOutputManager:
         assert so_req is not None
         if not so_req.is_ready():
             return False
-        if so_req.grammar is None and so_req.error is None:
+        if so_req.grammar is None and so_req.waiting_grammar is None and so_req.error is None:
             assert so_req.future is not None
             exc = so_req.future.exception()
             if exc is not None:
                 self._compiled.pop(so_req.key, None)
                 so_req.error = f"{type(exc).__name__}: {exc}" if not isinstance(
                     exc, ValueError) else str(exc)
+            elif so_req.params.reasoning_end_token_id is not None:
+                so_req.waiting_grammar = self.backend.make_grammar(so_req.future.result())
             else:
                 so_req.grammar = self.backend.make_grammar(so_req.future.result())
                 self._num_active += 1
@@ -112,6 +118,7 @@ class StructuredOutputManager:
         if so_req.grammar is not None:
             self._num_active -= 1
             so_req.grammar = None
+        so_req.waiting_grammar = None
 
     @property
     def num_active(self) -> int:
@@ -190,8 +197,27 @@ class StructuredOutputManager:
 
     def accept_tokens(self, request: "Request", tokens: list[int]) -> bool:
         so_req = request.structured_output_request
-        assert so_req is not None and so_req.grammar is not None
+        assert so_req is not None
+        if so_req.grammar is None:
+            tokens = self._end_reasoning(so_req, tokens)
+            if so_req.grammar is None or not tokens:
+                return True
         return so_req.grammar.accept_tokens(request.request_id, tokens)
+
+    def _end_reasoning(self, so_req: StructuredOutputRequest, tokens: list[int]) -> list[int]:
+        """A reasoning request: its grammar starts once the reasoning-end token is among the
+        new tokens. Returns the tokens after it, for the grammar."""
+        end = so_req.params.reasoning_end_token_id
+        if so_req.waiting_grammar is None or end not in tokens:
+            return []
+        so_req.grammar, so_req.waiting_grammar = so_req.waiting_grammar, None
+        self._num_active += 1
+        rest = tokens[tokens.index(end) + 1:]
+        # Tokens after it in the same step (speculative decoding) were sampled free: the
+        # grammar takes them only if it accepts them all, else it starts after them (vLLM's).
+        if rest and len(so_req.grammar.validate_tokens(rest)) != len(rest):
+            return []
+        return rest
 
     def is_terminated(self, request: "Request") -> bool:
         so_req = request.structured_output_request

@@ -37,7 +37,11 @@ class StructuredOutputRequest:
     error: Optional[str] = None
     # Jump-forward tokens appended by the engine core that the workers have not seen yet.
     pending_tokens: list[int] = field(default_factory=list)
+    # The matcher while the request still reasons (`params.reasoning_end_token_id` not yet
+    # generated): `grammar` stays None until then, so nothing constrains the reasoning.
+    waiting_grammar: Optional[StructuredOutputGrammar] = None
 
     def is_ready(self) -> bool:
-        return self.grammar is not None or self.error is not None or (
+        return (self.grammar is not None or self.waiting_grammar is not None
+                or self.error is not None) or (
             self.future is not None and self.future.done())

@@ -2,7 +2,8 @@
 
     kvserve serve /path/to/model --port 8000 [--api-key KEY] [engine flags...]
 
-Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions, POST /tokenize,
+Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions, POST /v1/responses,
+GET /v1/responses/{id}, POST /tokenize,
 POST /detokenize, GET /health (503 once the engine is dead), GET|POST /ping, GET /version,
 GET /load, GET /metrics (Prometheus).
 
@@ -46,12 +47,13 @@ import kvserve
 from kvserve.entrypoints.openai.openapi import install_openapi
 from kvserve.entrypoints.openai.protocol import (DEFAULT_SAMPLING_KEYS, ChatCompletionRequest,
                                                  CompletionRequest, DetokenizeRequest,
-                                                 TokenizeRequest)
+                                                 ResponsesRequest, TokenizeRequest)
 from kvserve.entrypoints.openai.serving_chat import OpenAIServingChat, load_chat_template
 from kvserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from kvserve.entrypoints.openai.serving_engine import (LoadTracker, ServingError, StreamingResult,
                                                        create_error_response, is_engine_dead_error)
 from kvserve.entrypoints.openai.serving_models import OpenAIServingModels
+from kvserve.entrypoints.openai.serving_responses import OpenAIServingResponses
 from kvserve.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from kvserve.metrics.loggers import LoggingStatLogger
 from kvserve.metrics.prometheus import PrometheusStatLogger
@@ -232,6 +234,22 @@ async def create_chat_completion(request: ChatCompletionRequest, raw_request: Re
     handler: OpenAIServingChat = _state(raw_request).serving_chat
     _warn_ignored(request)
     return await _handle(raw_request, lambda: handler.create_chat_completion(request, raw_request))
+
+
+@router.post("/v1/responses")
+async def create_response(request: ResponsesRequest, raw_request: Request) -> Response:
+    handler: OpenAIServingResponses = _state(raw_request).serving_responses
+    _warn_ignored(request)
+    return await _handle(raw_request, lambda: handler.create_response(request, raw_request))
+
+
+@router.get("/v1/responses/{response_id}")
+async def retrieve_response(response_id: str, raw_request: Request) -> Response:
+    handler: OpenAIServingResponses = _state(raw_request).serving_responses
+
+    async def get() -> Any:
+        return handler.retrieve_json(response_id)
+    return await _handle(raw_request, get)
 
 
 @router.post("/tokenize")
@@ -425,7 +443,9 @@ def init_app_state(engine_client: Any, state: Any, args: argparse.Namespace) -> 
                                            chat_template=chat_template,
                                            response_role=getattr(args, "response_role", "assistant"),
                                            enable_auto_tools=getattr(args, "enable_auto_tool_choice", False),
-                                           tool_parser=getattr(args, "tool_call_parser", None))
+                                           tool_parser=getattr(args, "tool_call_parser", None),
+                                           reasoning_parser=getattr(args, "reasoning_parser", None))
+    state.serving_responses = OpenAIServingResponses(state.serving_chat)
     state.serving_tokenization = OpenAIServingTokenization(engine_client, models, load,
                                                            chat_template=chat_template)
 
@@ -458,9 +478,20 @@ async def run_server(args: argparse.Namespace) -> int:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (e.g. hermes).")
     if args.chat_template is not None:
         load_chat_template(args.chat_template)   # a bad path fails before the model loads
-    sock = _bind_socket(args.host, args.port)
     engine_args = EngineArgs.from_cli_args(args)
+    if getattr(args, "reasoning_parser", None):
+        _check_reasoning_parser(args.reasoning_parser, engine_args)
+    sock = _bind_socket(args.host, args.port)
     return await serve_http(args, sock, lambda: AsyncLLM.from_engine_args(engine_args))
+
+
+def _check_reasoning_parser(name: str, engine_args: Any) -> None:
+    """A reasoning parser the tokenizer has no tokens for fails before the model loads."""
+    from kvserve.entrypoints.openai.reasoning_parsers import get_reasoning_parser
+    from kvserve.tokenizer import Tokenizer
+
+    tokenizer_path = engine_args.create_engine_config().model_config.tokenizer
+    get_reasoning_parser(name)(Tokenizer.from_pretrained(tokenizer_path))
 
 
 async def serve_http(args: argparse.Namespace, sock: socket.socket,

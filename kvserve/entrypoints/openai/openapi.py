@@ -29,13 +29,15 @@ _ERROR_TEXT = {
 _ROUTE_ERRORS: dict[str, tuple[str, ...]] = {
     "/v1/completions": ("401", "404", "503"),
     "/v1/chat/completions": ("401", "404", "503"),
+    "/v1/responses": ("401", "404", "503"),
+    "/v1/responses/{response_id}": ("401", "404"),
     "/v1/models": ("401",),
     "/tokenize": ("404",),
     "/detokenize": ("404",),
 }
 
 # Responses whose media type is not JSON.
-_STREAMING = ("/v1/completions", "/v1/chat/completions")
+_STREAMING = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 _PLAIN_TEXT = ("/metrics",)
 _EMPTY_OK = ("/health", "/ping")
 

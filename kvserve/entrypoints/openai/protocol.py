@@ -458,6 +458,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
 class DeltaMessage(OpenAIBaseModel):
     role: Optional[str] = None
     content: Optional[str] = None
+    reasoning_content: Optional[str] = None
     tool_calls: Optional[list[dict[str, Any]]] = None
 
 
@@ -523,3 +524,38 @@ class DetokenizeRequest(OpenAIBaseModel):
 
 class DetokenizeResponse(OpenAIBaseModel):
     prompt: str
+
+
+# ---------------------------------------------------------------------- responses
+class ResponsesRequest(OpenAIBaseModel):
+    # https://platform.openai.com/docs/api-reference/responses/create
+    model: Optional[str] = None
+    input: Union[str, list[dict[str, Any]]]
+    instructions: Optional[str] = None
+    max_output_tokens: Optional[int] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Optional[Union[str, dict[str, Any]]] = "auto"
+    parallel_tool_calls: Optional[bool] = True
+    previous_response_id: Optional[str] = None
+    store: Optional[bool] = True
+    stream: Optional[bool] = False
+    text: Optional[dict[str, Any]] = None
+    metadata: Optional[dict[str, Any]] = None
+    user: Optional[str] = None
+    # vLLM's extras.
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    seed: Optional[int] = None
+    stop: Optional[Union[str, list[str]]] = None
+    priority: Optional[int] = None
+    request_id: Optional[str] = None
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _input_not_empty(cls, value: Any) -> Any:
+        if isinstance(value, (str, list)) and not value:
+            raise ValueError("input must not be empty.")
+        return value
