@@ -46,9 +46,9 @@ import msgspec
 import zmq
 
 from kvserve.config import KVServeConfig
+from kvserve.core.messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest,
+                                   EngineCoreRequestType, FinishReason)
 from kvserve.engine.core import EngineCore
-from kvserve.engine.messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest,
-                                     EngineCoreRequestType, FinishReason)
 from kvserve.engine.output_coalescer import OutputCoalescer
 from kvserve.engine.serial_utils import MsgpackDecoder, MsgpackEncoder
 from kvserve.executor.base import Executor

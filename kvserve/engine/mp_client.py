@@ -36,13 +36,13 @@ import zmq
 import zmq.asyncio
 
 from kvserve.config import KVServeConfig
+from kvserve.core.messages import EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType
 from kvserve.engine.core_client import EngineCoreClient
 from kvserve.engine.core_proc import ENGINE_CORE_DEAD, engine_identity
+from kvserve.engine.exceptions import EngineDeadError
 from kvserve.engine.launch import (DP_HANDSHAKE_TIMEOUT_S, ClientAddresses, client_addresses,
                                    launch_core_engines, make_engine_addresses,
                                    recv_during_startup)
-from kvserve.engine.exceptions import EngineDeadError
-from kvserve.engine.messages import EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType
 from kvserve.engine.serial_utils import MsgpackDecoder, MsgpackEncoder
 
 logger = logging.getLogger(__name__)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import time
 from typing import Iterable, Optional
 
-from kvserve.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+from kvserve.core.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from kvserve.envs import env_switch
 from kvserve.sampling_params import RequestOutputKind
 

@@ -15,6 +15,8 @@ import json
 import os
 from typing import Any, Optional
 
+from kvserve.envs import cache_dir
+
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
 UNK_ID, BOS_ID, EOS_ID, IM_START_ID, IM_END_ID = range(5)
 
@@ -194,14 +196,6 @@ DEMO_CONFIG: dict[str, Any] = dict(
     arch="llama", hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=4,
     intermediate_size=688, vocab_size=None, max_position_embeddings=2048,
     tie_word_embeddings=False, dtype="float32", seed=0)
-
-
-def cache_dir() -> str:
-    """$KVSERVE_CACHE_DIR, else $XDG_CACHE_HOME/kvserve, else ~/.cache/kvserve."""
-    if os.environ.get("KVSERVE_CACHE_DIR"):
-        return os.path.expanduser(os.environ["KVSERVE_CACHE_DIR"])
-    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(xdg, "kvserve")
 
 
 def demo_model_path() -> str:

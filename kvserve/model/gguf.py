@@ -143,7 +143,7 @@ def _read_gguf_metadata(path: str, size: int, mtime_ns: int) -> GGUFMetadata:
     import hashlib
     import json
 
-    from kvserve.model.demo import cache_dir
+    from kvserve.envs import cache_dir
 
     key = hashlib.sha256(f"{_METADATA_CACHE_VERSION}|{path}|{size}|{mtime_ns}".encode()).hexdigest()
     cached = os.path.join(cache_dir(), "gguf-metadata", key[:24] + ".json")
