@@ -12,6 +12,7 @@ from kvserve.core.messages import EngineCoreOutputs, EngineCoreRequest
 from kvserve.core.request import Request, RequestStatus
 from kvserve.core.sched_output import SchedulerOutput
 from kvserve.core.scheduler import Scheduler
+from kvserve.executor import get_executor_class
 from kvserve.executor.base import Executor
 from kvserve.spec_decode import make_spec_decode_controller
 from kvserve.structured_output.manager import StructuredOutputManager
@@ -26,7 +27,7 @@ class EngineCore:
     def __init__(self, config: KVServeConfig,
                  executor_class: Optional[type[Executor]] = None) -> None:
         self.config = config
-        executor_class = executor_class or Executor.get_class(config)
+        executor_class = executor_class or get_executor_class(config)
         start = time.perf_counter()
         self.model_executor = executor_class(config)
         try:

@@ -1,13 +1,14 @@
-"""The `kvserve` command: generate | serve | chat | proxy | bench."""
+"""`kvserve generate | serve | chat | proxy`. The `kvserve` command (kvserve/__main__.py) adds
+`bench` (kvserve/benchmarks/cli.py), which sits above this package: its benchmarks drive `LLM`
+and the server, so this module does not import them."""
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
-from typing import Optional
+from typing import Any, Callable, Optional, Sequence
 
-from kvserve.engine.arg_utils import EngineArgs
+from kvserve.engine.arg_utils import EngineArgs, run_command
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -25,7 +26,8 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from kvserve import LLM, SamplingParams
+    from kvserve.entrypoints.llm import LLM
+    from kvserve.sampling_params import SamplingParams
     engine_args = EngineArgs.from_cli_args(args)
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -133,7 +135,9 @@ def add_chat_args(parser: argparse.ArgumentParser) -> None:
     EngineArgs.add_cli_args(parser, skip=("model",))
 
 
-def make_parser() -> argparse.ArgumentParser:
+def make_parser(more_subcommands: Sequence[Callable[[Any], Any]] = ()
+                ) -> argparse.ArgumentParser:
+    """This module's subcommands, then each of `more_subcommands(subparsers)` (`bench`)."""
     parser = argparse.ArgumentParser(prog="kvserve", description="kvserve LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="Generate text for one or more prompts (offline).")
@@ -152,19 +156,13 @@ def make_parser() -> argparse.ArgumentParser:
     from kvserve.entrypoints.proxy import add_proxy_args, run_proxy
     add_proxy_args(proxy)
     proxy.set_defaults(func=run_proxy)
-    from kvserve.benchmarks.cli import add_bench_subparsers
-    add_bench_subparsers(sub)
+    for add in more_subcommands:
+        add(sub)
     return parser
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
-    args = make_parser().parse_args(argv)
-    try:
-        return args.func(args)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return run_command(make_parser(), argv)
 
 
 if __name__ == "__main__":

@@ -318,7 +318,7 @@ def _demo() -> str:
 def resolve_model_path(model: str, load_format: str = "auto") -> str:
     """'demo' -> the demo GGUF (fetched on first use), 'demo-random' -> the random demo
     checkpoint (built on first use); a directory or GGUF file -> its absolute path."""
-    from kvserve.model.gguf import is_gguf
+    from kvserve.config import is_gguf
 
     if model == "demo":
         return _demo()
