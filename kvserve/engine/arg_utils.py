@@ -13,6 +13,7 @@ from typing import Any, Optional, Union, get_type_hints
 
 import torch
 
+from kvserve import envs
 from kvserve.attention.selector import resolve_backend_name
 from kvserve.config import (CacheConfig, DeviceConfig, KVServeConfig, ModelConfig,
                             ParallelConfig, SchedulerConfig, StructuredOutputsConfig,
@@ -245,7 +246,7 @@ class EngineArgs:
             parallel_config=parallel,
             device_config=DeviceConfig(device=device),
             # KVSERVE_ENABLE_MULTIPROCESSING=0 runs the engine core in-process (no extra process).
-            multiprocessing=self.multiprocessing and os.environ.get("KVSERVE_ENABLE_MULTIPROCESSING", "1") != "0",
+            multiprocessing=self.multiprocessing and envs.get("KVSERVE_ENABLE_MULTIPROCESSING"),
             disable_log_stats=self.disable_log_stats,
             enforce_eager=self.enforce_eager,
             attention_backend=attention_backend,

@@ -4,10 +4,10 @@ and the server, so this module does not import them."""
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import Any, Callable, Optional, Sequence
 
+from kvserve import envs
 from kvserve.engine.arg_utils import EngineArgs, run_command
 
 
@@ -75,8 +75,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--host", type=str, default=None,
                    help="Address to listen on (default: all interfaces).")
     g.add_argument("--port", type=int, default=8000, help="Port to listen on (default: 8000).")
-    g.add_argument("--api-key", type=str, default=None,
-                   help="Require 'Authorization: Bearer <key>' on /v1/* (or set KVSERVE_API_KEY).")
+    g.add_argument("--api-key", type=str, default=envs.get("KVSERVE_API_KEY"),
+                   help="Require 'Authorization: Bearer <key>' on /v1/* (default: "
+                        f"$KVSERVE_API_KEY, {'' if envs.is_set('KVSERVE_API_KEY') else 'not '}"
+                        "set; the key itself is not shown).")
     g.add_argument("--chat-template", type=str, default=None,
                    help="Chat template: a file path or the Jinja template itself "
                         "(default: the tokenizer's).")
@@ -89,10 +91,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--disable-uvicorn-access-log", action="store_true",
                    help="Do not log every HTTP request.")
     g.add_argument("--keep-alive-on-engine-death", action="store_true",
-                   default=os.environ.get("KVSERVE_KEEP_ALIVE_ON_ENGINE_DEATH", "0") == "1",
+                   default=envs.get("KVSERVE_KEEP_ALIVE_ON_ENGINE_DEATH"),
                    help="When the engine core dies, keep the server up answering 503 instead of "
-                        "exiting with status 1 so that an orchestrator restarts it (or set "
-                        "KVSERVE_KEEP_ALIVE_ON_ENGINE_DEATH=1, like vLLM's variable).")
+                        "exiting with status 1 so that an orchestrator restarts it (default: "
+                        "%(default)s, from KVSERVE_KEEP_ALIVE_ON_ENGINE_DEATH, like vLLM's "
+                        "variable).")
     g.add_argument("--log-stats-interval", type=float, default=5.0,
                    help="Seconds between throughput log lines (default: 5).")
     g.add_argument("--enable-auto-tool-choice", action="store_true",
