@@ -1,8 +1,5 @@
-"""Executors: the base (base.py) and its subclasses; `get_executor_class` picks one.
-
-The choice lives here, not in the base, so that base.py imports none of its subclasses; each
-subclass is imported only when chosen (Ray, worker processes: nothing is paid for unused ones).
-"""
+"""Executors: base.py and its subclasses; `get_executor_class` picks one here, so that the
+base imports none of them (each is imported only when chosen)."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
