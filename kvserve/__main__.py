@@ -11,7 +11,7 @@ from kvserve.entrypoints.cli import make_parser
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    return run_command(make_parser(more_subcommands=(add_bench_subparsers,)), argv)
+    return run_command(lambda: make_parser(more_subcommands=(add_bench_subparsers,)), argv)
 
 
 if __name__ == "__main__":

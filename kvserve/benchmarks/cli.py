@@ -48,7 +48,7 @@ def make_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[list[str]] = None) -> int:
     """Run one bench mode; argv is `[MODE, flags...]` (without the leading `bench`)."""
-    return run_command(make_parser(), ["bench", *(sys.argv[1:] if argv is None else argv)])
+    return run_command(make_parser, ["bench", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ import argparse
 import dataclasses
 import os
 from dataclasses import dataclass, fields
-from typing import Any, Optional, Union, get_type_hints
+from typing import Any, Callable, Optional, Union, get_type_hints
 
 import torch
 
@@ -328,16 +328,18 @@ def _base_type(hint: Any) -> Any:
     return hint
 
 
-def run_command(parser: argparse.ArgumentParser, argv: Optional[list[str]] = None) -> int:
-    """Parse `argv` and run the chosen subcommand's `func(args)`; a ValueError is a one-line
-    error and exit status 2. The `kvserve` command and its `python -m` entry points use it."""
+def run_command(make_parser: Callable[[], argparse.ArgumentParser],
+                argv: Optional[list[str]] = None) -> int:
+    """Parse `argv` and run the chosen subcommand's `func(args)`; a ValueError (a bad flag, or
+    a bad KVSERVE_* value read for a flag's default) is a one-line error and exit status 2.
+    The `kvserve` command and its `python -m` entry points use it."""
     import logging
     import sys
 
     logging.basicConfig(level=logging.INFO,
                         format="%(levelname)s %(asctime)s %(name)s: %(message)s")
-    args = parser.parse_args(argv)
     try:
+        args = make_parser().parse_args(argv)
         return args.func(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -165,7 +165,7 @@ def make_parser(more_subcommands: Sequence[Callable[[Any], Any]] = ()
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    return run_command(make_parser(), argv)
+    return run_command(make_parser, argv)
 
 
 if __name__ == "__main__":
