@@ -11,20 +11,20 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable, Optional
+from typing import TYPE_CHECKING, Callable, Iterable, Optional
 
 from kvserve.config import CacheConfig, SchedulerConfig
 from kvserve.core.kv_cache_manager import KVCacheManager
+from kvserve.core.messages import (EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs,
+                                   FinishReason)
 from kvserve.core.request import Request, RequestStatus
 from kvserve.core.request_queue import create_request_queue
 from kvserve.core.sched_output import (CachedRequestData, ModelRunnerOutput, NewRequestData,
                                        SchedulerOutput)
-from kvserve.engine.messages import (EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs,
-                                     FinishReason)
-from kvserve.spec_decode.metrics import SpecDecodingStats
+from kvserve.metrics.spec_decode import SpecDecodingStats
 
 if TYPE_CHECKING:
-    from kvserve.kv_transfer.base import KVConnectorBase
+    from kvserve.kv_transfer.scheduling import KVTransferScheduling
     from kvserve.spec_decode.adaptive import SpecDecodeController
     from kvserve.structured_output.manager import StructuredOutputManager
 
@@ -85,7 +85,7 @@ class Scheduler:
                  structured_output_manager: Optional["StructuredOutputManager"] = None,
                  enable_jump_forward: bool = False, num_spec_tokens: int = 0,
                  num_lookahead_tokens: int = 0, send_sampled_tokens: bool = False,
-                 kv_connector: Optional["KVConnectorBase"] = None,
+                 kv_transfer: Optional[Callable[[KVCacheManager], "KVTransferScheduling"]] = None,
                  spec_decode_controller: Optional["SpecDecodeController"] = None) -> None:
         self.config = scheduler_config
         # Pipeline parallelism: every stage (not only the sampling one) needs the sampled
@@ -127,10 +127,9 @@ class Scheduler:
         self.spec_controller = spec_decode_controller
         self._step_start = 0.0
         self._last_update: tuple[int, float] = (-1, 0.0)   # (step_id, time) of the last update
-        self.kv_transfer = None
-        if kv_connector is not None:
-            from kvserve.kv_transfer.scheduling import KVTransferScheduling
-            self.kv_transfer = KVTransferScheduling(kv_connector, self.kv_cache_manager)
+        # KV transfers: the engine passes the hook's constructor (core imports no feature);
+        # it is called here because the hook works on this scheduler's blocks.
+        self.kv_transfer = kv_transfer(self.kv_cache_manager) if kv_transfer else None
 
     # ------------------------------------------------------------------ requests in / out
     def add_request(self, request: Request) -> None:

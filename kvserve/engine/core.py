@@ -1,16 +1,18 @@
 """EngineCore: the scheduling loop. step() = schedule -> execute -> update."""
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections import deque
 from typing import Any, Optional
 
 from kvserve.config import KVServeConfig
+from kvserve.core.messages import EngineCoreOutputs, EngineCoreRequest
 from kvserve.core.request import Request, RequestStatus
 from kvserve.core.sched_output import SchedulerOutput
 from kvserve.core.scheduler import Scheduler
-from kvserve.engine.messages import EngineCoreOutputs, EngineCoreRequest
+from kvserve.executor import get_executor_class
 from kvserve.executor.base import Executor
 from kvserve.spec_decode import make_spec_decode_controller
 from kvserve.structured_output.manager import StructuredOutputManager
@@ -25,7 +27,7 @@ class EngineCore:
     def __init__(self, config: KVServeConfig,
                  executor_class: Optional[type[Executor]] = None) -> None:
         self.config = config
-        executor_class = executor_class or Executor.get_class(config)
+        executor_class = executor_class or get_executor_class(config)
         start = time.perf_counter()
         self.model_executor = executor_class(config)
         try:
@@ -38,18 +40,20 @@ class EngineCore:
         so_config = config.structured_outputs_config
         spec = config.speculative_config
         self.structured_output_manager = StructuredOutputManager(config)
-        kv_connector = None
+        kv_transfer = None
         if config.kv_transfer_config is not None:
             from kvserve.kv_transfer.base import KVConnectorRole
             from kvserve.kv_transfer.factory import KVConnectorFactory
-            kv_connector = KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER)
+            from kvserve.kv_transfer.scheduling import KVTransferScheduling
+            connector = KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER)
+            kv_transfer = functools.partial(KVTransferScheduling, connector)
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config,
                                    structured_output_manager=self.structured_output_manager,
                                    enable_jump_forward=so_config.enable_jump_forward,
                                    num_spec_tokens=spec.num_speculative_tokens if spec else 0,
                                    num_lookahead_tokens=spec.num_lookahead_tokens if spec else 0,
                                    send_sampled_tokens=config.parallel_config.pipeline_parallel_size > 1,
-                                   kv_connector=kv_connector,
+                                   kv_transfer=kv_transfer,
                                    spec_decode_controller=make_spec_decode_controller(spec))
         # Pipeline parallelism: up to one batch per stage in flight, so the stages overlap.
         self.batch_queue_size = self.model_executor.max_concurrent_batches

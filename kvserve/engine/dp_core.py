@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 import zmq
 
+from kvserve.core.messages import EngineCoreRequestType
 from kvserve.engine.core_proc import EngineCoreProc
-from kvserve.engine.messages import EngineCoreRequestType
 
 logger = logging.getLogger(__name__)
 

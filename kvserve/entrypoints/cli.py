@@ -1,13 +1,14 @@
-"""The `kvserve` command: generate | serve | chat | proxy | bench."""
+"""`kvserve generate | serve | chat | proxy`. The `kvserve` command (kvserve/__main__.py) adds
+`bench` (kvserve/benchmarks/cli.py), which sits above this package: its benchmarks drive `LLM`
+and the server, so this module does not import them."""
 from __future__ import annotations
 
 import argparse
-import logging
-import os
 import sys
-from typing import Optional
+from typing import Any, Callable, Optional, Sequence
 
-from kvserve.engine.arg_utils import EngineArgs
+from kvserve import envs
+from kvserve.engine.arg_utils import EngineArgs, run_command
 from kvserve.entrypoints.openai.reasoning_parsers import reasoning_parser_names
 from kvserve.entrypoints.openai.tool_parsers import tool_parser_names
 
@@ -27,7 +28,8 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from kvserve import LLM, SamplingParams
+    from kvserve.entrypoints.llm import LLM
+    from kvserve.sampling_params import SamplingParams
     engine_args = EngineArgs.from_cli_args(args)
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -75,8 +77,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--host", type=str, default=None,
                    help="Address to listen on (default: all interfaces).")
     g.add_argument("--port", type=int, default=8000, help="Port to listen on (default: 8000).")
-    g.add_argument("--api-key", type=str, default=None,
-                   help="Require 'Authorization: Bearer <key>' on /v1/* (or set KVSERVE_API_KEY).")
+    g.add_argument("--api-key", type=str, default=envs.get("KVSERVE_API_KEY"),
+                   help="Require 'Authorization: Bearer <key>' on /v1/* (default: "
+                        f"$KVSERVE_API_KEY, {'' if envs.is_set('KVSERVE_API_KEY') else 'not '}"
+                        "set; the key itself is not shown).")
     g.add_argument("--chat-template", type=str, default=None,
                    help="Chat template: a file path or the Jinja template itself "
                         "(default: the tokenizer's).")
@@ -89,10 +93,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--disable-uvicorn-access-log", action="store_true",
                    help="Do not log every HTTP request.")
     g.add_argument("--keep-alive-on-engine-death", action="store_true",
-                   default=os.environ.get("KVSERVE_KEEP_ALIVE_ON_ENGINE_DEATH", "0") == "1",
+                   default=envs.get("KVSERVE_KEEP_ALIVE_ON_ENGINE_DEATH"),
                    help="When the engine core dies, keep the server up answering 503 instead of "
-                        "exiting with status 1 so that an orchestrator restarts it (or set "
-                        "KVSERVE_KEEP_ALIVE_ON_ENGINE_DEATH=1, like vLLM's variable).")
+                        "exiting with status 1 so that an orchestrator restarts it (default: "
+                        "%(default)s, from KVSERVE_KEEP_ALIVE_ON_ENGINE_DEATH, like vLLM's "
+                        "variable).")
     g.add_argument("--log-stats-interval", type=float, default=5.0,
                    help="Seconds between throughput log lines (default: 5).")
     g.add_argument("--enable-auto-tool-choice", action="store_true",
@@ -141,7 +146,9 @@ def add_chat_args(parser: argparse.ArgumentParser) -> None:
     EngineArgs.add_cli_args(parser, skip=("model",))
 
 
-def make_parser() -> argparse.ArgumentParser:
+def make_parser(more_subcommands: Sequence[Callable[[Any], Any]] = ()
+                ) -> argparse.ArgumentParser:
+    """This module's subcommands, then each of `more_subcommands(subparsers)` (`bench`)."""
     parser = argparse.ArgumentParser(prog="kvserve", description="kvserve LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="Generate text for one or more prompts (offline).")
@@ -160,19 +167,13 @@ def make_parser() -> argparse.ArgumentParser:
     from kvserve.entrypoints.proxy import add_proxy_args, run_proxy
     add_proxy_args(proxy)
     proxy.set_defaults(func=run_proxy)
-    from kvserve.benchmarks.cli import add_bench_subparsers
-    add_bench_subparsers(sub)
+    for add in more_subcommands:
+        add(sub)
     return parser
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
-    args = make_parser().parse_args(argv)
-    try:
-        return args.func(args)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return run_command(make_parser, argv)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from typing import Any, Iterator, Optional
 import numpy as np
 import torch
 
-GGUF_EXTENSION = ".gguf"
+from kvserve.config import is_gguf
 
 # GGUF `general.architecture` -> (HF `architectures` entry, `model_type`). Mistral files say
 # "llama": llama.cpp converts them as Llama, and they are the same network here.
@@ -58,11 +58,6 @@ _LAYER_NAMES = {
 }
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _GLOBAL_RE = re.compile(r"^(\w+)\.(weight|bias)$")
-
-
-def is_gguf(model: str, load_format: str = "auto") -> bool:
-    """Whether `model` is to be loaded as GGUF: --load-format gguf, or a path ending in .gguf."""
-    return load_format == "gguf" or (load_format == "auto" and model.endswith(GGUF_EXTENSION))
 
 
 def hf_tensor_name(gguf_name: str) -> Optional[str]:
@@ -143,7 +138,7 @@ def _read_gguf_metadata(path: str, size: int, mtime_ns: int) -> GGUFMetadata:
     import hashlib
     import json
 
-    from kvserve.model.demo import cache_dir
+    from kvserve.envs import cache_dir
 
     key = hashlib.sha256(f"{_METADATA_CACHE_VERSION}|{path}|{size}|{mtime_ns}".encode()).hexdigest()
     cached = os.path.join(cache_dir(), "gguf-metadata", key[:24] + ".json")
@@ -209,6 +204,20 @@ def check_gguf_supported(meta: GGUFMetadata, use_hf_config: bool = False) -> Non
         if hf_tensor_name(t.name) is None:
             raise ValueError(f"GGUF tensor {t.name!r} in {meta.path} has no counterpart in "
                              f"kvserve's {arch} model.")
+
+
+def read_gguf_config(path: str, load_format: str = "auto",
+                     hf_config_path: Optional[str] = None) -> Optional[dict[str, Any]]:
+    """The HF-style config of a GGUF `path`, as plain data for ModelConfig.from_path /
+    load_hf_config (`gguf_config`). None when `path` is not GGUF, or when `hf_config_path`
+    supplies the config (the file is still checked as loadable)."""
+    if not is_gguf(path, load_format):
+        return None
+    if not os.path.isfile(path):
+        raise ValueError(f"GGUF model {path!r} is not a file.")
+    meta = read_gguf_metadata(path)
+    check_gguf_supported(meta, use_hf_config=hf_config_path is not None)
+    return None if hf_config_path else gguf_hf_config(meta)
 
 
 def _rope_scaling(meta: GGUFMetadata) -> Optional[dict]:

@@ -16,12 +16,13 @@ from typing import Iterable, Optional, Union
 import torch
 from torch import nn
 
+from kvserve.attention.backends.cpu import AttentionMetadata
 from kvserve.config import ModelConfig
 from kvserve.distributed.parallel_state import (get_pp_rank, get_pp_world_size,
                                                 is_first_pp_rank, is_last_pp_rank)
 from kvserve.distributed.pp_utils import (IntermediateTensors, PPMissingLayer, get_pp_indices,
                                           missing_prefixes)
-from kvserve.model.layers.attention import Attention, AttentionMetadata
+from kvserve.model.layers.attention import Attention
 from kvserve.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from kvserve.model.layers.fused_decode import FusedDecodeStack
 from kvserve.model.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,

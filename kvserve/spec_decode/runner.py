@@ -17,7 +17,7 @@ positions num_tokens - 1 .. num_tokens - 1 + k, in the slots the scheduler alloc
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 import torch
@@ -26,7 +26,9 @@ from kvserve.core.sched_output import LogprobsLists, SchedulerOutput
 from kvserve.sample.rejection_sampler import RejectionSampler, SpecDecodeMetadata
 from kvserve.spec_decode.base import Proposer, TargetHiddenStates
 from kvserve.spec_decode.config import SpeculativeConfig
-from kvserve.worker.input_batch import InputBatch
+
+if TYPE_CHECKING:
+    from kvserve.worker.input_batch import InputBatch   # annotations only: worker is above
 
 
 @dataclass

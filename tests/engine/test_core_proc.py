@@ -23,9 +23,9 @@ import torch
 import zmq
 
 from kvserve import LLM, EngineArgs, SamplingParams
+from kvserve.core.messages import EngineCoreOutputs
 from kvserve.engine.async_llm import AsyncLLM
 from kvserve.engine.exceptions import EngineDeadError
-from kvserve.engine.messages import EngineCoreOutputs
 from kvserve.engine.mp_client import SyncMPClient
 from kvserve.engine.serial_utils import MsgpackDecoder, MsgpackEncoder
 from tests.utils import random_prompts

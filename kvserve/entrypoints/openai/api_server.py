@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import secrets
 import socket
 from contextlib import asynccontextmanager
@@ -44,6 +43,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 import kvserve
+from kvserve import envs
 from kvserve.entrypoints.openai.openapi import install_openapi
 from kvserve.entrypoints.openai.protocol import (DEFAULT_SAMPLING_KEYS, ChatCompletionRequest,
                                                  CompletionRequest, DetokenizeRequest,
@@ -389,7 +389,8 @@ def build_app(args: argparse.Namespace) -> FastAPI:
     install_openapi(app)
     app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
     app.add_exception_handler(StarletteHTTPException, _http_error)  # type: ignore[arg-type]
-    api_key = getattr(args, "api_key", None) or os.environ.get("KVSERVE_API_KEY")
+    # `kvserve serve` defaults --api-key to KVSERVE_API_KEY; args made elsewhere may lack it.
+    api_key = getattr(args, "api_key", None) or envs.get("KVSERVE_API_KEY")
     if api_key:
         app.add_middleware(AuthenticationMiddleware, api_keys=[api_key])
     return app
