@@ -1,19 +1,10 @@
 """SchedulerHook: how a feature takes part in scheduling without the Scheduler knowing it.
 
-Structured outputs, speculative decoding and KV transfer each bring one hook (it lives with
-its feature: `<feature>/scheduling.py`); the engine core builds them and the Scheduler calls
-every hook, in order, at these points (each default does nothing):
-
-    add_request        a new request: the hook may hold it back (grammar compiling)
-    take_ready         held requests that may now be scheduled, or that failed
-    admit              a waiting request about to be scheduled: the hook may take it out of
-                       the queue (its KV loads from outside)
-    draft_tokens       tokens to verify after a running request's decode token (drafts)
-    on_scheduled       the step's SchedulerOutput is built: add the feature's part of it
-    update_from_output the step's ModelRunnerOutput is in
-    update_request     per request, after its sampled tokens are appended: roll back,
-                       advance, append forced tokens
-    request_finished   a request leaves: let go of it; may keep its KV blocks a while
+Structured outputs, speculative decoding and KV transfer each bring one hook, living with the
+feature (`<feature>/scheduling.py`); the engine core builds them and the Scheduler calls every
+hook, in order, at the points below (a request's life: add_request, take_ready, admit,
+draft_tokens, on_scheduled, update_from_output, update_request, request_finished). Each
+default does nothing.
 """
 from __future__ import annotations
 

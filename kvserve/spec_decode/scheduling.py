@@ -1,13 +1,7 @@
-"""The scheduler's hook for speculative decoding (a SchedulerHook).
-
-    draft_tokens     a decoding request's drafts (from the last step) run after its new token,
-                     within the budget, max_model_len and max_tokens
-    on_scheduled     the adaptive rule (adaptive.py) picks who proposes after this step, and k'
-    update_request   rejected drafts roll back (their KV slots are rewritten next step; only
-                     blocks full of accepted tokens were ever cached); acceptance is counted;
-                     next step's drafts are kept
-    update_from_output   the step's cost feeds the adaptive rule
-"""
+"""The scheduler's hook for speculative decoding (a SchedulerHook): drafts scheduled after a
+decode token, rejected ones rolled back (their KV slots are rewritten next step; only blocks
+full of accepted tokens were ever cached), acceptance counted, and the adaptive rule
+(adaptive.py) fed and asked who drafts next."""
 from __future__ import annotations
 
 import time

@@ -1,14 +1,8 @@
-"""The scheduler's hook for structured outputs (a SchedulerHook), over the
-StructuredOutputManager:
-
-    add_request / take_ready   a constrained request waits (WAITING_FOR_FSM) while its
-                               grammar compiles, so nothing queues behind a slow compile;
-                               a failed compile finishes it (finish_reason "error")
-    on_scheduled               the step's grammar bitmask (rows for drafts too)
-    update_request             the matcher advances over the new tokens; a terminated grammar
-                               stops the request; jump-forward appends the tokens the grammar
-                               forces; next step's drafts are cut to what the grammar accepts
-"""
+"""The scheduler's hook for structured outputs (a SchedulerHook) over the
+StructuredOutputManager: a constrained request waits (WAITING_FOR_FSM) while its grammar
+compiles, so nothing queues behind a slow compile; each step gets the grammar bitmask; the
+matcher advances over new tokens, a terminated grammar stops the request, jump-forward
+appends the tokens the grammar forces, and drafts are cut to what the grammar accepts."""
 from __future__ import annotations
 
 import logging
