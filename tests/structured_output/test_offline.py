@@ -159,7 +159,7 @@ def _steps_and_outputs(tiny_llama: str, jump_forward: bool) -> tuple[int, list[s
             # (after the step that ships them: tokens still pending are not counted).
             for req in core.scheduler.running:
                 row = batch.req_id_to_index[req.request_id]
-                pending = len(req.structured_output_request.pending_tokens)
+                pending = req.num_tokens - core.scheduler._worker_num_tokens[req.request_id]
                 n = int(batch.num_tokens[row])
                 assert n + pending == req.num_tokens, (n, pending, req.num_tokens)
                 assert batch.token_ids[row, :n].tolist() == req.all_token_ids[:n]
@@ -196,7 +196,7 @@ def test_abort_while_compiling_frees_everything_and_others_proceed(llm: LLM) -> 
     slow = core.scheduler.requests["slow"]
     assert slow.status == RequestStatus.WAITING_FOR_FSM   # still compiling
     engine.abort_request(["slow"])
-    assert "slow" not in core.scheduler.requests and not core.scheduler.waiting_for_fsm
+    assert "slow" not in core.scheduler.requests and not core.scheduler.num_waiting_reqs
     assert not engine.has_unfinished_requests()
     assert core.structured_output_manager.num_active == 0
     assert_all_blocks_free(llm)
