@@ -8,7 +8,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from kvserve.core.sched_hooks import SchedulerHook
-from kvserve.spec_decode.metrics import SpecDecodingStats
+from kvserve.metrics.spec_decode import SpecDecodingStats
 
 if TYPE_CHECKING:
     from kvserve.core.request import Request
