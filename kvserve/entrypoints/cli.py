@@ -106,9 +106,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     lim.add_argument("--max-request-body-bytes", type=int, default=16 << 20,
                      help="Request bodies larger than this get 413 without being read "
                           "(default: 16 MiB; 0: no limit).")
-    lim.add_argument("--limit-concurrency", type=int, default=2048,
+    lim.add_argument("--limit-concurrency", type=int, default=0,
                      help="Open connections and requests at once before new requests get 503 "
-                          "(uvicorn's limit; default: 2048; 0: no limit).")
+                          "(uvicorn's limit, idle connections included; default: 0, no limit: "
+                          "connections that send no complete request within 5 s are closed).")
     lim.add_argument("--max-n-sequences", type=int, default=1024,
                      help="Most sequences one request may ask for: n times the number of "
                           "prompts (vLLM's VLLM_MAX_N_SEQUENCES; default: 1024).")
