@@ -99,13 +99,14 @@ def test_every_json_answer_parses_strictly_on_the_random_model(llm: LLM,
     assert finished >= len(outs) // 3, f"only {finished} of {len(outs)} finished"
 
 
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("temperature", [1.0, 0.0])
 def test_every_json_answer_parses_strictly_on_the_demo_model(smollm2_gguf: str,
                                                              temperature: float) -> None:
     llm = LLM(smollm2_gguf, max_model_len=512, kv_cache_memory=32 << 20, seed=0,
               multiprocessing=False)
     try:
-        n = 16 if temperature else 1
+        n = 8 if temperature else 1      # 3 constraints x 8 seeds, batched
         params, specs = _params(temperature, n, max_tokens=48)
         prompt = ("<|im_start|>user\nReply with a JSON object describing a person.<|im_end|>\n"
                   "<|im_start|>assistant\n")
