@@ -58,13 +58,16 @@ class QwenMoE(nn.Module):
     def __init__(self, config: ModelConfig, arch: str) -> None:
         super().__init__()
         hf, hidden = config.hf_config, config.hidden_size
-        num_experts = _require(hf, "num_experts", arch)
+        # Hub configs say num_experts; transformers >= 5 writes num_local_experts.
+        num_experts = _require(hf, "num_experts" if "num_experts" in hf else "num_local_experts",
+                               arch)
         self.gate = ReplicatedLinear(hidden, num_experts, bias=False)
         self.experts = FusedMoE(num_experts, _require(hf, "num_experts_per_tok", arch), hidden,
                                 _require(hf, "moe_intermediate_size", arch),
                                 renormalize=bool(hf.get("norm_topk_prob", False)))
+        # Qwen3-MoE has no shared expert, whatever its config.json carries.
         shared = int(hf.get("shared_expert_intermediate_size") or 0)
-        if shared > 0:
+        if shared > 0 and arch == "Qwen2MoeForCausalLM":
             self.shared_expert = LlamaMLP(hidden, shared, bias=False)
             self.shared_expert_gate = ReplicatedLinear(hidden, 1, bias=False)
         else:
@@ -91,8 +94,9 @@ class QwenMoeDecoderLayer(LlamaDecoderLayer):
     def build_mlp(self, config: ModelConfig, flags: DecoderFlags, layer_idx: int) -> nn.Module:
         hf = config.hf_config
         step = int(hf.get("decoder_sparse_step") or 1)
+        num_experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
         sparse = (layer_idx not in (hf.get("mlp_only_layers") or [])
-                  and int(hf.get("num_experts") or 0) > 0 and (layer_idx + 1) % step == 0)
+                  and num_experts > 0 and (layer_idx + 1) % step == 0)
         if sparse:
             return QwenMoE(config, config.architecture)
         return LlamaMLP(config.hidden_size, int(hf["intermediate_size"]), flags.mlp_bias)

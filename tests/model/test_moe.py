@@ -26,7 +26,9 @@ from tests.utils import check_greedy_close, hf_greedy, random_prompts
 
 MOE_LOGPROB_ATOL = 1e-3
 MAX_TOKENS = 10
-ENGINE_KW = dict(dtype="float32", max_model_len=256, kv_cache_memory=16 << 20, seed=0)
+# In-process engine cores: the least start-up cost on this shared machine.
+ENGINE_KW = dict(dtype="float32", max_model_len=256, kv_cache_memory=16 << 20, seed=0,
+                 multiprocessing=False)
 MOE_CONFIG = dict(num_experts_per_tok=2, intermediate_size=128)
 
 
@@ -224,7 +226,7 @@ def test_scheduling_modes_match_transformers(arch: str, mode: str, moe_checkpoin
 def test_tp2_matches_transformers(arch: str, moe_checkpoint, hf_refs) -> None:
     """Each rank holds a slice of every expert's intermediate dim; partial sums all-reduced
     (Qwen2-MoE: the shared expert's too)."""
-    with LLM(moe_checkpoint(arch), tensor_parallel_size=2, multiprocessing=False, device="cpu",
+    with LLM(moe_checkpoint(arch), tensor_parallel_size=2, device="cpu",
              **ENGINE_KW) as llm:
         outs = _generate(llm)
     _assert_matches_hf(hf_refs(arch), outs, f"{arch} tp2")
