@@ -308,8 +308,14 @@ class StructuredOutputsConfig:
     disable_additional_properties: bool = False
     enable_jump_forward: bool = False
     max_compile_threads: int = 2
+    # A request whose grammar takes longer to compile fails alone (the compile thread cannot
+    # be stopped; it finishes into the cache).
+    grammar_compile_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
+        if not self.grammar_compile_timeout_s > 0:
+            raise ValueError(f"grammar_compile_timeout_s must be > 0, got "
+                             f"{self.grammar_compile_timeout_s}.")
         if self.backend not in _SO_BACKENDS:
             raise ValueError(f"structured outputs backend must be one of {list(_SO_BACKENDS)}, "
                              f"got {self.backend!r}.")

@@ -40,10 +40,12 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 
 def _config_class(arch: str) -> Any:
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import (LlamaConfig, MistralConfig, MixtralConfig, Phi3Config,
+                              Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
 
     classes = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config,
-               "qwen3": Qwen3Config}
+               "qwen3": Qwen3Config, "mixtral": MixtralConfig, "qwen2_moe": Qwen2MoeConfig,
+               "qwen3_moe": Qwen3MoeConfig, "phi3": Phi3Config}
     if arch not in classes:
         raise ValueError(f"unknown test arch {arch!r}")
     return classes[arch]

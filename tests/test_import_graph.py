@@ -11,7 +11,8 @@ the name (kvserve/__init__.py itself imports nothing).
 The layers, lowest first; an import goes from a higher layer to a strictly lower one, and the
 packages of one layer do not import each other:
 
-    envs, json_config, sampling_params, outputs   settings and plain data types
+    envs, json_config, sampling_params, outputs,  settings and plain data types;
+    utils                                          process set-up (allocator, oneDNN cache)
     ops, metrics                                   compiled kernels; counters and stat loggers
     config                                         the resolved engine configuration
     distributed, attention, sample                 process groups; attention backends; sampler
@@ -41,7 +42,7 @@ import kvserve
 PACKAGE_DIR = os.path.dirname(kvserve.__file__)
 
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("envs", "json_config", "sampling_params", "outputs"),
+    ("envs", "json_config", "sampling_params", "outputs", "utils"),
     ("ops", "metrics"),
     ("config",),
     ("distributed", "attention", "sample"),

@@ -53,6 +53,7 @@ from kvserve.engine.core import EngineCore
 from kvserve.engine.output_coalescer import OutputCoalescer
 from kvserve.engine.serial_utils import MsgpackDecoder, MsgpackEncoder
 from kvserve.executor.base import Executor
+from kvserve.utils.memory import configure_process_memory
 
 logger = logging.getLogger(__name__)
 
@@ -462,6 +463,7 @@ def run_engine_core(handshake_address: str, engine_index: int = 0,
         logging.basicConfig(level=log_level,
                             format=f"%(levelname)s %(asctime)s [EngineCore_{engine_index}] "
                                    f"%(name)s: %(message)s")
+    configure_process_memory("Engine core")
     exiting = False
 
     def signal_handler(signum: int, frame: Any) -> None:

@@ -51,6 +51,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     import asyncio
 
+    from kvserve.utils.memory import configure_process_memory
+    configure_process_memory("API server")
+
     if args.headless:       # engines only: they serve the front node's API server
         from kvserve.engine.launch import run_headless
         if not args.data_parallel_address:
@@ -112,6 +115,20 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                    choices=reasoning_parser_names(),
                    help="Return the model's <think>...</think> reasoning as reasoning_content "
                         "(vLLM's names); structured outputs apply after the reasoning.")
+    lim = parser.add_argument_group("request limits")
+    lim.add_argument("--max-request-body-bytes", type=int, default=16 << 20,
+                     help="Request bodies larger than this get 413 without being read "
+                          "(default: 16 MiB; 0: no limit).")
+    lim.add_argument("--limit-concurrency", type=int, default=0,
+                     help="Open connections and requests at once before new requests get 503 "
+                          "(uvicorn's limit, idle connections included; default: 0, no limit: "
+                          "connections that send no complete request within 5 s are closed).")
+    lim.add_argument("--max-n-sequences", type=int, default=1024,
+                     help="Most sequences one request may ask for: n times the number of "
+                          "prompts (vLLM's VLLM_MAX_N_SEQUENCES; default: 1024).")
+    lim.add_argument("--trust-request-chat-template", action="store_true",
+                     help="Accept a chat_template in requests (a request's Jinja template runs "
+                          "in the server; off by default, as in vLLM).")
     g.add_argument("--headless", action="store_true",
                    help="Run this node's data-parallel engines only (no API server); they "
                         "connect to the front node at --data-parallel-address / "

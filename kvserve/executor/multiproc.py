@@ -51,6 +51,7 @@ from kvserve import envs
 from kvserve.config import KVServeConfig
 from kvserve.distributed.shm_broadcast import Handle, MessageQueue, MessageQueueCancelled
 from kvserve.executor.base import Executor
+from kvserve.utils.memory import configure_process_memory
 
 logger = logging.getLogger(__name__)
 
@@ -529,6 +530,7 @@ class WorkerProc:
         """Process entry point: start up, report READY (or the error), serve until told to stop."""
         rank = kwargs["rank"]
         _set_process_name(f"KVSWorker_TP{rank}")
+        configure_process_memory(f"Worker TP{rank}")
         shutdown_requested = False
 
         def on_sigterm(signum: int, frame: Any) -> None:

@@ -268,6 +268,7 @@ def gguf_hf_config(meta: GGUFMetadata) -> dict[str, Any]:
         "attention_bias": "blk.0.attn_q.bias" in names,
         "torch_dtype": _torch_dtype_name(meta),
     }
+    check_gguf_shapes(meta, config)
     if model_type == "llama":
         config["mlp_bias"] = "blk.0.ffn_up.bias" in names
     else:
@@ -277,6 +278,43 @@ def gguf_hf_config(meta: GGUFMetadata) -> dict[str, Any]:
         if value is not None:
             config[key] = int(value)
     return config
+
+
+def check_gguf_shapes(meta: GGUFMetadata, config: dict[str, Any]) -> None:
+    """The hyper-parameters the metadata states agree with the tensors the file holds, so
+    that an absurd value (a corrupt or hostile file) is a clear error here instead of a huge
+    allocation when the model is built."""
+    def bad(why: str) -> ValueError:
+        return ValueError(f"GGUF file {meta.path} is inconsistent: {why}.")
+
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings"):
+        if not config[key] > 0:
+            raise bad(f"{key} is {config[key]}")
+    if config["num_attention_heads"] % config["num_key_value_heads"]:
+        raise bad(f"{config['num_attention_heads']} attention heads are not a multiple of "
+                  f"{config['num_key_value_heads']} KV heads")
+    shapes = {t.name: t.shape for t in meta.tensors}
+    layers = {int(m.group(1)) for m in map(_LAYER_RE.match, shapes) if m}
+    if layers != set(range(config["num_hidden_layers"])):
+        raise bad(f"block_count is {config['num_hidden_layers']} but the file has tensors for "
+                  f"{len(layers)} layers")
+    hidden, head_dim = config["hidden_size"], config["head_dim"]
+    expected = {
+        "token_embd.weight": (config["vocab_size"], hidden),
+        "blk.0.attn_q.weight": (config["num_attention_heads"] * head_dim, hidden),
+        "blk.0.attn_k.weight": (config["num_key_value_heads"] * head_dim, hidden),
+        "blk.0.ffn_up.weight": (config["intermediate_size"], hidden),
+    }
+    for name, shape in expected.items():
+        if name not in shapes:
+            raise bad(f"tensor {name} is missing")
+        # The vocabulary may be padded past the tokenizer's tokens (rows >= the stated size).
+        if name == "token_embd.weight" and shapes[name][1:] == shape[1:] \
+                and shapes[name][0] >= shape[0]:
+            continue
+        if tuple(shapes[name]) != shape:
+            raise bad(f"tensor {name} has shape {tuple(shapes[name])}, the metadata says {shape}")
 
 
 def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:

@@ -18,6 +18,7 @@ from torch import nn
 
 from kvserve.config import ModelConfig
 from kvserve.model.layers.compute_dtype import set_compute_dtype
+from kvserve.model.file_checks import check_safetensors_files
 from kvserve.model.huge_pages import move_weights_to_huge_pages
 from kvserve.model.layers.linear import set_small_batch_copies
 from kvserve.model.registry import get_model_class
@@ -72,7 +73,7 @@ def checkpoint_weights(model_config: ModelConfig) -> Iterator[tuple[str, torch.T
     if model_config.is_gguf:
         from kvserve.model.gguf import iterate_gguf_weights
         return iterate_gguf_weights(model_config.model, model_config.hf_config)
-    safetensors_files(model_config.model)           # fail before allocating anything
+    check_safetensors_files(safetensors_files(model_config.model))   # fail before allocating
     return iterate_weights(model_config.model)
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any, Iterable, Optional
 
@@ -47,6 +48,8 @@ class StructuredOutputManager:
         self._compiled: dict[tuple[str, Any], Future] = {}
         self._bitmask: Optional[np.ndarray] = None
         self._num_active = 0
+        # request id -> when it started waiting for its grammar (the compile time limit).
+        self._waiting_since: dict[str, float] = {}
 
     # ------------------------------------------------------------------ compile
     @property
@@ -81,6 +84,7 @@ class StructuredOutputManager:
             self._compiled[key] = future
         so_req.future = future
         request.structured_output_request = so_req
+        self._waiting_since[request.request_id] = time.monotonic()
 
     def _compile(self, key: tuple[str, Any]) -> Any:
         return self.backend.compile_grammar(*key)
@@ -91,7 +95,12 @@ class StructuredOutputManager:
         so_req = request.structured_output_request
         assert so_req is not None
         if not so_req.is_ready():
-            return False
+            limit = self.so_config.grammar_compile_timeout_s
+            if time.monotonic() - self._waiting_since.get(request.request_id, time.monotonic()) <= limit:
+                return False
+            so_req.error = (f"the grammar did not compile within {limit:g} s "
+                            f"(structured_outputs_config.grammar_compile_timeout_s)")
+        self._waiting_since.pop(request.request_id, None)
         if so_req.grammar is None and so_req.waiting_grammar is None and so_req.error is None:
             assert so_req.future is not None
             exc = so_req.future.exception()
@@ -112,6 +121,7 @@ class StructuredOutputManager:
         so_req = request.structured_output_request
         if so_req is None:
             return
+        self._waiting_since.pop(request.request_id, None)
         if so_req.future is not None and not so_req.future.done():
             if self._compiled.get(so_req.key) is so_req.future and so_req.future.cancel():
                 self._compiled.pop(so_req.key, None)
@@ -218,6 +228,18 @@ class StructuredOutputManager:
         if rest and len(so_req.grammar.validate_tokens(rest)) != len(rest):
             return []
         return rest
+
+    def refusal_reason(self, request: "Request") -> str:
+        """Why a sampled token could be refused: the bitmask left nothing to sample when the
+        grammar allows only the end while min_tokens forbids it (a contradiction in the request,
+        reported as such rather than forced either way)."""
+        min_tokens = request.sampling_params.min_tokens
+        so_req = request.structured_output_request
+        accepted = so_req.grammar.num_processed_tokens if so_req and so_req.grammar else 0
+        if accepted < min_tokens:
+            return (f"the constraint allows only the end of the output after {accepted} tokens, "
+                    f"but min_tokens={min_tokens}: lower min_tokens or loosen the constraint")
+        return "a sampled token was refused by the grammar"
 
     def is_terminated(self, request: "Request") -> bool:
         so_req = request.structured_output_request

@@ -89,7 +89,7 @@ class StructuredOutputScheduling(SchedulerHook):
                          new_tokens)
             if not request.is_finished():
                 request.status = RequestStatus.FINISHED_ERROR
-                request.stop_reason = "a sampled token was refused by the grammar"
+                request.stop_reason = mgr.refusal_reason(request)
             return []
         if request.is_finished():
             return []

@@ -26,6 +26,14 @@ _OPENAI_DEFAULTS: dict[str, Any] = {"temperature": 1.0, "top_p": 1.0, "top_k": 0
                                     "repetition_penalty": 1.0}
 
 
+# Bounds on what one request may list (each entry is checked against the output every step).
+MAX_STOP_STRINGS = 256
+MAX_STOP_STRING_CHARS = 4096
+MAX_BAD_WORDS = 256
+# Integers travel to the engine as 64-bit (msgpack): larger ones are a 400, not a 500.
+_INT64 = dict(ge=-(2**63), le=2**63 - 1)
+
+
 def random_uuid() -> str:
     return uuid.uuid4().hex
 
@@ -125,13 +133,18 @@ class ResponseFormat(OpenAIBaseModel):
 class _SamplingRequest(OpenAIBaseModel):
     """The sampling fields completions and chat share (OpenAI's and vLLM's extras)."""
 
+    # NaN / Infinity (which Python's JSON parser accepts) are not sampling values.
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
     model: Optional[str] = None
     frequency_penalty: Optional[float] = 0.0
     presence_penalty: Optional[float] = 0.0
     logit_bias: Optional[dict[str, float]] = None
     n: int = 1
-    seed: Optional[int] = None
-    stop: Optional[Union[str, list[str]]] = None
+    seed: Optional[int] = Field(default=None, **_INT64)
+    stop: Optional[Union[Annotated[str, Field(max_length=MAX_STOP_STRING_CHARS)],
+                         Annotated[list[Annotated[str, Field(max_length=MAX_STOP_STRING_CHARS)]],
+                                   Field(max_length=MAX_STOP_STRINGS)]]] = None
     stream: Optional[bool] = False
     stream_options: Optional[StreamOptions] = None
     temperature: Optional[float] = None
@@ -149,10 +162,10 @@ class _SamplingRequest(OpenAIBaseModel):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     allowed_token_ids: Optional[list[int]] = None
-    bad_words: Optional[list[str]] = None
+    bad_words: Optional[Annotated[list[str], Field(max_length=MAX_BAD_WORDS)]] = None
     prompt_logprobs: Optional[int] = None
     truncate_prompt_tokens: Optional[int] = Field(default=None, ge=-1)
-    priority: int = 0
+    priority: int = Field(default=0, **_INT64)
     request_id: Optional[str] = None
     cache_salt: Optional[str] = None
     return_token_ids: Optional[bool] = None

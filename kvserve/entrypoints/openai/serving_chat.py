@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from contextlib import aclosing
 from typing import Any, AsyncGenerator, Optional, Union
 
+from jinja2 import TemplateError
+
 from kvserve.entrypoints.openai.protocol import (ChatCompletionLogProb, ChatCompletionLogProbs,
                                                  ChatCompletionLogProbsContent,
                                                  ChatCompletionRequest, ChatCompletionResponse,
@@ -30,7 +32,8 @@ from kvserve.entrypoints.openai.reasoning_parsers import (ReasoningParser, Reaso
 from kvserve.entrypoints.openai.serving_engine import (SSE_DONE, LoadTracker, OpenAIServing,
                                                        RequestTracker, ServingError,
                                                        StreamingResult, clamp_logprob,
-                                                       error_payload, now, sse, to_serving_error)
+                                                       error_payload, large_messages, now,
+                                                       raise_if_failed, sse, to_serving_error)
 from kvserve.entrypoints.openai.serving_models import OpenAIServingModels
 from kvserve.entrypoints.openai.tool_calls import named_tool
 from kvserve.entrypoints.openai.tool_parsers import (NamedToolParser, RequiredToolParser,
@@ -84,8 +87,10 @@ def render_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]], *, chat_te
             messages, add_generation_prompt=add_generation_prompt, chat_template=chat_template,
             tokenize=False, continue_final_message=continue_final_message, tools=tools,
             documents=documents, **(chat_template_kwargs or {}))
-    except (ValueError, TypeError) as e:   # TypeError: kwargs that clash with ours
-        raise ServingError(str(e), param="messages") from e
+    # TypeError: kwargs that clash with ours; the others: a template that fails on this input
+    # (the Jinja sandbox raises OverflowError for ranges over its limit).
+    except (ValueError, TypeError, OverflowError, RecursionError, TemplateError) as e:
+        raise ServingError(str(e) or type(e).__name__, param="messages") from e
     assert isinstance(text, str)
     return text
 
@@ -165,15 +170,19 @@ class OpenAIServingChat(OpenAIServing):
         self.check_engine()
         request_id = self.make_request_id(request, raw_request)
         tool_mode = self._tool_mode(request)
+        self.check_num_sequences(request.n, 1)
+        self.check_request_chat_template(request.chat_template)
         messages = normalize_messages(request.messages)
-        text = render_chat(
+        text = await self.run_maybe_in_thread(
+            large_messages(messages), render_chat,
             self.tokenizer, messages, chat_template=request.chat_template or self.chat_template,
             add_generation_prompt=request.add_generation_prompt,
             continue_final_message=request.continue_final_message, tools=request.tools,
             documents=request.documents, chat_template_kwargs=request.chat_template_kwargs)
         # The template writes BOS itself: no special tokens unless asked for.
-        ids = self.truncate(self.encode(text, request.add_special_tokens),
-                            request.truncate_prompt_tokens)
+        truncating = request.truncate_prompt_tokens is not None
+        ids = self.truncate(await self.encode(text, request.add_special_tokens, "messages",
+                                              truncating), request.truncate_prompt_tokens)
         default_max_tokens = self.check_length(len(ids), request.requested_max_tokens(), "messages")
         params = self.sampling_params(request, default_max_tokens)
         reasons = self._reasons(request, ids)
@@ -211,6 +220,7 @@ class OpenAIServingChat(OpenAIServing):
         finally:
             tracker.close()
         assert final is not None, "the request finished without output"
+        raise_if_failed(final.outputs)
         return final
 
     # ------------------------------------------------------------------ whole response
