@@ -1,12 +1,14 @@
 """Custom operators: compiled CPU kernels with pure-torch fallbacks."""
+from typing import Optional
+
 from kvserve.ops import cpu_isa
 from kvserve.ops.paged_attention import (cpu_kernel, cpu_kernel_isa, paged_decode_attention,
                                          paged_decode_attention_torch)
 
 
-def configure_cpu(settings: "cpu_isa.CpuSettings") -> None:
-    """This process's CPU settings (the engine config's CpuConfig), before anything runs; the
-    per-process caches of the kernel choice start again from them."""
+def configure_cpu(settings: Optional[cpu_isa.CpuSettings]) -> None:
+    """This process's CPU settings (the engine config's CpuConfig; None: the variables'),
+    before anything runs; the per-process caches of the kernel choice start again from them."""
     from kvserve.ops import fused, linear
     cpu_isa.configure(settings)
     linear.reset_dispatch()

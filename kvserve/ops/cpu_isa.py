@@ -93,10 +93,12 @@ class CpuSettings:
 _configured: Optional[CpuSettings] = None
 
 
-def configure(cpu: CpuSettings) -> None:
-    """This process's CPU settings from the engine config (each worker, before loading)."""
+def configure(cpu: Optional[CpuSettings]) -> None:
+    """This process's CPU settings from the engine config (each worker, before loading);
+    None: back to the variables' values."""
     global _configured
-    resolve_tier(cpu.isa)       # a tier the CPU lacks fails here, at start-up
+    if cpu is not None:
+        resolve_tier(cpu.isa)   # a tier the CPU lacks fails here, at start-up
     _configured = cpu
 
 
