@@ -285,32 +285,24 @@ class ParallelConfig:
 
 @dataclass
 class CpuConfig:
-    """The CPU choices (vLLM-style flags --cpu-isa, --disable-cpu-kernels, --cpu-huge-pages).
-    A field left None takes its KVSERVE_CPU_* variable's value (kvserve.envs), read once here;
-    every worker process applies the result (kvserve.ops.configure_cpu) before loading."""
-    cpu_isa: Optional[str] = None             # auto | generic | avx2 | avx512 | avx512_bf16
+    """The CPU choices (--cpu-isa, --disable-cpu-kernels, --cpu-huge-pages). A field left None
+    takes its variable's value (kvserve.envs), read once here; every worker process applies
+    the result (kvserve.ops.cpu_isa.configure) before loading, so TP/PP ranks agree."""
+    cpu_isa: Optional[str] = None               # auto | generic | avx2 | avx512 | avx512_bf16
     disable_cpu_kernels: Optional[bool] = None  # torch paths only: no C++ kernels, no oneDNN
-    cpu_huge_pages: Optional[str] = None      # auto | on | off: weights in transparent huge pages
+    cpu_huge_pages: Optional[str] = None        # auto | on | off: weights in huge pages
 
     def __post_init__(self) -> None:
-        from kvserve.ops.cpu_isa import HUGE_PAGES_CHOICES, CpuSettings, resolve_tier
-        if None in (self.cpu_isa, self.disable_cpu_kernels, self.cpu_huge_pages):
-            env = CpuSettings.from_env()
-            self.cpu_isa = env.isa if self.cpu_isa is None else self.cpu_isa
-            if self.disable_cpu_kernels is None:
-                self.disable_cpu_kernels = not env.kernels_enabled
-            self.cpu_huge_pages = self.cpu_huge_pages or env.huge_pages
-        self.cpu_isa = self.cpu_isa.strip().lower()
+        from kvserve import envs
+        from kvserve.ops.cpu_isa import resolve_tier
+        self.cpu_isa = (self.cpu_isa or envs.get("KVSERVE_CPU_ISA") or "auto").strip().lower()
         resolve_tier(self.cpu_isa)    # an unknown tier, or one this CPU lacks: an error now
-        if self.cpu_huge_pages not in HUGE_PAGES_CHOICES:
-            raise ValueError(f"cpu_huge_pages must be one of {', '.join(HUGE_PAGES_CHOICES)}, "
-                             f"got {self.cpu_huge_pages!r}.")
-
-    def settings(self) -> Any:
-        """The ops layer's CpuSettings for these choices."""
-        from kvserve.ops.cpu_isa import CpuSettings
-        return CpuSettings(isa=self.cpu_isa, kernels_enabled=not self.disable_cpu_kernels,
-                           huge_pages=self.cpu_huge_pages)
+        if self.disable_cpu_kernels is None:
+            self.disable_cpu_kernels = envs.get("KVSERVE_DISABLE_CPU_KERNELS")
+        self.cpu_huge_pages = self.cpu_huge_pages or envs.get("KVSERVE_CPU_HUGE_PAGES")
+        if self.cpu_huge_pages not in ("auto", "on", "off"):
+            raise ValueError(f"cpu_huge_pages must be one of auto, on, off, got "
+                             f"{self.cpu_huge_pages!r}.")
 
 
 @dataclass

@@ -93,8 +93,8 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
          "Default of --disable-cpu-kernels: the pure-torch paths instead of kvserve's C++ "
          "kernels and oneDNN prepacking."),
     _var("KVSERVE_CPU_HUGE_PAGES", "choice", "auto",
-         "Default of --cpu-huge-pages: advise transparent huge pages for CPU weights (1/0 mean "
-         "on/off).", ("auto", "on", "off", "1", "0")),
+         "Default of --cpu-huge-pages: advise transparent huge pages for CPU weights.",
+         ("auto", "on", "off")),
 )}
 
 

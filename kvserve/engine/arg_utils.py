@@ -73,13 +73,11 @@ _HELP = {
     "kv_transfer_config": "KV connector settings as JSON (disaggregated prefill/decode, KV reuse "
                           "across engines), e.g. '{\"kv_connector\": \"NixlConnector\", "
                           "\"kv_role\": \"kv_both\"}'.",
-    "cpu_isa": "CPU ISA tier the C++ kernels are built for: auto (the host's best), generic, "
-               "avx2, avx512 or avx512_bf16 (default: env KVSERVE_CPU_ISA, else auto).",
-    "disable_cpu_kernels": "Run the pure-torch paths instead of kvserve's C++ CPU kernels and "
-                           "oneDNN weight prepacking (default: env KVSERVE_DISABLE_CPU_KERNELS).",
-    "cpu_huge_pages": "Move CPU weights into transparent huge pages: auto (where the host's THP "
-                      "setting is madvise), on or off (default: env KVSERVE_CPU_HUGE_PAGES, "
-                      "else auto).",
+    "cpu_isa": "ISA tier of the C++ CPU kernels; auto: the host's best (env KVSERVE_CPU_ISA).",
+    "disable_cpu_kernels": "Pure-torch paths instead of the C++ CPU kernels and oneDNN "
+                           "prepacking (env KVSERVE_DISABLE_CPU_KERNELS).",
+    "cpu_huge_pages": "CPU weights in transparent huge pages; auto: where THP is madvise "
+                      "(env KVSERVE_CPU_HUGE_PAGES).",
 }
 _CHOICES = {"cpu_isa": ("auto", "generic", "avx2", "avx512", "avx512_bf16"),
             "cpu_huge_pages": ("auto", "on", "off")}
@@ -127,7 +125,6 @@ class EngineArgs:
     structured_outputs_config: Optional[Union[str, dict]] = None
     speculative_config: Optional[Union[str, dict]] = None
     kv_transfer_config: Optional[Union[str, dict]] = None
-    # CPU choices (CpuConfig); None: the KVSERVE_CPU_* variable's value.
     cpu_isa: Optional[str] = None
     disable_cpu_kernels: Optional[bool] = None
     cpu_huge_pages: Optional[str] = None

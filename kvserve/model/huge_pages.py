@@ -13,8 +13,7 @@ nothing can, so "auto" moves only under "madvise".
 Measured (AMD EPYC Zen 4, 2 threads, the 110M Llama's 49 linears at 1 x row, alternating):
 float32 14.35 -> 14.08 ms, tiled bf16 5.56 -> 5.09 ms (benchmarks/README.md, issue 16).
 
-The engine config's cpu_huge_pages (--cpu-huge-pages): auto (default) | on (advise whatever the
-setting) | off (leave as loaded).
+--cpu-huge-pages: auto (default) | on (advise whatever the setting) | off (leave as loaded).
 """
 from __future__ import annotations
 
@@ -66,7 +65,7 @@ def _align(n: int, to: int) -> int:
 def move_weights_to_huge_pages(model: nn.Module) -> int:
     """Move the model's CPU parameters into one MADV_HUGEPAGE arena (see the module
     docstring); returns the bytes moved (0: not done, and why is logged at debug level)."""
-    mode = cpu_isa.settings().huge_pages
+    mode = cpu_isa.huge_pages_mode()
     if mode == "off" or (mode == "auto" and thp_mode() != "madvise"):
         logger.debug("Weights stay in the pages they were loaded in (cpu_huge_pages=%s, THP %s).",
                      mode, thp_mode())

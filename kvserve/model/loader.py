@@ -94,9 +94,8 @@ def build_and_load(build: Callable[[], nn.Module], weights: Iterable[tuple[str, 
                    model_config: ModelConfig, device: torch.device,
                    plan: Optional[WeightPlan] = None) -> nn.Module:
     """`build()` the module in the config's dtype on `device`, load `weights` through its
-    load_weights (every parameter must get one), then give the weights their objects
-    (apply_weight_plan) and run the process_weights_after_loading hooks. Shared by the model
-    and proposer heads (EAGLE)."""
+    load_weights (every parameter must get one), apply_weight_plan, then the
+    process_weights_after_loading hooks. Shared by the model and proposer heads (EAGLE)."""
     # 16-bit weights with float32 math: built (and loaded) 16-bit, then widened.
     with _default_dtype(model_config.weight_dtype or model_config.dtype), torch.device(device):
         model = build()
@@ -118,12 +117,11 @@ def build_and_load(build: Callable[[], nn.Module], weights: Iterable[tuple[str, 
 
 
 def apply_weight_plan(model: nn.Module, act_dtype: torch.dtype, device: torch.device,
-                      plan: Optional[WeightPlan] = None) -> WeightPlan:
+                      plan: Optional[WeightPlan] = None) -> None:
     """Give every linear, embedding and LM-head weight its object (ops.cpu_weight), all by
-    one plan (`plan`, else choose_weight_plan's); cast every other parameter (norms, biases: a
-    few KB) to the activations' dtype, so that 16-bit weights with float32 math (dtype "auto"
-    without bf16 instructions) stay 16-bit and nothing else does. A tied LM head and its
-    embedding share one object."""
+    one plan (`plan`, else choose_weight_plan's); a tied LM head and its embedding share one.
+    Every other parameter (norms, biases: a few KB) is cast to the activations' dtype: only
+    16-bit weights with float32 math (dtype "auto" without bf16 instructions) stay 16-bit."""
     embeds = [m for m in model.modules() if type(m) is VocabParallelEmbedding]
     matmuls = [m for m in model.modules() if isinstance(m, (LinearBase, ParallelLMHead))]
     kept = {id(m.weight) for m in [*embeds, *matmuls]}
@@ -132,35 +130,24 @@ def apply_weight_plan(model: nn.Module, act_dtype: torch.dtype, device: torch.de
             param.data = param.data.to(act_dtype)
     tied = {id(m.weight) for m in embeds}
     if plan is None and matmuls:
-        plan = _choose_plan(matmuls, tied, act_dtype, device)
-    plan = plan or WeightPlan()
+        import psutil
+        cpu, weight_dtype = device.type == "cpu", matmuls[0].weight.dtype
+        plan = choose_weight_plan(
+            weight_dtype, act_dtype, device=device.type,
+            tier=cpu_isa.selected_tier() if cpu else None,
+            kernel=cpu and linear.cpu_kernel() is not None,
+            packing=cpu and linear.packing_works(act_dtype),
+            numel=sum(m.weight.numel() for m in matmuls),
+            tied_numel=sum(m.weight.numel() for m in matmuls if id(m.weight) in tied),
+            # Copies may take a quarter of the available memory (as the CPU KV cache may).
+            budget=psutil.virtual_memory().available // 4)
+        logger.info("Weights: %s (%s, %s math%s).", plan.variant, weight_dtype, act_dtype,
+                    ", a prepacked float32 copy" if plan.float32_copy else "")
     for m in matmuls:
         m.linear_weight = make_weight(m.weight, plan, act_dtype, keep_plain=id(m.weight) in tied)
     shared = {id(m.weight): m.linear_weight for m in matmuls}
     for m in embeds:
         m.linear_weight = shared.get(id(m.weight)) or CpuLinearWeight(m.weight, act_dtype)
-    return plan
-
-
-def _choose_plan(matmuls: list[nn.Module], tied: set[int], act_dtype: torch.dtype,
-                 device: torch.device) -> WeightPlan:
-    import psutil
-    cpu = device.type == "cpu"
-    weight_dtype = matmuls[0].weight.dtype
-    plan = choose_weight_plan(
-        weight_dtype, act_dtype, device=device.type, tier=cpu_isa.selected_tier() if cpu else None,
-        kernel=cpu and linear.cpu_kernel() is not None,
-        packing=cpu and linear.packing_works(act_dtype),
-        numel=sum(m.weight.numel() for m in matmuls),
-        tied_numel=sum(m.weight.numel() for m in matmuls if id(m.weight) in tied),
-        # Extra copies may take a quarter of the available memory (as the CPU KV cache's
-        # default does).
-        budget=psutil.virtual_memory().available // 4)
-    if cpu:
-        logger.info("CPU weights: %s (%s weights, %s math%s).", plan.variant,
-                    str(weight_dtype).removeprefix("torch."), str(act_dtype).removeprefix("torch."),
-                    ", a prepacked float32 copy" if plan.float32_copy else "")
-    return plan
 
 
 def num_kv_heads_per_rank(model_config: ModelConfig, tp_size: int) -> int:

@@ -1,29 +1,17 @@
 """Custom operators: compiled CPU kernels with pure-torch fallbacks."""
-from typing import Optional
-
-from kvserve.ops import cpu_isa
 from kvserve.ops.paged_attention import (cpu_kernel, cpu_kernel_isa, paged_decode_attention,
                                          paged_decode_attention_torch)
-
-
-def configure_cpu(settings: Optional[cpu_isa.CpuSettings]) -> None:
-    """This process's CPU settings (the engine config's CpuConfig; None: the variables'),
-    before anything runs; the per-process caches of the kernel choice start again from them."""
-    from kvserve.ops import fused, linear
-    cpu_isa.configure(settings)
-    linear.reset_dispatch()
-    fused.reset_dispatch()
 
 
 def load_cpu_kernels() -> None:
     """Build (first run, ~10 s each) or load every CPU kernel now, so that the work happens at
     engine start-up rather than inside the first steps. Failures fall back as usual."""
-    from kvserve.ops import fused, linear, prefill_attention
+    from kvserve.ops import cpu_isa, fused, linear, prefill_attention
     cpu_isa.selected_tier()     # a bad cpu_isa is an error at start-up, not a fallback
     # The linear kernel serves 16-bit weights with float32 math and unpacked weights.
     for get in (cpu_kernel, fused.cpu_kernel, prefill_attention.cpu_kernel, linear.cpu_kernel):
         get()
 
 
-__all__ = ["configure_cpu", "cpu_kernel", "cpu_kernel_isa", "load_cpu_kernels", "paged_decode_attention",
+__all__ = ["cpu_kernel", "cpu_kernel_isa", "load_cpu_kernels", "paged_decode_attention",
            "paged_decode_attention_torch"]

@@ -28,7 +28,6 @@ from kvserve.ops import cpu_isa
 
 logger = logging.getLogger(__name__)
 
-# The variable behind `disable_cpu_kernels`' default (tests set it for fresh processes).
 DISABLE_ENV = "KVSERVE_DISABLE_CPU_KERNELS"
 # The dtypes every kernel (and oneDNN prepacking) handles; others take the torch paths.
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)

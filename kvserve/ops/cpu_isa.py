@@ -10,18 +10,12 @@ build is valid on every CPU of its tier and the on-disk cache is keyed by tier. 
 best tier is used unless the engine config's `cpu_isa` (--cpu-isa) names a lower one (so an
 AVX-512 machine can test and benchmark the AVX2 path); naming a tier the CPU lacks is an error. A
 CPU that is not x86-64 (aarch64, ...) gets no tier: the torch fallbacks run instead.
-
-The process's CPU settings (CpuSettings: tier, kernels on/off, huge pages) are the engine
-config's CpuConfig, handed to every worker process by `configure`; a process no engine
-configured (tests and benchmarks calling ops directly) takes the KVSERVE_CPU_* variables'
-values, the same defaults the config's fields have.
 """
 from __future__ import annotations
 
 import functools
 import platform
-from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 from kvserve import envs
 
@@ -70,44 +64,24 @@ def supported_tiers(flags: Optional[frozenset[str]] = None) -> list[str]:
     return [t for t in TIERS if _TIER_CPU_FLAGS[t] <= flags]
 
 
-ISA_CHOICES = ("auto", *TIERS)
-HUGE_PAGES_CHOICES = ("auto", "on", "off")
+# The engine config's CpuConfig, set by each worker (duck-typed: ops does not import the
+# config); None (no engine: tests, benchmarks) reads the variables behind its defaults.
+_configured: Any = None
 
 
-@dataclass(frozen=True)
-class CpuSettings:
-    """What this process runs with on CPU (the engine config's CpuConfig)."""
-    isa: str = "auto"               # "auto" (the host's best) or a tier of TIERS
-    kernels_enabled: bool = True    # False: torch paths only, no C++ kernels, no oneDNN packing
-    huge_pages: str = "auto"        # model.huge_pages: "auto" | "on" | "off"
-
-    @staticmethod
-    def from_env() -> "CpuSettings":
-        """The KVSERVE_CPU_* variables' values (through kvserve.envs): the defaults."""
-        pages = envs.get("KVSERVE_CPU_HUGE_PAGES")
-        return CpuSettings(isa=envs.get(ISA_ENV) or "auto",
-                           kernels_enabled=not envs.get("KVSERVE_DISABLE_CPU_KERNELS"),
-                           huge_pages={"1": "on", "0": "off"}.get(pages, pages))
-
-
-_configured: Optional[CpuSettings] = None
-
-
-def configure(cpu: Optional[CpuSettings]) -> None:
-    """This process's CPU settings from the engine config (each worker, before loading);
-    None: back to the variables' values."""
+def configure(cpu_config: Any) -> None:
+    """This process's CPU settings (each worker, before loading; None: the variables'); the
+    kernel lookups cached per process start again."""
     global _configured
-    if cpu is not None:
-        resolve_tier(cpu.isa)   # a tier the CPU lacks fails here, at start-up
-    _configured = cpu
+    if cpu_config is not None:
+        resolve_tier(cpu_config.cpu_isa)     # a tier the CPU lacks fails here, at start-up
+    _configured = cpu_config
+    from kvserve.ops import fused, linear    # they import this module
+    linear.reset_dispatch()
+    fused.reset_dispatch()
 
 
-def settings() -> CpuSettings:
-    """The configured settings; unconfigured, the variables' values now (not cached)."""
-    return _configured if _configured is not None else CpuSettings.from_env()
-
-
-def resolve_tier(isa: str = "auto") -> Optional[str]:
+def resolve_tier(isa: Optional[str] = "auto") -> Optional[str]:
     """The tier `isa` means here: "auto" is the host's best; None off x86-64 (torch
     fallbacks). Raises ValueError for an unknown tier name or one this CPU cannot run."""
     tiers = supported_tiers()
@@ -116,7 +90,7 @@ def resolve_tier(isa: str = "auto") -> Optional[str]:
         return tiers[-1] if tiers else None
     if forced not in TIERS:
         raise ValueError(f"cpu_isa={forced!r} ({ISA_ENV}) is not a CPU ISA tier; use one of "
-                         f"{', '.join(ISA_CHOICES)}.")
+                         f"auto, {', '.join(TIERS)}.")
     if forced not in tiers:
         have = ", ".join(tiers) if tiers else f"none ({platform.machine()} is not x86-64)"
         raise ValueError(f"cpu_isa={forced} ({ISA_ENV}) asks for more than this CPU has: it "
@@ -125,16 +99,20 @@ def resolve_tier(isa: str = "auto") -> Optional[str]:
 
 
 def selected_tier() -> Optional[str]:
-    """The tier the kernels are built for (this process's settings)."""
-    return resolve_tier(settings().isa)
+    """The tier the kernels are built for (this process's cpu_isa)."""
+    return resolve_tier(envs.get(ISA_ENV) if _configured is None else _configured.cpu_isa)
 
 
 def kernels_enabled() -> bool:
-    """Whether kvserve's C++ kernels and oneDNN prepacking may be used (the one switch; read
-    per call by the ops, so only the one variable when unconfigured)."""
-    if _configured is not None:
-        return _configured.kernels_enabled
-    return not envs.get("KVSERVE_DISABLE_CPU_KERNELS")
+    """Whether kvserve's C++ kernels and oneDNN prepacking may be used: the one switch."""
+    if _configured is None:
+        return not envs.get("KVSERVE_DISABLE_CPU_KERNELS")
+    return not _configured.disable_cpu_kernels
+
+
+def huge_pages_mode() -> str:
+    """cpu_huge_pages: "auto" | "on" | "off" (model/huge_pages.py)."""
+    return envs.get("KVSERVE_CPU_HUGE_PAGES") if _configured is None else _configured.cpu_huge_pages
 
 
 def tier_cflags(tier: str) -> list[str]:
@@ -142,7 +120,7 @@ def tier_cflags(tier: str) -> list[str]:
     return list(_TIER_CFLAGS[tier])
 
 
-def has_native_bf16(isa: Optional[str] = None) -> bool:
-    """Whether the tier (`isa`, else this process's) has bf16 dot products (else bf16 math is
-    emulated on CPU: widen to float32 instead)."""
-    return (selected_tier() if isa is None else resolve_tier(isa)) == "avx512_bf16"
+def has_native_bf16() -> bool:
+    """Whether the selected tier has bf16 dot products (else bf16 math is emulated on CPU:
+    widen to float32 instead)."""
+    return selected_tier() == "avx512_bf16"

@@ -8,18 +8,13 @@
                     (+ optional prepacked float32 copy)      registers)           copy, else widened
                                                                                   per call
 
-"tiled" is the small-batch kernel's layout of the weight it streams (ops.linear.tile_weight:
-the same products in the same order, so the same bits, at a faster stream); a variant's
-streamed weight takes it wherever the kernel has it. `choose_weight_plan` is the one policy:
-from the weights' and activations' dtypes, the ISA tier, whether the small-batch kernel and
-oneDNN packing exist here, and the memory budget for extra copies, the same plan for every
-weight of a model. `make_weight` applies it to one weight. On CUDA every weight is plain.
+"tiled": the kernel's layout of the weight it streams (ops.linear.tile_weight; same bits, a
+faster stream), taken wherever the kernel has it. `choose_weight_plan` is the one policy (one
+plan per model); `make_weight` applies it to a weight. On CUDA every weight is plain.
 
-A layer calls `matmul(x, bias)`; the fused small-step path (model/layers/fused_decode.py) asks
-`streamed()` for the weight the small-batch kernel reads (None: prepacked only); an embedding
-looks its rows up with `rows(ids)` (a tied LM head and its embedding share one object).
-Quantized formats (GGUF Q4_0 / Q8_0 / Q4_K ...) are meant to be more subclasses of
-CpuLinearWeight with their own matmul / streamed / rows.
+Layers call `matmul(x, bias)`; the fused small-step op asks `streamed()` for the weight the
+kernel reads (None: prepacked only); embeddings call `rows(ids)` (a tied LM head and its
+embedding share one object). Quantized GGUF formats are meant to be more subclasses.
 """
 from __future__ import annotations
 
@@ -29,18 +24,16 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from kvserve.ops.linear import (TILE_ROWS, is_tiled, pack_weight, packed_linear,
-                                small_batch_or_packed_linear, tile_weight)
+from kvserve.ops.linear import (SMALL_BATCH_MAX_ROWS, TILE_ROWS, is_tiled, linear, pack_weight,
+                                packed_linear, tile_weight)
 
 PLAIN, PREPACKED, PREPACKED_WITH_COPY, WIDENED = "plain", "prepacked", "prepacked+copy", "widened"
 VARIANTS = (PLAIN, PREPACKED, PREPACKED_WITH_COPY, WIDENED)
 
-# Tiers (per weight dtype) where keeping the plain weight beside the prepacked one pays: with
-# plain weights a small step runs every decoder layer in one C++ call through the small-batch
-# kernel, which a prepacked-only weight cannot. Batch-1 decode of the 110M Llama, 2 threads,
-# alternating runs (benchmarks/README.md, issue 16): AVX2 EPYC float32 1.15-1.75x per linear
-# alone; AVX-512 Zen 4 (avx512_bf16) float32 44-46 -> 51-56 tok/s, bfloat16 72-78 -> 87-91 (and
-# more tiled). A bf16 weight with bf16 math has the kernel's dpbf16 path only on avx512_bf16.
+# Tiers (per weight dtype) where a plain copy beside the prepacked weight pays: small steps then
+# run every decoder layer in one C++ call (a prepacked-only weight cannot). Batch-1 decode, 110M
+# Llama, 2 threads (benchmarks/README.md, issue 16): AVX2 EPYC float32 1.15-1.75x per linear;
+# Zen 4 float32 44-46 -> 51-56 tok/s, bfloat16 72-78 -> 87-91. bf16 math: dpbf16 only.
 SMALL_BATCH_COPY_TIERS = {torch.float32: ("avx2", "avx512", "avx512_bf16"),
                           torch.bfloat16: ("avx512_bf16",)}
 
@@ -60,19 +53,13 @@ class WeightPlan:
 def choose_weight_plan(weight_dtype: torch.dtype, act_dtype: torch.dtype, *, device: str,
                        tier: Optional[str], kernel: bool, packing: bool, numel: int,
                        tied_numel: int, budget: int) -> WeightPlan:
-    """The variant for a model's matmul weights: `numel` elements of `weight_dtype` in all,
-    `tied_numel` of them an LM head shared with the embedding (whose plain weight stays
-    anyway); activations in `act_dtype`; `kernel`: the small-batch kernel is built (it serves
-    batches of up to SMALL_BATCH_MAX_ROWS rows); `packing`: oneDNN can prepack `act_dtype`;
-    `budget`: bytes extra copies may take.
-
-    - CUDA, or no prepacking: plain.
-    - 16-bit weights with float32 math (dtype "auto" without bf16 instructions): widened -- the
-      weight stays 16-bit (half the bytes per decode step). Above the kernel's rows a step is
-      compute-bound, and widening the whole weight per call ran prefill at 0.44x float32's
-      speed, so a prepacked float32 copy (2x the 16-bit bytes) is kept where it fits.
-    - Otherwise prepacked (oneDNN: 1.1-3x F.linear), plus the plain copy for small batches
-      where the kernel beats it on this tier (SMALL_BATCH_COPY_TIERS) and the copy fits."""
+    """The plan for a model's matmul weights: `numel` elements in all, `tied_numel` of them an
+    LM head sharing the embedding's (kept plain anyway); `kernel`: the small-batch kernel (up
+    to 8 rows) is built; `packing`: oneDNN can prepack act_dtype; `budget`: bytes for copies.
+    CUDA or no prepacking: plain. 16-bit weights with float32 math: widened (half the bytes
+    per decode step), plus a prepacked float32 copy where it fits (widening per call ran
+    prefill at 0.44x float32's speed). Otherwise prepacked (1.1-3x F.linear), plus the plain
+    copy where the kernel beats it on this tier and it fits."""
     if device != "cpu":
         return WeightPlan(PLAIN)
     if act_dtype != weight_dtype:
@@ -86,9 +73,8 @@ def choose_weight_plan(weight_dtype: torch.dtype, act_dtype: torch.dtype, *, dev
 
 
 class CpuLinearWeight:
-    """A weight kept plain ([N, K], or tiled): the base of the variants, and "plain" itself.
-    `weight` is the layer's Parameter (moved into huge pages after loading, so it is read
-    through the Parameter); matmuls return x's dtype, rows() the stored one."""
+    """The base of the variants, and "plain" itself. `weight` is the layer's Parameter (read
+    through it: huge pages move its data after loading)."""
     variant = PLAIN
 
     def __init__(self, weight: torch.Tensor, act_dtype: torch.dtype,
@@ -98,13 +84,15 @@ class CpuLinearWeight:
         self.packed = packed       # oneDNN's prepacked weight in act_dtype, if one is kept
 
     def matmul(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """x [..., K] @ weight.T (+ bias): the small-batch kernel up to SMALL_BATCH_MAX_ROWS
-        rows, then the prepacked copy where there is one, else F.linear / widened_linear."""
-        return small_batch_or_packed_linear(x, self.weight, self.packed, bias)
+        """x [..., K] @ weight.T (+ bias) in x's dtype: the kernel up to 8 rows, then the
+        prepacked copy where there is one, else F.linear / widened_linear (ops.linear)."""
+        if self.packed is not None and x.numel() > SMALL_BATCH_MAX_ROWS * x.shape[-1]:
+            return packed_linear(x, self.packed, bias)
+        return linear(x, self.weight, bias)
 
     def streamed(self) -> Optional[torch.Tensor]:
-        """The weight the small-batch kernel streams for x of act_dtype (plain or tiled), which
-        the fused small-step op may take; None where only a prepacked copy is kept."""
+        """The weight the small-batch kernel streams for x of act_dtype (plain or tiled), the
+        fused small-step op's; None where only a prepacked copy is kept."""
         return self.weight
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
@@ -113,11 +101,6 @@ class CpuLinearWeight:
         if is_tiled(w):
             return w[ids // TILE_ROWS, :, ids % TILE_ROWS, :].reshape(*ids.shape, -1)
         return F.embedding(ids, w)
-
-    def __repr__(self) -> str:
-        w = self.weight
-        return (f"{type(self).__name__}({self.variant}, {tuple(w.shape)} {w.dtype}, "
-                f"act {self.act_dtype}, packed={self.packed is not None})")
 
 
 class PrepackedWeight(CpuLinearWeight):
@@ -132,21 +115,17 @@ class PrepackedWeight(CpuLinearWeight):
 
 
 class PrepackedWithCopy(CpuLinearWeight):
-    """Prepacked for large batches, the plain (tiled) copy for the small-batch kernel."""
-    variant = PREPACKED_WITH_COPY
+    variant = PREPACKED_WITH_COPY      # the plain (tiled) copy up to 8 rows, oneDNN above
 
 
 class WidenedWeight(CpuLinearWeight):
-    """A 16-bit weight with float32 activations, optionally with a prepacked float32 copy."""
-    variant = WIDENED
+    variant = WIDENED                  # 16-bit, float32 x; `packed`: a float32 copy or None
 
 
 def make_weight(weight: torch.nn.Parameter, plan: WeightPlan, act_dtype: torch.dtype,
                 keep_plain: bool = False) -> CpuLinearWeight:
-    """`weight`'s object under `plan` (changing the Parameter's data to the tiled layout or to
-    nothing where the plan says so). keep_plain: the plain weight is read elsewhere too (a tied
-    embedding's rows), so a prepacked-only weight keeps it. A weight oneDNN cannot pack stays
-    plain."""
+    """`weight`'s object under `plan` (tiling or emptying the Parameter's data as it says);
+    keep_plain: a tied embedding reads the plain weight too. Unpackable weights stay plain."""
     if plan.variant == PLAIN:
         return CpuLinearWeight(weight, act_dtype)
     if plan.variant == WIDENED:

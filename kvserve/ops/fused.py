@@ -54,12 +54,10 @@ def set_kernels_enabled(enabled: bool) -> None:
     run). On still means "unless disable_cpu_kernels is set or the build failed"."""
     global _enabled
     _enabled = enabled
-    reset_dispatch()
-
-
-def reset_dispatch() -> None:
-    """Look the kernels up again (the process's CPU settings changed)."""
     _ops.cache_clear()
+
+
+reset_dispatch = _ops.cache_clear      # the process's CPU settings changed: look up again
 
 
 def kernels_active() -> bool:

@@ -7,19 +7,16 @@
     bias    [N]       optional, x's dtype
     -> out  [..., N]  x's dtype
 
-A 16-bit weight with float32 x is dtype "auto" on a CPU without bf16 instructions: the weight
-stays 16-bit in memory (half the bytes to stream per decode step) and all math is float32.
-Small batches widen it in registers (the kernel's avx2 path); larger ones widen it to a
-temporary float32 copy and run torch's float32 GEMM (widened_linear) -- never an emulated bf16
-GEMM, and no resident float32 copy.
+A 16-bit weight with float32 x (dtype "auto" without bf16 instructions) stays 16-bit in memory
+and all math is float32: small batches widen it in registers, larger ones use a float32 copy
+(prepacked, or made per call: widened_linear) -- never an emulated bf16 GEMM.
 
 At decode batch sizes a linear layer is a stream over its weight, so its speed is the memory
-bandwidth. torch's CPU matrix-vector path reaches about half of it here (../shared/PERF_NOTES.md:
-11-15 GB/s in bfloat16, 19 GB/s in float32, of 28-35 GB/s), so for up to SMALL_BATCH_MAX_ROWS
-rows a C++ kernel (csrc/linear.cpp: each weight row read once, AVX-512 dpbf16 / FMA, f32
-accumulation) is used instead. Everything else goes to F.linear: more rows (where torch's
-blocked GEMM wins), CUDA, other dtypes, a weight that is not contiguous, a failed build, or
-disabled kernels (cpu_isa.kernels_enabled). Which layout each weight keeps: ops.cpu_weight.
+bandwidth, of which torch's CPU matrix-vector path reaches about half here (11-19 of 28-35
+GB/s); so up to SMALL_BATCH_MAX_ROWS rows a C++ kernel (csrc/linear.cpp: each weight row read
+once, dpbf16 / FMA, f32 accumulation) runs instead. Everything else goes to F.linear: more rows,
+CUDA, other dtypes, a non-contiguous weight, a failed build, or disabled kernels. Which layout
+each weight keeps: ops.cpu_weight.
 """
 from __future__ import annotations
 
@@ -49,11 +46,6 @@ cpu_kernel_isa: Callable[[], Optional[str]] = _KERNEL.isa
 WIDENED_WEIGHT_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def is_widened(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """float32 activations with a 16-bit weight (widened to float32 for the math)."""
-    return x.dtype == torch.float32 and weight.dtype in WIDENED_WEIGHT_DTYPES
-
-
 def kernel_takes(x_dtype: torch.dtype, weight: torch.Tensor,
                  bias: Optional[torch.Tensor]) -> bool:
     """Whether the kernel takes this weight (and bias) for activations of x_dtype: the same
@@ -63,22 +55,6 @@ def kernel_takes(x_dtype: torch.dtype, weight: torch.Tensor,
     layout_ok = weight.dim() == 2 or (is_tiled(weight) and weight.shape[3] == TILE_COLS.get(x_dtype))
     return (dtypes_ok and layout_ok and weight.is_contiguous()
             and (bias is None or (bias.dtype == x_dtype and bias.is_contiguous())))
-
-
-def _kernel_applies(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> bool:
-    return x.device.type == "cpu" and x.dim() == 2 and kernel_takes(x.dtype, weight, bias)
-
-
-def small_batch_linear(x: torch.Tensor, weight: torch.Tensor,
-                       bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """x [M, K] @ weight[N, K].T (+ bias [N]) -> [M, N] with the C++ kernel when it applies
-    (CPU, float32/bfloat16, same dtypes, contiguous weight and bias), else F.linear.
-    Any M works; the kernel is meant for M <= SMALL_BATCH_MAX_ROWS."""
-    if _kernel_applies(x, weight, bias):
-        op = cpu_kernel()
-        if op is not None:
-            return op(x.contiguous(), weight, bias)
-    return _torch_linear(x, weight, bias)
 
 
 @functools.lru_cache(maxsize=1)
@@ -102,7 +78,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
     rows = x.numel() // k if k else 0
     if 0 < rows <= SMALL_BATCH_MAX_ROWS:
         x2 = x.reshape(rows, k)
-        if _kernel_applies(x2, weight, bias):
+        if x.device.type == "cpu" and kernel_takes(x.dtype, weight, bias):
             op = _dispatch_kernel()
             if op is not None:
                 out = op(x2.contiguous(), weight, bias)
@@ -266,16 +242,3 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor,
                   bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x [..., K] @ weight.T (+ bias) with a weight from pack_weight()."""
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-
-
-def small_batch_or_packed_linear(x: torch.Tensor, weight: torch.Tensor,
-                                 packed: Optional[torch.Tensor],
-                                 bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """A weight kept both plain and prepacked (`packed`, in x's dtype): up to
-    SMALL_BATCH_MAX_ROWS rows go to linear() on the plain weight (the small-batch kernel; a
-    16-bit weight with float32 x is streamed at half the bytes), more to the prepacked copy.
-    Without a packed copy, linear() takes every batch."""
-    k = x.shape[-1]
-    if packed is not None and x.numel() > SMALL_BATCH_MAX_ROWS * k:
-        return packed_linear(x, packed, bias)
-    return linear(x, weight, bias)

@@ -59,8 +59,8 @@ class Worker:
         if self.device.type == "cpu":
             # This process's CPU settings come from the config (the same in every worker);
             # then build (first run) or load the CPU kernels now, not in the first steps.
-            from kvserve.ops import configure_cpu, load_cpu_kernels
-            configure_cpu(self.config.cpu_config.settings())
+            from kvserve.ops import cpu_isa, load_cpu_kernels
+            cpu_isa.configure(self.config.cpu_config)
             load_cpu_kernels()
         self.model_runner = ModelRunner(self.config, self.device)
 

@@ -61,7 +61,7 @@ def test_configured_settings_win_over_the_environment(monkeypatch: pytest.Monkey
     """A worker applies the engine config's CpuConfig: its tier and kernel switch, not the
     variables (read only as the config's defaults)."""
     from kvserve.config import CpuConfig
-    from kvserve.ops import configure_cpu, linear
+    from kvserve.ops import linear
     monkeypatch.setenv(cpu_isa.ISA_ENV, "generic")
     monkeypatch.setenv(build.DISABLE_ENV, "true")
     assert cpu_isa.selected_tier() == "generic" and not cpu_isa.kernels_enabled()
@@ -69,11 +69,11 @@ def test_configured_settings_win_over_the_environment(monkeypatch: pytest.Monkey
     cfg = CpuConfig(cpu_isa="auto", disable_cpu_kernels=False)
     assert cfg.cpu_huge_pages == "auto"                 # the variable's default
     try:
-        configure_cpu(cfg.settings())
+        cpu_isa.configure(cfg)
         assert cpu_isa.selected_tier() == cpu_isa.supported_tiers()[-1]
         assert cpu_isa.kernels_enabled() and linear.packing_works(torch.float32) == HAS_ONEDNN
     finally:
-        configure_cpu(None)
+        cpu_isa.configure(None)
     with pytest.raises(ValueError, match="cpu_huge_pages must be one of auto, on, off"):
         CpuConfig(cpu_isa="auto", disable_cpu_kernels=False, cpu_huge_pages="1")
 

@@ -33,13 +33,13 @@ def expected_path(x: torch.Tensor, w: torch.Tensor, packed: torch.Tensor,
 
 
 @pytest.mark.parametrize("m", ROWS)
-def test_small_batch_or_packed_linear_takes_the_right_path(m: int) -> None:
+def test_prepacked_with_copy_takes_the_right_path(m: int) -> None:
     # K = 300: the kernel and oneDNN sum in different orders, so their results differ in the
     # last bits and the comparison below tells the paths apart.
     x, w, b = tl.make_case(m, 300, 50, torch.float32, bias=True, seed=m)
     packed = kl.pack_weight(w)
     assert not torch.equal(kl.cpu_kernel()(x, w, b), kl.packed_linear(x, packed, b))
-    out = kl.small_batch_or_packed_linear(x.view(1, m, 300), w, packed, b)
+    out = cw.PrepackedWithCopy(w, torch.float32, packed).matmul(x.view(1, m, 300), b)
     assert out.shape == (1, m, 50)
     tl.check(out.view(m, 50), x, w, b)
     assert torch.equal(out.view(m, 50), expected_path(x, w, packed, b))

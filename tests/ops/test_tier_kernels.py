@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from kvserve.model.layers.rotary import RotaryEmbedding
 from kvserve.ops import build, fused as kf, linear as kl, paged_attention as pa
 from kvserve.ops import prefill_attention as pf
+from kvserve.ops.cpu_weight import WidenedWeight
 from tests.ops import test_linear as tl, test_paged_attention as tpa, test_prefill_attention as tpf
 from tests.utils import kernel_isa_prefix
 
@@ -65,7 +66,7 @@ def test_linear_16bit_weight_with_float32_copy(m: int) -> None:
     x, w, b = tl.make_case(m, 96, 50, torch.float32, bias=True, seed=m)
     wb = w.bfloat16()
     packed = kl.pack_weight(wb.float())
-    out = kl.small_batch_or_packed_linear(x.view(1, m, 96), wb, packed, b)
+    out = WidenedWeight(wb, torch.float32, packed).matmul(x.view(1, m, 96), b)
     assert out.dtype == torch.float32 and out.shape == (1, m, 50)
     tl.check(out.view(m, 50), x, wb.float(), b)
 

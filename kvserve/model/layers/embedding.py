@@ -2,8 +2,7 @@
 
 The vocabulary is split into tp_size contiguous ranges of ceil(vocab / tp_size) rows; the last
 range may be partly padding (zero rows, sliced off the logits). Lookups and the LM head's
-matmul go through the weight's object (`linear_weight`, ops.cpu_weight); a tied LM head and
-its embedding share one.
+matmul go through the weight's object (ops.cpu_weight), one for a tied head and embedding.
 """
 from __future__ import annotations
 
@@ -45,19 +44,17 @@ class VocabParallelEmbedding(nn.Module):
         param.data[n:].zero_()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        out = self._lookup(input_ids)
+        if self.tp_size == 1:
+            out = self.linear_weight.rows(input_ids)
+        else:
+            # Ids outside this rank's range look up row 0 and are zeroed; the all-reduce then
+            # leaves exactly the owning rank's row for every token.
+            in_range = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
+            local_ids = torch.where(in_range, input_ids - self.vocab_start, 0)
+            out = self.linear_weight.rows(local_ids).masked_fill_(~in_range.unsqueeze(-1), 0)
+            out = tensor_model_parallel_all_reduce(out)
         act = self.linear_weight.act_dtype     # float32 rows of a 16-bit (widened) weight
         return out if out.dtype == act else out.to(act)
-
-    def _lookup(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.tp_size == 1:
-            return self.linear_weight.rows(input_ids)
-        # Ids outside this rank's range look up row 0 and are zeroed; the all-reduce then
-        # leaves exactly the owning rank's row for every token.
-        in_range = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
-        local_ids = torch.where(in_range, input_ids - self.vocab_start, 0)
-        out = self.linear_weight.rows(local_ids).masked_fill_(~in_range.unsqueeze(-1), 0)
-        return tensor_model_parallel_all_reduce(out)
 
     def extra_repr(self) -> str:
         return (f"num_embeddings={self.num_embeddings}, shard=[{self.vocab_start}, "

@@ -9,8 +9,7 @@ Weights are stored as [out_features, in_features] (like nn.Linear / HF checkpoin
 
 Every parameter carries `weight_loader(param, loaded_weight, shard_id=None)`: given the FULL
 checkpoint tensor, it copies the part this rank owns into `param` (into the slice of a fused
-parameter that `shard_id` names). The matmul goes through the weight's object
-(`linear_weight`, ops.cpu_weight), which the loader sets once the weights are loaded.
+parameter that `shard_id` names). The matmul goes through the weight's object (ops.cpu_weight).
 """
 from __future__ import annotations
 
