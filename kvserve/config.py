@@ -38,28 +38,29 @@ def resolve_dtype(dtype: Any, hf_config: dict, device: str) -> torch.dtype:
     return _DTYPES[dtype]
 
 
-def resolve_weight_dtype(dtype: Any, hf_config: dict, device: str) -> Optional[torch.dtype]:
+def resolve_weight_dtype(dtype: Any, hf_config: dict, device: str,
+                         cpu_isa: Optional[str] = None) -> Optional[torch.dtype]:
     """The 16-bit dtype weights keep in memory when math runs in float32, else None.
 
     dtype "auto" on a CPU without bf16 instructions (below the avx512_bf16 tier): bf16 math
     there is emulated (~4x slower than float32), so a bf16/fp16 checkpoint keeps its weights
     16-bit (half the bytes per decode step) and activations, math and the KV cache are float32
     (ModelConfig.dtype; kv_cache_dtype="bfloat16" keeps the cache 16-bit too). An explicit
-    dtype keeps its meaning."""
+    dtype keeps its meaning. `cpu_isa`: CpuConfig.cpu_isa (None: this process's setting)."""
     if dtype not in (None, "auto") or device != "cpu":
         return None
     name = str(hf_config.get("torch_dtype") or hf_config.get("dtype") or "float32")
     stored = _DTYPES.get(name.replace("torch.", ""))
     if stored not in (torch.bfloat16, torch.float16):
         return None
-    from kvserve.ops import cpu_isa
-    if cpu_isa.has_native_bf16():
+    from kvserve.ops import cpu_isa as isa
+    tier = isa.selected_tier() if cpu_isa is None else isa.resolve_tier(cpu_isa)
+    if tier == "avx512_bf16":
         return None
     logger.info("dtype=auto: %s checkpoint on a CPU without bf16 math (kernel tier %s): weights "
                 "stay %s in memory; activations, math and the KV cache are float32 "
                 "(kv_cache_dtype=bfloat16 keeps the KV cache 16-bit).",
-                name.replace("torch.", ""), cpu_isa.selected_tier() or "none",
-                name.replace("torch.", ""))
+                name.replace("torch.", ""), tier or "none", name.replace("torch.", ""))
     return stored
 
 
@@ -154,7 +155,8 @@ class ModelConfig:
                   dtype: Any, max_model_len: Optional[int], seed: int, max_logprobs: int,
                   device: str, load_format: str = "auto",
                   hf_config_path: Optional[str] = None,
-                  gguf_config: Optional[dict] = None) -> "ModelConfig":
+                  gguf_config: Optional[dict] = None,
+                  cpu_isa: Optional[str] = None) -> "ModelConfig":
         """`gguf_config`: a GGUF file's HF-style config, as plain data from the GGUF reader
         (kvserve.model.gguf.read_gguf_config); config.py reads no GGUF itself."""
         if load_format not in LOAD_FORMATS:
@@ -173,7 +175,7 @@ class ModelConfig:
         if isinstance(served_model_name, str):
             served_model_name = [served_model_name]
         names = [n for n in served_model_name or [] if n] or [path]
-        weight_dtype = resolve_weight_dtype(dtype, hf_config, device)
+        weight_dtype = resolve_weight_dtype(dtype, hf_config, device, cpu_isa)
         return ModelConfig(
             model=path, tokenizer=tokenizer or path,
             served_model_name=names[0], served_model_names=names, weight_dtype=weight_dtype,
@@ -288,6 +290,28 @@ class ParallelConfig:
 
 
 @dataclass
+class CpuConfig:
+    """The CPU choices (--cpu-isa, --disable-cpu-kernels, --cpu-huge-pages). A field left None
+    takes its variable's value (kvserve.envs), read once here; every worker process applies
+    the result (kvserve.ops.cpu_isa.configure) before loading, so TP/PP ranks agree."""
+    cpu_isa: Optional[str] = None               # auto | generic | avx2 | avx512 | avx512_bf16
+    disable_cpu_kernels: Optional[bool] = None  # torch paths only: no C++ kernels, no oneDNN
+    cpu_huge_pages: Optional[str] = None        # auto | on | off: weights in huge pages
+
+    def __post_init__(self) -> None:
+        from kvserve import envs
+        from kvserve.ops.cpu_isa import resolve_tier
+        self.cpu_isa = (self.cpu_isa or envs.get("KVSERVE_CPU_ISA") or "auto").strip().lower()
+        resolve_tier(self.cpu_isa)    # an unknown tier, or one this CPU lacks: an error now
+        if self.disable_cpu_kernels is None:
+            self.disable_cpu_kernels = envs.get("KVSERVE_DISABLE_CPU_KERNELS")
+        self.cpu_huge_pages = self.cpu_huge_pages or envs.get("KVSERVE_CPU_HUGE_PAGES")
+        if self.cpu_huge_pages not in ("auto", "on", "off"):
+            raise ValueError(f"cpu_huge_pages must be one of auto, on, off, got "
+                             f"{self.cpu_huge_pages!r}.")
+
+
+@dataclass
 class DeviceConfig:
     device: str = "cpu"
 
@@ -348,3 +372,4 @@ class KVServeConfig:
         default_factory=StructuredOutputsConfig)
     speculative_config: Optional["SpeculativeConfig"] = None
     kv_transfer_config: Optional[Any] = None    # kv_transfer.config.KVTransferConfig
+    cpu_config: CpuConfig = field(default_factory=CpuConfig)

@@ -3,7 +3,7 @@
 Every `KVSERVE_*` variable is declared here once (name, parser, default, doc) and read through
 `get(name)` (or `kvserve.envs.NAME`, the same call). No other module reads `os.environ` for a
 `KVSERVE_*` name: a test (tests/test_envs.py) scans the package for that. User-facing choices
-(CPU kernels, tiers, weight layouts) are engine-config fields with flags shown by `--help`; the
+(CPU kernels, tiers, huge pages) are engine-config fields with flags shown by `--help`; the
 variables they keep are only those fields' defaults, read once when the config is built.
 
 One parsing rule per type:
@@ -84,24 +84,17 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
          "Seconds to wait for a Ray placement group."),
     _var("KVSERVE_PP_LAYER_PARTITION", "str", None,
          "Layers per pipeline stage, 'a,b,...' (default: an even split)."),
-    # CPU kernels and weight layouts: the defaults of the engine config's CPU fields.
+    # CPU kernels: the defaults of the engine config's CpuConfig fields (--cpu-isa,
+    # --disable-cpu-kernels, --cpu-huge-pages), read when the config is built.
     _var("KVSERVE_CPU_ISA", "choice", None,
-         "Build the CPU kernels for this ISA tier instead of the host's best.",
-         ("generic", "avx2", "avx512", "avx512_bf16")),
+         "Default of --cpu-isa: build the CPU kernels for this ISA tier instead of the host's "
+         "best.", ("auto", "generic", "avx2", "avx512", "avx512_bf16")),
     _var("KVSERVE_DISABLE_CPU_KERNELS", "bool", False,
-         "Use the pure-torch paths instead of kvserve's C++ kernels and oneDNN prepacking."),
-    _var("KVSERVE_CPU_FUSED_DECODE", "bool", True,
-         "Run small CPU steps through the fused all-layers decode kernel."),
+         "Default of --disable-cpu-kernels: the pure-torch paths instead of kvserve's C++ "
+         "kernels and oneDNN prepacking."),
     _var("KVSERVE_CPU_HUGE_PAGES", "choice", "auto",
-         "Advise transparent huge pages for CPU weights and KV cache.", ("auto", "1", "0")),
-    _var("KVSERVE_CPU_FLOAT32_COPY", "choice", "auto",
-         "Keep a prepacked float32 copy of 16-bit weights for large batches.",
-         ("auto", "1", "0")),
-    _var("KVSERVE_CPU_SMALL_BATCH_COPY", "choice", "auto",
-         "Keep a plain copy beside prepacked weights for the small-batch kernel.",
-         ("auto", "1", "0")),
-    _var("KVSERVE_CPU_TILED_WEIGHTS", "bool", True,
-         "Store weights streamed by the small-batch kernel in its tiled layout."),
+         "Default of --cpu-huge-pages: advise transparent huge pages for CPU weights.",
+         ("auto", "on", "off")),
 )}
 
 

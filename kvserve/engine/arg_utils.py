@@ -15,7 +15,7 @@ import torch
 
 from kvserve import envs
 from kvserve.attention.selector import resolve_backend_name
-from kvserve.config import (CacheConfig, DeviceConfig, KVServeConfig, ModelConfig,
+from kvserve.config import (CacheConfig, CpuConfig, DeviceConfig, KVServeConfig, ModelConfig,
                             ParallelConfig, SchedulerConfig, StructuredOutputsConfig,
                             resolve_kv_cache_dtype)
 from kvserve.spec_decode.config import SpeculativeConfig
@@ -75,7 +75,14 @@ _HELP = {
     "kv_transfer_config": "KV connector settings as JSON (disaggregated prefill/decode, KV reuse "
                           "across engines), e.g. '{\"kv_connector\": \"NixlConnector\", "
                           "\"kv_role\": \"kv_both\"}'.",
+    "cpu_isa": "ISA tier of the C++ CPU kernels; auto: the host's best (env KVSERVE_CPU_ISA).",
+    "disable_cpu_kernels": "Pure-torch paths instead of the C++ CPU kernels and oneDNN "
+                           "prepacking (env KVSERVE_DISABLE_CPU_KERNELS).",
+    "cpu_huge_pages": "CPU weights in transparent huge pages; auto: where THP is madvise "
+                      "(env KVSERVE_CPU_HUGE_PAGES).",
 }
+_CHOICES = {"cpu_isa": ("auto", "generic", "avx2", "avx512", "avx512_bf16"),
+            "cpu_huge_pages": ("auto", "on", "off")}
 _SHORT = {"tensor_parallel_size": "-tp", "pipeline_parallel_size": "-pp",
           "data_parallel_size": "-dp"}
 _MULTI = {"served_model_name"}     # flags that take one or more values, as in vLLM
@@ -120,6 +127,9 @@ class EngineArgs:
     structured_outputs_config: Optional[Union[str, dict]] = None
     speculative_config: Optional[Union[str, dict]] = None
     kv_transfer_config: Optional[Union[str, dict]] = None
+    cpu_isa: Optional[str] = None
+    disable_cpu_kernels: Optional[bool] = None
+    cpu_huge_pages: Optional[str] = None
 
     # ------------------------------------------------------------------
     @staticmethod
@@ -132,14 +142,15 @@ class EngineArgs:
             names = [flag] + ([_SHORT[f.name]] if f.name in _SHORT else [])
             help_text = _HELP.get(f.name, "")
             hint = hints[f.name]
-            if hint is bool:
+            if _base_type(hint) is bool:
                 parser.add_argument(*names, action=argparse.BooleanOptionalAction,
                                     default=f.default, help=help_text)
                 continue
             base = _base_type(hint)
             nargs = "+" if f.name in _MULTI else None
+            default_text = "" if f.name in _CHOICES else f" (default: {f.default})"
             parser.add_argument(*names, type=base, default=f.default, nargs=nargs,
-                                help=f"{help_text} (default: {f.default})")
+                                choices=_CHOICES.get(f.name), help=help_text + default_text)
         return parser
 
     @staticmethod
@@ -169,6 +180,8 @@ class EngineArgs:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
             raise ValueError(f"Unknown device {device!r}; supported: auto, cpu, cuda.")
+        cpu_config = CpuConfig(cpu_isa=self.cpu_isa, disable_cpu_kernels=self.disable_cpu_kernels,
+                               cpu_huge_pages=self.cpu_huge_pages)
         path = resolve_model_path(self.model, self.load_format)
         tok_path = resolve_model_path(self.tokenizer) if self.tokenizer else path
         hf_config_path = (os.path.abspath(os.path.expanduser(self.hf_config_path))
@@ -179,7 +192,8 @@ class EngineArgs:
             dtype=self.dtype, max_model_len=self.max_model_len, seed=self.seed,
             max_logprobs=self.max_logprobs, device=device, load_format=self.load_format,
             hf_config_path=hf_config_path,
-            gguf_config=read_gguf_config(path, self.load_format, hf_config_path))
+            gguf_config=read_gguf_config(path, self.load_format, hf_config_path),
+            cpu_isa=cpu_config.cpu_isa)
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}.")
         if self.scheduling_policy not in ("fcfs", "priority"):
@@ -253,6 +267,7 @@ class EngineArgs:
             structured_outputs_config=StructuredOutputsConfig.parse(self.structured_outputs_config),
             speculative_config=spec_config,
             kv_transfer_config=kv_transfer_config,
+            cpu_config=cpu_config,
         )
 
 

@@ -13,7 +13,7 @@ nothing can, so "auto" moves only under "madvise".
 Measured (AMD EPYC Zen 4, 2 threads, the 110M Llama's 49 linears at 1 x row, alternating):
 float32 14.35 -> 14.08 ms, tiled bf16 5.56 -> 5.09 ms (benchmarks/README.md, issue 16).
 
-KVSERVE_CPU_HUGE_PAGES=auto (default) | 1 (advise whatever the setting) | 0 (leave as loaded).
+--cpu-huge-pages: auto (default) | on (advise whatever the setting) | off (leave as loaded).
 """
 from __future__ import annotations
 
@@ -21,15 +21,15 @@ import ctypes
 import ctypes.util
 import functools
 import logging
-import os
 from typing import Optional
 
 import torch
 from torch import nn
 
+from kvserve.ops import cpu_isa
+
 logger = logging.getLogger(__name__)
 
-HUGE_PAGES_ENV = "KVSERVE_CPU_HUGE_PAGES"
 HUGE_PAGE = 2 << 20
 _ALIGN = 64            # every weight starts on a cache line (the kernels' vector loads)
 _MADV_HUGEPAGE = 14
@@ -45,13 +45,6 @@ def thp_mode() -> Optional[str]:
         return None
     start, end = text.find("["), text.find("]")
     return text[start + 1:end] if 0 <= start < end else None
-
-
-def _mode() -> str:
-    mode = os.environ.get(HUGE_PAGES_ENV, "auto").strip().lower()
-    if mode not in ("auto", "1", "0"):
-        raise ValueError(f"{HUGE_PAGES_ENV} must be auto, 1 or 0, got {mode!r}")
-    return mode
 
 
 @functools.lru_cache(maxsize=1)
@@ -72,10 +65,10 @@ def _align(n: int, to: int) -> int:
 def move_weights_to_huge_pages(model: nn.Module) -> int:
     """Move the model's CPU parameters into one MADV_HUGEPAGE arena (see the module
     docstring); returns the bytes moved (0: not done, and why is logged at debug level)."""
-    mode = _mode()
-    if mode == "0" or (mode == "auto" and thp_mode() != "madvise"):
-        logger.debug("Weights stay in the pages they were loaded in (%s=%s, THP %s).",
-                     HUGE_PAGES_ENV, mode, thp_mode())
+    mode = cpu_isa.huge_pages_mode()
+    if mode == "off" or (mode == "auto" and thp_mode() != "madvise"):
+        logger.debug("Weights stay in the pages they were loaded in (cpu_huge_pages=%s, THP %s).",
+                     mode, thp_mode())
         return 0
     params, seen = [], set()
     for p in model.parameters():
@@ -103,7 +96,7 @@ def move_weights_to_huge_pages(model: nn.Module) -> int:
         dst.copy_(p.data)
         p.data = dst     # the old storage is freed here: the peak stays one tensor over
         offset += _align(nbytes, _ALIGN)
-    logger.info("Model weights (%.0f MiB) moved into transparent huge pages (THP %s; %s=0 "
-                "leaves them in the pages they were loaded in).", total / 2**20, thp_mode(),
-                HUGE_PAGES_ENV)
+    logger.info("Model weights (%.0f MiB) moved into transparent huge pages (THP %s; "
+                "--cpu-huge-pages off leaves them in the pages they were loaded in).",
+                total / 2**20, thp_mode())
     return total

@@ -30,7 +30,6 @@ from kvserve.model.layers.linear import (MergedColumnParallelLinear, QKVParallel
 from kvserve.model.layers.norm import RMSNorm
 from kvserve.model.layers.rotary import get_rope
 from kvserve.ops.decode_layers import decode_layers_op
-from kvserve.ops.decode_layers import enabled_by_env as fused_decode_enabled_by_env
 from kvserve.ops.fused import silu_and_mul
 
 
@@ -138,9 +137,9 @@ class LlamaModel(nn.Module):
         # Small decode steps on CPU: all layers in one C++ call (fused_decode.py). Decided on
         # the first such step, when the weights are final and the attention backend is bound.
         self._fused_decode: Optional[FusedDecodeStack] = None
-        # KVSERVE_CPU_FUSED_DECODE=0: never (read here: a bad value fails at load).
-        self._fused_decode_decided = not (fused_decode_enabled_by_env()
-                                          and layer_cls.supports_fused_decode)
+        # Layers the fused op cannot run (MoE) never take it; tests set True for the
+        # layer-by-layer path.
+        self._fused_decode_decided = not layer_cls.supports_fused_decode
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], attn_metadata: AttentionMetadata,

@@ -9,19 +9,24 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 from safetensors import safe_open
 from torch import nn
 
 from kvserve.config import ModelConfig
-from kvserve.model.layers.compute_dtype import set_compute_dtype
 from kvserve.model.file_checks import check_safetensors_files
 from kvserve.model.huge_pages import move_weights_to_huge_pages
-from kvserve.model.layers.linear import set_small_batch_copies
+from kvserve.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from kvserve.model.layers.linear import LinearBase
 from kvserve.model.registry import get_model_class
+from kvserve.ops import cpu_isa, linear
+from kvserve.ops.cpu_weight import CpuLinearWeight, WeightPlan, choose_weight_plan, make_weight
+
+logger = logging.getLogger(__name__)
 
 SAFE_WEIGHTS_NAME = "model.safetensors"
 SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
@@ -77,19 +82,22 @@ def checkpoint_weights(model_config: ModelConfig) -> Iterator[tuple[str, torch.T
     return iterate_weights(model_config.model)
 
 
-def load_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
-    """Build the model for `model_config` on `device` and load this TP rank's weights."""
+def load_model(model_config: ModelConfig, device: torch.device,
+               plan: Optional[WeightPlan] = None) -> nn.Module:
+    """Build the model for `model_config` on `device` and load this TP rank's weights
+    (`plan`: the weights' variant; None: choose_weight_plan's choice)."""
     model_cls = get_model_class(model_config.architecture)
     weights = checkpoint_weights(model_config)     # fails before allocating anything
-    return build_and_load(lambda: model_cls(model_config), weights, model_config, device)
+    return build_and_load(lambda: model_cls(model_config), weights, model_config, device, plan)
 
 
 def build_and_load(build: Callable[[], nn.Module], weights: Iterable[tuple[str, torch.Tensor]],
-                   model_config: ModelConfig, device: torch.device) -> nn.Module:
+                   model_config: ModelConfig, device: torch.device,
+                   plan: Optional[WeightPlan] = None) -> nn.Module:
     """`build()` the module in the config's dtype on `device`, load `weights` through its
-    load_weights (every parameter must get one), then apply the compute dtype and the
+    load_weights (every parameter must get one), apply_weight_plan, then the
     process_weights_after_loading hooks. Shared by the model and proposer heads (EAGLE)."""
-    # 16-bit weights with float32 math: built (and loaded) 16-bit, then set_compute_dtype.
+    # 16-bit weights with float32 math: built (and loaded) 16-bit, then widened.
     with _default_dtype(model_config.weight_dtype or model_config.dtype), torch.device(device):
         model = build()
     loaded = model.load_weights(weights)
@@ -98,10 +106,8 @@ def build_and_load(build: Callable[[], nn.Module], weights: Iterable[tuple[str, 
         shown = ", ".join(never_loaded[:8]) + (" ..." if len(never_loaded) > 8 else "")
         raise ValueError(f"Checkpoint {model_config.model!r} has no weights for "
                          f"{len(never_loaded)} parameter(s) of {type(model).__name__}: {shown}")
-    if model_config.weight_dtype is not None:
-        set_compute_dtype(model, model_config.dtype)
-    set_small_batch_copies(model)
-    # Layout changes that need the loaded weights (vLLM's hook name), e.g. CPU prepacking.
+    apply_weight_plan(model, model_config.dtype, device, plan)
+    # Work that needs the loaded weights (vLLM's hook name), e.g. building the fused op.
     for module in model.modules():
         process = getattr(module, "process_weights_after_loading", None)
         if process is not None:
@@ -109,6 +115,40 @@ def build_and_load(build: Callable[[], nn.Module], weights: Iterable[tuple[str, 
     if device.type == "cpu":
         move_weights_to_huge_pages(model)
     return model.eval()
+
+
+def apply_weight_plan(model: nn.Module, act_dtype: torch.dtype, device: torch.device,
+                      plan: Optional[WeightPlan] = None) -> None:
+    """Give every linear, embedding and LM-head weight its object (ops.cpu_weight), all by
+    one plan (`plan`, else choose_weight_plan's); a tied LM head and its embedding share one.
+    Every other parameter (norms, biases: a few KB) is cast to the activations' dtype: only
+    16-bit weights with float32 math (dtype "auto" without bf16 instructions) stay 16-bit."""
+    embeds = [m for m in model.modules() if type(m) is VocabParallelEmbedding]
+    matmuls = [m for m in model.modules() if isinstance(m, (LinearBase, ParallelLMHead))]
+    kept = {id(m.weight) for m in [*embeds, *matmuls]}
+    for param in model.parameters():
+        if id(param) not in kept and param.is_floating_point() and param.dtype != act_dtype:
+            param.data = param.data.to(act_dtype)
+    tied = {id(m.weight) for m in embeds}
+    if plan is None and matmuls:
+        import psutil
+        cpu, weight_dtype = device.type == "cpu", matmuls[0].weight.dtype
+        plan = choose_weight_plan(
+            weight_dtype, act_dtype, device=device.type,
+            tier=cpu_isa.selected_tier() if cpu else None,
+            kernel=cpu and linear.cpu_kernel() is not None,
+            packing=cpu and linear.packing_works(act_dtype),
+            numel=sum(m.weight.numel() for m in matmuls),
+            tied_numel=sum(m.weight.numel() for m in matmuls if id(m.weight) in tied),
+            # Copies may take a quarter of the available memory (as the CPU KV cache may).
+            budget=psutil.virtual_memory().available // 4)
+        logger.info("Weights: %s (%s, %s math%s).", plan.variant, weight_dtype, act_dtype,
+                    ", a prepacked float32 copy" if plan.float32_copy else "")
+    for m in matmuls:
+        m.linear_weight = make_weight(m.weight, plan, act_dtype, keep_plain=id(m.weight) in tied)
+    shared = {id(m.weight): m.linear_weight for m in matmuls}
+    for m in embeds:
+        m.linear_weight = shared.get(id(m.weight)) or CpuLinearWeight(m.weight, act_dtype)
 
 
 def num_kv_heads_per_rank(model_config: ModelConfig, tp_size: int) -> int:

@@ -7,7 +7,7 @@ def load_cpu_kernels() -> None:
     """Build (first run, ~10 s each) or load every CPU kernel now, so that the work happens at
     engine start-up rather than inside the first steps. Failures fall back as usual."""
     from kvserve.ops import cpu_isa, fused, linear, prefill_attention
-    cpu_isa.selected_tier()     # a bad KVSERVE_CPU_ISA is an error at start-up, not a fallback
+    cpu_isa.selected_tier()     # a bad cpu_isa is an error at start-up, not a fallback
     # The linear kernel serves 16-bit weights with float32 math and unpacked weights.
     for get in (cpu_kernel, fused.cpu_kernel, prefill_attention.cpu_kernel, linear.cpu_kernel):
         get()

@@ -5,7 +5,8 @@ naming its vector path). It is compiled for the ISA tier of cpu_isa.selected_tie
 tier's explicit flags and cached on disk per (source, headers, flags, torch, tier). Where no
 kernel can be built at all (no C++ compiler or ninja, a CPU that is not x86-64) ONE warning says
 so for all kernels; a failed build (a compile error) logs why once per kernel. Either way the
-op is None and callers use their pure-torch path. KVSERVE_DISABLE_CPU_KERNELS=1 forces that path.
+op is None and callers use their pure-torch path. `disable_cpu_kernels` (cpu_isa.kernels_enabled)
+forces that path.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from typing import Callable, Optional
 
 import torch
 
+from kvserve import envs
 from kvserve.ops import cpu_isa
 
 logger = logging.getLogger(__name__)
@@ -65,8 +67,6 @@ def _warn_unavailable_once(why: str) -> None:
 def build_dir(name: str) -> str:
     """$TORCH_EXTENSIONS_DIR/<name> if set, else kvserve's cache dir (envs.cache_dir(), as
     for the demo model)/torch_extensions/<name>."""
-    from kvserve import envs
-
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(envs.cache_dir(),
                                                                  "torch_extensions")
     path = os.path.join(root, name)
@@ -113,7 +113,7 @@ class CpuKernel:
         if why_not is not None:
             _warn_unavailable_once(why_not)
             return None
-        tier = cpu_isa.selected_tier()     # ValueError for a bad KVSERVE_CPU_ISA: not caught
+        tier = cpu_isa.selected_tier()     # ValueError for a bad cpu_isa: not caught
         assert tier is not None            # x86-64 always has one
         try:
             from torch.utils import cpp_extension
@@ -148,8 +148,8 @@ class CpuKernel:
 
     def get(self) -> Optional[Callable[..., torch.Tensor]]:
         """The compiled op (built on the first call), or None if disabled or unavailable."""
-        if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
-            self._log_once("disabled", "%s: %s (%s is set)", self.what, self.fallback, DISABLE_ENV)
+        if not cpu_isa.kernels_enabled():
+            self._log_once("disabled", "%s: %s (disable_cpu_kernels)", self.what, self.fallback)
             return None
         return self.load()
 

@@ -7,16 +7,17 @@
 
 Each kernel is compiled per tier with that tier's explicit flags (never -march=native), so a
 build is valid on every CPU of its tier and the on-disk cache is keyed by tier. The host's
-best tier is used unless KVSERVE_CPU_ISA names a lower one (so an AVX-512 machine can test and
-benchmark the AVX2 path); naming a tier the CPU lacks is an error. A CPU that is not x86-64
-(aarch64, ...) gets no tier: the torch fallbacks run instead.
+best tier is used unless the engine config's `cpu_isa` (--cpu-isa) names a lower one (so an
+AVX-512 machine can test and benchmark the AVX2 path); naming a tier the CPU lacks is an error. A
+CPU that is not x86-64 (aarch64, ...) gets no tier: the torch fallbacks run instead.
 """
 from __future__ import annotations
 
 import functools
-import os
 import platform
-from typing import Optional
+from typing import Any, Optional
+
+from kvserve import envs
 
 ISA_ENV = "KVSERVE_CPU_ISA"
 # Ascending: each tier needs the flags of those before it.
@@ -63,22 +64,55 @@ def supported_tiers(flags: Optional[frozenset[str]] = None) -> list[str]:
     return [t for t in TIERS if _TIER_CPU_FLAGS[t] <= flags]
 
 
-def selected_tier() -> Optional[str]:
-    """The tier the kernels are built for: KVSERVE_CPU_ISA if set (checked), else the host's
-    best; None off x86-64 (torch fallbacks). Raises ValueError for an unknown tier name or one
-    this CPU cannot run."""
+# The engine config's CpuConfig, set by each worker (duck-typed: ops does not import the
+# config); None (no engine: tests, benchmarks) reads the variables behind its defaults.
+_configured: Any = None
+
+
+def configure(cpu_config: Any) -> None:
+    """This process's CPU settings (each worker, before loading; None: the variables'); the
+    kernel lookups cached per process start again."""
+    global _configured
+    if cpu_config is not None:
+        resolve_tier(cpu_config.cpu_isa)     # a tier the CPU lacks fails here, at start-up
+    _configured = cpu_config
+    from kvserve.ops import fused, linear    # they import this module
+    linear.reset_dispatch()
+    fused.reset_dispatch()
+
+
+def resolve_tier(isa: Optional[str] = "auto") -> Optional[str]:
+    """The tier `isa` means here: "auto" is the host's best; None off x86-64 (torch
+    fallbacks). Raises ValueError for an unknown tier name or one this CPU cannot run."""
     tiers = supported_tiers()
-    forced = os.environ.get(ISA_ENV, "").strip().lower()
-    if not forced:
+    forced = (isa or "auto").strip().lower()
+    if forced == "auto":
         return tiers[-1] if tiers else None
     if forced not in TIERS:
-        raise ValueError(f"{ISA_ENV}={forced!r} is not a CPU ISA tier; use one of "
-                         f"{', '.join(TIERS)}.")
+        raise ValueError(f"cpu_isa={forced!r} ({ISA_ENV}) is not a CPU ISA tier; use one of "
+                         f"auto, {', '.join(TIERS)}.")
     if forced not in tiers:
         have = ", ".join(tiers) if tiers else f"none ({platform.machine()} is not x86-64)"
-        raise ValueError(f"{ISA_ENV}={forced} asks for more than this CPU has: it supports "
-                         f"{have}.")
+        raise ValueError(f"cpu_isa={forced} ({ISA_ENV}) asks for more than this CPU has: it "
+                         f"supports {have}.")
     return forced
+
+
+def selected_tier() -> Optional[str]:
+    """The tier the kernels are built for (this process's cpu_isa)."""
+    return resolve_tier(envs.get(ISA_ENV) if _configured is None else _configured.cpu_isa)
+
+
+def kernels_enabled() -> bool:
+    """Whether kvserve's C++ kernels and oneDNN prepacking may be used: the one switch."""
+    if _configured is None:
+        return not envs.get("KVSERVE_DISABLE_CPU_KERNELS")
+    return not _configured.disable_cpu_kernels
+
+
+def huge_pages_mode() -> str:
+    """cpu_huge_pages: "auto" | "on" | "off" (model/huge_pages.py)."""
+    return envs.get("KVSERVE_CPU_HUGE_PAGES") if _configured is None else _configured.cpu_huge_pages
 
 
 def tier_cflags(tier: str) -> list[str]:

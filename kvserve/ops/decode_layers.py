@@ -12,8 +12,6 @@ The op runs the same kernels as the layer-by-layer path (small_batch_linear, the
 rotary / cache-write / silu ops, paged decode and prefill attention), in the same order, so its output is
 bit-identical; what it removes is the Python between them, a third of a batch-1 decode step
 on a 2-core AVX2 EPYC. kvserve.model.layers.fused_decode decides when a model can use it.
-
-KVSERVE_CPU_FUSED_DECODE=0 turns it off (the per-layer path runs; same output).
 """
 from __future__ import annotations
 
@@ -21,21 +19,14 @@ from typing import Callable, Optional
 
 import torch
 
-from kvserve.envs import env_switch
 from kvserve.ops.build import CpuKernel
 
 # Per-layer tensor slots, in csrc/decode_layers.cpp's order.
 SLOTS = ("input_norm", "post_norm", "qkv_w", "qkv_b", "o_w", "o_b", "gate_up_w", "gate_up_b",
          "down_w", "down_b", "q_norm", "k_norm")
-FUSED_DECODE_ENV = "KVSERVE_CPU_FUSED_DECODE"
 
 _KERNEL = CpuKernel("decode_layers.cpp", op="decode_layers", isa_op="decode_layers_isa",
                     what="fused decode layers", fallback="the layer-by-layer path")
-
-
-def enabled_by_env() -> bool:
-    """KVSERVE_CPU_FUSED_DECODE: "1" (default) or "0"; anything else is a ValueError."""
-    return env_switch(FUSED_DECODE_ENV)
 
 
 def _dependencies_loaded() -> bool:
@@ -48,8 +39,7 @@ def _dependencies_loaded() -> bool:
 
 def decode_layers_op() -> Optional[Callable[..., tuple[torch.Tensor, torch.Tensor]]]:
     """The compiled op (with the kernels it calls), or None: a kernel unavailable or disabled
-    (KVSERVE_DISABLE_CPU_KERNELS). The model reads FUSED_DECODE_ENV (enabled_by_env) itself,
-    once, when it is built."""
+    (disable_cpu_kernels)."""
     if not _dependencies_loaded():
         return None
     op = _KERNEL.get()

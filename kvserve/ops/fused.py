@@ -11,7 +11,7 @@ At decode batch sizes each of these is a handful of tiny torch ops (RMSNorm alon
 whose cost is dispatch, not arithmetic; a decode step runs ~60 of them. On CPU they go to one
 C++ kernel each (csrc/fused.cpp: one pass, AVX-512, same arithmetic and bf16 rounding points as
 the torch code). The `*_torch` functions are that torch code, used on CUDA, for other dtypes,
-when the build fails or KVSERVE_DISABLE_CPU_KERNELS=1 (and as the tests' reference).
+when the build fails or the kernels are disabled (and as the tests' reference).
 
 In-place: with the kernel, fused_add_rms_norm overwrites x (with the output) and residual (with
 the sum), and rotary_embedding rotates q and k in place; the torch path returns new tensors.
@@ -51,10 +51,13 @@ def _ops() -> Optional[SimpleNamespace]:
 
 def set_kernels_enabled(enabled: bool) -> None:
     """Switch this module's kernels on or off in this process (to compare both paths in one
-    run). On still means "unless KVSERVE_DISABLE_CPU_KERNELS=1 or the build failed"."""
+    run). On still means "unless disable_cpu_kernels is set or the build failed"."""
     global _enabled
     _enabled = enabled
     _ops.cache_clear()
+
+
+reset_dispatch = _ops.cache_clear      # the process's CPU settings changed: look up again
 
 
 def kernels_active() -> bool:

@@ -7,32 +7,28 @@
     bias    [N]       optional, x's dtype
     -> out  [..., N]  x's dtype
 
-A 16-bit weight with float32 x is dtype "auto" on a CPU without bf16 instructions: the weight
-stays 16-bit in memory (half the bytes to stream per decode step) and all math is float32.
-Small batches widen it in registers (the kernel's avx2 path); larger ones widen it to a
-temporary float32 copy and run torch's float32 GEMM (widened_linear) -- never an emulated bf16
-GEMM, and no resident float32 copy.
+A 16-bit weight with float32 x (dtype "auto" without bf16 instructions) stays 16-bit in memory
+and all math is float32: small batches widen it in registers, larger ones use a float32 copy
+(prepacked, or made per call: widened_linear) -- never an emulated bf16 GEMM.
 
 At decode batch sizes a linear layer is a stream over its weight, so its speed is the memory
-bandwidth. torch's CPU matrix-vector path reaches about half of it here (../shared/PERF_NOTES.md:
-11-15 GB/s in bfloat16, 19 GB/s in float32, of 28-35 GB/s), so for up to SMALL_BATCH_MAX_ROWS
-rows a C++ kernel (csrc/linear.cpp: each weight row read once, AVX-512 dpbf16 / FMA, f32
-accumulation) is used instead. Everything else goes to F.linear: more rows (where torch's
-blocked GEMM wins), CUDA, other dtypes, a weight that is not contiguous, a failed build, or
-KVSERVE_DISABLE_CPU_KERNELS=1.
+bandwidth, of which torch's CPU matrix-vector path reaches about half here (11-19 of 28-35
+GB/s); so up to SMALL_BATCH_MAX_ROWS rows a C++ kernel (csrc/linear.cpp: each weight row read
+once, dpbf16 / FMA, f32 accumulation) runs instead. Everything else goes to F.linear: more rows,
+CUDA, other dtypes, a non-contiguous weight, a failed build, or disabled kernels. Which layout
+each weight keeps: ops.cpu_weight.
 """
 from __future__ import annotations
 
 import functools
 import logging
-import os
 from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 
-from kvserve.envs import env_switch
-from kvserve.ops.build import DISABLE_ENV, KERNEL_DTYPES, CpuKernel
+from kvserve.ops import cpu_isa
+from kvserve.ops.build import KERNEL_DTYPES, CpuKernel
 
 logger = logging.getLogger(__name__)
 
@@ -50,11 +46,6 @@ cpu_kernel_isa: Callable[[], Optional[str]] = _KERNEL.isa
 WIDENED_WEIGHT_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def is_widened(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """float32 activations with a 16-bit weight (widened to float32 for the math)."""
-    return x.dtype == torch.float32 and weight.dtype in WIDENED_WEIGHT_DTYPES
-
-
 def kernel_takes(x_dtype: torch.dtype, weight: torch.Tensor,
                  bias: Optional[torch.Tensor]) -> bool:
     """Whether the kernel takes this weight (and bias) for activations of x_dtype: the same
@@ -66,27 +57,17 @@ def kernel_takes(x_dtype: torch.dtype, weight: torch.Tensor,
             and (bias is None or (bias.dtype == x_dtype and bias.is_contiguous())))
 
 
-def _kernel_applies(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> bool:
-    return x.device.type == "cpu" and x.dim() == 2 and kernel_takes(x.dtype, weight, bias)
-
-
-def small_batch_linear(x: torch.Tensor, weight: torch.Tensor,
-                       bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """x [M, K] @ weight[N, K].T (+ bias [N]) -> [M, N] with the C++ kernel when it applies
-    (CPU, float32/bfloat16, same dtypes, contiguous weight and bias), else F.linear.
-    Any M works; the kernel is meant for M <= SMALL_BATCH_MAX_ROWS."""
-    if _kernel_applies(x, weight, bias):
-        op = cpu_kernel()
-        if op is not None:
-            return op(x.contiguous(), weight, bias)
-    return _torch_linear(x, weight, bias)
-
-
 @functools.lru_cache(maxsize=1)
 def _dispatch_kernel() -> Optional[Callable[..., torch.Tensor]]:
     # linear() runs ~50 times per decode step: the environment and the build are looked up
     # once per process (cpu_kernel() on every call cost ~4 us of the wrapper's ~6).
     return cpu_kernel()
+
+
+def reset_dispatch() -> None:
+    """Look the kernel (and its tiled path) up again: the process's CPU settings changed."""
+    _dispatch_kernel.cache_clear()
+    _tiled_kernel_works.cache_clear()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor,
@@ -97,7 +78,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
     rows = x.numel() // k if k else 0
     if 0 < rows <= SMALL_BATCH_MAX_ROWS:
         x2 = x.reshape(rows, k)
-        if _kernel_applies(x2, weight, bias):
+        if x.device.type == "cpu" and kernel_takes(x.dtype, weight, bias):
             op = _dispatch_kernel()
             if op is not None:
                 out = op(x2.contiguous(), weight, bias)
@@ -112,71 +93,11 @@ def _torch_linear(x: torch.Tensor, weight: torch.Tensor,
     return F.linear(x, untile_weight(weight) if is_tiled(weight) else weight, bias)
 
 
-# KVSERVE_CPU_FLOAT32_COPY: "auto" (default) | "1" | "0" -- whether 16-bit weights with float32
-# math also keep a prepacked float32 copy for batches above SMALL_BATCH_MAX_ROWS.
-FLOAT32_COPY_ENV = "KVSERVE_CPU_FLOAT32_COPY"
-
-
-def keep_float32_copies(copy_bytes: int) -> bool:
-    """Whether 16-bit weights with float32 math (dtype "auto" without bf16 instructions) also
-    keep a prepacked float32 copy, `copy_bytes` in all.
-
-    Why: above SMALL_BATCH_MAX_ROWS rows a step is compute-bound, and widening the whole weight
-    per call (widened_linear) reads it, writes a float32 temporary and reads that again -- the
-    large batches of prefill and busy decode ran at 0.44x float32's speed. A float32 copy in
-    oneDNN's prepacked layout runs them exactly as a float32 model does, while small batches keep
-    streaming the 16-bit weight (half the bytes). It costs 2x the 16-bit weights in memory, so
-    "auto" keeps it only where it is at most a quarter of the available memory (as the CPU
-    KV cache's default is); "1" always, "0" never (widen per call)."""
-    mode = _copy_mode(FLOAT32_COPY_ENV)
-    return _fits_in_memory(copy_bytes) if mode == "auto" else mode == "1"
-
-
-# KVSERVE_CPU_SMALL_BATCH_COPY: "auto" (default) | "1" | "0" -- whether a weight kept in
-# oneDNN's prepacked layout also keeps its plain layout for the small-batch kernel.
-SMALL_BATCH_COPY_ENV = "KVSERVE_CPU_SMALL_BATCH_COPY"
-# Kernel tiers (per weight dtype) where keeping the plain weight beside the prepacked one pays:
-# with plain weights a small step runs every decoder layer in one C++ call through this kernel
-# (model/layers/fused_decode.py), which a prepacked-only weight cannot. Batch-1 decode of the
-# 110M Llama, 2 threads, alternating runs (benchmarks/README.md, issue 16): AVX2 EPYC float32
-# 1.15-1.75x per linear alone; AVX-512 Zen 4 (avx512_bf16 tier) float32 44-46 -> 51-56 tok/s,
-# bfloat16 72-78 -> 87-91 (and more with the tiled copy, tile_weight). A bf16 weight with bf16
-# math has the kernel's dpbf16 path only on avx512_bf16.
-SMALL_BATCH_COPY_TIERS = {torch.float32: ("avx2", "avx512", "avx512_bf16"),
-                          torch.bfloat16: ("avx512_bf16",)}
-
-
-def keep_small_batch_copies(dtype: torch.dtype, copy_bytes: int) -> bool:
-    """Whether prepacked linear weights of `dtype` also keep their plain layout (`copy_bytes`
-    in all) so that batches of up to SMALL_BATCH_MAX_ROWS rows run the small-batch kernel
-    (small_batch_or_packed_linear) and the fused small-step path. "auto": where the kernel is
-    built for a tier in SMALL_BATCH_COPY_TIERS[dtype] and the copy is at most a quarter of the
-    available memory; "1" always (where the kernel applies), "0" never (one prepacked copy)."""
-    mode = _copy_mode(SMALL_BATCH_COPY_ENV)
-    if mode != "auto":
-        return mode == "1"
-    from kvserve.ops import cpu_isa
-    return (cpu_isa.selected_tier() in SMALL_BATCH_COPY_TIERS.get(dtype, ())
-            and _dispatch_kernel() is not None and _fits_in_memory(copy_bytes))
-
-
-def _copy_mode(env: str) -> str:
-    mode = os.environ.get(env, "auto").strip().lower()
-    if mode not in ("auto", "1", "0"):
-        raise ValueError(f"{env} must be auto, 1 or 0, got {mode!r}")
-    return mode
-
-
-def _fits_in_memory(copy_bytes: int) -> bool:
-    import psutil
-    return copy_bytes <= psutil.virtual_memory().available // 4
-
-
 def widened_linear(x: torch.Tensor, weight: torch.Tensor,
                    bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """F.linear with a 16-bit weight and float32 x: the weight is widened to a temporary
     float32 copy for this call and torch's float32 GEMM does the math (no emulated bf16 GEMM).
-    Used where no resident float32 copy is kept (keep_float32_copies). The copy costs ~10 bytes of traffic per weight element against
+    Used where no resident float32 copy is kept (ops.cpu_weight). The copy costs ~10 bytes of traffic per weight element against
     2 * rows FLOPs, a few % of a prefill-sized GEMM; widening tile by tile into L2-sized
     buffers measured slower here (many narrow GEMMs plus strided output writes). A tiled
     weight is untiled into the float32 copy in the same pass."""
@@ -185,10 +106,6 @@ def widened_linear(x: torch.Tensor, weight: torch.Tensor,
 
 
 # ---------------------------------------------------------------------- tiled weights
-# KVSERVE_CPU_TILED_WEIGHTS: "1" (default) | "0" -- whether weights streamed by the small-batch
-# kernel (16-bit ones, and the float32 plain copies kept beside prepacked ones) keep its tiled
-# layout instead of nn.Linear's.
-TILED_WEIGHTS_ENV = "KVSERVE_CPU_TILED_WEIGHTS"
 TILE_ROWS = 4
 # Columns per block, by the activations' dtype: float32 x (the avx2 path's widened bf16 pairs; a
 # float32 weight's cache-line blocks) takes 16-column blocks, bfloat16 x (dpbf16, 32 values per
@@ -211,8 +128,8 @@ def tile_weight(weight: torch.Tensor,
     """A weight [N, K] for activations of x_dtype in the small-batch kernel's tiled layout
     [N/4, K/c, 4, c] (each group of 4 rows stored as its c-column blocks side by side; c from
     TILE_COLS), or None where it does not apply: not a CPU weight of bf16 (any x) or float32 /
-    float16 (float32 x), N % 4 or K % c not 0, KVSERVE_CPU_TILED_WEIGHTS=0, or no kernel build
-    with that tiled path (checked once).
+    float16 (float32 x), N % 4 or K % c not 0, or no kernel build with that tiled path (checked
+    once).
 
     Why: a decode step streams the weight once, and 4 interleaved row streams read below one
     sequential stream: 10-15% on Zen 1 (float32 x, csrc/linear.cpp "Tiled bf16 weights"),
@@ -224,7 +141,7 @@ def tile_weight(weight: torch.Tensor,
                 or (x_dtype == torch.float32 and weight.dtype in (torch.float32, torch.float16)))
     if (cols is None or weight.device.type != "cpu" or not dtype_ok
             or weight.dim() != 2 or weight.shape[0] % TILE_ROWS or weight.shape[1] % cols
-            or not _tiling_enabled(x_dtype, weight.dtype)):
+            or not _tiled_kernel_works(x_dtype, weight.dtype)):
         return None
     return _tiled(weight.detach(), cols).contiguous()
 
@@ -240,11 +157,6 @@ def untile_weight(tiled: torch.Tensor, dtype: Optional[torch.dtype] = None) -> t
     out = torch.empty(a * r, b * c, dtype=dtype or tiled.dtype, device=tiled.device)
     out.view(a, r, b, c).copy_(tiled.transpose(1, 2))
     return out
-
-
-def _tiling_enabled(x_dtype: torch.dtype, w_dtype: torch.dtype) -> bool:
-    # Read at every model load (a bad value is a ValueError there); the kernel probed once.
-    return env_switch(TILED_WEIGHTS_ENV) and _tiled_kernel_works(x_dtype, w_dtype)
 
 
 @functools.lru_cache(maxsize=None)
@@ -265,8 +177,8 @@ def _tiled_kernel_works(x_dtype: torch.dtype, w_dtype: torch.dtype) -> bool:
                        "one for %s weights with %s x; they stay plain.", w_dtype, x_dtype)
         return False
     logger.info("%s weights streamed by the small-batch kernel with %s math are kept tiled "
-                "(4 x %d blocks, one sequential stream per step; %s=0 keeps them plain).",
-                w_dtype, x_dtype, TILE_COLS[x_dtype], TILED_WEIGHTS_ENV)
+                "(4 x %d blocks, one sequential stream per step).", w_dtype, x_dtype,
+                TILE_COLS[x_dtype])
     return True
 
 
@@ -277,18 +189,15 @@ def _tiled_kernel_works(x_dtype: torch.dtype, w_dtype: torch.dtype) -> bool:
 # M = 1, 2.5x at M = 8, 1.6x at M = 64, 1.1x at M = 2048, bit-identical outputs; float32 2-3.8x
 # (same math, another summation order). At M = 1 a packed weight alone matched the GEMV kernel
 # above per call (AVX-512 Zen 4), but only plain weights can take the fused small-step path, so
-# keep_small_batch_copies keeps both where memory allows.
+# ops.cpu_weight keeps both where memory allows.
 # The batch size oneDNN tunes the layout for; any M works.
 PACK_BATCH_HINT = 64
 
 
 def pack_weight(weight: torch.Tensor) -> Optional[torch.Tensor]:
     """oneDNN's prepacked copy of an nn.Linear weight [N, K] for packed_linear, or None where
-    it does not apply: CUDA, dtypes other than float32/bfloat16, torch without oneDNN,
-    KVSERVE_DISABLE_CPU_KERNELS=1, or a failure (logged once)."""
-    if (weight.device.type != "cpu" or weight.dtype not in KERNEL_DTYPES
-            or not torch.backends.mkldnn.is_available() or os.environ.get(DISABLE_ENV) == "1"
-            or not _packing_works(weight.dtype)):
+    it does not apply (packing_works), or a failure (logged once)."""
+    if weight.device.type != "cpu" or not packing_works(weight.dtype):
         return None
     try:
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(),
@@ -296,6 +205,13 @@ def pack_weight(weight: torch.Tensor) -> Optional[torch.Tensor]:
     except Exception as e:    # an older / unusual torch build: keep the plain weight
         _log_pack_failure_once(f"{type(e).__name__}: {e}")
         return None
+
+
+def packing_works(dtype: torch.dtype) -> bool:
+    """Whether CPU weights of `dtype` can be prepacked: float32/bfloat16, torch with oneDNN,
+    kernels not disabled (the one switch also covers oneDNN packing), and the self-check."""
+    return (dtype in KERNEL_DTYPES and torch.backends.mkldnn.is_available()
+            and cpu_isa.kernels_enabled() and _packing_works(dtype))
 
 
 @functools.lru_cache(maxsize=None)
@@ -326,16 +242,3 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor,
                   bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x [..., K] @ weight.T (+ bias) with a weight from pack_weight()."""
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-
-
-def small_batch_or_packed_linear(x: torch.Tensor, weight: torch.Tensor,
-                                 packed: Optional[torch.Tensor],
-                                 bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """A weight kept both plain and prepacked (`packed`, in x's dtype): up to
-    SMALL_BATCH_MAX_ROWS rows go to linear() on the plain weight (the small-batch kernel; a
-    16-bit weight with float32 x is streamed at half the bytes), more to the prepacked copy.
-    Without a packed copy, linear() takes every batch."""
-    k = x.shape[-1]
-    if packed is not None and x.numel() > SMALL_BATCH_MAX_ROWS * k:
-        return packed_linear(x, packed, bias)
-    return linear(x, weight, bias)

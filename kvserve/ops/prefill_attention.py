@@ -18,7 +18,7 @@ Two implementations:
   over the cache blocks (AVX-512 dpbf16 / FMA), every chunk and head in one parallel call;
 - a pure-torch path, one F.scaled_dot_product_attention per chunk as Attention._prefill did,
   used on CUDA, for other dtypes, when the C++ build fails, or when
-  KVSERVE_DISABLE_CPU_KERNELS=1. It is also what the kernel is benchmarked against.
+  disable_cpu_kernels. It is also what the kernel is benchmarked against.
 """
 from __future__ import annotations
 

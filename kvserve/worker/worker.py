@@ -57,8 +57,10 @@ class Worker:
                              tensor_parallel_size=pc.tensor_parallel_size)
         torch.manual_seed(self.config.model_config.seed)
         if self.device.type == "cpu":
-            # Build (first run) or load the CPU kernels now, not in the first steps.
-            from kvserve.ops import load_cpu_kernels
+            # This process's CPU settings come from the config (the same in every worker);
+            # then build (first run) or load the CPU kernels now, not in the first steps.
+            from kvserve.ops import cpu_isa, load_cpu_kernels
+            cpu_isa.configure(self.config.cpu_config)
             load_cpu_kernels()
         self.model_runner = ModelRunner(self.config, self.device)
 

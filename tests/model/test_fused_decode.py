@@ -12,10 +12,12 @@ import pytest
 import torch
 
 from kvserve.model.layers.fused_decode import FusedDecodeStack
-from kvserve.ops import build, decode_layers
-from kvserve.ops.linear import SMALL_BATCH_COPY_ENV, SMALL_BATCH_MAX_ROWS
+from kvserve.ops import build
+from kvserve.ops import cpu_weight as cw
+from kvserve.ops.linear import SMALL_BATCH_MAX_ROWS
 from tests.model.test_model import (CHECKPOINTS, AttentionMetadata, Seq, blocks_for, kv_caches,
-                                    load, random_tokens, run_step, shuffled_blocks)
+                                    load, model_config, random_tokens, run_step,
+                                    shuffled_blocks)
 
 pytestmark = pytest.mark.skipif(
     shutil.which(os.environ.get("CXX", "c++")) is None
@@ -24,21 +26,21 @@ pytestmark = pytest.mark.skipif(
 CACHE_DTYPE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "auto": torch.float32}
 
 
-def load_both(path: str, dtype: str, monkeypatch: pytest.MonkeyPatch):
-    # Plain weights beside any prepacked ones (the default on AVX2 for float32 only), so that
-    # every dtype mode qualifies on every tier.
-    monkeypatch.setenv(SMALL_BATCH_COPY_ENV, "1")
-    monkeypatch.setenv(decode_layers.FUSED_DECODE_ENV, "1")
-    fused, cfg = load(path, dtype)
-    monkeypatch.setenv(decode_layers.FUSED_DECODE_ENV, "0")
-    plain, _ = load(path, dtype)
+def load_both(path: str, dtype: str):
+    # Plain weights beside any prepacked ones (the policy's choice for float32 on the vector
+    # tiers), so that every dtype mode qualifies on every tier.
+    widened = model_config(path, dtype).weight_dtype is not None
+    plan = cw.WeightPlan(cw.WIDENED if widened else cw.PREPACKED_WITH_COPY)
+    fused, cfg = load(path, dtype, plan)
+    plain, _ = load(path, dtype, plan)
+    plain.model._fused_decode_decided = True      # the layer-by-layer path
     return fused, plain, cfg
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "auto"])
 @pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "llama-bias"])
-def test_fused_decode_is_bit_identical(name: str, dtype: str, make_checkpoint: Callable[..., str],
-                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fused_decode_is_bit_identical(name: str, dtype: str,
+                                       make_checkpoint: Callable[..., str]) -> None:
     """A schedule of small steps -- pure decodes of 3 and 1 rows (different lengths), decodes
     mixed with short prefill chunks, a 4-token chunk with a cached prefix (speculative
     decoding's verification) -- and steps above 8 tokens (the layer path in both): logits and
@@ -49,7 +51,7 @@ def test_fused_decode_is_bit_identical(name: str, dtype: str, make_checkpoint: C
                                **({"head_dim": 32} if name == "qwen3" else {}),
                                **({"attention_bias": True, "mlp_bias": True}
                                   if name == "llama-bias" else {}))
-    fused, plain, cfg = load_both(path, dtype, monkeypatch)
+    fused, plain, cfg = load_both(path, dtype)
     pool = shuffled_blocks(3)
     a, b, c = (Seq(random_tokens(24, 20 + i, cfg.vocab_size), blocks_for(24, pool))
                for i in range(3))
@@ -73,29 +75,21 @@ def test_fused_decode_is_bit_identical(name: str, dtype: str, make_checkpoint: C
     assert plain.model._fused_decode is None
 
 
-def test_when_the_fused_path_applies(tiny_llama: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_when_the_fused_path_applies(tiny_llama: str) -> None:
     meta = AttentionMetadata(num_decode_tokens=SMALL_BATCH_MAX_ROWS,
                              slot_mapping=torch.zeros(1), block_size=4)
     assert FusedDecodeStack.applies(SMALL_BATCH_MAX_ROWS, meta)
     assert not FusedDecodeStack.applies(SMALL_BATCH_MAX_ROWS + 1, meta)   # kernel's row limit
     assert not FusedDecodeStack.applies(0, meta)
-    # A weight kept only prepacked (bfloat16 without the plain copy) keeps the layer path.
-    monkeypatch.setenv(SMALL_BATCH_COPY_ENV, "0")
-    model, _ = load(tiny_llama, "bfloat16")
+    # A weight kept only prepacked (no plain copy to stream) keeps the layer path.
+    model, _ = load(tiny_llama, "bfloat16", cw.WeightPlan(cw.PREPACKED))
     layers = list(model.model.layers)
-    if model.model.layers[0].self_attn.qkv_proj.weight.numel() == 0:
+    if model.model.layers[0].self_attn.qkv_proj.linear_weight.streamed() is None:
         assert FusedDecodeStack.build(layers) is None
     # So does a bound backend other than CPU_ATTN.
-    monkeypatch.setenv(SMALL_BATCH_COPY_ENV, "1")
-    model, _ = load(tiny_llama, "float32")
+    model, _ = load(tiny_llama, "float32", cw.WeightPlan(cw.PREPACKED_WITH_COPY))
     layers = list(model.model.layers)
     assert FusedDecodeStack.build(layers) is not None
     from kvserve.attention.backends.torch_sdpa import TorchSDPABackend
     layers[1].self_attn.attn.backend = TorchSDPABackend(torch.device("cpu"))
     assert FusedDecodeStack.build(layers) is None
-
-
-def test_fused_decode_env(tiny_llama: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(decode_layers.FUSED_DECODE_ENV, "yes")
-    with pytest.raises(ValueError, match="KVSERVE_CPU_FUSED_DECODE must be 0 or 1"):
-        load(tiny_llama)

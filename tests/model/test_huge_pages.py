@@ -13,6 +13,8 @@ from kvserve.model import huge_pages
 from tests.model.test_model import (Seq, blocks_for, kv_caches, load, random_tokens, run_step,
                                     shuffled_blocks)
 
+# Unconfigured (no engine), the process takes the variable behind --cpu-huge-pages.
+HUGE_PAGES_ENV = "KVSERVE_CPU_HUGE_PAGES"
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux madvise")
 
 
@@ -35,9 +37,9 @@ def test_weights_move_into_an_advised_arena(tied: bool, make_checkpoint: Callabl
                                             monkeypatch: pytest.MonkeyPatch) -> None:
     # Large enough (~5 MiB) that the arena spans whole huge pages.
     path = make_checkpoint("llama", tie_word_embeddings=tied, hidden_size=128, vocab_size=4096)
-    monkeypatch.setenv(huge_pages.HUGE_PAGES_ENV, "0")
+    monkeypatch.setenv(HUGE_PAGES_ENV, "off")
     plain, cfg = load(path)
-    monkeypatch.setenv(huge_pages.HUGE_PAGES_ENV, "1")
+    monkeypatch.setenv(HUGE_PAGES_ENV, "on")
     moved, _ = load(path)
 
     params = [p for p in moved.parameters() if p.numel() > 0]
@@ -63,11 +65,11 @@ def test_weights_move_into_an_advised_arena(tied: bool, make_checkpoint: Callabl
 
 def test_auto_follows_the_host_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     layer = torch.nn.Linear(1024, 1024, bias=False)     # 4 MiB: above one huge page
-    monkeypatch.setenv(huge_pages.HUGE_PAGES_ENV, "auto")
+    monkeypatch.setenv(HUGE_PAGES_ENV, "auto")
     moved = huge_pages.move_weights_to_huge_pages(layer)
     assert (moved > 0) == (huge_pages.thp_mode() == "madvise")
-    monkeypatch.setenv(huge_pages.HUGE_PAGES_ENV, "0")
+    monkeypatch.setenv(HUGE_PAGES_ENV, "0")      # the old spelling of "off"
     assert huge_pages.move_weights_to_huge_pages(layer) == 0
-    monkeypatch.setenv(huge_pages.HUGE_PAGES_ENV, "yes")
-    with pytest.raises(ValueError, match="KVSERVE_CPU_HUGE_PAGES must be auto, 1 or 0"):
+    monkeypatch.setenv(HUGE_PAGES_ENV, "yes")
+    with pytest.raises(ValueError, match="KVSERVE_CPU_HUGE_PAGES must be one of auto, on, off"):
         huge_pages.move_weights_to_huge_pages(layer)

@@ -23,7 +23,8 @@ from kvserve.model import demo
 from kvserve.model.layers.attention import bind_attention_backend
 from kvserve.model.loader import get_kv_cache_shape, load_model, num_kv_heads_per_rank
 from kvserve.model.registry import get_model_class
-from kvserve.ops.linear import SMALL_BATCH_COPY_ENV, pack_weight
+from kvserve.ops import cpu_weight as cw
+from kvserve.ops.linear import pack_weight
 from kvserve.ops.prefill_attention import stack_block_tables
 
 ATOL = 1e-4
@@ -40,9 +41,11 @@ def model_config(path: str, dtype: str = "float32") -> ModelConfig:
                                  max_model_len=None, seed=0, max_logprobs=20, device="cpu")
 
 
-def load(path: str, dtype: str = "float32") -> tuple[torch.nn.Module, ModelConfig]:
+def load(path: str, dtype: str = "float32",
+         plan: "cw.WeightPlan | None" = None) -> tuple[torch.nn.Module, ModelConfig]:
+    """The model on CPU; `plan`: the weights' variant (None: the policy's choice)."""
     cfg = model_config(path, dtype)
-    model = load_model(cfg, torch.device("cpu"))
+    model = load_model(cfg, torch.device("cpu"), plan)
     bind_attention_backend(model, CpuAttentionBackend(torch.device("cpu")))
     return model, cfg
 
@@ -151,9 +154,9 @@ def check_prefill(path: str, prompt_len: int = 40) -> None:
     assert_close(logits, ref)
 
 
-def check_chunked_and_batched_decode(path: str) -> None:
+def check_chunked_and_batched_decode(path: str, plan: "cw.WeightPlan | None" = None) -> None:
     """(b) chunked prefill with a cached prefix, a mixed step, then batched decodes."""
-    model, cfg = load(path)
+    model, cfg = load(path, plan=plan)
     prompt_lens, n_decode = [13, 6, 21], 4
     pool = shuffled_blocks(1)
     seqs = [Seq(random_tokens(n + n_decode, 10 + i, cfg.vocab_size), blocks_for(n + n_decode, pool))
@@ -222,34 +225,35 @@ def test_checkpoint_variants_are_what_they_claim(make_checkpoint: Callable[..., 
     assert len([f for f in os.listdir(sharded) if f.endswith(".safetensors")]) > 1
     model, _ = load(make_checkpoint("llama", tie_word_embeddings=True))
     assert model.lm_head.weight is model.model.embed_tokens.weight
-    if torch.backends.mkldnn.is_available() and os.environ.get("KVSERVE_DISABLE_CPU_KERNELS") != "1":
+    if pack_weight(torch.zeros(8, 8)) is not None:
         # CPU: linear layers keep oneDNN's prepacked weight, and the plain one only for the
-        # small-batch kernel (small_batch_copy); the tied LM head packs a copy and leaves the
-        # embedding's weight in place.
-        qkv = model.model.layers[0].self_attn.qkv_proj
-        assert qkv.weight_packed is not None
-        assert (qkv.weight.numel() > 0) == qkv.small_batch_copy
-        assert model.lm_head.weight_packed is not None
+        # small-batch kernel (prepacked+copy); the tied LM head's object is the embedding's,
+        # and a prepacked-only one leaves the embedding's weight in place.
+        qkv = model.model.layers[0].self_attn.qkv_proj.linear_weight
+        assert qkv.variant in (cw.PREPACKED, cw.PREPACKED_WITH_COPY) and qkv.packed is not None
+        assert (qkv.streamed() is not None) == (qkv.variant == cw.PREPACKED_WITH_COPY)
+        assert model.lm_head.linear_weight is model.model.embed_tokens.linear_weight
+        assert model.lm_head.linear_weight.packed is not None
         assert model.model.embed_tokens.weight.numel() > 0
     model, _ = load(make_checkpoint("qwen3", head_dim=32))
     assert model.model.layers[0].self_attn.q_norm.weight.shape == (32,)
 
 
-@pytest.mark.parametrize("copy", ["0", "1"])
+@pytest.mark.parametrize("variant", [cw.PREPACKED, cw.PREPACKED_WITH_COPY])
 @pytest.mark.parametrize("name", ["llama-tied", "llama-bias"])
-def test_small_batch_copies_match_hf(copy: str, name: str, make_checkpoint: Callable[..., str],
-                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    """Prepacked weights with and without the plain copies for small batches
-    (KVSERVE_CPU_SMALL_BATCH_COPY; the default keeps them for float32 on AVX2 only): both match
-    transformers through prefills (packed) and batched decodes (the small-batch kernel)."""
-    monkeypatch.setenv(SMALL_BATCH_COPY_ENV, copy)
+def test_small_batch_copies_match_hf(variant: str, name: str,
+                                     make_checkpoint: Callable[..., str]) -> None:
+    """Prepacked weights with and without the plain copies for small batches (the policy
+    keeps them for float32 on the vector tiers): both match transformers through prefills
+    (packed) and batched decodes (the small-batch kernel)."""
     path = CHECKPOINTS[name](make_checkpoint)
-    model, _ = load(path)
+    model, _ = load(path, plan=cw.WeightPlan(variant))
     linears = [model.model.layers[0].self_attn.qkv_proj, model.model.layers[0].mlp.down_proj]
-    assert all(m.small_batch_copy == (copy == "1") for m in [*linears, model.lm_head])
     if pack_weight(torch.zeros(8, 8)) is not None:
-        assert all((m.weight.numel() > 0) == (copy == "1") for m in linears)
-    check_chunked_and_batched_decode(path)
+        assert all(m.linear_weight.variant == variant for m in [*linears, model.lm_head])
+        assert all((m.weight.numel() > 0) == (variant == cw.PREPACKED_WITH_COPY)
+                   for m in linears)
+    check_chunked_and_batched_decode(path, plan=cw.WeightPlan(variant))
 
 
 def test_bfloat16_close_to_float32(tiny_llama: str) -> None:

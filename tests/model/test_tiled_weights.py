@@ -16,9 +16,10 @@ import pytest
 import torch
 
 from kvserve.ops import build, cpu_isa
+from kvserve.ops import cpu_weight as cw
 from kvserve.ops import linear as kl
-from tests.model.test_model import (Seq, blocks_for, kv_caches, load, random_tokens, run_step,
-                                    shuffled_blocks)
+from tests.model.test_model import (Seq, blocks_for, kv_caches, load, model_config,
+                                    random_tokens, run_step, shuffled_blocks)
 
 pytestmark = pytest.mark.skipif(
     shutil.which(os.environ.get("CXX", "c++")) is None
@@ -94,29 +95,17 @@ def test_tile_weight_declines() -> None:
     assert kl.tile_weight(torch.randn(8, 32).bfloat16(), torch.float16) is None   # no such x
 
 
-def test_tiled_weights_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    w = torch.randn(8, 32).bfloat16()
-    monkeypatch.setenv(kl.TILED_WEIGHTS_ENV, "0")
-    assert kl.tile_weight(w) is None
-    monkeypatch.setenv(kl.TILED_WEIGHTS_ENV, "yes")
-    with pytest.raises(ValueError, match="KVSERVE_CPU_TILED_WEIGHTS must be 0 or 1"):
-        kl.tile_weight(w)
-
-
-@pytest.mark.parametrize("float32_copy", ["0", "1"], ids=["widen-per-call", "float32-copy"])
+@pytest.mark.parametrize("float32_copy", [False, True], ids=["widen-per-call", "float32-copy"])
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 @pytest.mark.parametrize("save_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_tiled_model_is_bit_identical(tied: bool, float32_copy: str, save_dtype: torch.dtype,
-                                      make_checkpoint: Callable[..., str],
-                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_tiled_model_is_bit_identical(tied: bool, float32_copy: bool, save_dtype: torch.dtype,
+                                      make_checkpoint: Callable[..., str]) -> None:
     path = make_checkpoint("llama", save_dtype=save_dtype, tie_word_embeddings=tied)
-    monkeypatch.setenv(kl.FLOAT32_COPY_ENV, float32_copy)
-    monkeypatch.setenv(kl.TILED_WEIGHTS_ENV, "1")
-    tiled, cfg = load(path, "auto")
-    monkeypatch.setenv(kl.TILED_WEIGHTS_ENV, "0")
-    plain, _ = load(path, "auto")
-    if cfg.weight_dtype is None:
+    if model_config(path, "auto").weight_dtype is None:
         pytest.skip("this tier has bf16 math: auto runs bf16, nothing is widened")
+    tiled, cfg = load(path, "auto", cw.WeightPlan(cw.WIDENED, float32_copy, tiled=True))
+    plain, _ = load(path, "auto", cw.WeightPlan(cw.WIDENED, float32_copy, tiled=False))
+    assert tiled.lm_head.linear_weight.variant == cw.WIDENED
     assert all(w.dim() == (4 if tiling_expected() else 2) for w in layer_weights(tiled))
     assert tiled.lm_head.weight.dim() == (4 if tiling_expected() else 2)
     assert (tiled.model.embed_tokens.weight is tiled.lm_head.weight) == tied
@@ -151,20 +140,17 @@ def check_same_steps(tiled: torch.nn.Module, plain: torch.nn.Module, cfg,
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 def test_tiled_copy_model_is_bit_identical(dtype: torch.dtype, tied: bool,
-                                           make_checkpoint: Callable[..., str],
-                                           monkeypatch: pytest.MonkeyPatch) -> None:
+                                           make_checkpoint: Callable[..., str]) -> None:
     """dtype float32 (every vector tier; 16-column blocks) or bfloat16 with bf16 math (dpbf16 on
     avx512_bf16; 32-column blocks): the plain copy kept beside each prepacked weight
-    (KVSERVE_CPU_SMALL_BATCH_COPY=1) is tiled, and every step matches the plain copy's."""
+    (prepacked+copy) is tiled, and every step matches the plain copy's."""
     tiles = tiling_expected() if dtype == torch.float32 else cpu_isa.selected_tier() == "avx512_bf16"
     if not tiles or kl.pack_weight(torch.zeros(8, 8)) is None:
         pytest.skip(f"no tiled {dtype} copy on this tier, or no oneDNN packing")
     path = make_checkpoint("llama", save_dtype=dtype, tie_word_embeddings=tied)
-    monkeypatch.setenv(kl.SMALL_BATCH_COPY_ENV, "1")
-    monkeypatch.setenv(kl.TILED_WEIGHTS_ENV, "1")
-    tiled, cfg = load(path, str(dtype).removeprefix("torch."))
-    monkeypatch.setenv(kl.TILED_WEIGHTS_ENV, "0")
-    plain, _ = load(path, str(dtype).removeprefix("torch."))
+    name = str(dtype).removeprefix("torch.")
+    tiled, cfg = load(path, name, cw.WeightPlan(cw.PREPACKED_WITH_COPY, tiled=True))
+    plain, _ = load(path, name, cw.WeightPlan(cw.PREPACKED_WITH_COPY, tiled=False))
     assert all(w.dim() == 4 and w.dtype == dtype and w.shape[3] == kl.TILE_COLS[dtype]
                for w in layer_weights(tiled))
     assert tiled.lm_head.weight.dim() == 4

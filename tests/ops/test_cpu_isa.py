@@ -20,6 +20,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 HAS_COMPILER = shutil.which(os.environ.get("CXX", "c++")) is not None
 AVX2 = {"avx2", "fma", "f16c"}
 AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
+HAS_ONEDNN = torch.backends.mkldnn.is_available()
 x86_only = pytest.mark.skipif(not cpu_isa.is_x86_64(), reason="ISA tiers are for x86-64")
 
 
@@ -39,8 +40,10 @@ def test_forced_tier(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setenv(cpu_isa.ISA_ENV, tier)
         assert cpu_isa.selected_tier() == tier
     monkeypatch.setenv(cpu_isa.ISA_ENV, "avx3")
-    with pytest.raises(ValueError, match="not a CPU ISA tier"):
+    with pytest.raises(ValueError, match="KVSERVE_CPU_ISA must be one of auto, generic"):
         cpu_isa.selected_tier()
+    with pytest.raises(ValueError, match="not a CPU ISA tier"):
+        cpu_isa.resolve_tier("avx3")
     above = [t for t in cpu_isa.TIERS if t not in host]
     if above:
         monkeypatch.setenv(cpu_isa.ISA_ENV, above[0])
@@ -51,6 +54,28 @@ def test_forced_tier(monkeypatch: pytest.MonkeyPatch) -> None:
             load_cpu_kernels()
     monkeypatch.delenv(cpu_isa.ISA_ENV)
     assert cpu_isa.selected_tier() == host[-1]
+
+
+@x86_only
+def test_configured_settings_win_over_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker applies the engine config's CpuConfig: its tier and kernel switch, not the
+    variables (read only as the config's defaults)."""
+    from kvserve.config import CpuConfig
+    from kvserve.ops import linear
+    monkeypatch.setenv(cpu_isa.ISA_ENV, "generic")
+    monkeypatch.setenv(build.DISABLE_ENV, "true")
+    assert cpu_isa.selected_tier() == "generic" and not cpu_isa.kernels_enabled()
+    assert not linear.packing_works(torch.float32)      # one switch: no oneDNN packing either
+    cfg = CpuConfig(cpu_isa="auto", disable_cpu_kernels=False)
+    assert cfg.cpu_huge_pages == "auto"                 # the variable's default
+    try:
+        cpu_isa.configure(cfg)
+        assert cpu_isa.selected_tier() == cpu_isa.supported_tiers()[-1]
+        assert cpu_isa.kernels_enabled() and linear.packing_works(torch.float32) == HAS_ONEDNN
+    finally:
+        cpu_isa.configure(None)
+    with pytest.raises(ValueError, match="cpu_huge_pages must be one of auto, on, off"):
+        CpuConfig(cpu_isa="auto", disable_cpu_kernels=False, cpu_huge_pages="1")
 
 
 @x86_only
@@ -65,6 +90,8 @@ def test_auto_dtype_follows_the_tier(monkeypatch: pytest.MonkeyPatch) -> None:
     if "avx512_bf16" in cpu_isa.supported_tiers():
         monkeypatch.setenv(cpu_isa.ISA_ENV, "avx512_bf16")
         assert resolve_weight_dtype("auto", bf16_ckpt, "cpu") is None
+        # The config's tier (--cpu-isa), not the process's.
+        assert resolve_weight_dtype("auto", bf16_ckpt, "cpu", "avx2") == torch.bfloat16
 
 
 NO_COMPILER_SCRIPT = textwrap.dedent("""

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from kvserve.model.layers.rotary import RotaryEmbedding
 from kvserve.ops import build, fused as kf, linear as kl, paged_attention as pa
 from kvserve.ops import prefill_attention as pf
+from kvserve.ops.cpu_weight import WidenedWeight
 from tests.ops import test_linear as tl, test_paged_attention as tpa, test_prefill_attention as tpf
 from tests.utils import kernel_isa_prefix
 
@@ -60,26 +61,14 @@ def test_linear_dispatch_with_16bit_weight(m: int) -> None:
 
 @pytest.mark.parametrize("m", [1, 8, 9, 40])
 def test_linear_16bit_weight_with_float32_copy(m: int) -> None:
-    """A 16-bit weight that also keeps a prepacked float32 copy (keep_float32_copies): small
+    """A 16-bit weight that also keeps a prepacked float32 copy (widened + copy): small
     batches stream the 16-bit weight, larger ones use the copy; the same float32 result."""
     x, w, b = tl.make_case(m, 96, 50, torch.float32, bias=True, seed=m)
     wb = w.bfloat16()
     packed = kl.pack_weight(wb.float())
-    out = kl.small_batch_or_packed_linear(x.view(1, m, 96), wb, packed, b)
+    out = WidenedWeight(wb, torch.float32, packed).matmul(x.view(1, m, 96), b)
     assert out.dtype == torch.float32 and out.shape == (1, m, 50)
     tl.check(out.view(m, 50), x, wb.float(), b)
-
-
-def test_float32_copy_policy(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(kl.FLOAT32_COPY_ENV, "auto")
-    assert kl.keep_float32_copies(1 << 20) and not kl.keep_float32_copies(1 << 60)
-    monkeypatch.setenv(kl.FLOAT32_COPY_ENV, "0")
-    assert not kl.keep_float32_copies(1)
-    monkeypatch.setenv(kl.FLOAT32_COPY_ENV, "1")
-    assert kl.keep_float32_copies(1 << 60)
-    monkeypatch.setenv(kl.FLOAT32_COPY_ENV, "yes")
-    with pytest.raises(ValueError, match="auto, 1 or 0"):
-        kl.keep_float32_copies(1)
 
 
 def test_bf16_linear_kernel() -> None:

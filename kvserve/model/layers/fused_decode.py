@@ -27,10 +27,10 @@ logger = logging.getLogger(__name__)
 
 
 def _linear_ok(linear: Any, act_dtype: torch.dtype) -> bool:
-    """The small-batch kernel can take this layer's plain weight (and bias) for act_dtype;
-    an empty weight is one kept only prepacked, a path the op does not have."""
-    w = linear.weight
-    return w.numel() > 0 and w.device.type == "cpu" and kernel_takes(act_dtype, w, linear.bias)
+    """The small-batch kernel can take the weight this layer streams (and its bias) for
+    act_dtype; a weight kept only prepacked streams none, a path the op does not have."""
+    w = linear.linear_weight.streamed()
+    return w is not None and w.device.type == "cpu" and kernel_takes(act_dtype, w, linear.bias)
 
 
 def _why_not(layers: Sequence[Any]) -> Optional[str]:
@@ -81,10 +81,11 @@ class FusedDecodeStack:
             attn, mlp = layer.self_attn, layer.mlp
             slot = {"input_norm": layer.input_layernorm.weight,
                     "post_norm": layer.post_attention_layernorm.weight,
-                    "qkv_w": attn.qkv_proj.weight, "qkv_b": attn.qkv_proj.bias,
-                    "o_w": attn.o_proj.weight, "o_b": attn.o_proj.bias,
-                    "gate_up_w": mlp.gate_up_proj.weight, "gate_up_b": mlp.gate_up_proj.bias,
-                    "down_w": mlp.down_proj.weight, "down_b": mlp.down_proj.bias,
+                    "qkv_w": attn.qkv_proj.linear_weight.streamed(), "qkv_b": attn.qkv_proj.bias,
+                    "o_w": attn.o_proj.linear_weight.streamed(), "o_b": attn.o_proj.bias,
+                    "gate_up_w": mlp.gate_up_proj.linear_weight.streamed(),
+                    "gate_up_b": mlp.gate_up_proj.bias,
+                    "down_w": mlp.down_proj.linear_weight.streamed(), "down_b": mlp.down_proj.bias,
                     "q_norm": attn.q_norm.weight if attn.qk_norm else None,
                     "k_norm": attn.k_norm.weight if attn.qk_norm else None}
             self.layer_tensors += [None if slot[s] is None else slot[s].detach() for s in SLOTS]
@@ -99,8 +100,8 @@ class FusedDecodeStack:
         if why is not None:
             logger.info("Small steps run layer by layer: %s.", why)
             return None
-        logger.info("Steps of up to %d tokens run all %d layers in one C++ call "
-                    "(KVSERVE_CPU_FUSED_DECODE=0 to turn off).", SMALL_BATCH_MAX_ROWS, len(layers))
+        logger.info("Steps of up to %d tokens run all %d layers in one C++ call.",
+                    SMALL_BATCH_MAX_ROWS, len(layers))
         return cls(op, layers)
 
     @staticmethod

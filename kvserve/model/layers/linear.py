@@ -9,11 +9,10 @@ Weights are stored as [out_features, in_features] (like nn.Linear / HF checkpoin
 
 Every parameter carries `weight_loader(param, loaded_weight, shard_id=None)`: given the FULL
 checkpoint tensor, it copies the part this rank owns into `param` (into the slice of a fused
-parameter that `shard_id` names).
+parameter that `shard_id` names). The matmul goes through the weight's object (ops.cpu_weight).
 """
 from __future__ import annotations
 
-import logging
 from typing import Optional, Union
 
 import torch
@@ -22,10 +21,7 @@ from torch import nn
 from kvserve.distributed.parallel_state import (get_tp_rank, get_tp_world_size,
                                                 tensor_model_parallel_all_gather,
                                                 tensor_model_parallel_all_reduce)
-from kvserve.ops.linear import (SMALL_BATCH_COPY_ENV, keep_small_batch_copies, pack_weight,
-                                packed_linear, small_batch_or_packed_linear, tile_weight)
-
-logger = logging.getLogger(__name__)
+from kvserve.ops.cpu_weight import CpuLinearWeight
 
 
 def divide(numerator: int, denominator: int) -> int:
@@ -77,81 +73,19 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
-        self.weight_packed: Optional[torch.Tensor] = None
-        # Activations' dtype when it differs from the weight's (16-bit weight, float32 math;
-        # see compute_dtype.py); None: the weight's dtype.
-        self.compute_dtype: Optional[torch.dtype] = None
-        # With a 16-bit weight: also keep a prepacked copy in compute_dtype for large batches
-        # (set by set_compute_dtype where memory allows).
-        self.float32_copy = False
-        # With a prepacked weight: also keep the plain one for small batches (the small-batch
-        # kernel; set by set_small_batch_copies where it is faster and memory allows).
-        self.small_batch_copy = False
+        # Plain until the loader applies the model's weight plan (ops.cpu_weight).
+        self.linear_weight = CpuLinearWeight(self.weight, self.weight.dtype)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
                       shard_id: Optional[Union[int, str]] = None) -> None:
         raise NotImplementedError
 
-    def process_weights_after_loading(self) -> None:
-        """On CPU, keep the weight in oneDNN's prepacked layout (see ops.linear), and the plain
-        one too only when small_batch_copy is set; a 16-bit weight with float32 math stays
-        16-bit (ops.linear widens it; a bf16 one tiled for the small-batch kernel where
-        ops.linear.tile_weight applies), plus a prepacked float32 copy for large batches when
-        float32_copy is set."""
-        if self.compute_dtype not in (None, self.weight.dtype):
-            if self.float32_copy:
-                self.weight_packed = pack_weight(self.weight.to(self.compute_dtype))
-            tile_streamed_weight(self, self.compute_dtype)
-            return
-        packed = pack_weight(self.weight)
-        if packed is not None:
-            self.weight_packed = packed
-            if not self.small_batch_copy:
-                self.weight.data = torch.empty(0, dtype=self.weight.dtype)   # never read again
-            else:    # the plain copy only serves the small-batch kernel
-                tile_streamed_weight(self, self.weight.dtype)
-
     def apply_linear(self, x: torch.Tensor, with_bias: bool = True) -> torch.Tensor:
-        bias = self.bias if with_bias else None
-        if self.weight_packed is None or self.weight.numel():    # plain weight (and packed)
-            return small_batch_or_packed_linear(x, self.weight, self.weight_packed, bias)
-        return packed_linear(x, self.weight_packed, bias)
+        return self.linear_weight.matmul(x, self.bias if with_bias else None)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.input_size}, out_features={self.output_size}, "
                 f"bias={self.bias is not None}, tp_size={self.tp_size}")
-
-
-def tile_streamed_weight(module: nn.Module, x_dtype: torch.dtype) -> None:
-    """Replace a bf16 weight that the small-batch kernel streams with activations of x_dtype
-    (float32: a 16-bit weight with float32 math; bfloat16: the plain copy kept beside a
-    prepacked weight) by that kernel's tiled layout, where ops.linear.tile_weight applies;
-    every user of the weight takes either layout (ops.linear)."""
-    tiled = tile_weight(module.weight, x_dtype)
-    if tiled is not None:
-        module.weight.data = tiled
-
-
-def set_small_batch_copies(model: nn.Module) -> None:
-    """Decide for the whole model whether its prepacked linear weights (LinearBase, the LM
-    head: modules with `small_batch_copy`) also keep their plain layout for small batches
-    (ops.linear.keep_small_batch_copies). Call before process_weights_after_loading. A 16-bit
-    weight with float32 math keeps its plain layout anyway; a tied LM head shares the
-    embedding's, so neither costs memory."""
-    modules = [m for m in model.modules() if hasattr(m, "small_batch_copy")
-               and m.compute_dtype in (None, m.weight.dtype)]
-    if not modules or modules[0].weight.device.type != "cpu":    # nothing is packed on CUDA
-        return
-    dtype = modules[0].weight.dtype
-    copy_bytes = sum(m.weight.numel() * m.weight.element_size() for m in modules
-                     if not getattr(m, "tied", False))
-    keep = keep_small_batch_copies(dtype, copy_bytes)
-    for module in modules:
-        module.small_batch_copy = keep
-    if keep:
-        logger.info("Linear layers keep their plain %s weights beside the prepacked ones for "
-                    "batches of up to the small-batch kernel's rows (%.0f MiB; %s=auto|1|0).",
-                    dtype, copy_bytes / 2**20, SMALL_BATCH_COPY_ENV)
 
 
 class ReplicatedLinear(LinearBase):
