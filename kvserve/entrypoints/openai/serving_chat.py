@@ -156,13 +156,13 @@ class OpenAIServingChat(OpenAIServing):
 
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Any = None
                                      ) -> Union[ChatCompletionResponse, StreamingResult]:
-        ctx, generator, tracker = self.start_chat(request, raw_request)
+        ctx, generator, tracker = await self.start_chat(request, raw_request)
         if request.stream:
             return StreamingResult(self._stream(ctx, generator, tracker, raw_request), tracker)
         final = await self.final_output(ctx, generator, tracker)
         return self._full_response(ctx, final)
 
-    def start_chat(self, request: ChatCompletionRequest, raw_request: Any = None
+    async def start_chat(self, request: ChatCompletionRequest, raw_request: Any = None
                    ) -> tuple["_ChatContext", Any, RequestTracker]:
         """Render, check and submit a chat request: its context, the engine's output stream
         and the tracker that aborts it (the Responses API starts its requests here too)."""

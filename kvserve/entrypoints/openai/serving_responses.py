@@ -151,7 +151,7 @@ class OpenAIServingResponses:
     async def create_response(self, request: ResponsesRequest, raw_request: Any = None
                               ) -> Union[Any, StreamingResult]:
         chat_request, messages = self._chat_request(request)
-        ctx, generator, tracker = self.chat.start_chat(chat_request, raw_request)
+        ctx, generator, tracker = await self.chat.start_chat(chat_request, raw_request)
         response_id = f"resp_{random_uuid()}"
         base = self._base(request, response_id, ctx.model_name)
         if request.stream:
