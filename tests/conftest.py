@@ -142,3 +142,13 @@ def smollm2_gguf() -> str:
     from kvserve.model.demo import fetch_demo_gguf
 
     return fetch_demo_gguf(_USER_CACHE or _SESSION_CACHE)
+
+
+@pytest.fixture(autouse=True)
+def _cpu_settings_from_the_environment() -> None:
+    """An in-process engine (UniProcExecutor) configures this process's CPU settings from its
+    CpuConfig and leaves them set; tests that set KVSERVE_CPU_* variables expect a process no
+    engine configured, as the tests run alone do. Each test starts from that state."""
+    from kvserve.ops import cpu_isa
+    if cpu_isa._configured is not None:
+        cpu_isa.configure(None)
