@@ -598,7 +598,9 @@ at::Tensor quant_dequantize(const at::Tensor& packed, int64_t qtype, int64_t N, 
 }
 
 std::string isa() {
-#if defined(KVS_AVX2)
+#if defined(__AVX512F__) && defined(KVS_AVX2)
+  return "avx512 tier (int8 dot products on the avx2 maddubs/madd path)";
+#elif defined(KVS_AVX2)
   return "avx2 (maddubs/madd int8 dot products)";
 #else
   return "generic";

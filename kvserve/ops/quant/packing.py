@@ -9,6 +9,7 @@ same order, so it gives the same bits (tests/ops/test_quant_linear.py checks tha
 """
 from __future__ import annotations
 
+import warnings
 from typing import Union
 
 import numpy as np
@@ -24,8 +25,12 @@ def as_raw_rows(raw: ArrayLike, fmt: BlockFormat, shape: tuple[int, int]) -> tor
     (a view of a numpy memmap where possible: no copy until pack_blocks). Checks the size."""
     n, k = shape
     row_bytes = fmt.row_bytes(k)
-    t = torch.from_numpy(np.ascontiguousarray(raw).view(np.uint8)) if isinstance(raw, np.ndarray) \
-        else raw
+    if isinstance(raw, np.ndarray):
+        with warnings.catch_warnings():    # GGUFReader's memmap is read-only; only read here
+            warnings.simplefilter("ignore", UserWarning)
+            t = torch.from_numpy(np.ascontiguousarray(raw).view(np.uint8))
+    else:
+        t = raw
     if t.dtype != torch.uint8 or t.numel() != n * row_bytes:
         raise ValueError(f"{fmt.name} tensor of shape [{n}, {k}] needs {n * row_bytes} bytes "
                          f"of blocks, got {t.numel()} ({t.dtype}).")
