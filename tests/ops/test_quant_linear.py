@@ -100,9 +100,11 @@ def check_close(y: torch.Tensor, ref: np.ndarray, bound: np.ndarray, what: str) 
 
 def poison_padding(w: PackedQuantWeight) -> None:
     """Every byte of the padding rows 0xFF: float16 scales of NaN."""
-    n = w.shape[0]
-    if n % ROW_GROUP:
-        w.packed[-1, :, n % ROW_GROUP:] = 0xFF
+    n, pad_from = w.shape[0], w.shape[0] % ROW_GROUP
+    if pad_from:
+        last = packing.unpack_blocks(w.packed[-1:], ROW_GROUP, w.fmt)   # [8, row_bytes]
+        last[pad_from:] = 0xFF
+        w.packed[-1:] = packing.pack_blocks(last, w.fmt)
 
 
 @pytest.fixture(scope="module")
@@ -138,8 +140,10 @@ def test_repack_and_dequantize_match_gguf_exactly(name: str, shape: tuple[int, i
     raw = make_raw(name, n, k, source=source)
     w = PackedQuantWeight.from_gguf(name, raw, shape)
     fmt = FORMATS[name]
-    assert w.packed.shape == (-(-n // ROW_GROUP), k // fmt.block_size, ROW_GROUP, fmt.type_size)
-    assert w.nbytes == -(-n // ROW_GROUP) * ROW_GROUP * fmt.row_bytes(k)
+    groups = -(-n // ROW_GROUP)
+    assert w.packed.shape == (groups, k // fmt.block_size, fmt.group_block_bytes)
+    assert w.nbytes == groups * k // fmt.block_size * fmt.group_block_bytes
+    assert fmt.group_block_bytes == ROW_GROUP * fmt.type_size + (32 if name in ("Q4_K", "Q5_K") else 0)
     assert torch.equal(w.raw_rows(), torch.from_numpy(raw))
     ref = torch.from_numpy(dequantize_gguf(raw, fmt, shape))
     ids = torch.arange(n)

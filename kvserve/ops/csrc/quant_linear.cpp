@@ -1,8 +1,9 @@
 // Linear layers on GGUF block-quantized weights kept packed: y[M, N] = x[M, K] @ W^T.
 //
 //   x       [M, K]   float32, contiguous (M small: decode, speculative verification)
-//   packed  [ceil(N/4), K/B, 4, T] uint8: GGUF blocks (B weights in T bytes each, stored as
-//           llama.cpp stores them), rows interleaved by 4 (ops/quant/formats.py, packing.py)
+//   packed  [ceil(N/8), K/B, 8*T] uint8: GGUF blocks (B weights in T bytes each) of 8 rows at a
+//           time, interleaved field by field so that one 32-byte load holds 4 weights of each
+//           of the 8 rows (ops/quant/formats.py, packing.py; "the packed layout" below)
 //   qtype   the GGML type id: Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7, Q8_0 8, Q4_K 12, Q5_K 13, Q6_K 14
 //   -> y    [M, N] float32
 //
@@ -14,13 +15,14 @@
 // values only by float32 rounding of the per-block terms (tests: 1e-5 of |x_q| @ |W|^T).
 //
 // With M small the op is a stream over the packed weight (0.56-1.06 bytes a weight) and x's
-// int8 blocks stay in L1. Work items are groups of 4 output rows (at::parallel_for over them);
-// a group's blocks are one sequential stream. x rows are taken MB at a time (MB <= 2 on AVX2,
-// so that the 4 x MB float accumulators stay in registers) while the group is in L1.
+// int8 blocks stay in L1. Work items are groups of 8 output rows (at::parallel_for over them);
+// a group's blocks are one sequential stream, and lane r of every vector is row r, so there are
+// no per-row scalar scale conversions and no horizontal sums. x rows are taken 4 (K-quants: 2)
+// at a time while the group is in L1.
 //
 // Paths: AVX2 (avx2 tier and above): maddubs (u8 x s8 -> s16 pairs) and madd (-> s32), signed
-// weights through the sign trick (|w| x sign(x, w)); the portable path: the same integer math
-// in plain loops. quant_dequantize gives float32 rows (bit-identical to gguf's dequantizer) for
+// weights through the sign trick (|w| x sign(x, w)); the portable path: each row-block decoded,
+// the same integer math in plain loops. quant_dequantize gives float32 rows (bit-identical to gguf's dequantizer) for
 // the large-batch path, which feeds them to a float32 GEMM (ops/quant/weight.py).
 
 #include <ATen/Parallel.h>
@@ -43,25 +45,26 @@ namespace {
 
 #define QL_INLINE inline __attribute__((always_inline))
 
-constexpr int64_t kGroup = 4;          // output rows per work item (the packed interleave)
+constexpr int64_t kGroup = 8;          // output rows per work item (the packed interleave)
 // Minimum packed bytes per thread's share: below this the fork/join costs more than it gains.
 constexpr int64_t kMinBytesPerTask = 16384;
 
 enum QType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8,
                        kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
 
-struct Format { int64_t block, bytes, act_block, sum_group; };
+// block: weights per block; bytes: per GGUF block; gbytes: per packed group-block of 8 rows.
+struct Format { int64_t block, bytes, act_block, sum_group, gbytes; };
 
 Format format_of(int64_t qtype) {
   switch (qtype) {
-    case kQ4_0: return {32, 18, 32, 32};
-    case kQ4_1: return {32, 20, 32, 32};
-    case kQ5_0: return {32, 22, 32, 32};
-    case kQ5_1: return {32, 24, 32, 32};
-    case kQ8_0: return {32, 34, 32, 32};
-    case kQ4_K: return {256, 144, 256, 16};
-    case kQ5_K: return {256, 176, 256, 16};
-    case kQ6_K: return {256, 210, 256, 16};
+    case kQ4_0: return {32, 18, 32, 32, 144};
+    case kQ4_1: return {32, 20, 32, 32, 160};
+    case kQ5_0: return {32, 22, 32, 32, 176};
+    case kQ5_1: return {32, 24, 32, 32, 192};
+    case kQ8_0: return {32, 34, 32, 32, 272};
+    case kQ4_K: return {256, 144, 256, 16, 1184};
+    case kQ5_K: return {256, 176, 256, 16, 1440};
+    case kQ6_K: return {256, 210, 256, 16, 1680};
     default: TORCH_CHECK(false, "quant_linear: unsupported GGML type ", qtype);
   }
   return {};
@@ -75,16 +78,6 @@ QL_INLINE float f16(const uint8_t* p) {
 #else
   return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
 #endif
-}
-
-// Q4_K / Q5_K: 8 six-bit scales and mins from 12 bytes (llama.cpp's get_scale_min_k4).
-QL_INLINE void scale_min_k4(const uint8_t* s, uint8_t* sc, uint8_t* mn) {
-  for (int j = 0; j < 4; ++j) {
-    sc[j] = s[j] & 63;
-    mn[j] = s[j + 4] & 63;
-    sc[j + 4] = (s[j + 8] & 0xF) | ((s[j] >> 6) << 4);
-    mn[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
-  }
 }
 
 // The quantized activations: q [M, K] int8, d [M, K / act_block], s [M, K / sum_group].
@@ -163,265 +156,364 @@ void quantize_x(const float* x, int64_t M, int64_t K, const Format& f, int8_t* q
                      s + m * ns + b * (f.act_block / f.sum_group));
 }
 
-// ------------------------------------------------------------------ portable path
-// One weight block against one x row's block b: its float contribution.
+// ------------------------------------------------------------------ the packed layout
+// A group-block (8 rows x one block) holds each field of the GGUF block in turn as
+// [length / width][8 rows][width] (ops/quant/formats.py). Offsets below are of the fields in
+// the group-block; `unit(gb, off, w, u, r)` is row r's u-th unit of width w of a field.
 
-float dot_generic(int64_t qt, const uint8_t* w, const XQ& x, int64_t m, int64_t b) {
-  const int8_t* xq = x.q + m * x.K;
+QL_INLINE const uint8_t* unit(const uint8_t* gb, int64_t off, int64_t w, int64_t u, int64_t r) {
+  return gb + off + (u * kGroup + r) * w;
+}
+
+// Field offsets in a group-block (8 x the GGUF field lengths, in formats.py's order).
+constexpr int64_t kOffM = 16;                           // _1 types' minimum, K-quants' dmin
+constexpr int64_t kLegacyQh = 16;                       // Q5_0 (Q5_1: + 16)
+QL_INLINE int64_t legacy_qs(int64_t qt) {
+  return qt == kQ4_1 ? 32 : qt == kQ5_0 ? 48 : qt == kQ5_1 ? 64 : 16;
+}
+// Q4_K / Q5_K: scales [j][row] (64 B), mins [j / 2][row][j % 2] (64 B), then qh, qs.
+constexpr int64_t kKScales = 32, kKMins = 96, kK4Qs = 160, kK5Qh = 160, kK5Qs = 416;
+constexpr int64_t kQ6Sc = 16, kQ6Ql = 144, kQ6Qh = 1168;
+
+// One row of one group-block decoded: integer weights and their scales.
+struct Decoded {
+  int8_t q[256];        // Q8_0 / Q4_0 / Q5_0 / Q6_K signed (offset applied); others unsigned
+  float d = 0.f, m = 0.f;   // d; m: the _1 types' minimum, the K-quants' dmin
+  int sc[16] = {};      // K-quants: sub-block scales (Q6_K: 16 int8; Q4_K / Q5_K: 8 six-bit)
+  int mn[8] = {};       // Q4_K / Q5_K: sub-block minimums
+};
+
+void decode_legacy(int64_t qt, const uint8_t* gb, int64_t r, Decoded& o) {
+  o.d = f16(unit(gb, 0, 2, 0, r));
+  const bool has_min = qt == kQ4_1 || qt == kQ5_1, five = qt == kQ5_0 || qt == kQ5_1;
+  if (has_min) o.m = f16(unit(gb, kOffM, 2, 0, r));
+  const int64_t qs = legacy_qs(qt);
+  const uint8_t* qh = unit(gb, kLegacyQh + (has_min ? 16 : 0), 4, 0, r);
+  for (int k = 0; k < 32; ++k) {
+    if (qt == kQ8_0) {
+      o.q[k] = static_cast<int8_t>(unit(gb, qs, 4, k / 4, r)[k % 4]);
+      continue;
+    }
+    const uint8_t byte = unit(gb, qs, 4, (k % 16) / 4, r)[k % 4];
+    int v = k < 16 ? byte & 0xF : byte >> 4;
+    if (five) v |= ((qh[k % 4] >> (k / 4)) & 1) << 4;     // chunk k/4's bit of byte k%4
+    o.q[k] = static_cast<int8_t>(v - (qt == kQ4_0 ? 8 : qt == kQ5_0 ? 16 : 0));
+  }
+}
+
+void decode_k(int64_t qt, const uint8_t* gb, int64_t r, Decoded& o) {
+  o.d = f16(unit(gb, 0, 2, 0, r));
+  if (qt == kQ6_K) {
+    for (int g = 0; g < 16; ++g) o.sc[g] = static_cast<int8_t>(unit(gb, kQ6Sc, 2, g / 2, r)[g % 2]);
+    for (int k = 0; k < 256; ++k) {
+      const int h = k / 128, t = (k % 128) / 32, l = k % 32;
+      const uint8_t lb = unit(gb, kQ6Ql, 4, (2 * h + (t & 1)) * 8 + l / 4, r)[l % 4];
+      const uint8_t hb = unit(gb, kQ6Qh, 4, 8 * h + l / 4, r)[l % 4];
+      o.q[k] = static_cast<int8_t>((((t < 2 ? lb : lb >> 4) & 0xF) | (((hb >> (2 * t)) & 3) << 4)) - 32);
+    }
+    return;
+  }
+  o.m = f16(unit(gb, kOffM, 2, 0, r));
+  for (int j = 0; j < 8; ++j) {
+    o.sc[j] = *unit(gb, kKScales, 1, j, r);
+    o.mn[j] = unit(gb, kKMins, 2, j / 2, r)[j % 2];
+  }
+  const int64_t qs = qt == kQ5_K ? kK5Qs : kK4Qs;
+  for (int k = 0; k < 256; ++k) {
+    const int j = k / 64, s = k / 32, l = k % 32;
+    const uint8_t byte = unit(gb, qs, 4, 8 * j + l / 4, r)[l % 4];
+    int v = (s & 1) ? byte >> 4 : byte & 0xF;
+    if (qt == kQ5_K) v |= ((unit(gb, kK5Qh, 4, l / 4, r)[l % 4] >> s) & 1) << 4;
+    o.q[k] = static_cast<int8_t>(v);
+  }
+}
+
+QL_INLINE bool is_k(int64_t qt) { return qt == kQ4_K || qt == kQ5_K || qt == kQ6_K; }
+
+void decode(int64_t qt, const uint8_t* gb, int64_t r, Decoded& o) {
+  if (is_k(qt)) decode_k(qt, gb, r, o);
+  else decode_legacy(qt, gb, r, o);
+}
+
+// ------------------------------------------------------------------ portable path
+// Each row-block decoded, then integer dot products with x's int8 block, float scales.
+
+float dot_decoded(int64_t qt, const Decoded& w, const XQ& x, int64_t m, int64_t b) {
   const float xd = x.d[m * x.nd + b];
   const int32_t* xs = x.s + m * x.ns;
-  if (qt == kQ8_0 || qt == kQ4_0 || qt == kQ4_1 || qt == kQ5_0 || qt == kQ5_1) {
-    const int8_t* xb = xq + b * 32;
-    const bool has_min = qt == kQ4_1 || qt == kQ5_1;
-    const uint8_t* qs = w + (has_min ? 4 : 2) + ((qt == kQ5_0 || qt == kQ5_1) ? 4 : 0);
-    uint32_t qh = 0;
-    if (qt == kQ5_0 || qt == kQ5_1) std::memcpy(&qh, w + (has_min ? 4 : 2), 4);
+  if (!is_k(qt)) {
+    const int8_t* xb = x.q + m * x.K + b * 32;
     int32_t sumi = 0;
-    for (int i = 0; i < 32; ++i) {
-      int v;
-      if (qt == kQ8_0) {
-        v = static_cast<int8_t>(w[2 + i]);
-      } else {
-        v = i < 16 ? (qs[i] & 0xF) : (qs[i - 16] >> 4);
-        if (qt == kQ5_0 || qt == kQ5_1) v |= ((qh >> i) & 1) << 4;
-        if (qt == kQ4_0) v -= 8;
-        if (qt == kQ5_0) v -= 16;
-      }
-      sumi += v * xb[i];
-    }
-    float r = f16(w) * xd * static_cast<float>(sumi);
-    if (has_min) r += f16(w + 2) * xd * static_cast<float>(xs[b]);
+    for (int i = 0; i < 32; ++i) sumi += w.q[i] * xb[i];
+    float r = w.d * xd * static_cast<float>(sumi);
+    if (qt == kQ4_1 || qt == kQ5_1) r += w.m * xd * static_cast<float>(xs[b]);
     return r;
   }
-  const int8_t* xb = xq + b * 256;
-  const int32_t* bs = xs + b * 16;
-  if (qt == kQ6_K) {
-    const uint8_t* ql = w;
-    const uint8_t* qh = w + 128;
-    const int8_t* sc = reinterpret_cast<const int8_t*>(w + 192);
-    int32_t sumi = 0;
-    for (int h = 0; h < 2; ++h)
-      for (int t = 0; t < 4; ++t)
-        for (int l = 0; l < 32; ++l) {
-          const uint8_t lb = ql[64 * h + 32 * (t & 1) + l];
-          const int lo = (t < 2 ? lb : lb >> 4) & 0xF;
-          const int v = (lo | (((qh[32 * h + l] >> (2 * t)) & 3) << 4)) - 32;
-          const int i = 128 * h + 32 * t + l;
-          sumi += sc[i / 16] * v * xb[i];
-        }
-    return f16(w + 208) * xd * static_cast<float>(sumi);
-  }
-  uint8_t sc[8], mn[8];
-  scale_min_k4(w + 4, sc, mn);
-  const uint8_t* qs = w + (qt == kQ5_K ? 48 : 16);
-  int32_t sumi = 0, msum = 0;
-  for (int j = 0; j < 8; ++j) {
+  const int8_t* xb = x.q + m * x.K + b * 256;
+  const int gsize = qt == kQ6_K ? 16 : 32;
+  int32_t sumi = 0;
+  for (int g = 0; g < 256 / gsize; ++g) {
     int32_t part = 0;
-    for (int l = 0; l < 32; ++l) {
-      const uint8_t byte = qs[32 * (j / 2) + l];
-      int v = (j & 1) ? byte >> 4 : byte & 0xF;
-      if (qt == kQ5_K) v |= ((w[16 + l] >> j) & 1) << 4;
-      part += v * xb[32 * j + l];
-    }
-    sumi += sc[j] * part;
-    msum += mn[j] * (bs[2 * j] + bs[2 * j + 1]);
+    for (int l = 0; l < gsize; ++l) part += w.q[g * gsize + l] * xb[g * gsize + l];
+    sumi += w.sc[g] * part;
   }
-  return f16(w) * xd * static_cast<float>(sumi) - f16(w + 2) * xd * static_cast<float>(msum);
+  float r = w.d * xd * static_cast<float>(sumi);
+  if (qt != kQ6_K) {
+    int32_t msum = 0;
+    for (int j = 0; j < 8; ++j) msum += w.mn[j] * (xs[b * 16 + 2 * j] + xs[b * 16 + 2 * j + 1]);
+    r -= w.m * xd * static_cast<float>(msum);
+  }
+  return r;
 }
 
 void run_generic(int64_t qt, const Format& f, const uint8_t* packed, const XQ& x, float* y,
                  int64_t M, int64_t N, int64_t g0, int64_t g1) {
-  const int64_t nb = x.K / f.block;
+  const int64_t nb = x.K / f.block, gbytes = f.gbytes;
+  std::vector<float> acc(static_cast<size_t>(M * kGroup));
+  Decoded w;
   for (int64_t g = g0; g < g1; ++g) {
-    const uint8_t* wg = packed + g * nb * kGroup * f.bytes;
-    for (int64_t r = 0; r < kGroup && g * kGroup + r < N; ++r)
-      for (int64_t m = 0; m < M; ++m) {
-        float acc = 0.f;
-        for (int64_t b = 0; b < nb; ++b)
-          acc += dot_generic(qt, wg + (b * kGroup + r) * f.bytes, x, m, b);
-        y[m * N + g * kGroup + r] = acc;
+    std::fill(acc.begin(), acc.end(), 0.f);
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* gb = packed + (g * nb + b) * gbytes;
+      for (int64_t r = 0; r < kGroup; ++r) {
+        decode(qt, gb, r, w);
+        for (int64_t m = 0; m < M; ++m) acc[m * kGroup + r] += dot_decoded(qt, w, x, m, b);
       }
+    }
+    for (int64_t r = 0; r < kGroup && g * kGroup + r < N; ++r)
+      for (int64_t m = 0; m < M; ++m) y[m * N + g * kGroup + r] = acc[m * kGroup + r];
   }
 }
 
 // ------------------------------------------------------------------ AVX2 path
+// Lane r of every vector is row r of the group: a 32-byte load of a [unit][row][4] field holds
+// 4 consecutive weights of each row; x's 4 matching int8 values are broadcast to all lanes, so
+// maddubs + madd leave row r's partial dot product in lane r. Scales of the 8 rows are one
+// float16 load (or int8 / 6-bit integers multiplied in). Signed weights (Q8_0, Q4_0, Q5_0) use
+// the sign trick: |w| (unsigned) times x with w's sign. x rows are taken MB at a time.
 #if defined(KVS_AVX2)
 
-// Accumulators of one pass: acc[r * MB + m] (8 float lanes) and accs[r * MB + m] (scalar terms:
-// the minimums' products).
-template <int MB>
-struct Acc {
-  __m256 v[kGroup * MB];
-  float s[kGroup * MB];
-};
-
-QL_INLINE __m256i nibbles32(const uint8_t* p) {      // 16 bytes -> 32 values (low, then high)
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0xF));
+QL_INLINE __m256i load32(const uint8_t* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
 }
-
-QL_INLINE __m256i bits32(const uint8_t* p) {          // u32 -> 0x10 in byte i where bit i is set
-  uint32_t v;
+QL_INLINE __m256 load_f16x8(const uint8_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+QL_INLINE __m256i bcast4(const int8_t* p) {   // x's 4 int8 values at p, in every lane
+  int32_t v;
   std::memcpy(&v, p, 4);
-  const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
-                                         0x0101010101010101, 0x0000000000000000);
-  __m256i b = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int32_t>(v)), shuf);
-  b = _mm256_or_si256(b, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
-  return _mm256_and_si256(_mm256_cmpeq_epi8(b, _mm256_set1_epi64x(-1)), _mm256_set1_epi8(0x10));
+  return _mm256_set1_epi32(v);
 }
-
-QL_INLINE __m256i dot_u8s8(__m256i u, __m256i s) {   // 8 int32 partial sums of u * s
+QL_INLINE __m256i udot(__m256i u, __m256i s) {   // lane r: sum of its 4 u8 x s8 products
   return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
 }
-
-// The 32-blocks: w unpacked once per row, then each x row of the pass.
-template <int64_t QT, int MB>
-QL_INLINE void block32(const uint8_t* w, const XQ& x, int64_t m0, int64_t b, int r, Acc<MB>& a) {
-  constexpr bool kMin = QT == kQ4_1 || QT == kQ5_1;
-  constexpr bool kSigned = !kMin;
-  const float dw = f16(w);
-  __m256i q;
-  if constexpr (QT == kQ8_0) {
-    q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 2));
-  } else if constexpr (QT == kQ4_0 || QT == kQ4_1) {
-    q = nibbles32(w + (kMin ? 4 : 2));
-  } else {
-    q = _mm256_or_si256(nibbles32(w + (kMin ? 8 : 6)), bits32(w + (kMin ? 4 : 2)));
-  }
-  if constexpr (QT == kQ4_0) q = _mm256_sub_epi8(q, _mm256_set1_epi8(8));
-  if constexpr (QT == kQ5_0) q = _mm256_sub_epi8(q, _mm256_set1_epi8(16));
-  const __m256i u = kSigned ? _mm256_sign_epi8(q, q) : q;
-  for (int m = 0; m < MB; ++m) {
-    __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + (m0 + m) * x.K + b * 32));
-    if constexpr (kSigned) xv = _mm256_sign_epi8(xv, q);
-    const float xd = x.d[(m0 + m) * x.nd + b];
-    a.v[r * MB + m] = _mm256_fmadd_ps(_mm256_set1_ps(dw * xd),
-                                      _mm256_cvtepi32_ps(dot_u8s8(u, xv)), a.v[r * MB + m]);
-    if constexpr (kMin)
-      a.s[r * MB + m] += f16(w + 2) * xd * static_cast<float>(x.s[(m0 + m) * x.ns + b]);
-  }
+// Bit `bit` of every byte moved to bit `to` (0x10 or 0x30 masks keep it / them).
+template <int kShiftRight, int kMask>
+QL_INLINE __m256i bit_at4(__m256i v) {
+  return _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(v, kShiftRight), 4),
+                          _mm256_set1_epi8(kMask));
 }
 
-// Q4_K / Q5_K: 8 sub-blocks of 32 with 6-bit scales (integer, in madd) and mins (via the sums).
 template <int64_t QT, int MB>
-QL_INLINE void block_k45(const uint8_t* w, const XQ& x, int64_t m0, int64_t b, int r,
-                         Acc<MB>& a) {
-  uint8_t sc[8], mn[8];
-  scale_min_k4(w + 4, sc, mn);
-  const uint8_t* qs = w + (QT == kQ5_K ? 48 : 16);
+QL_INLINE void group_block_legacy(const uint8_t* gb, const XQ& x, int64_t m0, int64_t b,
+                                  __m256 (&acc)[MB]) {
+  constexpr bool kMin = QT == kQ4_1 || QT == kQ5_1, kFive = QT == kQ5_0 || QT == kQ5_1;
+  constexpr bool kSigned = !kMin;
+  constexpr int64_t kQs = QT == kQ4_1 ? 32 : QT == kQ5_0 ? 48 : QT == kQ5_1 ? 64 : 16;
+  const __m256 d = load_f16x8(gb);
   __m256i qh = _mm256_setzero_si256();
-  if constexpr (QT == kQ5_K) qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 16));
+  if constexpr (kFive) qh = load32(gb + kLegacyQh + (kMin ? 16 : 0));
   __m256i sumi[MB];
   for (int m = 0; m < MB; ++m) sumi[m] = _mm256_setzero_si256();
   const __m256i m4 = _mm256_set1_epi8(0xF);
-  for (int j = 0; j < 4; ++j) {
-    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * j));
-    __m256i lo = _mm256_and_si256(raw, m4);
-    __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
-    if constexpr (QT == kQ5_K) {
-      const __m256i h5 = _mm256_set1_epi8(0x10);
-      lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(qh, 2 * j), 4), h5));
-      hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(qh, 2 * j + 1), 4), h5));
-    }
-    const __m256i s_lo = _mm256_set1_epi16(sc[2 * j]), s_hi = _mm256_set1_epi16(sc[2 * j + 1]);
+  auto chunk = [&](__m256i w, int c) {     // weights 4c .. 4c + 3 of each row
+    const __m256i u = kSigned ? _mm256_sign_epi8(w, w) : w;
     for (int m = 0; m < MB; ++m) {
-      const int8_t* xb = x.q + (m0 + m) * x.K + b * 256 + 64 * j;
-      const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb));
-      const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 32));
-      const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, x0), s_lo);
-      const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, x1), s_hi);
-      sumi[m] = _mm256_add_epi32(sumi[m], _mm256_add_epi32(p0, p1));
+      __m256i xv = bcast4(x.q + (m0 + m) * x.K + b * 32 + 4 * c);
+      if constexpr (kSigned) xv = _mm256_sign_epi8(xv, w);
+      sumi[m] = _mm256_add_epi32(sumi[m], udot(u, xv));
+    }
+  };
+  if constexpr (QT == kQ8_0) {
+#pragma GCC unroll 8
+    for (int c = 0; c < 8; ++c) chunk(load32(gb + kQs + 32 * c), c);
+  } else {
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) {
+      const __m256i raw = load32(gb + kQs + 32 * c);
+      __m256i lo = _mm256_and_si256(raw, m4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+      if constexpr (kFive) {
+        lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(qh, c), 4),
+                                                  _mm256_set1_epi8(0x10)));
+        hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(qh, c + 4), 4),
+                                                  _mm256_set1_epi8(0x10)));
+      }
+      if constexpr (QT == kQ4_0) {
+        lo = _mm256_sub_epi8(lo, _mm256_set1_epi8(8));
+        hi = _mm256_sub_epi8(hi, _mm256_set1_epi8(8));
+      } else if constexpr (QT == kQ5_0) {
+        lo = _mm256_sub_epi8(lo, _mm256_set1_epi8(16));
+        hi = _mm256_sub_epi8(hi, _mm256_set1_epi8(16));
+      }
+      chunk(lo, c);
+      chunk(hi, c + 4);
     }
   }
-  const float d = f16(w), dmin = f16(w + 2);
+  __m256 mv = _mm256_setzero_ps();
+  if constexpr (kMin) mv = load_f16x8(gb + kOffM);
   for (int m = 0; m < MB; ++m) {
-    const int32_t* bs = x.s + (m0 + m) * x.ns + b * 16;
-    int32_t msum = 0;
-    for (int j = 0; j < 8; ++j) msum += mn[j] * (bs[2 * j] + bs[2 * j + 1]);
     const float xd = x.d[(m0 + m) * x.nd + b];
-    a.v[r * MB + m] = _mm256_fmadd_ps(_mm256_set1_ps(d * xd), _mm256_cvtepi32_ps(sumi[m]),
-                                      a.v[r * MB + m]);
-    a.s[r * MB + m] -= dmin * xd * static_cast<float>(msum);
+    acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(xd)), _mm256_cvtepi32_ps(sumi[m]),
+                             acc[m]);
+    if constexpr (kMin)
+      acc[m] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xd * static_cast<float>(x.s[(m0 + m) * x.ns + b])),
+                               acc[m]);
   }
 }
 
-// Q6_K: 16 groups of 16 with int8 scales; q - 32 as q (unsigned, maddubs) minus 32 * the sums.
-template <int MB>
-QL_INLINE void block_q6k(const uint8_t* w, const XQ& x, int64_t m0, int64_t b, int r,
-                         Acc<MB>& a) {
-  const int8_t* sc = reinterpret_cast<const int8_t*>(w + 192);
+// int16 pairs (v, v) per lane from int32 lanes v (small): madd then scales a pair sum by v.
+QL_INLINE __m256i dup16(__m256i v32) { return _mm256_or_si256(v32, _mm256_slli_epi32(v32, 16)); }
+QL_INLINE __m256i pair16(int32_t lo, int32_t hi) {    // (lo, hi) int16 in every lane
+  return _mm256_set1_epi32(static_cast<int32_t>((static_cast<uint32_t>(hi) << 16) |
+                                                (static_cast<uint32_t>(lo) & 0xFFFF)));
+}
+
+// Q4_K / Q5_K: madd multiplies each sub-block's pair sums by the lane's scale (int16 pairs),
+// so a super-block is one int32 sum per lane; the minimums, by madd of (min, min) pairs with
+// x's 32-sums.
+template <int64_t QT, int MB>
+QL_INLINE void group_block_k45(const uint8_t* gb, const XQ& x, int64_t m0, int64_t b,
+                               __m256 (&acc)[MB]) {
+  constexpr int64_t kQs = QT == kQ5_K ? kK5Qs : kK4Qs;
+  const __m256i m4 = _mm256_set1_epi8(0xF);
   __m256i sumi[MB];
   for (int m = 0; m < MB; ++m) sumi[m] = _mm256_setzero_si256();
-  const __m256i m4 = _mm256_set1_epi8(0xF), m3 = _mm256_set1_epi8(0x30);
-  for (int h = 0; h < 2; ++h) {
-    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 128 + 32 * h));
-    const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 64 * h));
-    const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 64 * h + 32));
-    for (int t = 0; t < 4; ++t) {
-      const __m256i lb = (t & 1) ? l1 : l0;
-      const __m256i lo = t < 2 ? _mm256_and_si256(lb, m4)
-                               : _mm256_and_si256(_mm256_srli_epi16(lb, 4), m4);
-      const __m256i hb = _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(qh, 2 * t), 4), m3);
-      const __m256i q = _mm256_or_si256(lo, hb);
-      const int g = 8 * h + 2 * t;
-      const __m256i s = _mm256_set_m128i(_mm_set1_epi16(sc[g + 1]), _mm_set1_epi16(sc[g]));
+  for (int j = 0; j < 4; ++j) {
+    const auto scale = [&](int s) {
+      return dup16(_mm256_cvtepu8_epi32(
+          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(gb + kKScales + 8 * s))));
+    };
+    const __m256i s_lo = scale(2 * j), s_hi = scale(2 * j + 1);
+#pragma GCC unroll 8
+    for (int c = 0; c < 8; ++c) {
+      const __m256i raw = load32(gb + kQs + 32 * (8 * j + c));
+      __m256i lo = _mm256_and_si256(raw, m4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+      if constexpr (QT == kQ5_K) {
+        const __m256i qh = load32(gb + kK5Qh + 32 * c);
+        const __m256i h = _mm256_set1_epi8(0x10);
+        lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(qh, 2 * j), 4), h));
+        hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(qh, 2 * j + 1), 4), h));
+      }
       for (int m = 0; m < MB; ++m) {
-        const __m256i xv = _mm256_loadu_si256(
-            reinterpret_cast<const __m256i*>(x.q + (m0 + m) * x.K + b * 256 + 128 * h + 32 * t));
-        sumi[m] = _mm256_add_epi32(sumi[m], _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), s));
+        const int8_t* xb = x.q + (m0 + m) * x.K + b * 256 + 64 * j + 4 * c;
+        sumi[m] = _mm256_add_epi32(sumi[m], _mm256_add_epi32(
+            _mm256_madd_epi16(_mm256_maddubs_epi16(lo, bcast4(xb)), s_lo),
+            _mm256_madd_epi16(_mm256_maddubs_epi16(hi, bcast4(xb + 32)), s_hi)));
       }
     }
   }
-  const float d = f16(w + 208);
+  const __m256 d = load_f16x8(gb), dmin = load_f16x8(gb + kOffM);
   for (int m = 0; m < MB; ++m) {
     const int32_t* bs = x.s + (m0 + m) * x.ns + b * 16;
-    int32_t off = 0;
-    for (int g = 0; g < 16; ++g) off += sc[g] * bs[g];
-    // The offset joins the integer sum (lane 0), so one float product per block.
-    const __m256i total = _mm256_add_epi32(sumi[m], _mm256_setr_epi32(-32 * off, 0, 0, 0, 0, 0, 0, 0));
-    const float xd = x.d[(m0 + m) * x.nd + b];
-    a.v[r * MB + m] = _mm256_fmadd_ps(_mm256_set1_ps(d * xd), _mm256_cvtepi32_ps(total),
-                                      a.v[r * MB + m]);
+    __m256i msum = _mm256_setzero_si256();
+    for (int p = 0; p < 4; ++p) {
+      const __m256i mins = _mm256_cvtepu8_epi16(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(gb + kKMins + 16 * p)));
+      msum = _mm256_add_epi32(msum, _mm256_madd_epi16(
+          mins, pair16(bs[4 * p] + bs[4 * p + 1], bs[4 * p + 2] + bs[4 * p + 3])));
+    }
+    const __m256 xd = _mm256_set1_ps(x.d[(m0 + m) * x.nd + b]);
+    acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(d, xd), _mm256_cvtepi32_ps(sumi[m]), acc[m]);
+    acc[m] = _mm256_fnmadd_ps(_mm256_mul_ps(dmin, xd), _mm256_cvtepi32_ps(msum), acc[m]);
   }
 }
 
-template <int64_t QT, int MB>
-QL_INLINE void block_any(const uint8_t* w, const XQ& x, int64_t m0, int64_t b, int r, Acc<MB>& a) {
-  if constexpr (QT == kQ4_K || QT == kQ5_K) block_k45<QT, MB>(w, x, m0, b, r, a);
-  else if constexpr (QT == kQ6_K) block_q6k<MB>(w, x, m0, b, r, a);
-  else block32<QT, MB>(w, x, m0, b, r, a);
+// Q6_K: q (0..63) with x, each 16-weight group's pair sums scaled by the lane's int8 scale in
+// madd; the -32 offset is 32 x (scale, scale) pairs madd x's 16-sums, subtracted once.
+template <int MB>
+QL_INLINE void group_block_q6k(const uint8_t* gb, const XQ& x, int64_t m0, int64_t b,
+                               __m256 (&acc)[MB]) {
+  const __m256i m4 = _mm256_set1_epi8(0xF), m3 = _mm256_set1_epi8(0x30);
+  __m256i sumi[MB];
+  for (int m = 0; m < MB; ++m) sumi[m] = _mm256_setzero_si256();
+  const auto pairs = [&](int p) {      // lane r: (sc[2p][r], sc[2p+1][r]) int16
+    return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gb + kQ6Sc + 16 * p)));
+  };
+  for (int h = 0; h < 2; ++h)
+    for (int t = 0; t < 4; ++t) {
+      const __m256i pr = pairs(4 * h + t);           // groups g = 8h + 2t and g + 1
+      const __m256i s_a = _mm256_blend_epi16(pr, _mm256_slli_epi32(pr, 16), 0xAA);
+      const __m256i s_b = _mm256_blend_epi16(_mm256_srli_epi32(pr, 16), pr, 0xAA);
+#pragma GCC unroll 8
+      for (int c = 0; c < 8; ++c) {
+        const __m256i lb = load32(gb + kQ6Ql + 32 * ((2 * h + (t & 1)) * 8 + c));
+        const __m256i qh = load32(gb + kQ6Qh + 32 * (8 * h + c));
+        const __m256i lo = t < 2 ? _mm256_and_si256(lb, m4)
+                                 : _mm256_and_si256(_mm256_srli_epi16(lb, 4), m4);
+        const __m256i q = _mm256_or_si256(
+            lo, _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(qh, 2 * t), 4), m3));
+        const __m256i sv = c < 4 ? s_a : s_b;
+        for (int m = 0; m < MB; ++m)
+          sumi[m] = _mm256_add_epi32(sumi[m], _mm256_madd_epi16(_mm256_maddubs_epi16(
+              q, bcast4(x.q + (m0 + m) * x.K + b * 256 + 128 * h + 32 * t + 4 * c)), sv));
+      }
+    }
+  const __m256 d = load_f16x8(gb);
+  for (int m = 0; m < MB; ++m) {
+    const int32_t* bs = x.s + (m0 + m) * x.ns + b * 16;
+    __m256i off = _mm256_setzero_si256();
+    for (int p = 0; p < 8; ++p)
+      off = _mm256_add_epi32(off, _mm256_madd_epi16(pairs(p), pair16(bs[2 * p], bs[2 * p + 1])));
+    const __m256i total = _mm256_sub_epi32(sumi[m], _mm256_slli_epi32(off, 5));
+    acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(x.d[(m0 + m) * x.nd + b])),
+                             _mm256_cvtepi32_ps(total), acc[m]);
+  }
 }
 
-// One group of 4 rows against x rows m0 .. m0 + MB - 1.
+// One group of 8 rows against x rows m0 .. m0 + MB - 1, every block.
 template <int64_t QT, int MB>
 __attribute__((noinline)) void pass_avx2(const uint8_t* wg, const XQ& x, int64_t nb,
-                                         int64_t bytes, int64_t block, int64_t m0, float* y,
-                                         int64_t N, int64_t n0) {
-  Acc<MB> a;
-  for (int i = 0; i < kGroup * MB; ++i) {
-    a.v[i] = _mm256_setzero_ps();
-    a.s[i] = 0.f;
-  }
-  (void)block;
+                                         int64_t gbytes, int64_t m0, float* y, int64_t N,
+                                         int64_t n0) {
+  __m256 acc[MB];
+  for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* wb = wg + b * kGroup * bytes;
-    _mm_prefetch(reinterpret_cast<const char*>(wb) + 1024, _MM_HINT_T0);
-    for (int r = 0; r < kGroup; ++r) block_any<QT, MB>(wb + r * bytes, x, m0, b, r, a);
+    const uint8_t* gb = wg + b * gbytes;
+    if constexpr (QT == kQ4_K || QT == kQ5_K) group_block_k45<QT, MB>(gb, x, m0, b, acc);
+    else if constexpr (QT == kQ6_K) group_block_q6k<MB>(gb, x, m0, b, acc);
+    else group_block_legacy<QT, MB>(gb, x, m0, b, acc);
   }
-  for (int r = 0; r < kGroup && n0 + r < N; ++r)
-    for (int m = 0; m < MB; ++m)
-      y[(m0 + m) * N + n0 + r] = kvs_avx2::hsum8(a.v[r * MB + m]) + a.s[r * MB + m];
+  for (int m = 0; m < MB; ++m) {
+    float* out = y + (m0 + m) * N + n0;
+    if (n0 + kGroup <= N) {
+      _mm256_storeu_ps(out, acc[m]);
+    } else {
+      alignas(32) float tmp[8];
+      _mm256_store_ps(tmp, acc[m]);
+      for (int64_t r = 0; n0 + r < N; ++r) out[r] = tmp[r];
+    }
+  }
 }
+
+// x rows per pass: the group's bytes stay in L1 between passes.
+template <int64_t QT>
+constexpr int kPassRows = 4;
 
 template <int64_t QT>
 void run_avx2_t(const Format& f, const uint8_t* packed, const XQ& x, float* y, int64_t M,
                 int64_t N, int64_t g0, int64_t g1) {
-  const int64_t nb = x.K / f.block;
+  constexpr int P = kPassRows<QT>;
+  const int64_t nb = x.K / f.block, gbytes = f.gbytes;
   for (int64_t g = g0; g < g1; ++g) {
-    const uint8_t* wg = packed + g * nb * kGroup * f.bytes;
+    const uint8_t* wg = packed + g * nb * gbytes;
     int64_t m0 = 0;
-    for (; m0 + 2 <= M; m0 += 2) pass_avx2<QT, 2>(wg, x, nb, f.bytes, f.block, m0, y, N, g * kGroup);
-    if (m0 < M) pass_avx2<QT, 1>(wg, x, nb, f.bytes, f.block, m0, y, N, g * kGroup);
+    for (; m0 + P <= M; m0 += P) pass_avx2<QT, P>(wg, x, nb, gbytes, m0, y, N, g * kGroup);
+    switch (M - m0) {
+      case 3: if constexpr (P > 3) pass_avx2<QT, 3>(wg, x, nb, gbytes, m0, y, N, g * kGroup); break;
+      case 2: if constexpr (P > 2) pass_avx2<QT, 2>(wg, x, nb, gbytes, m0, y, N, g * kGroup); break;
+      case 1: pass_avx2<QT, 1>(wg, x, nb, gbytes, m0, y, N, g * kGroup); break;
+      default: break;
+    }
   }
 }
 
@@ -442,55 +534,24 @@ void run_avx2(int64_t qt, const Format& f, const uint8_t* packed, const XQ& x, f
 #endif  // KVS_AVX2
 
 // ------------------------------------------------------------------ dequantization
-// One block -> float32, the same float32 operations as gguf.quants (products of a float16
-// scale and small integers are exact, so FMA contraction changes no bits).
+// One row of a group-block -> float32 with gguf.quants' float32 operations in its order
+// (products of a float16 scale and small integers are exact, so FMA contraction changes no
+// bits; the _1 minimum and the K-quants' dmin * min are one rounding each, as there).
 
-void dequant_block(int64_t qt, const uint8_t* w, float* out) {
+void dequant_row(int64_t qt, const uint8_t* gb, int64_t r, float* out) {
+  Decoded w;
+  decode(qt, gb, r, w);
   if (qt == kQ6_K) {
-    const int8_t* sc = reinterpret_cast<const int8_t*>(w + 192);
-    const float d = f16(w + 208);
-    for (int h = 0; h < 2; ++h)
-      for (int t = 0; t < 4; ++t)
-        for (int l = 0; l < 32; ++l) {
-          const uint8_t lb = w[64 * h + 32 * (t & 1) + l];
-          const int lo = (t < 2 ? lb : lb >> 4) & 0xF;
-          const int v = (lo | (((w[128 + 32 * h + l] >> (2 * t)) & 3) << 4)) - 32;
-          const int i = 128 * h + 32 * t + l;
-          out[i] = (d * static_cast<float>(sc[i / 16])) * static_cast<float>(v);
-        }
-    return;
-  }
-  if (qt == kQ4_K || qt == kQ5_K) {
-    uint8_t sc[8], mn[8];
-    scale_min_k4(w + 4, sc, mn);
-    const float d = f16(w), dmin = f16(w + 2);
-    const uint8_t* qs = w + (qt == kQ5_K ? 48 : 16);
+    for (int k = 0; k < 256; ++k) out[k] = (w.d * static_cast<float>(w.sc[k / 16])) * w.q[k];
+  } else if (is_k(qt)) {
     for (int j = 0; j < 8; ++j) {
-      const float ds = d * static_cast<float>(sc[j]), dm = dmin * static_cast<float>(mn[j]);
-      for (int l = 0; l < 32; ++l) {
-        const uint8_t byte = qs[32 * (j / 2) + l];
-        int v = (j & 1) ? byte >> 4 : byte & 0xF;
-        if (qt == kQ5_K) v |= ((w[16 + l] >> j) & 1) << 4;
-        out[32 * j + l] = ds * static_cast<float>(v) - dm;
-      }
+      const float ds = w.d * static_cast<float>(w.sc[j]), dm = w.m * static_cast<float>(w.mn[j]);
+      for (int l = 0; l < 32; ++l) out[32 * j + l] = ds * static_cast<float>(w.q[32 * j + l]) - dm;
     }
-    return;
-  }
-  const float d = f16(w);
-  if (qt == kQ8_0) {
-    for (int i = 0; i < 32; ++i) out[i] = static_cast<float>(static_cast<int8_t>(w[2 + i])) * d;
-    return;
-  }
-  const bool has_min = qt == kQ4_1 || qt == kQ5_1, five = qt == kQ5_0 || qt == kQ5_1;
-  const float mv = has_min ? f16(w + 2) : 0.f;
-  const uint8_t* qs = w + (has_min ? 4 : 2) + (five ? 4 : 0);
-  uint32_t qh = 0;
-  if (five) std::memcpy(&qh, w + (has_min ? 4 : 2), 4);
-  const int off = qt == kQ4_0 ? 8 : qt == kQ5_0 ? 16 : 0;
-  for (int i = 0; i < 32; ++i) {
-    int v = i < 16 ? (qs[i] & 0xF) : (qs[i - 16] >> 4);
-    if (five) v |= ((qh >> i) & 1) << 4;
-    out[i] = has_min ? d * static_cast<float>(v) + mv : d * static_cast<float>(v - off);
+  } else if (qt == kQ4_1 || qt == kQ5_1) {
+    for (int k = 0; k < 32; ++k) out[k] = w.d * static_cast<float>(w.q[k]) + w.m;
+  } else {
+    for (int k = 0; k < 32; ++k) out[k] = w.d * static_cast<float>(w.q[k]);
   }
 }
 
@@ -498,14 +559,14 @@ void dequant_block(int64_t qt, const uint8_t* w, float* out) {
 
 void check_packed(const at::Tensor& packed, const Format& f, int64_t N, int64_t K) {
   TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kByte &&
-                  packed.is_contiguous() && packed.dim() == 4,
-              "quant_linear: packed must be a contiguous uint8 CPU tensor [G, K/B, 4, T]");
+                  packed.is_contiguous() && packed.dim() == 3,
+              "quant_linear: packed must be a contiguous uint8 CPU tensor [G, K/B, 8*T]");
   TORCH_CHECK(K % f.block == 0, "quant_linear: K = ", K, " is not a multiple of the block size ",
               f.block);
   TORCH_CHECK(packed.size(0) == (N + kGroup - 1) / kGroup && packed.size(1) == K / f.block &&
-                  packed.size(2) == kGroup && packed.size(3) == f.bytes,
+                  packed.size(2) == f.gbytes,
               "quant_linear: packed has shape ", packed.sizes(), ", expected [",
-              (N + kGroup - 1) / kGroup, ", ", K / f.block, ", 4, ", f.bytes, "] for N = ", N,
+              (N + kGroup - 1) / kGroup, ", ", K / f.block, ", ", f.gbytes, "] for N = ", N,
               ", K = ", K);
 }
 
@@ -541,7 +602,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t q
   const uint8_t* w = packed.data_ptr<uint8_t>();
   float* out = y.data_ptr<float>();
   const int64_t groups = packed.size(0);
-  const int64_t group_bytes = kGroup * (K / f.block) * f.bytes;
+  const int64_t group_bytes = (K / f.block) * f.gbytes;
   const int64_t grain = std::max<int64_t>(1, kMinBytesPerTask / group_bytes);
   at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
 #if defined(KVS_AVX2)
@@ -575,7 +636,7 @@ at::Tensor quant_linear_generic(const at::Tensor& x, const at::Tensor& packed, i
 at::Tensor quant_dequantize(const at::Tensor& packed, int64_t qtype, int64_t N, int64_t row0,
                             int64_t row1) {
   const Format f = format_of(qtype);
-  TORCH_CHECK(packed.dim() == 4, "quant_dequantize: packed must be [G, K/B, 4, T]");
+  TORCH_CHECK(packed.dim() == 3, "quant_dequantize: packed must be [G, K/B, 8*T]");
   const int64_t K = packed.size(1) * f.block;
   check_packed(packed, f, N, K);
   TORCH_CHECK(0 <= row0 && row0 <= row1 && row1 <= N, "quant_dequantize: rows [", row0, ", ",
@@ -587,13 +648,11 @@ at::Tensor quant_dequantize(const at::Tensor& packed, int64_t qtype, int64_t N, 
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(K, 1));
   at::parallel_for(row0, row1, grain, [&](int64_t r0, int64_t r1) {
     for (int64_t n = r0; n < r1; ++n) {
-      const uint8_t* wg = packed.data_ptr<uint8_t>() + (n / kGroup) * nb * kGroup * f.bytes;
+      const uint8_t* wg = w + (n / kGroup) * nb * f.gbytes;
       for (int64_t b = 0; b < nb; ++b)
-        dequant_block(qtype, wg + (b * kGroup + n % kGroup) * f.bytes,
-                      o + (n - row0) * K + b * f.block);
+        dequant_row(qtype, wg + b * f.gbytes, n % kGroup, o + (n - row0) * K + b * f.block);
     }
   });
-  (void)w;
   return out;
 }
 

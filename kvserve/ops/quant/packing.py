@@ -1,7 +1,8 @@
 """Repacking GGUF rows into the kernels' layout, and dequantizing blocks with torch.
 
     raw     [N, K / block_size * type_size] uint8   rows of blocks, as gguf's GGUFReader gives
-    packed  [ceil(N / 4), K / block_size, 4, type_size] uint8   rows interleaved by 4 (formats.py)
+    packed  [ceil(N / 8), K / block_size, group_block_bytes] uint8   8 rows interleaved
+            (formats.py: 8 * type_size bytes, Q4_K / Q5_K 32 more for their decoded scales)
 
 dequantize_blocks is the portable dequantizer (torch ops, any device): the fallback where no
 C++ kernel is built, and the embedding gather. It does gguf.quants' float32 operations in the
@@ -15,7 +16,7 @@ from typing import Union
 import numpy as np
 import torch
 
-from kvserve.ops.quant.formats import ROW_GROUP, BlockFormat
+from kvserve.ops.quant.formats import K_SCALES_BYTES, ROW_GROUP, BlockFormat
 
 ArrayLike = Union[np.ndarray, torch.Tensor]
 
@@ -37,32 +38,94 @@ def as_raw_rows(raw: ArrayLike, fmt: BlockFormat, shape: tuple[int, int]) -> tor
     return t.reshape(n, row_bytes)
 
 
+def _high_bit_order() -> tuple[torch.Tensor, torch.Tensor]:
+    """Q5_0 / Q5_1's u32 of high bits: packed bit 8i + c is GGUF bit 4c + i (weight 4c + i, the
+    i-th of chunk c), so chunk c's 4 bits are bit c of the row's 4 bytes. (perm, inverse)."""
+    perm = torch.tensor([4 * c + i for i in range(4) for c in range(8)])
+    return perm, torch.argsort(perm)
+
+
+def _reorder_bits(qh: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """[..., 4] bytes (a little-endian u32) -> the same with bit j taken from bit order[j]."""
+    shifts = torch.arange(8, dtype=torch.uint8)
+    bits = ((qh.unsqueeze(-1) >> shifts) & 1).reshape(*qh.shape[:-1], 32)[..., order]
+    return (bits.reshape(*qh.shape[:-1], 4, 8) << shifts).sum(-1, dtype=torch.uint8)
+
+
+def _k_scales_decoded(sc12: torch.Tensor) -> torch.Tensor:
+    """[G, 8 rows, nb, 12] packed 6-bit scales / mins -> [G, nb, 128]: scales [j][row], then
+    mins [j // 2][row][j % 2]."""
+    g, r, nb, _ = sc12.shape
+    sc, mn = (t.to(torch.uint8) for t in _scale_min_k4(sc12))   # [G, 8, nb, 8] each
+    scales = sc.permute(0, 2, 3, 1).reshape(g, nb, 64)
+    mins = mn.reshape(g, r, nb, 4, 2).permute(0, 2, 3, 1, 4).reshape(g, nb, 64)
+    return torch.cat((scales, mins), dim=-1)
+
+
+def _k_scales_packed(dec: torch.Tensor) -> torch.Tensor:
+    """_k_scales_decoded's inverse: [G, nb, 128] -> [G, 8 rows, nb, 12]."""
+    g, nb, _ = dec.shape
+    sc = dec[..., :64].reshape(g, nb, 8, ROW_GROUP).permute(0, 3, 1, 2)     # [G, 8, nb, j]
+    mn = dec[..., 64:].reshape(g, nb, 4, ROW_GROUP, 2).permute(0, 3, 1, 2, 4).reshape(
+        g, ROW_GROUP, nb, 8)
+    lo = (sc[..., :4] & 0x3F) | ((sc[..., 4:] >> 4) << 6)
+    mid = (mn[..., :4] & 0x3F) | ((mn[..., 4:] >> 4) << 6)
+    hi = (sc[..., 4:] & 0x0F) | ((mn[..., 4:] & 0x0F) << 4)
+    return torch.cat((lo, mid, hi), dim=-1)
+
+
 def pack_blocks(rows: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
-    """[N, row_bytes] uint8 -> packed [ceil(N/4), nb, 4, type_size]; padding rows are zero
-    blocks (a zero scale: they dequantize to 0)."""
+    """[N, row_bytes] uint8 -> packed [ceil(N/8), nb, 8 * type_size] (formats.py); padding rows
+    are zero blocks (a zero scale: they dequantize to 0)."""
     n, row_bytes = rows.shape
-    nb = row_bytes // fmt.type_size
-    groups = -(-n // ROW_GROUP)
-    packed = torch.zeros(groups, nb, ROW_GROUP, fmt.type_size, dtype=torch.uint8)
-    full = n // ROW_GROUP * ROW_GROUP
-    if full:
-        packed[: full // ROW_GROUP].copy_(
-            rows[:full].reshape(full // ROW_GROUP, ROW_GROUP, nb, fmt.type_size).transpose(1, 2))
-    if full < n:
-        packed[-1, :, : n - full].copy_(rows[full:].reshape(n - full, nb, fmt.type_size)
-                                        .transpose(0, 1))
-    return packed
+    nb, ts, r = row_bytes // fmt.type_size, fmt.type_size, ROW_GROUP
+    groups = -(-n // r)
+    blocks = torch.zeros(groups * r, nb, ts, dtype=torch.uint8)
+    blocks[:n] = rows.reshape(n, nb, ts)
+    if fmt.permuted_high_bits is not None:
+        o = fmt.permuted_high_bits
+        blocks[:n, :, o:o + 4] = _reorder_bits(blocks[:n, :, o:o + 4], _high_bit_order()[0])
+    blocks = blocks.view(groups, r, nb, ts)
+    parts = [_k_scales_decoded(blocks[..., off:off + length]) if width == 0 else
+             blocks[..., off:off + length].reshape(groups, r, nb, length // width, width)
+             .permute(0, 2, 3, 1, 4).reshape(groups, nb, r * length)
+             for off, length, width in fmt.fields]
+    return torch.cat(parts, dim=-1).contiguous()
 
 
-def unpack_rows(packed: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """The raw blocks of the given output rows: [len(rows), nb, type_size] uint8."""
-    return packed[rows // ROW_GROUP, :, rows % ROW_GROUP]
+def _unpack_groups(packed: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
+    """[G, nb, 8 * type_size] -> the GGUF blocks [G, 8, nb, type_size]."""
+    g, nb, _ = packed.shape
+    r = ROW_GROUP
+    blocks = torch.empty(g, r, nb, fmt.type_size, dtype=torch.uint8, device=packed.device)
+    pos = 0
+    for off, length, width in fmt.fields:
+        if width == 0:
+            blocks[..., off:off + length] = _k_scales_packed(packed[..., pos:pos + K_SCALES_BYTES])
+            pos += K_SCALES_BYTES
+            continue
+        blocks[..., off:off + length] = (packed[..., pos:pos + r * length]
+                                         .reshape(g, nb, length // width, r, width)
+                                         .permute(0, 3, 1, 2, 4).reshape(g, r, nb, length))
+        pos += r * length
+    if fmt.permuted_high_bits is not None:
+        o = fmt.permuted_high_bits
+        blocks[..., o:o + 4] = _reorder_bits(blocks[..., o:o + 4],
+                                             _high_bit_order()[1].to(packed.device))
+    return blocks
 
 
-def unpack_blocks(packed: torch.Tensor, n: int) -> torch.Tensor:
+def unpack_rows(packed: torch.Tensor, rows: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
+    """The GGUF blocks of the given output rows: [len(rows), nb, type_size] uint8."""
+    groups = _unpack_groups(packed[rows // ROW_GROUP], fmt)     # [R, 8, nb, ts]
+    return groups[torch.arange(rows.numel(), device=rows.device), rows % ROW_GROUP]
+
+
+def unpack_blocks(packed: torch.Tensor, n: int, fmt: BlockFormat) -> torch.Tensor:
     """pack_blocks' inverse: [N, row_bytes] uint8 (a copy, padding dropped)."""
-    g, nb, r, ts = packed.shape
-    return packed.transpose(1, 2).reshape(g * r, nb * ts)[:n].contiguous()
+    blocks = _unpack_groups(packed, fmt)
+    g, r, nb, ts = blocks.shape
+    return blocks.reshape(g * r, nb * ts)[:n].contiguous()
 
 
 # ------------------------------------------------------------------- torch dequantization

@@ -35,8 +35,8 @@ CHUNK_ELEMS = 1 << 20
 
 @dataclass
 class PackedQuantWeight:
-    """A [N, K] weight in GGUF blocks of `fmt`, rows interleaved by 4 (formats.py):
-    packed [ceil(N/4), K / block_size, 4, type_size] uint8."""
+    """A [N, K] weight in GGUF blocks of `fmt`, 8 rows interleaved (formats.py):
+    packed [ceil(N/8), K / block_size, 8 * type_size] uint8."""
     fmt: BlockFormat
     shape: tuple[int, int]
     packed: torch.Tensor
@@ -75,7 +75,7 @@ class PackedQuantWeight:
 
     def raw_rows(self) -> torch.Tensor:
         """The GGUF blocks in file order, [N, row_bytes] uint8 (a copy)."""
-        return packing.unpack_blocks(self.packed, self.shape[0])
+        return packing.unpack_blocks(self.packed, self.shape[0], self.fmt)
 
     # ------------------------------------------------------------------ math
     def matmul(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -122,7 +122,7 @@ class PackedQuantWeight:
         ids = ids.reshape(-1).long()
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.shape[0]):
             raise IndexError(f"row ids outside [0, {self.shape[0]})")
-        blocks = packing.unpack_rows(self.packed, ids)             # [R, nb, type_size]
+        blocks = packing.unpack_rows(self.packed, ids, self.fmt)             # [R, nb, type_size]
         return packing.dequantize_blocks(blocks, self.fmt).reshape(ids.numel(), self.shape[1])
 
     # ------------------------------------------------------------------ tensor parallelism
