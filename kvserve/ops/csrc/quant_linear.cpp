@@ -48,6 +48,8 @@ namespace {
 constexpr int64_t kGroup = 8;          // output rows per work item (the packed interleave)
 // Minimum packed bytes per thread's share: below this the fork/join costs more than it gains.
 constexpr int64_t kMinBytesPerTask = 16384;
+// Software prefetch distance along the packed stream (the first x pass over a group).
+constexpr int64_t kPrefetchBytes = 2048;
 
 enum QType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8,
                        kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
@@ -323,20 +325,33 @@ QL_INLINE void group_block_legacy(const uint8_t* gb, const XQ& x, int64_t m0, in
   const __m256 d = load_f16x8(gb);
   __m256i qh = _mm256_setzero_si256();
   if constexpr (kFive) qh = load32(gb + kLegacyQh + (kMin ? 16 : 0));
-  __m256i sumi[MB];
-  for (int m = 0; m < MB; ++m) sumi[m] = _mm256_setzero_si256();
+  // maddubs' int16 pair sums are added in int16 for kFlush chunks, then widened by one madd:
+  // |w| <= 16 (Q4_0, Q4_1, Q5_0) keeps 8 chunks under 2^15 (8 x 2 x 16 x 127), Q5_1 (<= 31)
+  // 4 chunks, Q8_0 (<= 128) one.
+  constexpr int kFlush = QT == kQ8_0 ? 1 : QT == kQ5_1 ? 4 : 8;
+  __m256i sumi[MB], s16[MB];
+  for (int m = 0; m < MB; ++m) sumi[m] = s16[m] = _mm256_setzero_si256();
   const __m256i m4 = _mm256_set1_epi8(0xF);
   auto chunk = [&](__m256i w, int c) {     // weights 4c .. 4c + 3 of each row
     const __m256i u = kSigned ? _mm256_sign_epi8(w, w) : w;
     for (int m = 0; m < MB; ++m) {
       __m256i xv = bcast4(x.q + (m0 + m) * x.K + b * 32 + 4 * c);
       if constexpr (kSigned) xv = _mm256_sign_epi8(xv, w);
-      sumi[m] = _mm256_add_epi32(sumi[m], udot(u, xv));
+      s16[m] = _mm256_add_epi16(s16[m], _mm256_maddubs_epi16(u, xv));
+    }
+  };
+  auto flush = [&]() {
+    for (int m = 0; m < MB; ++m) {
+      sumi[m] = _mm256_add_epi32(sumi[m], _mm256_madd_epi16(s16[m], _mm256_set1_epi16(1)));
+      s16[m] = _mm256_setzero_si256();
     }
   };
   if constexpr (QT == kQ8_0) {
 #pragma GCC unroll 8
-    for (int c = 0; c < 8; ++c) chunk(load32(gb + kQs + 32 * c), c);
+    for (int c = 0; c < 8; ++c) {
+      chunk(load32(gb + kQs + 32 * c), c);
+      flush();
+    }
   } else {
 #pragma GCC unroll 4
     for (int c = 0; c < 4; ++c) {
@@ -357,7 +372,9 @@ QL_INLINE void group_block_legacy(const uint8_t* gb, const XQ& x, int64_t m0, in
       }
       chunk(lo, c);
       chunk(hi, c + 4);
+      if constexpr (kFlush == 4) if (c % 2 == 1) flush();
     }
+    if constexpr (kFlush == 8) flush();
   }
   __m256 mv = _mm256_setzero_ps();
   if constexpr (kMin) mv = load_f16x8(gb + kOffM);
@@ -479,6 +496,9 @@ __attribute__((noinline)) void pass_avx2(const uint8_t* wg, const XQ& x, int64_t
   for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* gb = wg + b * gbytes;
+    if (m0 == 0)   // the first pass reads memory: keep the stream kPrefetchBytes ahead
+      for (int64_t o = 0; o < gbytes; o += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(gb) + kPrefetchBytes + o, _MM_HINT_T1);
     if constexpr (QT == kQ4_K || QT == kQ5_K) group_block_k45<QT, MB>(gb, x, m0, b, acc);
     else if constexpr (QT == kQ6_K) group_block_q6k<MB>(gb, x, m0, b, acc);
     else group_block_legacy<QT, MB>(gb, x, m0, b, acc);
