@@ -94,6 +94,8 @@ def per_token(rows: list[dict[str, Any]]) -> None:
     calls = {label: c for label, _, _, c in SHAPES}
     for qtype in sorted({r["type"] for r in rows}):
         sel = [r for r in rows if r["type"] == qtype and r["m"] == 1]
+        if not sel:
+            continue
         i8 = sum(calls[r["shape"]] * r["int8_s"] for r in sel)
         f32 = sum(calls[r["shape"]] * r["f32_s"] for r in sel)
         qb = sum(calls[r["shape"]] * r["packed_bytes"] for r in sel)
@@ -108,7 +110,7 @@ def large_batches(args: argparse.Namespace, ops: Any) -> list[dict[str, Any]]:
     rng = np.random.default_rng(1)
     rows: list[dict[str, Any]] = []
     print(f"\n{'type':>5} {'shape':>8} {'M':>4} {'int8 us':>9} {'deq+gemm us':>11} "
-          f"{'f32 packed us':>13} {'int8/deq':>8}")
+          f"{'f32 packed us':>13} {'deq/int8':>8}")
     for qtype in args.types:
         fmt = FORMATS[qtype]
         for label, n, k, _ in SHAPES:
@@ -135,7 +137,7 @@ def large_batches(args: argparse.Namespace, ops: Any) -> list[dict[str, Any]]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--types", nargs="+", default=["Q4_1", "Q8_0", "Q5_0", "Q4_K", "Q6_K"])
-    p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8])
+    p.add_argument("--rows", type=int, nargs="*", default=[1, 2, 4, 8])
     p.add_argument("--large-rows", type=int, nargs="*", default=[16, 64, 256])
     p.add_argument("--lm-head-large", action="store_true", help="the LM head at large M too")
     p.add_argument("--threads", type=int, default=1)
@@ -151,7 +153,7 @@ def main() -> None:
     print(f"tier {cpu_isa.selected_tier()}: int8 kernel {kernel.isa()}; float32 kernel "
           f"{kl.cpu_kernel_isa()}; threads {torch.get_num_threads()}, {args.stat} of "
           f"{args.iters}, clock {args.clock}")
-    rows = small_batches(args, ops)
+    rows = small_batches(args, ops) if args.rows else []
     per_token(rows)
     if args.large_rows:
         rows += large_batches(args, ops)

@@ -40,7 +40,7 @@ GGUF_QUANTIZERS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
 # (N, K): N odd and below / between multiples of the 4-row interleave; K block multiples only.
 SHAPES_32 = [(1, 32), (5, 64), (37, 576), (64, 1536)]
 SHAPES_256 = [(1, 256), (7, 512), (37, 1536)]
-ROWS = [1, 2, 3, 4, 5, 6, 7, 8]
+ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 13]
 
 
 def _f16_bytes(a: np.ndarray) -> np.ndarray:
@@ -199,8 +199,9 @@ def test_kernel_built_for_the_selected_tier() -> None:
 @pytest.mark.parametrize("name,shape,source", cases())
 def test_kernel_matches_float64_reference(ops, name: str, shape: tuple[int, int],
                                           source: str) -> None:
-    """The tier's int8 path (ops.linear) and the portable one (linear_generic) at M = 1..8,
-    with the padding rows poisoned with NaN scales and x a slice of a NaN-filled buffer."""
+    """The tier's int8 path (ops.linear) and the portable one (linear_generic) at M = 1..8 and
+    13 (passes of 4 x rows and a remainder), with the padding rows poisoned with NaN scales and
+    x a slice of a NaN-filled buffer."""
     n, k = shape
     raw = make_raw(name, n, k, source=source)
     w = PackedQuantWeight.from_gguf(name, raw, shape)
@@ -228,9 +229,10 @@ def float_reference(x: np.ndarray, raw: np.ndarray, name: str,
 @pytest.mark.parametrize("m", [9, 33])
 def test_large_batches_dequantize_into_a_float_gemm(name: str, m: int,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    """Above SMALL_BATCH_MAX_ROWS: float32 chunks of the weight (several here: CHUNK_ELEMS is
-    lowered) into torch's GEMM, x unquantized; padding poisoned."""
+    """The float path (above INT8_MAX_ROWS, lowered here to 8): float32 chunks of the weight
+    (several: CHUNK_ELEMS is lowered too) into torch's GEMM, x unquantized; padding poisoned."""
     monkeypatch.setattr(qweight, "CHUNK_ELEMS", 8 * 512)
+    monkeypatch.setattr(qweight, "INT8_MAX_ROWS", 8)
     shape = (37, 512)
     raw = make_raw(name, *shape)
     w = PackedQuantWeight.from_gguf(name, raw, shape)
@@ -267,9 +269,11 @@ def test_shards_recombine_to_the_whole(name: str, world: int) -> None:
     shape = (8 * world, k)
     raw = make_raw(name, *shape)
     w = PackedQuantWeight.from_gguf(name, raw, shape)
-    xn = activations(12, k, seed=1)                      # the float path
+    xn = activations(12, k, seed=1)
     x = torch.from_numpy(xn)
-    ref, bound = float_reference(xn, raw, name, shape)
+    # The int8 kernel where built (shards cut on x's int8 blocks too, so the same blocks).
+    ref, bound = (reference_matmul(xn, raw, FORMATS[name], shape) if kernel.ops() is not None
+                  else float_reference(xn, raw, name, shape))
     cols = torch.cat([w.shard(0, r, world).matmul(x) for r in range(world)], dim=1)
     check_close(cols, ref, bound, "column-parallel shards")
     parts = [w.shard(1, r, world) for r in range(world)]

@@ -3,13 +3,20 @@
     w = PackedQuantWeight.from_gguf("Q4_K", raw, (N, K))   # raw: GGUFReader's uint8 blocks
     y = w.matmul(x)                                        # x [..., K] -> [..., N]
 
-matmul dispatches by the number of rows of x:
-- up to SMALL_BATCH_MAX_ROWS (decode, speculative verification): the int8 kernel, a stream over
-  the packed bytes (0.56 - 1.06 bytes a weight instead of float32's 4);
-- more (prefill, large decode batches): the weight dequantized CHUNK_ELEMS floats at a time
-  into a float32 temporary that torch's GEMM multiplies (compute-bound there; see
-  benchmarks/quant_kernels.py for the measured crossover);
-- no kernel (not x86-64, no compiler, disabled): the same chunks dequantized with torch ops.
+matmul on CPU with the kernel built runs the int8 kernel for every batch size up to
+INT8_MAX_ROWS (x quantized per block to int8, integer dot products; as llama.cpp does for all
+batch sizes on CPU). At M = 1..8 it is a stream over the packed bytes (0.56 - 1.06 bytes a weight
+instead of float32's 4). For larger batches the alternative is the weight dequantized
+CHUNK_ELEMS floats at a time into a float32 temporary for torch's GEMM
+(_dequantized_matmul); measured on the SmolLM2 shapes (benchmarks/quant_kernels.py, 1 thread,
+AVX2 EPYC) the int8 kernel is faster at every M tried: 5-10x at M = 16, 2.7-4x at 64, 1.9-2.4x
+at 256, 1.24-1.38x at 1024, and faster than the float32 weight prepacked for oneDNN as well
+(1.1x at 1024). Why: maddubs + madd make 32 int8 multiply-adds in two instructions where an
+FMA makes 8 float32 ones; a group of 8 packed rows stays in L1 while every x row passes over
+it; and the float path pays a dequantization per call on top of a GEMM. So the float path serves
+only batches above INT8_MAX_ROWS (None: none, on this evidence), x on another device, and
+builds without the kernel (not x86-64, no compiler, KVSERVE_DISABLE_CPU_KERNELS=1), where the
+chunks are dequantized with torch ops.
 
 It is shaped to become a variant of the CPU weight object (ops/cpu_weight.py): `matmul(x)`, the
 bytes a step streams (`streamable`, `nbytes`), and `shard` for tensor parallelism.
@@ -26,9 +33,8 @@ import torch.nn.functional as F
 from kvserve.ops.quant import kernel, packing
 from kvserve.ops.quant.formats import ROW_GROUP, BlockFormat, block_format
 
-# Largest row count of x that takes the int8 kernel (benchmarks/quant_kernels.py: at M = 16
-# the dequantize + GEMM path already wins on every SmolLM2 shape, see the module's notes).
-SMALL_BATCH_MAX_ROWS = 8
+# Largest row count of x that takes the int8 kernel; None: every batch (see the module doc).
+INT8_MAX_ROWS: Optional[int] = None
 # Floats per dequantized chunk of the weight (4 MiB): bounds the large-batch temporary.
 CHUNK_ELEMS = 1 << 20
 
@@ -87,7 +93,8 @@ class PackedQuantWeight:
         x2 = x.reshape(-1, k)
         xf = x2 if x2.dtype == torch.float32 else x2.float()
         ops = kernel.ops() if x.device.type == "cpu" else None
-        if ops is not None and 0 < xf.shape[0] <= SMALL_BATCH_MAX_ROWS:
+        rows = xf.shape[0]
+        if ops is not None and 0 < rows and (INT8_MAX_ROWS is None or rows <= INT8_MAX_ROWS):
             y = ops.linear(xf.contiguous(), self.packed, self.fmt.ggml_type, n)
         else:
             y = self._dequantized_matmul(xf)
