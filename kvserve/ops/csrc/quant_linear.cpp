@@ -606,7 +606,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_x_op(const at::Tensor& x
   return {q, d, s};
 }
 
-at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t N) {
+// y = x @ W^T: the tier's vector path, or the portable one (`portable`: tests compare the two
+// in one process).
+at::Tensor linear_impl(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t N,
+                       bool portable) {
   const Format f = format_of(qtype);
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 &&
                   x.is_contiguous(), "quant_linear: x must be a contiguous float32 [M, K]");
@@ -621,35 +624,24 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t q
   const XQ xq{q.data(), d.data(), s.data(), K, K / f.act_block, K / f.sum_group};
   const uint8_t* w = packed.data_ptr<uint8_t>();
   float* out = y.data_ptr<float>();
-  const int64_t groups = packed.size(0);
   const int64_t group_bytes = (K / f.block) * f.gbytes;
   const int64_t grain = std::max<int64_t>(1, kMinBytesPerTask / group_bytes);
-  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
+  at::parallel_for(0, packed.size(0), grain, [&](int64_t g0, int64_t g1) {
 #if defined(KVS_AVX2)
-    run_avx2(qtype, f, w, xq, out, M, N, g0, g1);
-#else
-    run_generic(qtype, f, w, xq, out, M, N, g0, g1);
+    if (!portable) return run_avx2(qtype, f, w, xq, out, M, N, g0, g1);
 #endif
+    run_generic(qtype, f, w, xq, out, M, N, g0, g1);
   });
   return y;
 }
 
-// The portable path on any build (tests compare it with the vector path in one process).
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t N) {
+  return linear_impl(x, packed, qtype, N, false);
+}
+
 at::Tensor quant_linear_generic(const at::Tensor& x, const at::Tensor& packed, int64_t qtype,
                                 int64_t N) {
-  const Format f = format_of(qtype);
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 &&
-                  x.is_contiguous(), "quant_linear: x must be a contiguous float32 [M, K]");
-  const int64_t M = x.size(0), K = x.size(1);
-  check_packed(packed, f, N, K);
-  at::Tensor y = at::empty({M, N}, x.options());
-  if (M == 0 || N == 0) return y;
-  auto [q, d, s] = quantize_x_op(x, qtype);
-  const XQ xq{q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<int32_t>(), K,
-              K / f.act_block, K / f.sum_group};
-  run_generic(qtype, f, packed.data_ptr<uint8_t>(), xq, y.data_ptr<float>(), M, N, 0,
-              packed.size(0));
-  return y;
+  return linear_impl(x, packed, qtype, N, true);
 }
 
 // Rows [row0, row1) of the weight as float32 [row1 - row0, K].
