@@ -81,7 +81,8 @@ def small_batches(args: argparse.Namespace, ops: Any) -> list[dict[str, Any]]:
                 qb, fb = first.nbytes, 4 * n * k
                 print(f"{qtype:>5} {label:>8} {n:>5}x{k:<5} {m:>3} {t['int8'] * 1e6:>8.1f} "
                       f"{t['f32'] * 1e6:>8.1f} {t['f32'] / t['int8']:>6.2f}x {qb / 2**20:>9.2f} "
-                      f"{fb / 2**20:>7.2f} {qb / t['int8'] / 1e9:>9.1f} {fb / t['f32'] / 1e9:>8.1f}",
+                      f"{fb / 2**20:>7.2f} {qb / t['int8'] / 1e9:>9.1f} "
+                      f"{fb / t['f32'] / 1e9:>8.1f}",
                       flush=True)
                 rows.append(dict(section="small", type=qtype, shape=label, n=n, k=k, m=m,
                                  int8_s=t["int8"], f32_s=t["f32"], packed_bytes=qb, f32_bytes=fb))

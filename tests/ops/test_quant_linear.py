@@ -70,7 +70,9 @@ def quantized_blocks(name: str, n: int, k: int, seed: int) -> np.ndarray:
 
 
 def make_raw(name: str, n: int, k: int, seed: int = 0, source: str = "random") -> np.ndarray:
-    return quantized_blocks(name, n, k, seed) if source == "gguf" else random_blocks(name, n, k, seed)
+    if source == "gguf":
+        return quantized_blocks(name, n, k, seed)
+    return random_blocks(name, n, k, seed)
 
 
 def cases() -> list:
@@ -124,7 +126,8 @@ def test_formats_match_gguf() -> None:
     for name, fmt in FORMATS.items():
         t = GGMLQuantizationType[name]
         assert (fmt.ggml_type, fmt.block_size, fmt.type_size) == (int(t), *GGML_QUANT_SIZES[t])
-        assert block_format(t) is fmt and block_format(int(t)) is fmt and block_format(name.lower()) is fmt
+        assert block_format(t) is fmt and block_format(int(t)) is fmt
+        assert block_format(name.lower()) is fmt
     with pytest.raises(ValueError, match="not kept packed"):
         block_format("IQ2_XS")
     with pytest.raises(ValueError, match="not a whole number"):
@@ -143,7 +146,8 @@ def test_repack_and_dequantize_match_gguf_exactly(name: str, shape: tuple[int, i
     groups = -(-n // ROW_GROUP)
     assert w.packed.shape == (groups, k // fmt.block_size, fmt.group_block_bytes)
     assert w.nbytes == groups * k // fmt.block_size * fmt.group_block_bytes
-    assert fmt.group_block_bytes == ROW_GROUP * fmt.type_size + (32 if name in ("Q4_K", "Q5_K") else 0)
+    decoded_scales = 32 if name in ("Q4_K", "Q5_K") else 0
+    assert fmt.group_block_bytes == ROW_GROUP * fmt.type_size + decoded_scales
     assert torch.equal(w.raw_rows(), torch.from_numpy(raw))
     ref = torch.from_numpy(dequantize_gguf(raw, fmt, shape))
     ids = torch.arange(n)

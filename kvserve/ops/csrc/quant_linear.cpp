@@ -17,13 +17,14 @@
 // With M small the op is a stream over the packed weight (0.56-1.06 bytes a weight) and x's
 // int8 blocks stay in L1. Work items are groups of 8 output rows (at::parallel_for over them);
 // a group's blocks are one sequential stream, and lane r of every vector is row r, so there are
-// no per-row scalar scale conversions and no horizontal sums. x rows are taken 4 (K-quants: 2)
-// at a time while the group is in L1.
+// no per-row scalar scale conversions and no horizontal sums. x rows are taken 4 at a time while
+// the group is in L1, so large batches (prefill) run here too: measured faster than
+// dequantizing into a float32 GEMM at every M up to 1024 (ops/quant/weight.py).
 //
 // Paths: AVX2 (avx2 tier and above): maddubs (u8 x s8 -> s16 pairs) and madd (-> s32), signed
 // weights through the sign trick (|w| x sign(x, w)); the portable path: each row-block decoded,
-// the same integer math in plain loops. quant_dequantize gives float32 rows (bit-identical to gguf's dequantizer) for
-// the large-batch path, which feeds them to a float32 GEMM (ops/quant/weight.py).
+// the same integer math in plain loops. quant_dequantize gives float32 rows (bit-identical to
+// gguf's dequantizer) for the float path (a float32 GEMM on dequantized chunks).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>

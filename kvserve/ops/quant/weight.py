@@ -28,7 +28,6 @@ from typing import Optional, Union
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from kvserve.ops.quant import kernel, packing
 from kvserve.ops.quant.formats import ROW_GROUP, BlockFormat, block_format
@@ -42,7 +41,7 @@ CHUNK_ELEMS = 1 << 20
 @dataclass
 class PackedQuantWeight:
     """A [N, K] weight in GGUF blocks of `fmt`, 8 rows interleaved (formats.py):
-    packed [ceil(N/8), K / block_size, 8 * type_size] uint8."""
+    packed [ceil(N/8), K / block_size, fmt.group_block_bytes] uint8."""
     fmt: BlockFormat
     shape: tuple[int, int]
     packed: torch.Tensor
@@ -121,7 +120,11 @@ class PackedQuantWeight:
         ops = kernel.ops() if self.packed.device.type == "cpu" else None
         if ops is not None:
             return ops.dequantize(self.packed, self.fmt.ggml_type, n, row0, row1)
-        return self.dequantize_rows(torch.arange(row0, row1, device=self.packed.device))
+        g0, g1 = row0 // ROW_GROUP, -(-row1 // ROW_GROUP)       # the groups holding the rows
+        blocks = packing.unpack_blocks(self.packed[g0:g1], (g1 - g0) * ROW_GROUP, self.fmt)
+        rows = blocks[row0 - g0 * ROW_GROUP:row1 - g0 * ROW_GROUP]
+        return packing.dequantize_blocks(rows.reshape(row1 - row0, -1, self.fmt.type_size),
+                                         self.fmt).reshape(row1 - row0, self.shape[1])
 
     def dequantize_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The given rows only, float32 [len(ids), K] (an embedding lookup): torch ops on the
