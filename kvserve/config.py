@@ -315,10 +315,6 @@ class CpuConfig:
 class DeviceConfig:
     device: str = "cpu"
 
-    @property
-    def torch_device(self) -> torch.device:
-        return torch.device(self.device)
-
 
 _SO_BACKENDS = ("auto", "xgrammar", "guidance")
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Sequence
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -112,14 +112,6 @@ def is_set(name: str) -> bool:
     ENV_VARS[name]                 # KeyError for an undeclared name
     raw = os.environ.get(name)
     return raw is not None and bool(raw.strip())
-
-
-def env_switch(name: str, default: Optional[bool] = None) -> bool:
-    """A bool variable (kept for the callers of the old helper; `default` overrides the
-    table's)."""
-    if default is not None and not is_set(name):
-        return default
-    return bool(get(name))
 
 
 def cache_dir() -> str:

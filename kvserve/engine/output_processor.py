@@ -195,10 +195,6 @@ class ParentRequest:
     def child_request_id(self, index: int) -> str:
         return f"{index}_{self.request_id}"
 
-    def get_child_info(self, index: int) -> tuple[str, SamplingParams]:
-        """The id and sampling params of child `index` (registers it as running)."""
-        return self._child_info(index, self.sampling_params)
-
     def _child_info(self, index: int, params: SamplingParams) -> tuple[str, SamplingParams]:
         if not 0 <= index < self.n:
             raise ValueError(f"child index {index} out of range for n={self.n}.")

@@ -30,10 +30,6 @@ class Worker:
         self.kv_connector = None     # the KV connector's worker side, when configured
 
     @property
-    def is_driver(self) -> bool:
-        return self.rank == 0
-
-    @property
     def is_output_rank(self) -> bool:
         """The rank that answers execute_model: the first TP rank of the last PP stage."""
         pc = self.config.parallel_config
