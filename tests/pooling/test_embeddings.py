@@ -77,6 +77,12 @@ def test_sentence_transformers_pooling(make_checkpoint, st_checkpoint, arch: str
         outs = llm.embed([{"prompt_token_ids": p} for p in PROMPTS], use_tqdm=False)
         _check([o.outputs.embedding for o in outs],
                hf_pooled(model, PROMPTS, hf_pooling, normalize), normalized=normalize)
+        # Unnormalised (per request): the scale is checked too (MEAN divides by the prompt
+        # length, whatever the chunks were).
+        raw = llm.encode([{"prompt_token_ids": p} for p in PROMPTS], PoolingParams(normalize=False),
+                         use_tqdm=False)
+        _check([o.outputs.data for o in raw], hf_pooled(model, PROMPTS, hf_pooling, False),
+               normalized=False)
         # Matryoshka: the first `dimensions` values, then normalised (as vLLM does).
         dims: Optional[int] = 16
         short = llm.embed([{"prompt_token_ids": p} for p in PROMPTS],
