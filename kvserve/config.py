@@ -110,6 +110,11 @@ class ModelConfig:
     # math, KV cache) is float32: resolve_weight_dtype.
     weight_dtype: Optional[torch.dtype] = None
     load_format: str = "auto"        # "auto" | "safetensors" | "gguf" (vLLM's --load-format)
+    # vLLM's --runner (resolved: "generate" or "pooling") and --convert ("none" or "embed");
+    # a pooling runner has its pooler_config resolved (kvserve.pooling.config).
+    runner_type: str = "generate"
+    convert_type: str = "none"
+    pooler_config: Optional["PoolerConfig"] = None
 
     def __post_init__(self) -> None:
         if not self.served_model_names:
@@ -144,6 +149,11 @@ class ModelConfig:
     def head_dim(self) -> int:
         hd = self.hf_config.get("head_dim")
         return int(hd) if hd else self.hidden_size // self.num_attention_heads
+
+    @property
+    def is_matryoshka(self) -> bool:
+        """The checkpoint says its embeddings may be truncated (`dimensions`), as vLLM reads it."""
+        return bool(self.hf_config.get("is_matryoshka") or self.hf_config.get("matryoshka_dimensions"))
 
     @property
     def is_gguf(self) -> bool:
@@ -350,6 +360,36 @@ class StructuredOutputsConfig:
             return value
         value = parse_json_config(value, "structured_outputs_config", StructuredOutputsConfig)
         return StructuredOutputsConfig(**value)
+
+
+POOLING_TYPES = ("LAST", "MEAN", "CLS", "ALL")
+
+
+@dataclass
+class PoolerConfig:
+    """vLLM's --pooler-config (JSON): how a pooling runner pools. Fields left None come from
+    the checkpoint's sentence-transformers config, else the decoder-embedder defaults (LAST,
+    normalised); see kvserve.pooling.config."""
+    pooling_type: Optional[str] = None     # LAST | MEAN | CLS | ALL
+    normalize: Optional[bool] = None
+    dimensions: Optional[int] = None       # default `dimensions` of requests that set none
+
+    def __post_init__(self) -> None:
+        if self.pooling_type is not None:
+            self.pooling_type = str(self.pooling_type).upper()
+            if self.pooling_type not in POOLING_TYPES:
+                raise ValueError(f"pooling_type must be one of {list(POOLING_TYPES)}, got "
+                                 f"{self.pooling_type!r}.")
+        if self.dimensions is not None and self.dimensions < 1:
+            raise ValueError(f"pooler_config.dimensions must be >= 1, got {self.dimensions}.")
+
+    @staticmethod
+    def parse(value: Union[None, str, dict, "PoolerConfig"]) -> "PoolerConfig":
+        if value is None:
+            return PoolerConfig()
+        if isinstance(value, PoolerConfig):
+            return value
+        return PoolerConfig(**parse_json_config(value, "pooler_config", PoolerConfig))
 
 
 @dataclass

@@ -10,6 +10,7 @@ import enum
 import time
 from typing import TYPE_CHECKING, Optional
 
+from kvserve.pooling_params import PoolingParams
 from kvserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -56,6 +57,7 @@ class Request:
         priority: int = 0,
         cache_salt: Optional[str] = None,
         client_index: int = 0,
+        pooling_params: Optional[PoolingParams] = None,
     ) -> None:
         self.request_id = request_id
         self.sampling_params = sampling_params
@@ -64,6 +66,7 @@ class Request:
         self.priority = priority
         self.cache_salt = cache_salt
         self.client_index = client_index
+        self.pooling_params = pooling_params
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.max_tokens = sampling_params.max_tokens or 0

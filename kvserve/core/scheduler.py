@@ -312,7 +312,8 @@ class Scheduler:
                 num_prompt_tokens=r.num_prompt_tokens, sampling_params=r.sampling_params,
                 block_ids=self.kv_cache_manager.get_block_ids(r.request_id),
                 num_computed_tokens=r.num_computed_tokens,
-                eos_token_ids=[] if r.sampling_params.ignore_eos else sorted(r.eos_token_ids)))
+                eos_token_ids=[] if r.sampling_params.ignore_eos else sorted(r.eos_token_ids),
+                pooling_params=r.pooling_params))
             self._on_workers.add(r.request_id)
             self._worker_num_tokens[r.request_id] = r.num_tokens
         new_ids = {r.request_id for r in plan.scheduled_new}
@@ -378,7 +379,8 @@ class Scheduler:
             request_id=rid, new_token_ids=new_tokens, new_logprobs=new_logprobs,
             new_prompt_logprobs=new_prompt_logprobs, finish_reason=_FINISH_REASON.get(request.status),
             stop_reason=request.stop_reason, num_cached_tokens=max(request.num_cached_tokens, 0),
-            events=request.take_events(), kv_transfer_params=kv_params)
+            events=request.take_events(), kv_transfer_params=kv_params,
+            pooling_output=runner_output.pooler_output[idx] if runner_output.pooler_output else None)
 
     @staticmethod
     def _error_output(request: Request) -> EngineCoreOutput:

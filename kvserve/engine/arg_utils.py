@@ -81,7 +81,17 @@ _HELP = {
     "cpu_huge_pages": "CPU weights in transparent huge pages; auto: where THP is madvise "
                       "(env KVSERVE_CPU_HUGE_PAGES).",
 }
-_CHOICES = {"cpu_isa": ("auto", "generic", "avx2", "avx512", "avx512_bf16"),
+_HELP.update({
+    "runner": "auto, generate or pooling: a pooling runner returns pooled hidden states "
+              "(embeddings: LLM.embed, /v1/embeddings) instead of generating (auto: pooling "
+              "for --convert embed or a *Model architecture).",
+    "convert": "auto, none or embed: serve a generative checkpoint as an embedding model.",
+    "pooler_config": "Pooling runner settings (JSON): pooling_type (LAST, MEAN, CLS, ALL), "
+                     "normalize, dimensions; unset ones come from the checkpoint's "
+                     "sentence-transformers config, else LAST + normalize.",
+})
+_CHOICES = {"runner": ("auto", "generate", "pooling"), "convert": ("auto", "none", "embed"),
+            "cpu_isa": ("auto", "generic", "avx2", "avx512", "avx512_bf16"),
             "cpu_huge_pages": ("auto", "on", "off")}
 _SHORT = {"tensor_parallel_size": "-tp", "pipeline_parallel_size": "-pp",
           "data_parallel_size": "-dp"}
@@ -130,6 +140,9 @@ class EngineArgs:
     cpu_isa: Optional[str] = None
     disable_cpu_kernels: Optional[bool] = None
     cpu_huge_pages: Optional[str] = None
+    runner: str = "auto"
+    convert: str = "auto"
+    pooler_config: Optional[Union[str, dict]] = None
 
     # ------------------------------------------------------------------
     @staticmethod
@@ -231,6 +244,7 @@ class EngineArgs:
         attention_backend = resolve_backend_name(self.attention_backend, device,
                                                  self.block_size, model_config.head_dim)
         spec_config = SpeculativeConfig.parse(self.speculative_config)
+        enable_prefix_caching = self._resolve_runner(model_config, spec_config)
         if spec_config is not None and parallel.pipeline_parallel_size > 1:
             raise ValueError("Speculative decoding with pipeline parallelism "
                              "(pipeline_parallel_size > 1) is not supported yet.")
@@ -249,7 +263,7 @@ class EngineArgs:
                 block_size=self.block_size, kv_cache_memory=self.kv_cache_memory,
                 kv_cache_dtype=resolve_kv_cache_dtype(self.kv_cache_dtype, model_config, device),
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
-                enable_prefix_caching=self.enable_prefix_caching,
+                enable_prefix_caching=enable_prefix_caching,
                 gpu_memory_utilization=self.gpu_memory_utilization),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs, max_num_batched_tokens=batched,
@@ -269,6 +283,25 @@ class EngineArgs:
             kv_transfer_config=kv_transfer_config,
             cpu_config=cpu_config,
         )
+
+
+    def _resolve_runner(self, model_config: ModelConfig, spec_config: Any) -> bool:
+        """Set the model's runner (and a pooling runner's pooler); returns whether prefix
+        caching stays on. A pooling runner turns it off: a prompt prefix found in the cache
+        is not computed again, so MEAN / CLS / ALL would miss its hidden states."""
+        from kvserve.config import PoolerConfig
+        from kvserve.pooling.config import resolve_pooler_config, resolve_runner
+        runner, convert = resolve_runner(self.runner, self.convert, model_config.architecture)
+        model_config.runner_type, model_config.convert_type = runner, convert
+        if runner != "pooling":
+            if self.pooler_config is not None:
+                raise ValueError("--pooler-config needs --runner pooling.")
+            return self.enable_prefix_caching
+        if spec_config is not None:
+            raise ValueError("Speculative decoding does not apply to --runner pooling.")
+        model_config.pooler_config = resolve_pooler_config(
+            model_config, PoolerConfig.parse(self.pooler_config))
+        return False
 
 
 def _verify_parallel(model_config: ModelConfig, parallel: ParallelConfig) -> None:

@@ -27,7 +27,8 @@ from kvserve.engine.launch import ClientAddresses
 from kvserve.engine.mp_client import AsyncMPClient, cancel_task
 from kvserve.engine.output_processor import (IterationStats, OutputProcessor, ParentRequest,
                                              RequestOutputCollector)
-from kvserve.outputs import RequestOutput
+from kvserve.outputs import PoolingRequestOutput, RequestOutput
+from kvserve.pooling_params import PoolingParams
 from kvserve.sampling_params import SamplingParams
 from kvserve.tokenizer import Tokenizer
 
@@ -169,6 +170,14 @@ class AsyncLLM:
             if queue is not None:
                 await self.abort(request_id)
             raise EngineGenerateError(f"Request {request_id} failed: {e}") from e
+
+    async def encode(self, prompt: PromptType, pooling_params: PoolingParams, request_id: str,
+                     *, priority: int = 0) -> AsyncGenerator[PoolingRequestOutput, None]:
+        """vLLM's AsyncLLM.encode: one PoolingRequestOutput when the prompt is pooled (needs
+        --runner pooling; bad input raises ValueError before anything is scheduled)."""
+        async for out in self.generate(prompt, pooling_params, request_id,  # type: ignore[arg-type]
+                                       priority=priority):
+            yield out   # type: ignore[misc]
 
     async def abort(self, request_id: Union[str, list[str]]) -> None:
         """Abort requests (user ids; a parent id aborts all its n children). Their streams end

@@ -70,6 +70,9 @@ class EngineCore:
             from kvserve.spec_decode.scheduling import SpecDecodeScheduling
             hooks.append(SpecDecodeScheduling(spec.num_speculative_tokens,
                                               make_spec_decode_controller(spec), max_model_len))
+        if config.model_config.runner_type == "pooling":
+            from kvserve.pooling.scheduling import PoolingScheduling
+            hooks.append(PoolingScheduling())
         hooks.append(StructuredOutputScheduling(
             self.structured_output_manager, max_model_len,
             config.structured_outputs_config.enable_jump_forward))
@@ -93,7 +96,8 @@ class EngineCore:
             request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
             sampling_params=request.sampling_params, eos_token_ids=set(request.eos_token_ids),
             arrival_time=request.arrival_time, priority=request.priority,
-            cache_salt=request.cache_salt, client_index=request.client_index))
+            cache_salt=request.cache_salt, client_index=request.client_index,
+            pooling_params=request.pooling_params))
 
     def abort_requests(self, request_ids: list[str]) -> list[str]:
         return self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)

@@ -7,9 +7,10 @@ from typing import Any, Optional, Sequence, Union
 
 from kvserve.engine.arg_utils import EngineArgs
 from kvserve.engine.llm_engine import LLMEngine
-from kvserve.outputs import RequestOutput
+from kvserve.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
 import msgspec
 
+from kvserve.pooling_params import PoolingParams
 from kvserve.sampling_params import RequestOutputKind, SamplingParams
 
 PromptType = Union[str, list[int], dict[str, Any]]
@@ -42,14 +43,39 @@ class LLM:
         params_list = [msgspec.structs.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
                        for p in params_list]
         priorities = _broadcast(priority if priority is not None else 0, len(prompt_list), "priority")
+        return self._run_engine(self._add_requests(prompt_list, params_list, priorities), use_tqdm)
+
+    def encode(self, prompts: Union[PromptType, Sequence[PromptType]],
+               pooling_params: Union[PoolingParams, Sequence[PoolingParams], None] = None,
+               *, use_tqdm: bool = True, pooling_task: Optional[str] = None
+               ) -> list[PoolingRequestOutput]:
+        """Pooled hidden states of each prompt (vLLM's LLM.encode); needs --runner pooling."""
+        prompt_list = _as_prompt_list(prompts)
+        params_list = _broadcast(pooling_params or PoolingParams(), len(prompt_list),
+                                 "pooling_params")
+        if pooling_task is not None:
+            params_list = [msgspec.structs.replace(p, task=pooling_task) for p in params_list]
+        ids = self._add_requests(prompt_list, params_list, [0] * len(prompt_list))
+        return self._run_engine(ids, use_tqdm)   # type: ignore[return-value]
+
+    def embed(self, prompts: Union[PromptType, Sequence[PromptType]], *, use_tqdm: bool = True,
+              pooling_params: Union[PoolingParams, Sequence[PoolingParams], None] = None
+              ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (vLLM's LLM.embed): `.outputs.embedding` is a list of
+        floats, pooled and normalised as the model's pooler config says."""
+        outs = self.encode(prompts, pooling_params, use_tqdm=use_tqdm, pooling_task="embed")
+        return [EmbeddingRequestOutput.from_base(o) for o in outs]
+
+    def _add_requests(self, prompts: list[PromptType], params: list[Any],
+                      priorities: list[int]) -> list[str]:
         # Validate everything before anything is scheduled: one bad prompt rejects the batch
         # and leaves the engine as it was.
-        ids = [str(next(self._request_counter)) for _ in prompt_list]
+        ids = [str(next(self._request_counter)) for _ in prompts]
         prepared = [self.llm_engine.process_inputs(rid, p, sp, priority=pr)
-                    for rid, p, sp, pr in zip(ids, prompt_list, params_list, priorities)]
-        for rid, (request, prompt_text), sp in zip(ids, prepared, params_list):
+                    for rid, p, sp, pr in zip(ids, prompts, params, priorities)]
+        for (request, prompt_text), sp in zip(prepared, params):
             self.llm_engine.add_processed_request(request, prompt_text, sp)
-        return self._run_engine(ids, use_tqdm)
+        return ids
 
     def chat(self, messages: Union[list[dict], list[list[dict]]],
              sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
@@ -99,7 +125,8 @@ class LLM:
                     finished[out.request_id] = out
                     if pbar is not None:
                         in_toks += len(out.prompt_token_ids)
-                        out_toks += sum(len(o.token_ids) for o in out.outputs)
+                        if isinstance(out, RequestOutput):
+                            out_toks += sum(len(o.token_ids) for o in out.outputs)
                         elapsed = time.perf_counter() - start
                         pbar.set_postfix_str(f"est. speed input: {in_toks / elapsed:.2f} toks/s, "
                                              f"output: {out_toks / elapsed:.2f} toks/s")

@@ -21,6 +21,7 @@ from kvserve.attention import CommonAttentionMetadata, get_attn_backend
 from kvserve.distributed.parallel_state import (is_first_pp_rank, is_last_pp_rank, pp_recv,
                                                 pp_send)
 from kvserve.distributed.pp_utils import IntermediateTensors
+from kvserve.pooling.pooler import Pooler
 from kvserve.sample.rejection_sampler import RejectionSampler, SampleLayout, SpecDecodeMetadata
 from kvserve.sample.sampler import Sampler
 from kvserve.spec_decode import make_spec_decode_runner
@@ -69,6 +70,8 @@ class ModelRunner:
         self.spec_decode = make_spec_decode_runner(config, device)
         self.attn_backend = get_attn_backend(config.attention_backend, device)
         self.cuda_graphs: Optional["CUDAGraphRunner"] = None   # set by capture_cuda_graphs
+        # --runner pooling: pooled hidden states instead of sampled tokens (no LM head).
+        self.pooler: Optional[Pooler] = (Pooler(mc) if mc.runner_type == "pooling" else None)
         pc = config.parallel_config
         # Pipeline stage (set by load_model, once the process groups exist).
         self.is_first_stage = self.is_last_stage = True
@@ -151,6 +154,8 @@ class ModelRunner:
             pp_send(hidden.pack())
             self.input_batch.num_computed_tokens[step.rows] += step.query_lens
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        if self.pooler is not None:
+            return self._pool(step, hidden)
 
         sample_idx = np.flatnonzero(step.sample_mask)
         sampled_lists: list[list[int]] = [[] for _ in step.req_ids]
@@ -165,6 +170,18 @@ class ModelRunner:
             req_ids=step.req_ids, sampled_token_ids=sampled_lists,
             logprobs=logprobs or None, prompt_logprobs=prompt_logprobs or None,
             spec_token_ids=drafts, spec_propose_time=time.perf_counter() - start)
+
+    def _pool(self, step: StepInputs, hidden: torch.Tensor) -> ModelRunnerOutput:
+        """Pooling runner: the pooled vectors of the prompts that end this step; no logits."""
+        assert self.pooler is not None
+        ib = self.input_batch
+        pooled = self.pooler.pool(step.req_ids, hidden, step.query_starts, step.query_lens,
+                                  ib.num_computed_tokens[step.rows],
+                                  ib.num_prompt_tokens[step.rows])
+        ib.num_computed_tokens[step.rows] += step.query_lens
+        return ModelRunnerOutput(req_ids=step.req_ids,
+                                 sampled_token_ids=[[] for _ in step.req_ids],
+                                 pooler_output=pooled)
 
     def _sample(self, so: SchedulerOutput, step: StepInputs, hidden: torch.Tensor,
                 sample_idx: np.ndarray, sampled_lists: list[list[int]],
@@ -252,6 +269,8 @@ class ModelRunner:
     def _update_states(self, so: SchedulerOutput) -> None:
         ib = self.input_batch
         ib.remove_requests(so.finished_req_ids | so.preempted_req_ids)
+        if self.pooler is not None:
+            self.pooler.update_states(so)
         if self.spec_decode is not None:
             self.spec_decode.drop(so.finished_req_ids | so.preempted_req_ids)
         for new in so.scheduled_new_reqs:

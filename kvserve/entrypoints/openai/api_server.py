@@ -49,9 +49,12 @@ from kvserve import envs
 from kvserve.entrypoints.openai.openapi import install_openapi
 from kvserve.entrypoints.openai.protocol import (DEFAULT_SAMPLING_KEYS, ChatCompletionRequest,
                                                  CompletionRequest, DetokenizeRequest,
-                                                 ResponsesRequest, TokenizeRequest)
+                                                 EmbeddingRequest, RerankRequest,
+                                                 ResponsesRequest, ScoreRequest,
+                                                 TokenizeRequest)
 from kvserve.entrypoints.openai.serving_chat import OpenAIServingChat, load_chat_template
 from kvserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from kvserve.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from kvserve.entrypoints.openai.serving_engine import (LoadTracker, RequestLimits, ServingError,
                                                        StreamingResult, create_error_response,
                                                        is_engine_dead_error)
@@ -260,6 +263,28 @@ async def retrieve_response(response_id: str, raw_request: Request) -> Response:
     async def get() -> Any:
         return handler.retrieve_json(response_id)
     return await _handle(raw_request, get)
+
+
+@router.post("/v1/embeddings")
+async def create_embedding(request: EmbeddingRequest, raw_request: Request) -> Response:
+    handler: OpenAIServingEmbedding = _state(raw_request).serving_embedding
+    _warn_ignored(request)
+    return await _handle(raw_request, lambda: handler.create_embedding(request, raw_request))
+
+
+@router.post("/v1/score")
+@router.post("/score")
+async def create_score(request: ScoreRequest, raw_request: Request) -> Response:
+    handler: OpenAIServingEmbedding = _state(raw_request).serving_embedding
+    return await _handle(raw_request, lambda: handler.create_score(request, raw_request))
+
+
+@router.post("/v1/rerank")
+@router.post("/rerank")
+@router.post("/v2/rerank")
+async def create_rerank(request: RerankRequest, raw_request: Request) -> Response:
+    handler: OpenAIServingEmbedding = _state(raw_request).serving_embedding
+    return await _handle(raw_request, lambda: handler.create_rerank(request, raw_request))
 
 
 @router.post("/tokenize")
@@ -543,6 +568,7 @@ def init_app_state(engine_client: Any, state: Any, args: argparse.Namespace) -> 
     state.serving_responses = OpenAIServingResponses(state.serving_chat)
     state.serving_tokenization = OpenAIServingTokenization(engine_client, models, load,
                                                            chat_template=chat_template)
+    state.serving_embedding = OpenAIServingEmbedding(engine_client, models, load)
     # xgrammar takes seconds to import; the first structured request would import it on the
     # event loop (the frontend parses constraints), so it is imported now, beside the loop.
     threading.Thread(target=_import_quietly, args=("xgrammar",), daemon=True).start()

@@ -34,6 +34,12 @@ _ROUTE_ERRORS: dict[str, tuple[str, ...]] = {
     "/v1/responses/{response_id}": ("401", "404"),
     "/v1/models": ("401",),
     "/tokenize": ("404",),
+    "/v1/embeddings": ("401", "404", "503"),
+    "/v1/score": ("401", "404", "503"),
+    "/score": ("404", "503"),
+    "/v1/rerank": ("401", "404", "503"),
+    "/rerank": ("404", "503"),
+    "/v2/rerank": ("404", "503"),
     "/detokenize": ("404",),
 }
 
