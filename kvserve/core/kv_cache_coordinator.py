@@ -232,14 +232,17 @@ class HybridKVCacheManager:
         if sum(num_new) > self.block_pool.get_num_free_blocks() - num_evictable:
             return None
 
-        new_blocks = []
-        for manager, hit, n in zip(self.groups, hits, num_new):
+        # Every group's hits are touched before any group takes new blocks: a hit on a freed
+        # block must leave the free queue before get_new_blocks could hand it out again.
+        for manager, hit in zip(self.groups, hits):
             table = manager.req_to_blocks.setdefault(rid, [])
             if hit:
                 self.block_pool.touch(b for b in hit if b is not null)
                 table.extend(hit)
+        new_blocks = []
+        for manager, n in zip(self.groups, num_new):
             new = self.block_pool.get_new_blocks(n) if n else []
-            table.extend(new)
+            manager.req_to_blocks[rid].extend(new)
             new_blocks.append(new)
         if not exists:
             self.num_cached_block[rid] = len(hits[0])

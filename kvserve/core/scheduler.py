@@ -396,7 +396,9 @@ class Scheduler:
         return SchedulerStats(
             num_running_reqs=len(self.running), num_waiting_reqs=self.num_waiting_reqs,
             kv_cache_usage=self.kv_cache_manager.usage,
-            num_free_blocks=self.kv_cache_manager.num_free_blocks, num_total_blocks=self.num_blocks,
+            num_free_blocks=self.kv_cache_manager.num_free_blocks,
+            # The hybrid KV cache keeps one block back as its null block.
+            num_total_blocks=self.kv_cache_manager.block_pool.num_usable_blocks,
             prefix_cache_queries=self.prefix_cache_queries, prefix_cache_hits=self.prefix_cache_hits,
             num_preemptions=self.num_preemptions, feature_stats=feature_stats)
 
