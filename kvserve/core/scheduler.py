@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional, Sequence
 
 from kvserve.config import CacheConfig, SchedulerConfig
-from kvserve.core.kv_cache_manager import KVCacheManager
+from kvserve.core.kv_cache_coordinator import make_kv_cache_manager, to_block_ids
 from kvserve.core.messages import (EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs,
                                    FinishReason)
 from kvserve.core.request import Request, RequestStatus
@@ -65,7 +65,7 @@ class _StepPlan:
 
     def add(self, rid: str, n: int, blocks: list, drafts: list[int]) -> None:
         self.num_scheduled[rid] = n
-        self.new_blocks[rid] = [b.block_id for b in blocks]
+        self.new_blocks[rid] = to_block_ids(blocks)   # one list per KV cache group if hybrid
         if drafts:
             self.drafts[rid] = drafts
         self.budget -= n
@@ -85,9 +85,8 @@ class Scheduler:
         self.config = scheduler_config
         self.max_model_len = scheduler_config.max_model_len
         self.num_blocks = cache_config.num_blocks
-        self.kv_cache_manager = KVCacheManager(
-            num_blocks=cache_config.num_blocks, block_size=cache_config.block_size,
-            enable_caching=cache_config.enable_prefix_caching, max_model_len=self.max_model_len)
+        # One block table per request, or one per KV cache group (sliding-window layers).
+        self.kv_cache_manager = make_kv_cache_manager(cache_config, self.max_model_len)
         # Called in order at every point of a step (the engine core puts speculation before
         # structured outputs: drafts are set, then cut to what the grammar accepts).
         self.hooks = list(hooks)
@@ -399,7 +398,9 @@ class Scheduler:
         return SchedulerStats(
             num_running_reqs=len(self.running), num_waiting_reqs=self.num_waiting_reqs,
             kv_cache_usage=self.kv_cache_manager.usage,
-            num_free_blocks=self.kv_cache_manager.num_free_blocks, num_total_blocks=self.num_blocks,
+            num_free_blocks=self.kv_cache_manager.num_free_blocks,
+            # The hybrid KV cache keeps one block back as its null block.
+            num_total_blocks=self.kv_cache_manager.block_pool.num_usable_blocks,
             prefix_cache_queries=self.prefix_cache_queries, prefix_cache_hits=self.prefix_cache_hits,
             num_preemptions=self.num_preemptions, feature_stats=feature_stats)
 

@@ -38,6 +38,8 @@ _HELP = {
     "kv_cache_memory": "Bytes of memory for the KV cache (default: 2 GiB on CPU, 90%% of free memory on CUDA).",
     "num_gpu_blocks_override": "Use exactly this many KV cache blocks (for testing).",
     "enable_prefix_caching": "Reuse KV blocks of shared prompt prefixes.",
+    "disable_hybrid_kv_cache_manager": "Sliding-window layers keep every KV block, as full "
+                                       "attention does (one block table for all layers).",
     "enable_chunked_prefill": "Split long prefills across steps to fit the token budget.",
     "long_prefill_token_threshold": "Cap on a single request's prefill tokens per step (0 = no cap).",
     "max_num_seqs": "Maximum number of requests running in one step.",
@@ -112,6 +114,7 @@ class EngineArgs:
     kv_cache_memory: Optional[int] = None
     num_gpu_blocks_override: Optional[int] = None
     enable_prefix_caching: bool = True
+    disable_hybrid_kv_cache_manager: bool = False
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
     max_num_seqs: int = 256
@@ -257,6 +260,9 @@ class EngineArgs:
         if kv_transfer_config is not None and parallel.world_size > 1:
             raise ValueError("kv_transfer_config needs tensor_parallel_size=1 and "
                              "pipeline_parallel_size=1 here.")
+        kv_cache_groups = _kv_cache_groups(model_config, parallel, spec_config,
+                                           kv_transfer_config,
+                                           self.disable_hybrid_kv_cache_manager)
         return KVServeConfig(
             model_config=model_config,
             cache_config=CacheConfig(
@@ -264,7 +270,8 @@ class EngineArgs:
                 kv_cache_dtype=resolve_kv_cache_dtype(self.kv_cache_dtype, model_config, device),
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
                 enable_prefix_caching=enable_prefix_caching,
-                gpu_memory_utilization=self.gpu_memory_utilization),
+                gpu_memory_utilization=self.gpu_memory_utilization,
+                kv_cache_groups=kv_cache_groups),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs, max_num_batched_tokens=batched,
                 max_model_len=max_len, enable_chunked_prefill=self.enable_chunked_prefill,
@@ -302,6 +309,25 @@ class EngineArgs:
         model_config.pooler_config = resolve_pooler_config(
             model_config, PoolerConfig.parse(self.pooler_config))
         return False
+
+
+def _kv_cache_groups(model_config: ModelConfig, parallel: ParallelConfig, spec: Any,
+                     kv_transfer: Any, disable_hybrid: bool) -> list:
+    """The hybrid KV cache's groups; a sliding-window model with a feature that assumes one
+    block table (PP stages, speculative decoding's draft cache, KV transfer) is refused here."""
+    from kvserve.config import get_kv_cache_groups, layer_sliding_windows
+    windows = layer_sliding_windows(model_config.hf_config, model_config.max_model_len)
+    if any(w is not None for w in windows):
+        for on, what in ((parallel.pipeline_parallel_size > 1, "pipeline parallelism"),
+                         (spec is not None, "speculative decoding"),
+                         (kv_transfer is not None, "kv_transfer_config")):
+            if on:
+                raise ValueError(f"{model_config.architecture} has sliding-window layers "
+                                 f"(window {max(w or 0 for w in windows)} < max_model_len "
+                                 f"{model_config.max_model_len}); {what} is not supported with "
+                                 "them yet. Set max_model_len <= the window to run it with "
+                                 "full attention.")
+    return get_kv_cache_groups(windows, disable_hybrid)
 
 
 def _verify_parallel(model_config: ModelConfig, parallel: ParallelConfig) -> None:

@@ -79,10 +79,12 @@ class ModelRunner:
         # With PP the engine core sends every sampled token back to all stages
         # (new_token_ids); the last stage then must not append it a second time.
         self.append_sampled_tokens = pc.pipeline_parallel_size == 1
+        # Hybrid KV cache (sliding-window layers): one block table per group; [] = one table.
+        self.kv_cache_groups = config.cache_config.kv_cache_groups
         self.input_batch = InputBatch(
             max_num_reqs=config.scheduler_config.max_num_seqs, max_model_len=self.max_model_len,
             max_blocks_per_req=self.max_blocks_per_req, vocab_size=self.vocab_size,
-            device=device)
+            device=device, num_kv_cache_groups=max(1, len(self.kv_cache_groups)))
 
     # ------------------------------------------------------------------ set-up
     def load_model(self) -> None:
@@ -96,6 +98,9 @@ class ModelRunner:
         # This pipeline stage's layers: the KV cache holds only theirs.
         self.num_local_layers = getattr(self.model, "num_local_layers",
                                         self.config.model_config.num_layers)
+        if self.kv_cache_groups:
+            from kvserve.worker.kv_cache_groups import bind_kv_cache_groups
+            bind_kv_cache_groups(self.model, self.kv_cache_groups)
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         from kvserve.model.loader import get_kv_cache_shape
@@ -106,14 +111,23 @@ class ModelRunner:
         shape = self.kv_cache_shape(1)
         per_layer = int(np.prod(shape)) * torch.empty((), dtype=self.kv_dtype).element_size()
         draft = self.spec_decode.kv_cache_bytes_per_block() if self.spec_decode else 0
-        return per_layer * self.num_local_layers + draft
+        # Hybrid KV cache: a block id is one page of each group's layers (the groups' i-th
+        # layers share a tensor), so a block costs one group's layers.
+        layers = (len(self.kv_cache_groups[0].layer_ids) if self.kv_cache_groups
+                  else self.num_local_layers)
+        return per_layer * layers + draft
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         # Zeroed, not empty: masked-out slots are multiplied by 0 in attention, and garbage
         # NaNs would survive that.
         shape = self.kv_cache_shape(num_blocks)
-        self.kv_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
-                          for _ in range(self.num_local_layers)]
+        if self.kv_cache_groups:
+            from kvserve.worker.kv_cache_groups import shared_kv_caches
+            self.kv_caches = shared_kv_caches(self.kv_cache_groups, self.num_local_layers,
+                                              shape, self.kv_dtype, self.device)
+        else:
+            self.kv_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+                              for _ in range(self.num_local_layers)]
         if self.spec_decode is not None:
             self.spec_decode.initialize_kv_cache(num_blocks)
 
@@ -121,7 +135,8 @@ class ModelRunner:
         """Capture the all-decode step per batch-size bucket (TRITON_ATTN on CUDA only)."""
         from kvserve.worker.cuda_graph import CUDAGraphRunner, capture_sizes
         if (self.device.type != "cuda" or self.attn_backend.name != "TRITON_ATTN"
-                or self.config.parallel_config.pipeline_parallel_size > 1):
+                or self.config.parallel_config.pipeline_parallel_size > 1
+                or self.kv_cache_groups):   # sliding windows take the torch path: eager
             return   # graphs hold one whole-model decode step: not with PP stages
         sizes = capture_sizes(self.config.scheduler_config.max_num_seqs)
         assert self.model is not None
@@ -327,7 +342,12 @@ class ModelRunner:
             num_decodes=num_decodes, query_starts=starts, query_lens=qlens,
             context_lens=computed, slot_mapping=slot_mapping, block_size=bs,
             block_table=ib.block_table[rows, :cdiv(int(seq_lens.max()), bs)])
-        meta = self.attn_backend.build_metadata(common)
+        if self.kv_cache_groups:
+            from kvserve.worker.kv_cache_groups import build_group_metadata
+            meta = build_group_metadata(self.attn_backend, common, ib.block_tables, rows,
+                                        tok_rows, positions)
+        else:
+            meta = self.attn_backend.build_metadata(common)
         return StepInputs(
             req_ids=req_ids, rows=rows, query_lens=qlens, query_starts=starts,
             input_ids=torch.from_numpy(input_ids).to(dev),
