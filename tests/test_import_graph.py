@@ -19,7 +19,8 @@ packages of one layer do not import each other:
     model                                          layers, architectures, loaders (GGUF too)
     tokenizer                                      (builds GGUF tokenizers from model/'s reader)
     core                                           requests, KV blocks, the scheduler, messages
-    structured_output, kv_transfer, spec_decode    features: scheduler- and worker-side parts
+    structured_output, kv_transfer, spec_decode,   features: scheduler- and worker-side parts
+    lora
     worker                                         model runner, input batch
     executor                                       uni / multiproc / Ray
     engine                                         engine core, clients, frontend processing
@@ -49,7 +50,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("model",),
     ("tokenizer",),
     ("core",),
-    ("structured_output", "kv_transfer", "spec_decode"),
+    ("structured_output", "kv_transfer", "spec_decode", "lora"),
     ("worker",),
     ("executor",),
     ("engine",),

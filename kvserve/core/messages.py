@@ -25,6 +25,9 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):  #
     priority: int = 0
     cache_salt: Optional[str] = None
     client_index: int = 0
+    # A kvserve.lora.LoRARequest (a dict after msgpack: core/ cannot import lora/); the engine
+    # core turns it back into one (lora.request.as_lora_request).
+    lora_request: Optional[Any] = None
 
 
 class FinishReason(enum.IntEnum):

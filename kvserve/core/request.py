@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from kvserve.sampling_params import SamplingParams
 
@@ -56,6 +56,7 @@ class Request:
         priority: int = 0,
         cache_salt: Optional[str] = None,
         client_index: int = 0,
+        lora_request: Optional[Any] = None,
     ) -> None:
         self.request_id = request_id
         self.sampling_params = sampling_params
@@ -64,6 +65,9 @@ class Request:
         self.priority = priority
         self.cache_salt = cache_salt
         self.client_index = client_index
+        # kvserve.lora.LoRARequest, or None for the base model (core/ sits below lora/ in
+        # the import layers, so it is untyped here; it is part of the block hashes).
+        self.lora_request = lora_request
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.max_tokens = sampling_params.max_tokens or 0

@@ -24,6 +24,7 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     eos_token_ids: list[int] = field(default_factory=list)   # for min_tokens masking
+    lora_request: Optional[Any] = None      # kvserve.lora.LoRARequest (None: the base model)
 
 
 @dataclass

@@ -7,6 +7,7 @@ from typing import Any, Optional, Sequence, Union
 
 from kvserve.engine.arg_utils import EngineArgs
 from kvserve.engine.llm_engine import LLMEngine
+from kvserve.lora.request import LoRARequest
 from kvserve.outputs import RequestOutput
 import msgspec
 
@@ -35,18 +36,23 @@ class LLM:
     def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
                  sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
                  use_tqdm: bool = True,
-                 priority: Optional[list[int]] = None) -> list[RequestOutput]:
+                 priority: Optional[list[int]] = None,
+                 lora_request: Union["LoRARequest", Sequence["LoRARequest"], None] = None,
+                 ) -> list[RequestOutput]:
+        """`lora_request`: one LoRARequest for every prompt, or a list with one per prompt
+        (None entries: the base model)."""
         prompt_list = _as_prompt_list(prompts)
         params_list = _broadcast(sampling_params or SamplingParams(), len(prompt_list), "sampling_params")
         # Offline generation only needs the final result: skip building per-step outputs.
         params_list = [msgspec.structs.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
                        for p in params_list]
         priorities = _broadcast(priority if priority is not None else 0, len(prompt_list), "priority")
+        loras = _broadcast(lora_request, len(prompt_list), "lora_request")
         # Validate everything before anything is scheduled: one bad prompt rejects the batch
         # and leaves the engine as it was.
         ids = [str(next(self._request_counter)) for _ in prompt_list]
-        prepared = [self.llm_engine.process_inputs(rid, p, sp, priority=pr)
-                    for rid, p, sp, pr in zip(ids, prompt_list, params_list, priorities)]
+        prepared = [self.llm_engine.process_inputs(rid, p, sp, priority=pr, lora_request=lr)
+                    for rid, p, sp, pr, lr in zip(ids, prompt_list, params_list, priorities, loras)]
         for rid, (request, prompt_text), sp in zip(ids, prepared, params_list):
             self.llm_engine.add_processed_request(request, prompt_text, sp)
         return self._run_engine(ids, use_tqdm)
@@ -55,7 +61,9 @@ class LLM:
              sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
              use_tqdm: bool = True, chat_template: Optional[str] = None,
              add_generation_prompt: bool = True,
-             chat_template_kwargs: Optional[dict[str, Any]] = None) -> list[RequestOutput]:
+             chat_template_kwargs: Optional[dict[str, Any]] = None,
+             lora_request: Union["LoRARequest", Sequence["LoRARequest"], None] = None,
+             ) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self.get_tokenizer()
         prompts = []
@@ -66,7 +74,19 @@ class LLM:
             # The template already carries the special tokens (BOS); do not add a second one.
             prompts.append({"prompt": text,
                             "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
+
+    def add_lora(self, lora_request: "LoRARequest") -> bool:
+        """Load an adapter now (its first request then waits for nothing)."""
+        self.llm_engine.input_processor.lora_checker.check(lora_request)
+        return self.llm_engine.engine_core.call_utility("add_lora", lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        self.llm_engine.input_processor.lora_checker.forget(lora_int_id)
+        return self.llm_engine.engine_core.call_utility("remove_lora", lora_int_id)
+
+    def list_loras(self) -> list[int]:
+        return self.llm_engine.engine_core.call_utility("list_loras")
 
     def reset_prefix_cache(self) -> bool:
         return self.llm_engine.engine_core.call_utility("reset_prefix_cache")
