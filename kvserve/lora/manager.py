@@ -115,7 +115,8 @@ class LoRAModelManager:
 
     def remove_adapter(self, lora_int_id: int) -> bool:
         found = self._cpu_cache.pop(lora_int_id, None) is not None
-        self._requests.pop(lora_int_id, None)
+        if lora_int_id not in self._req_lora.values():   # running requests may reload it
+            self._requests.pop(lora_int_id, None)
         if lora_int_id in self._slots:
             slot = self._slots.index(lora_int_id)
             self._slots[slot] = None

@@ -31,3 +31,33 @@ def as_lora_request(value: Any) -> Optional[LoRARequest]:
     if isinstance(value, (list, tuple)):
         return LoRARequest(*value)
     raise ValueError(f"lora_request must be a LoRARequest, got {type(value).__name__}.")
+
+
+class LoRAModulePath(msgspec.Struct, frozen=True):
+    """One `--lora-modules` entry: `name=path` or JSON {"name", "path", "base_model_name"}."""
+    name: str
+    path: str
+    base_model_name: Optional[str] = None
+
+
+def parse_lora_modules(items: Optional[list[str]]) -> list[LoRAModulePath]:
+    """vLLM's --lora-modules forms; a malformed entry is a ValueError naming it."""
+    out: list[LoRAModulePath] = []
+    for item in items or []:
+        item = item.strip()
+        if item.startswith("{"):
+            try:
+                out.append(msgspec.json.decode(item.encode(), type=LoRAModulePath))
+            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                raise ValueError(f"--lora-modules {item!r}: {e} (JSON form: "
+                                 f"'{{\"name\": ..., \"path\": ..., \"base_model_name\": ...}}').") from None
+            continue
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora-modules {item!r}: expected name=path or JSON "
+                             f"{{\"name\": ..., \"path\": ...}}.")
+        out.append(LoRAModulePath(name, path))
+    names = [m.name for m in out]
+    if len(set(names)) != len(names):
+        raise ValueError(f"--lora-modules names must be unique, got {names}.")
+    return out
