@@ -13,7 +13,7 @@ import shutil
 import pytest
 import torch
 
-from kvserve import LLM, LoRARequest, SamplingParams
+from kvserve import LLM, LoRARequest, SamplingParams, envs
 from tests.lora.conftest import ADAPTERS, make_peft_adapter, peft_greedy
 from tests.utils import random_prompts
 
@@ -163,3 +163,18 @@ def test_lora_needs_enable_lora_and_no_spec_decode(tiny_llama: str, lora_adapter
     with pytest.raises(ValueError, match="pipeline parallelism is not supported"):
         EngineArgs(model=tiny_llama, enable_lora=True,
                    pipeline_parallel_size=2).create_engine_config()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not envs.get("KVSERVE_TEST_LORA_TP"),
+                    reason="two worker processes: set KVSERVE_TEST_LORA_TP=1")
+def test_tensor_parallel_matches_peft(tiny_llama: str, loras: list[LoRARequest]) -> None:
+    """TP=2: column-parallel layers hold their rows of B, row-parallel ones their columns
+    of A (the all-reduce sums the partial deltas); outputs equal PEFT's."""
+    prompts = random_prompts(4, 20, 40, 1000, seed=7)
+    lora_list = [loras[0], loras[1], None, loras[2]]
+    sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=1, ignore_eos=True)
+    with LLM(tiny_llama, **{**ENGINE_ARGS, "multiprocessing": True, "max_loras": 3,
+                            "tensor_parallel_size": 2}) as engine:
+        outs = engine.generate(prompts, sp, lora_request=lora_list, use_tqdm=False)
+    _check_against_peft(tiny_llama, outs, prompts, lora_list)
