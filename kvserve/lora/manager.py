@@ -101,14 +101,9 @@ class LoRAModelManager:
                              self.hf_config, self.dtype)
         self.last_load_s = time.perf_counter() - start
         self._cpu_cache[lora.lora_int_id] = model
+        # The least recently used go; slots keep their own copy of an evicted adapter.
         while len(self._cpu_cache) > self.config.max_cpu_loras:
-            evicted = next(iter(self._cpu_cache))
-            if evicted in self._slots:    # still in a slot: keep it; evict the next oldest
-                candidates = [i for i in self._cpu_cache if i not in self._slots]
-                if not candidates:
-                    break
-                evicted = candidates[0]
-            del self._cpu_cache[evicted]
+            del self._cpu_cache[next(iter(self._cpu_cache))]
         logger.info("LoRA adapter %r (id %d, rank %d) loaded in %.3f s", lora.lora_name,
                     lora.lora_int_id, model.rank, self.last_load_s)
         return True
