@@ -63,10 +63,11 @@ def wrap_model(model: nn.Module, lora_config: LoRAConfig,
     if not layers:
         raise ValueError(f"LoRA: {type(model).__name__} has no linear layer kvserve can put "
                          f"LoRA on (supported: Llama, Mistral, Qwen2, Qwen3).")
-    # The fused small-decode C++ op runs whole layers without the Python linears: off.
+    # The fused small-decode C++ op runs whole layers without the Python linears: the model
+    # skips it in steps with adapter tokens.
     inner = getattr(model, "model", None)
-    if inner is not None and hasattr(inner, "_fused_decode_decided"):
-        inner._fused_decode, inner._fused_decode_decided = None, True
+    if inner is not None and hasattr(inner, "lora_mapping"):
+        inner.lora_mapping = mapping
     return layers
 
 

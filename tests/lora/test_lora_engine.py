@@ -18,7 +18,7 @@ from tests.lora.conftest import ADAPTERS, make_peft_adapter, peft_greedy
 from tests.utils import random_prompts
 
 LOGPROB_ATOL = 1e-4
-MAX_TOKENS = 10
+MAX_TOKENS = 8
 # Small blocks, a small token budget and few blocks: long prompts are chunked and decodes
 # run out of blocks (preemption) while three adapters and the base model share the steps.
 ENGINE_ARGS = dict(dtype="float32", enable_lora=True, max_loras=2, max_cpu_loras=3,
@@ -54,7 +54,7 @@ def _check_against_peft(base: str, outs, prompts, lora_list) -> None:
 
 
 def test_mixed_batch_matches_peft(llm: LLM, loras: list[LoRARequest], tiny_llama: str) -> None:
-    prompts = random_prompts(10, 30, 60, 1000, seed=3)
+    prompts = random_prompts(8, 30, 60, 1000, seed=3)
     lora_list = [loras[i % 3] if i % 4 != 3 else None for i in range(len(prompts))]
     sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=1, ignore_eos=True)
     before = llm.get_stats()
@@ -150,9 +150,14 @@ def test_bad_adapters_are_clear_errors(llm: LLM, lora_adapters: dict[str, str], 
                          use_tqdm=False)
     with pytest.raises(ValueError, match="already adapter"):
         llm.generate([[1, 2, 3]], sp, lora_request=LoRARequest("other", 1, good), use_tqdm=False)
-    # The engine still serves.
+    # The engine still serves; chat takes lora_request too (and the adapter changes its answer).
     out = llm.generate([[1, 2, 3]], sp, lora_request=LoRARequest("all7", 1, good), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 2
+    messages = [{"role": "user", "content": "Hello there"}]
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    with_lora = llm.chat(messages, greedy, lora_request=LoRARequest("all7", 1, good), use_tqdm=False)
+    without = llm.chat(messages, greedy, use_tqdm=False)
+    assert with_lora[0].outputs[0].token_ids != without[0].outputs[0].token_ids
 
 
 def test_lora_needs_enable_lora_and_no_spec_decode(tiny_llama: str, lora_adapters) -> None:
