@@ -411,6 +411,7 @@ class KVServeConfig:
         default_factory=StructuredOutputsConfig)
     speculative_config: Optional["SpeculativeConfig"] = None
     kv_transfer_config: Optional[Any] = None    # kv_transfer.config.KVTransferConfig
+    lora_config: Optional[Any] = None           # lora.config.LoRAConfig (--enable-lora)
     cpu_config: CpuConfig = field(default_factory=CpuConfig)
 
 

@@ -70,6 +70,12 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
          "Keep the API server up (answering 503) when its engine dies, instead of exiting."),
     _var("KVSERVE_ENABLE_MULTIPROCESSING", "bool", True,
          "Run the engine core in its own process (0: in the API/LLM process)."),
+    _var("KVSERVE_ALLOW_RUNTIME_LORA_UPDATING", "bool", False,
+         "Serve /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's "
+         "VLLM_ALLOW_RUNTIME_LORA_UPDATING)."),
+    _var("KVSERVE_TEST_LORA_TP", "bool", False,
+         "Tests: also run the multi-LoRA test with tensor_parallel_size=2 (two worker "
+         "processes; slow on 2 cores)."),
     _var("KVSERVE_HOLD_OUTPUTS", "bool", True,
          "Coalesce engine outputs a client has not read yet (the output coalescer)."),
     # Start-up and distributed timeouts (seconds).

@@ -21,7 +21,7 @@ packages of one layer do not import each other:
     tokenizer                                      (builds GGUF tokenizers from model/'s reader)
     core                                           requests, KV blocks, the scheduler, messages
     structured_output, kv_transfer, spec_decode,   features: scheduler- and worker-side parts
-    pooling
+    pooling, lora
     worker                                         model runner, input batch
     executor                                       uni / multiproc / Ray
     engine                                         engine core, clients, frontend processing
@@ -51,7 +51,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("model",),
     ("tokenizer",),
     ("core",),
-    ("structured_output", "kv_transfer", "spec_decode", "pooling"),
+    ("structured_output", "kv_transfer", "spec_decode", "pooling", "lora"),
     ("worker",),
     ("executor",),
     ("engine",),

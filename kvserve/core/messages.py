@@ -29,6 +29,9 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):  #
     client_index: int = 0
     # A pooling request (prefill only; sampling_params then only carries max_tokens=1).
     pooling_params: Optional[PoolingParams] = None
+    # A kvserve.lora.LoRARequest (a dict after msgpack: core/ cannot import lora/); the engine
+    # core turns it back into one (lora.request.as_lora_request).
+    lora_request: Optional[Any] = None
 
 
 class FinishReason(enum.IntEnum):

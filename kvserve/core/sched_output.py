@@ -26,6 +26,7 @@ class NewRequestData:
     num_computed_tokens: int
     eos_token_ids: list[int] = field(default_factory=list)   # for min_tokens masking
     pooling_params: Optional[PoolingParams] = None            # a pooling request's settings
+    lora_request: Optional[Any] = None      # kvserve.lora.LoRARequest (None: the base model)
 
 
 @dataclass

@@ -267,8 +267,12 @@ class Scheduler:
         request.record_event(EngineCoreEventType.PREEMPTED)
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
+        skipped: list[Request] = []    # not admissible now (a hook said so): back in front
         while self.waiting and plan.budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
+            if not all(hook.admissible(request, self.running) for hook in self.hooks):
+                skipped.append(self.waiting.pop())
+                continue
             if self.kv_cache_manager.get_blocks(request.request_id):
                 # Its KV was loaded from outside: it holds its blocks already.
                 computed_blocks, num_computed = [], request.num_computed_tokens
@@ -300,6 +304,8 @@ class Scheduler:
             self.running.append(request)
             plan.scheduled_new.append(request)
             plan.add(request.request_id, n, blocks, [])
+        for request in reversed(skipped):
+            self.waiting.prepend(request)
 
     def _make_output(self, plan: _StepPlan) -> SchedulerOutput:
         preempted_ids = {r.request_id for r in plan.preempted if r.request_id in self._on_workers}
@@ -312,7 +318,8 @@ class Scheduler:
                 block_ids=self.kv_cache_manager.get_block_ids(r.request_id),
                 num_computed_tokens=r.num_computed_tokens,
                 eos_token_ids=[] if r.sampling_params.ignore_eos else sorted(r.eos_token_ids),
-                pooling_params=r.pooling_params))
+                pooling_params=r.pooling_params,
+                lora_request=r.lora_request))
             self._on_workers.add(r.request_id)
             self._worker_num_tokens[r.request_id] = r.num_tokens
         new_ids = {r.request_id for r in plan.scheduled_new}

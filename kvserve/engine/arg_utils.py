@@ -77,6 +77,11 @@ _HELP = {
     "kv_transfer_config": "KV connector settings as JSON (disaggregated prefill/decode, KV reuse "
                           "across engines), e.g. '{\"kv_connector\": \"NixlConnector\", "
                           "\"kv_role\": \"kv_both\"}'.",
+    "enable_lora": "Serve LoRA adapters (PEFT format) beside the base model, mixed in one batch.",
+    "max_loras": "LoRA adapters in one batch (the workers' adapter slots).",
+    "max_lora_rank": "Largest LoRA rank an adapter may have (1, 8, 16, 32, 64, 128, 256, 320, 512).",
+    "max_cpu_loras": "Loaded LoRA adapters kept in memory, least recently used evicted "
+                     "(default: max_loras).",
     "cpu_isa": "ISA tier of the C++ CPU kernels; auto: the host's best (env KVSERVE_CPU_ISA).",
     "disable_cpu_kernels": "Pure-torch paths instead of the C++ CPU kernels and oneDNN "
                            "prepacking (env KVSERVE_DISABLE_CPU_KERNELS).",
@@ -140,6 +145,10 @@ class EngineArgs:
     structured_outputs_config: Optional[Union[str, dict]] = None
     speculative_config: Optional[Union[str, dict]] = None
     kv_transfer_config: Optional[Union[str, dict]] = None
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: Optional[int] = None
     cpu_isa: Optional[str] = None
     disable_cpu_kernels: Optional[bool] = None
     cpu_huge_pages: Optional[str] = None
@@ -263,6 +272,7 @@ class EngineArgs:
         kv_cache_groups = _kv_cache_groups(model_config, parallel, spec_config,
                                            kv_transfer_config,
                                            self.disable_hybrid_kv_cache_manager)
+        lora_config = self._lora_config(parallel, spec_config, kv_transfer_config)
         return KVServeConfig(
             model_config=model_config,
             cache_config=CacheConfig(
@@ -289,7 +299,22 @@ class EngineArgs:
             speculative_config=spec_config,
             kv_transfer_config=kv_transfer_config,
             cpu_config=cpu_config,
+            lora_config=lora_config,
         )
+
+    def _lora_config(self, parallel: ParallelConfig, spec_config: Any,
+                     kv_transfer_config: Any) -> Any:
+        """LoRAConfig with --enable-lora; the combinations not built yet are an error now."""
+        if not self.enable_lora:
+            return None
+        from kvserve.lora.config import LoRAConfig
+        for on, what in ((spec_config is not None, "speculative decoding"),
+                         (parallel.pipeline_parallel_size > 1, "pipeline parallelism"),
+                         (kv_transfer_config is not None, "a KV connector (P/D disaggregation)")):
+            if on:
+                raise ValueError(f"--enable-lora with {what} is not supported yet.")
+        return LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
+                          max_cpu_loras=self.max_cpu_loras)
 
 
     def _resolve_runner(self, model_config: ModelConfig, spec_config: Any) -> bool:

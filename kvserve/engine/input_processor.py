@@ -29,8 +29,11 @@ _PROMPT_KEYS = {"prompt", "prompt_token_ids", "cache_salt"}
 class InputProcessor:
     def __init__(self, model_config: ModelConfig, tokenizer: Optional[Tokenizer],
                  structured_outputs_config: Optional[StructuredOutputsConfig] = None,
-                 kv_transfer_config: Optional[Any] = None) -> None:
+                 kv_transfer_config: Optional[Any] = None,
+                 lora_config: Optional[Any] = None) -> None:
         self.model_config = model_config
+        from kvserve.lora.peft_loader import AdapterChecker
+        self.lora_checker = AdapterChecker(lora_config, model_config.hf_config)
         self.kv_transfer_config = kv_transfer_config
         self.structured_outputs_config = structured_outputs_config or StructuredOutputsConfig()
         self.tokenizer = tokenizer
@@ -54,7 +57,8 @@ class InputProcessor:
     def process_inputs(self, request_id: str, prompt: PromptType,
                        params: Union[SamplingParams, PoolingParams],
                        arrival_time: Optional[float] = None, priority: int = 0,
-                       cache_salt: Optional[str] = None) -> tuple[EngineCoreRequest, Optional[str]]:
+                       cache_salt: Optional[str] = None, lora_request: Optional[Any] = None,
+                       ) -> tuple[EngineCoreRequest, Optional[str]]:
         """Validate and tokenize. Returns the request for the engine core and the prompt text
         (None when the prompt was given as token ids only).
 
@@ -68,6 +72,8 @@ class InputProcessor:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}.")
         orig_params = params
+        if lora_request is not None:
+            self.lora_checker.check(lora_request)
         prompt_text, prompt_token_ids, dict_salt = self._tokenize(prompt)
         self._validate_prompt(prompt_token_ids)
         if params.max_tokens is None:
@@ -93,6 +99,7 @@ class InputProcessor:
             arrival_time=arrival_time if arrival_time is not None else time.time(),
             priority=priority,
             cache_salt=cache_salt if cache_salt is not None else dict_salt,
+            lora_request=lora_request,
         ), prompt_text
 
     def _process_pooling(self, request_id: str, prompt: PromptType, params: Any,

@@ -7,6 +7,7 @@ from typing import Any, Optional, Sequence, Union
 
 from kvserve.engine.arg_utils import EngineArgs
 from kvserve.engine.llm_engine import LLMEngine
+from kvserve.lora.request import LoRARequest
 from kvserve.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
 import msgspec
 
@@ -36,14 +37,20 @@ class LLM:
     def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
                  sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
                  use_tqdm: bool = True,
-                 priority: Optional[list[int]] = None) -> list[RequestOutput]:
+                 priority: Optional[list[int]] = None,
+                 lora_request: Union["LoRARequest", Sequence["LoRARequest"], None] = None,
+                 ) -> list[RequestOutput]:
+        """`lora_request`: one LoRARequest for every prompt, or a list with one per prompt
+        (None entries: the base model)."""
         prompt_list = _as_prompt_list(prompts)
         params_list = _broadcast(sampling_params or SamplingParams(), len(prompt_list), "sampling_params")
         # Offline generation only needs the final result: skip building per-step outputs.
         params_list = [msgspec.structs.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
                        for p in params_list]
         priorities = _broadcast(priority if priority is not None else 0, len(prompt_list), "priority")
-        return self._run_engine(self._add_requests(prompt_list, params_list, priorities), use_tqdm)
+        loras = _broadcast(lora_request, len(prompt_list), "lora_request")
+        return self._run_engine(self._add_requests(prompt_list, params_list, priorities, loras),
+                                use_tqdm)
 
     def encode(self, prompts: Union[PromptType, Sequence[PromptType]],
                pooling_params: Union[PoolingParams, Sequence[PoolingParams], None] = None,
@@ -66,13 +73,14 @@ class LLM:
         outs = self.encode(prompts, pooling_params, use_tqdm=use_tqdm, pooling_task="embed")
         return [EmbeddingRequestOutput.from_base(o) for o in outs]
 
-    def _add_requests(self, prompts: list[PromptType], params: list[Any],
-                      priorities: list[int]) -> list[str]:
+    def _add_requests(self, prompts: list[PromptType], params: list[Any], priorities: list[int],
+                      loras: Optional[list[Any]] = None) -> list[str]:
         # Validate everything before anything is scheduled: one bad prompt rejects the batch
         # and leaves the engine as it was.
         ids = [str(next(self._request_counter)) for _ in prompts]
-        prepared = [self.llm_engine.process_inputs(rid, p, sp, priority=pr)
-                    for rid, p, sp, pr in zip(ids, prompts, params, priorities)]
+        loras = loras or [None] * len(prompts)
+        prepared = [self.llm_engine.process_inputs(rid, p, sp, priority=pr, lora_request=lr)
+                    for rid, p, sp, pr, lr in zip(ids, prompts, params, priorities, loras)]
         for (request, prompt_text), sp in zip(prepared, params):
             self.llm_engine.add_processed_request(request, prompt_text, sp)
         return ids
@@ -81,7 +89,9 @@ class LLM:
              sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
              use_tqdm: bool = True, chat_template: Optional[str] = None,
              add_generation_prompt: bool = True,
-             chat_template_kwargs: Optional[dict[str, Any]] = None) -> list[RequestOutput]:
+             chat_template_kwargs: Optional[dict[str, Any]] = None,
+             lora_request: Union["LoRARequest", Sequence["LoRARequest"], None] = None,
+             ) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self.get_tokenizer()
         prompts = []
@@ -92,7 +102,19 @@ class LLM:
             # The template already carries the special tokens (BOS); do not add a second one.
             prompts.append({"prompt": text,
                             "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
+
+    def add_lora(self, lora_request: "LoRARequest") -> bool:
+        """Load an adapter now (its first request then waits for nothing)."""
+        self.llm_engine.input_processor.lora_checker.check(lora_request)
+        return self.llm_engine.engine_core.call_utility("add_lora", lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        self.llm_engine.input_processor.lora_checker.forget(lora_int_id)
+        return self.llm_engine.engine_core.call_utility("remove_lora", lora_int_id)
+
+    def list_loras(self) -> list[int]:
+        return self.llm_engine.engine_core.call_utility("list_loras")
 
     def reset_prefix_cache(self) -> bool:
         return self.llm_engine.engine_core.call_utility("reset_prefix_cache")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Iterable, Optional, Union
+from typing import Any, Iterable, Optional, Union
 
 import torch
 from torch import nn
@@ -141,6 +141,9 @@ class LlamaModel(nn.Module):
         # Layers the fused op cannot run (MoE) never take it; tests set True for the
         # layer-by-layer path.
         self._fused_decode_decided = not layer_cls.supports_fused_decode
+        # Multi-LoRA's per-step mapping (kvserve.lora.punica.LoRAMapping), set when LoRA is on:
+        # the fused op runs no Python linears, so steps with adapter tokens go layer by layer.
+        self.lora_mapping: Optional[Any] = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], attn_metadata: AttentionMetadata,
@@ -177,7 +180,8 @@ class LlamaModel(nn.Module):
 
     def _fused_decode_for(self, layers: list[nn.Module], num_tokens: int,
                           attn_metadata: AttentionMetadata) -> Optional[FusedDecodeStack]:
-        if not FusedDecodeStack.applies(num_tokens, attn_metadata):
+        if not FusedDecodeStack.applies(num_tokens, attn_metadata) or (
+                self.lora_mapping is not None and self.lora_mapping.groups):
             return None
         if not self._fused_decode_decided:
             self._fused_decode = FusedDecodeStack.build(layers)

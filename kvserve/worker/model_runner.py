@@ -30,6 +30,7 @@ from kvserve.structured_output.bitmask import apply_grammar_bitmask
 from kvserve.worker.input_batch import InputBatch
 
 if TYPE_CHECKING:
+    from kvserve.lora.manager import LoRAModelManager
     from kvserve.worker.cuda_graph import CUDAGraphRunner
 
 logger = logging.getLogger(__name__)
@@ -72,6 +73,7 @@ class ModelRunner:
         self.cuda_graphs: Optional["CUDAGraphRunner"] = None   # set by capture_cuda_graphs
         # --runner pooling: pooled hidden states instead of sampled tokens (no LM head).
         self.pooler: Optional[Pooler] = (Pooler(mc) if mc.runner_type == "pooling" else None)
+        self.lora_manager: Optional["LoRAModelManager"] = None  # set by load_model (--enable-lora)
         pc = config.parallel_config
         # Pipeline stage (set by load_model, once the process groups exist).
         self.is_first_stage = self.is_last_stage = True
@@ -95,12 +97,22 @@ class ModelRunner:
             self.spec_decode.load_model(self.model)
         from kvserve.model.layers.attention import bind_attention_backend
         bind_attention_backend(self.model, self.attn_backend)
+        if self.config.lora_config is not None:
+            from kvserve.lora.manager import LoRAModelManager
+            mc = self.config.model_config
+            self.lora_manager = LoRAModelManager(self.model, self.config.lora_config,
+                                                 mc.hf_config, self.dtype, self.device)
         # This pipeline stage's layers: the KV cache holds only theirs.
         self.num_local_layers = getattr(self.model, "num_local_layers",
                                         self.config.model_config.num_layers)
         if self.kv_cache_groups:
             from kvserve.worker.kv_cache_groups import bind_kv_cache_groups
             bind_kv_cache_groups(self.model, self.kv_cache_groups)
+
+    def lora_manager_or_error(self) -> "LoRAModelManager":
+        if self.lora_manager is None:
+            raise ValueError("LoRA adapters need an engine started with --enable-lora.")
+        return self.lora_manager
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         from kvserve.model.loader import get_kv_cache_shape
@@ -136,8 +148,10 @@ class ModelRunner:
         from kvserve.worker.cuda_graph import CUDAGraphRunner, capture_sizes
         if (self.device.type != "cuda" or self.attn_backend.name != "TRITON_ATTN"
                 or self.config.parallel_config.pipeline_parallel_size > 1
-                or self.kv_cache_groups):   # sliding windows take the torch path: eager
-            return   # graphs hold one whole-model decode step: not with PP stages
+                or self.kv_cache_groups or self.lora_manager is not None):
+            # Graphs hold one whole-model decode step: not with PP stages; sliding windows
+            # take the torch path; LoRA's per-step slot grouping is not captured yet (eager).
+            return
         sizes = capture_sizes(self.config.scheduler_config.max_num_seqs)
         assert self.model is not None
         self.cuda_graphs = CUDAGraphRunner(self.model, self.kv_caches, sizes,
@@ -163,6 +177,8 @@ class ModelRunner:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         step = self._prepare_inputs(scheduler_output)
         assert self.model is not None
+        if self.lora_manager is not None:
+            self.lora_manager.prepare_step(step.req_ids, step.query_lens)
         intermediate = None if self.is_first_stage else self._recv_intermediate(len(step.positions))
         hidden = self._forward(step, intermediate)
         if not self.is_last_stage:
@@ -286,6 +302,8 @@ class ModelRunner:
         ib.remove_requests(so.finished_req_ids | so.preempted_req_ids)
         if self.pooler is not None:
             self.pooler.update_states(so)
+        if self.lora_manager is not None:
+            self.lora_manager.update_requests(so)
         if self.spec_decode is not None:
             self.spec_decode.drop(so.finished_req_ids | so.preempted_req_ids)
         for new in so.scheduled_new_reqs:

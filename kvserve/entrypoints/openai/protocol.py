@@ -87,6 +87,16 @@ class ModelCard(OpenAIBaseModel):
     permission: list[ModelPermission] = Field(default_factory=list)
 
 
+class LoadLoRAAdapterRequest(OpenAIBaseModel):
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(OpenAIBaseModel):
+    lora_name: str
+    lora_int_id: Optional[int] = None
+
+
 class ModelList(OpenAIBaseModel):
     object: str = "list"
     data: list[ModelCard] = Field(default_factory=list)
