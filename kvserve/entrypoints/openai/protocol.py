@@ -256,7 +256,7 @@ _TokenIds = Annotated[list[int], Field(min_length=1)]
 _PromptText = Annotated[str, Field(min_length=1)]
 Prompt = Union[_TokenIds, Annotated[list[_TokenIds], Field(min_length=1)], _PromptText,
                Annotated[list[_PromptText], Field(min_length=1)]]
-ChatMessage = Annotated[dict[str, Any], WithJsonSchema({
+ChatMessageParam = Annotated[dict[str, Any], WithJsonSchema({
     "type": "object", "required": ["role"], "additionalProperties": True,
     "properties": {"role": {"type": "string"}}})]
 
@@ -365,7 +365,7 @@ class CompletionStreamResponse(OpenAIBaseModel):
 # ---------------------------------------------------------------------- chat
 class ChatCompletionRequest(_SamplingRequest):
     # https://platform.openai.com/docs/api-reference/chat/create
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    messages: Annotated[list[ChatMessageParam], Field(min_length=1)]
     logprobs: Optional[bool] = False
     top_logprobs: Optional[int] = 0
     max_tokens: Optional[int] = Field(default=None, description="Deprecated: max_completion_tokens.")
