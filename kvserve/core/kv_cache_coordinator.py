@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Optional, Sequence, Union
 
 from kvserve.config import CacheConfig, KVCacheGroupSpec
 from kvserve.core.block_pool import BlockPool
-from kvserve.core.kv_cache_manager import KVCacheManager, cdiv
+from kvserve.core.kv_cache_manager import BlockPoolOwner, KVCacheManager, cdiv
 from kvserve.core.kv_cache_utils import (BlockHash, KVCacheBlock, PrefixCacheStats,
                                          update_request_block_hashes)
 
@@ -133,7 +133,7 @@ def _make_group_manager(spec: KVCacheGroupSpec, group_id: int, pool: BlockPool,
     return cls(spec, group_id, pool, block_size)
 
 
-class HybridKVCacheManager:
+class HybridKVCacheManager(BlockPoolOwner):
     """KVCacheManager's interface over several KV cache groups sharing one BlockPool."""
 
     def __init__(self, groups: Sequence[KVCacheGroupSpec], num_blocks: int, block_size: int,
@@ -149,23 +149,6 @@ class HybridKVCacheManager:
         # Leading blocks registered in the prefix cache; the same in every group.
         self.num_cached_block: dict[str, int] = {}
         self.prefix_cache_stats = PrefixCacheStats()
-
-    # ------------------------------------------------------------------
-    @property
-    def num_free_blocks(self) -> int:
-        return self.block_pool.get_num_free_blocks()
-
-    @property
-    def usage(self) -> float:
-        return self.block_pool.get_usage()
-
-    def make_prefix_cache_stats(self) -> PrefixCacheStats:
-        stats = self.prefix_cache_stats
-        self.prefix_cache_stats = PrefixCacheStats()
-        return stats
-
-    def reset_prefix_cache(self) -> bool:
-        return self.block_pool.reset_prefix_cache()
 
     # ------------------------------------------------------------------
     def get_computed_blocks(self, request: "Request") -> tuple[GroupedBlocks, int]:

@@ -26,7 +26,31 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-class KVCacheManager:
+class BlockPoolOwner:
+    """What the scheduler and metrics read of a KV cache manager's pool (both managers)."""
+    block_pool: BlockPool
+    prefix_cache_stats: PrefixCacheStats
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_pool.get_num_free_blocks()
+
+    @property
+    def usage(self) -> float:
+        """Fraction of KV blocks in use, in [0, 1]."""
+        return self.block_pool.get_usage()
+
+    def make_prefix_cache_stats(self) -> PrefixCacheStats:
+        """Return the stats gathered since the last call, and start new ones."""
+        stats = self.prefix_cache_stats
+        self.prefix_cache_stats = PrefixCacheStats()
+        return stats
+
+    def reset_prefix_cache(self) -> bool:
+        return self.block_pool.reset_prefix_cache()
+
+
+class KVCacheManager(BlockPoolOwner):
     def __init__(
         self,
         num_blocks: int,
@@ -47,25 +71,6 @@ class KVCacheManager:
         # cache (hits included), so each step hashes only the blocks that just became full.
         self.num_cached_block: dict[str, int] = {}
         self.prefix_cache_stats = PrefixCacheStats()
-
-    # ------------------------------------------------------------------
-    @property
-    def num_free_blocks(self) -> int:
-        return self.block_pool.get_num_free_blocks()
-
-    @property
-    def usage(self) -> float:
-        """Fraction of KV blocks in use, in [0, 1]."""
-        return self.block_pool.get_usage()
-
-    def make_prefix_cache_stats(self) -> PrefixCacheStats:
-        """Return the stats gathered since the last call, and start new ones."""
-        stats = self.prefix_cache_stats
-        self.prefix_cache_stats = PrefixCacheStats()
-        return stats
-
-    def reset_prefix_cache(self) -> bool:
-        return self.block_pool.reset_prefix_cache()
 
     # ------------------------------------------------------------------
     def get_computed_blocks(self, request: "Request") -> tuple[list[KVCacheBlock], int]:
