@@ -122,3 +122,25 @@ def test_long_request_holds_window_blocks(refs: dict) -> None:
     # After the prompt's step (3 blocks everywhere), the local groups keep 2.
     assert max(h for step in held[1:] for h in step[1:]) <= 2, held
     assert all(h == 2 for h in last[1:]), last
+
+
+@pytest.mark.timeout(600)
+def test_tp2_matches_transformers(refs: dict) -> None:
+    """Gemma 3 with its six KV cache groups on two tensor-parallel ranks (heads split)."""
+    path, ref = refs["gemma3_text"]
+    with LLM(path, **{**ENGINE_KW, "multiprocessing": True}, tensor_parallel_size=2) as llm:
+        outs = _generate(llm)
+    assert_matches_hf(ref, outs, "gemma3 tp2", atol=GEMMA_LOGPROB_ATOL)
+
+
+def test_unsupported_features_are_clear_errors_at_start(refs: dict) -> None:
+    path, _ = refs["gemma2"]
+    for kw in (dict(pipeline_parallel_size=2),
+               dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2})):
+        with pytest.raises(ValueError, match="sliding-window layers"):
+            EngineArgs(model=path, max_model_len=256, device="cpu", **kw).create_engine_config()
+    # A window no shorter than max_model_len is plain attention: nothing to refuse.
+    config = EngineArgs(model=path, max_model_len=WINDOW, device="cpu",
+                        speculative_config={"method": "ngram", "num_speculative_tokens": 2}
+                        ).create_engine_config()
+    assert config.cache_config.kv_cache_groups == []
