@@ -13,7 +13,7 @@ memory is not needed.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence
 
 from kvserve.core.kv_cache_utils import BlockHash, FreeKVCacheBlockQueue, KVCacheBlock
 
@@ -37,13 +37,14 @@ class BlockPool:
         self.num_usable_blocks = num_blocks - int(reserve_null_block)
         # One block per hash. A second block that fills with the same tokens (two requests
         # prefilling the same prefix in the same step) stays unregistered; see cache_full_blocks.
-        self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
+        # Keys: BlockHash, or (BlockHash, group id) in a hybrid KV cache.
+        self.cached_block_hash_to_block: dict[Any, KVCacheBlock] = {}
 
     # -- match ----------------------------------------------------------------
     def get_cached_block(self, block_hash: BlockHash,
                          group_id: Optional[int] = None) -> Optional[KVCacheBlock]:
         key = block_hash if group_id is None else (block_hash, group_id)
-        return self.cached_block_hash_to_block.get(key)  # type: ignore[call-overload]
+        return self.cached_block_hash_to_block.get(key)
 
     # -- insert ---------------------------------------------------------------
     def cache_full_blocks(
