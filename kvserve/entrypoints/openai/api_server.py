@@ -235,13 +235,17 @@ async def show_available_models(raw_request: Request) -> JSONResponse:
     return JSONResponse(content=_state(raw_request).serving_models.show_available_models().model_dump())
 
 
+def _runtime_lora_off() -> JSONResponse:
+    return error_json("Runtime LoRA updating is off (set KVSERVE_ALLOW_RUNTIME_LORA_UPDATING=1).",
+                      HTTPStatus.NOT_FOUND, err_type="NotFoundError")
+
+
 @router.post("/v1/load_lora_adapter")
 async def load_lora_adapter(request: LoadLoRAAdapterRequest, raw_request: Request) -> Response:
     """Register (checked) and load an adapter on the engines; vLLM's plain-text answer."""
     state = _state(raw_request)
     if not envs.get("KVSERVE_ALLOW_RUNTIME_LORA_UPDATING"):
-        return error_json("Runtime LoRA updating is off (set KVSERVE_ALLOW_RUNTIME_LORA_UPDATING=1).",
-                          HTTPStatus.NOT_FOUND, err_type="NotFoundError")
+        return _runtime_lora_off()
     try:
         lora = state.serving_models.add_lora(request.lora_name, request.lora_path)
     except ValueError as e:
@@ -260,8 +264,7 @@ async def load_lora_adapter(request: LoadLoRAAdapterRequest, raw_request: Reques
 async def unload_lora_adapter(request: UnloadLoRAAdapterRequest, raw_request: Request) -> Response:
     state = _state(raw_request)
     if not envs.get("KVSERVE_ALLOW_RUNTIME_LORA_UPDATING"):
-        return error_json("Runtime LoRA updating is off (set KVSERVE_ALLOW_RUNTIME_LORA_UPDATING=1).",
-                          HTTPStatus.NOT_FOUND, err_type="NotFoundError")
+        return _runtime_lora_off()
     try:
         lora = state.serving_models.remove_lora(request.lora_name)
     except KeyError:
@@ -272,25 +275,36 @@ async def unload_lora_adapter(request: UnloadLoRAAdapterRequest, raw_request: Re
                     media_type="text/plain")
 
 
-@router.post("/v1/completions")
-async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
-    handler: OpenAIServingCompletion = _state(raw_request).serving_completion
-    _warn_ignored(request)
-    return await _handle(raw_request, lambda: handler.create_completion(request, raw_request))
+def _handler_route(request_type: type, attr: str, method: str, warn: bool) -> Callable:
+    """An endpoint that parses a `request_type` body and hands it to `state.<attr>.<method>`."""
+    async def endpoint(request: Any, raw_request: Request) -> Response:
+        handler = getattr(_state(raw_request), attr)
+        if warn:
+            _warn_ignored(request)
+        return await _handle(raw_request, lambda: getattr(handler, method)(request, raw_request))
+    endpoint.__name__ = method
+    endpoint.__annotations__ = {"request": request_type, "raw_request": Request,
+                                "return": Response}
+    return endpoint
 
 
-@router.post("/v1/chat/completions")
-async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
-    handler: OpenAIServingChat = _state(raw_request).serving_chat
-    _warn_ignored(request)
-    return await _handle(raw_request, lambda: handler.create_chat_completion(request, raw_request))
-
-
-@router.post("/v1/responses")
-async def create_response(request: ResponsesRequest, raw_request: Request) -> Response:
-    handler: OpenAIServingResponses = _state(raw_request).serving_responses
-    _warn_ignored(request)
-    return await _handle(raw_request, lambda: handler.create_response(request, raw_request))
+# (paths, body type, handler attribute on the app state, its method, warn on ignored fields)
+_HANDLER_ROUTES = (
+    (("/v1/completions",), CompletionRequest, "serving_completion", "create_completion", True),
+    (("/v1/chat/completions",), ChatCompletionRequest, "serving_chat", "create_chat_completion",
+     True),
+    (("/v1/responses",), ResponsesRequest, "serving_responses", "create_response", True),
+    (("/v1/embeddings",), EmbeddingRequest, "serving_embedding", "create_embedding", True),
+    (("/v1/score", "/score"), ScoreRequest, "serving_embedding", "create_score", False),
+    (("/v1/rerank", "/rerank", "/v2/rerank"), RerankRequest, "serving_embedding",
+     "create_rerank", False),
+    (("/tokenize",), TokenizeRequest, "serving_tokenization", "create_tokenize", False),
+    (("/detokenize",), DetokenizeRequest, "serving_tokenization", "create_detokenize", False),
+)
+for _paths, _type, _attr, _method, _warn in _HANDLER_ROUTES:
+    _endpoint = _handler_route(_type, _attr, _method, _warn)
+    for _path in _paths:
+        router.post(_path)(_endpoint)
 
 
 @router.get("/v1/responses/{response_id}")
@@ -300,40 +314,6 @@ async def retrieve_response(response_id: str, raw_request: Request) -> Response:
     async def get() -> Any:
         return handler.retrieve_json(response_id)
     return await _handle(raw_request, get)
-
-
-@router.post("/v1/embeddings")
-async def create_embedding(request: EmbeddingRequest, raw_request: Request) -> Response:
-    handler: OpenAIServingEmbedding = _state(raw_request).serving_embedding
-    _warn_ignored(request)
-    return await _handle(raw_request, lambda: handler.create_embedding(request, raw_request))
-
-
-@router.post("/v1/score")
-@router.post("/score")
-async def create_score(request: ScoreRequest, raw_request: Request) -> Response:
-    handler: OpenAIServingEmbedding = _state(raw_request).serving_embedding
-    return await _handle(raw_request, lambda: handler.create_score(request, raw_request))
-
-
-@router.post("/v1/rerank")
-@router.post("/rerank")
-@router.post("/v2/rerank")
-async def create_rerank(request: RerankRequest, raw_request: Request) -> Response:
-    handler: OpenAIServingEmbedding = _state(raw_request).serving_embedding
-    return await _handle(raw_request, lambda: handler.create_rerank(request, raw_request))
-
-
-@router.post("/tokenize")
-async def tokenize(request: TokenizeRequest, raw_request: Request) -> Response:
-    handler: OpenAIServingTokenization = _state(raw_request).serving_tokenization
-    return await _handle(raw_request, lambda: handler.create_tokenize(request, raw_request))
-
-
-@router.post("/detokenize")
-async def detokenize(request: DetokenizeRequest, raw_request: Request) -> Response:
-    handler: OpenAIServingTokenization = _state(raw_request).serving_tokenization
-    return await _handle(raw_request, lambda: handler.create_detokenize(request, raw_request))
 
 
 def _warn_ignored(request: Any) -> None:
