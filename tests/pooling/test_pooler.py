@@ -124,3 +124,27 @@ def test_runner_flags() -> None:
         PoolerConfig.parse('{"pooling_type": "MAX"}')
     with pytest.raises(ValueError, match="dimensions"):
         PoolingParams(dimensions=0)
+
+
+def test_input_processor_keeps_runners_apart() -> None:
+    """A generate-runner engine refuses PoolingParams and a pooling one SamplingParams, before
+    anything is scheduled; a pooled prompt may fill the whole context."""
+    from kvserve.engine.input_processor import InputProcessor
+
+    def processor(runner: str) -> InputProcessor:
+        mc = ModelConfig(model="m", tokenizer="m", served_model_name="m",
+                         hf_config={"hidden_size": H, "vocab_size": 100}, dtype=torch.float32,
+                         max_model_len=16, runner_type=runner)
+        return InputProcessor(mc, None)
+
+    with pytest.raises(ValueError, match="--runner pooling"):
+        processor("generate").process_inputs("r", [5, 6], PoolingParams())
+    pooling = processor("pooling")
+    with pytest.raises(ValueError, match="pooling runner"):
+        pooling.process_inputs("r", [5, 6], SamplingParams())
+    with pytest.raises(ValueError, match="matryoshka"):
+        pooling.process_inputs("r", [5, 6], PoolingParams(dimensions=4))
+    request, _ = pooling.process_inputs("r", list(range(5, 21)), PoolingParams(normalize=False))
+    assert len(request.prompt_token_ids) == 16 and request.pooling_params.normalize is False
+    with pytest.raises(ValueError, match="longer than the maximum model length"):
+        pooling.process_inputs("r", list(range(5, 22)), PoolingParams())
