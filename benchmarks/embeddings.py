@@ -12,7 +12,9 @@ batch. Both sides get the token ids (no tokenizer in the timing): kvserve as
 `{"prompt_token_ids": ...}`, sentence-transformers as the features dict its forward takes
 (input_ids + attention_mask, batch --st-batch-size, default 64). float32 on both sides.
 Rounds alternate (kvserve, sentence-transformers, kvserve, ...) after one warm-up each; the
-best round of each is reported as inputs/s, with their ratio (goal: >= 3x). The embeddings of
+best round of each is reported as inputs/s, with their ratio (goal: >= 3x), and as matmul
+GFLOP/s (the layers' projections and attention; both sides do the same arithmetic, so the
+ratio is one of how well each keeps the CPU's FMA units busy). The embeddings of
 both are compared (cosine) once, so the speed is that of the same result.
 
     python benchmarks/embeddings.py [--rounds 3] [--num-inputs 64] [--input-len 256]
@@ -65,6 +67,18 @@ def ensure_st_model(base_dir: str, out_dir: str) -> str:
     return out_dir
 
 
+def flops_per_token(cfg: dict, seq_len: int) -> float:
+    """Matmul FLOPs of one token through the layers (no LM head: nothing is sampled), with
+    attention's QK^T and PV over a causal `seq_len` context (average half of it)."""
+    h, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    heads = cfg["num_attention_heads"]
+    kv = cfg.get("num_key_value_heads") or heads
+    head_dim = cfg.get("head_dim") or h // heads
+    proj = h * heads * head_dim * 2 + h * kv * head_dim * 2 + 3 * h * inter
+    attn = 2 * heads * head_dim * seq_len / 2
+    return 2.0 * layers * (proj + attn)
+
+
 def run_kvserve(llm: Any, prompts: list[list[int]]) -> tuple[float, torch.Tensor]:
     start = time.perf_counter()
     outs = llm.embed([{"prompt_token_ids": p} for p in prompts], use_tqdm=False)
@@ -106,7 +120,9 @@ def main() -> int:
     base = ensure_bench_model(args.model_dir)
     model_dir = ensure_st_model(base, os.path.join(args.model_dir, "embed-st-" + os.path.basename(base)))
     with open(os.path.join(base, "config.json")) as f:
-        vocab = json.load(f)["vocab_size"]
+        hf_cfg = json.load(f)
+    vocab = hf_cfg["vocab_size"]
+    total_flops = flops_per_token(hf_cfg, args.input_len) * args.input_len * args.num_inputs
     rng = random.Random(0)
     prompts = [[rng.randrange(5, vocab) for _ in range(args.input_len)]
                for _ in range(args.num_inputs)]
@@ -129,18 +145,21 @@ def main() -> int:
 
     rate = {k: args.num_inputs / min(v) for k, v in times.items()}
     ratio = rate["kvserve"] / rate["sentence_transformers"]
+    gflops = {k: total_flops / min(v) / 1e9 for k, v in times.items()}
     result = {
         "machine": machine_description(), "load_average": os.getloadavg(),
         "model": model_dir, "num_inputs": args.num_inputs, "input_len": args.input_len,
         "rounds": args.rounds, "times_s": times, "inputs_per_s": rate, "ratio": ratio,
-        "goal_ratio": GOAL_RATIO, "min_cosine_vs_sentence_transformers": cos,
+        "goal_ratio": GOAL_RATIO, "gflop_per_s": gflops, "min_cosine_vs_sentence_transformers": cos,
     }
     print(f"machine: {result['machine']}; load average {result['load_average']}")
     print(f"{args.num_inputs} inputs x {args.input_len} tokens, best of {args.rounds} "
           f"alternating rounds (float32)")
     print(f"  kvserve               {rate['kvserve']:8.2f} inputs/s  "
+          f"{gflops['kvserve']:7.1f} GFLOP/s  "
           f"(rounds: {', '.join(f'{t:.2f}s' for t in times['kvserve'])})")
     print(f"  sentence-transformers {rate['sentence_transformers']:8.2f} inputs/s  "
+          f"{gflops['sentence_transformers']:7.1f} GFLOP/s  "
           f"(rounds: {', '.join(f'{t:.2f}s' for t in times['sentence_transformers'])})")
     print(f"  ratio {ratio:.2f}x (goal >= {GOAL_RATIO}x); min cosine between the two: {cos:.6f}")
     if args.output_json:

@@ -124,3 +124,54 @@ def test_runner_flags() -> None:
         PoolerConfig.parse('{"pooling_type": "MAX"}')
     with pytest.raises(ValueError, match="dimensions"):
         PoolingParams(dimensions=0)
+
+
+def test_input_processor_keeps_runners_apart() -> None:
+    """A generate-runner engine refuses PoolingParams and a pooling one SamplingParams, before
+    anything is scheduled; a pooled prompt may fill the whole context."""
+    from kvserve.engine.input_processor import InputProcessor
+
+    def processor(runner: str) -> InputProcessor:
+        mc = ModelConfig(model="m", tokenizer="m", served_model_name="m",
+                         hf_config={"hidden_size": H, "vocab_size": 100}, dtype=torch.float32,
+                         max_model_len=16, runner_type=runner)
+        return InputProcessor(mc, None)
+
+    with pytest.raises(ValueError, match="--runner pooling"):
+        processor("generate").process_inputs("r", [5, 6], PoolingParams())
+    pooling = processor("pooling")
+    with pytest.raises(ValueError, match="pooling runner"):
+        pooling.process_inputs("r", [5, 6], SamplingParams())
+    with pytest.raises(ValueError, match="matryoshka"):
+        pooling.process_inputs("r", [5, 6], PoolingParams(dimensions=4))
+    request, _ = pooling.process_inputs("r", list(range(5, 21)), PoolingParams(normalize=False))
+    assert len(request.prompt_token_ids) == 16 and request.pooling_params.normalize is False
+    with pytest.raises(ValueError, match="longer than the maximum model length"):
+        pooling.process_inputs("r", list(range(5, 22)), PoolingParams())
+
+
+def test_pooler_config_precedence(tmp_path) -> None:
+    """--pooler-config, then the sentence-transformers files, then LAST + normalize."""
+    from kvserve.pooling.config import resolve_pooler_config
+
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "config.json").write_text(json.dumps({"hidden_size": H}))
+    st = write_st_config(str(tmp_path / "st"), str(base), "mean", False)
+
+    def model(path: str, **hf: object) -> ModelConfig:
+        return ModelConfig(model=path, tokenizer=path, served_model_name="m",
+                           hf_config={"hidden_size": H, **hf}, dtype=torch.float32,
+                           max_model_len=16, runner_type="pooling")
+
+    def resolved(path: str, user: PoolerConfig, **hf: object) -> tuple:
+        cfg = resolve_pooler_config(model(path, **hf), user)
+        return cfg.pooling_type, cfg.normalize, cfg.dimensions
+
+    assert resolved(str(base), PoolerConfig()) == ("LAST", True, None)
+    assert resolved(st, PoolerConfig()) == ("MEAN", False, None)
+    assert resolved(st, PoolerConfig.parse('{"pooling_type": "cls"}')) == ("CLS", False, None)
+    assert resolved(st, PoolerConfig(normalize=True)) == ("MEAN", True, None)
+    assert resolved(st, PoolerConfig(dimensions=4), is_matryoshka=True) == ("MEAN", False, 4)
+    with pytest.raises(ValueError, match="matryoshka"):
+        resolved(st, PoolerConfig(dimensions=4))
