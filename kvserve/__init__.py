@@ -19,6 +19,9 @@ _EXPORTS = {
     "RequestOutput": "kvserve.outputs",
     "CompletionOutput": "kvserve.outputs",
     "Logprob": "kvserve.outputs",
+    "BeamSearchParams": "kvserve.sampling_params",
+    "BeamSearchOutput": "kvserve.beam_search",
+    "BeamSearchSequence": "kvserve.beam_search",
 }
 __all__ = [*_EXPORTS, "__version__"]
 

@@ -5,12 +5,13 @@ import itertools
 import time
 from typing import Any, Optional, Sequence, Union
 
+from kvserve.beam_search import BeamSearchOutput, run_beam_search
 from kvserve.engine.arg_utils import EngineArgs
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.outputs import RequestOutput
 import msgspec
 
-from kvserve.sampling_params import RequestOutputKind, SamplingParams
+from kvserve.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 PromptType = Union[str, list[int], dict[str, Any]]
 
@@ -50,6 +51,13 @@ class LLM:
         for rid, (request, prompt_text), sp in zip(ids, prepared, params_list):
             self.llm_engine.add_processed_request(request, prompt_text, sp)
         return self._run_engine(ids, use_tqdm)
+
+    def beam_search(self, prompts: Union[PromptType, Sequence[PromptType]],
+                    params: BeamSearchParams, use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """vLLM's `LLM.beam_search`: the best `params.beam_width` sequences of each prompt,
+        best first (kvserve/beam_search.py: one engine call per token, all beams batched,
+        shared prefixes served from the prefix cache)."""
+        return run_beam_search(self, _as_prompt_list(prompts), params, use_tqdm=use_tqdm)
 
     def chat(self, messages: Union[list[dict], list[list[dict]]],
              sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
