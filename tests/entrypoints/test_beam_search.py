@@ -15,6 +15,7 @@ References:
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -77,15 +78,31 @@ def _hf_model(path: str, dtype: torch.dtype = torch.float64) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
 
 
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    """The reference model is tiny: one thread is as fast, and on a loaded shared machine two
+    threads of many tiny ops spin-wait for each other (40x slower, measured)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def _logprobs(model: torch.nn.Module, seqs: list[list[int]]) -> torch.Tensor:
     """Next-token log-probs (float64) of equally long sequences, one full forward."""
-    with torch.no_grad():
+    with _one_thread():
         logits = model(torch.tensor(seqs)).logits[:, -1]
     return torch.log_softmax(logits.double(), dim=-1)
 
 
 def _score(tokens: list[int], cum: float, eos: list[int], lp: float) -> float:
-    return get_beam_search_score(tokens, cum, tokens[-1] if tokens[-1] in eos else None, lp)
+    """vLLM's score, written out here (not kvserve's function, so a bug there shows):
+    cum_logprob / length ** length_penalty, prompt counted, a final EOS not."""
+    length = len(tokens) - (1 if tokens[-1] in eos else 0)
+    return cum / length ** lp
 
 
 def _separated(values: list[float], where: int, what: str, scale: float = 1.0) -> None:
@@ -223,10 +240,11 @@ def test_equals_hf_num_beams(llm: LLM, ckpt: tuple[str, list[int]], k: int) -> N
     steps, lp = 4, 1.5
     kwargs = dict(length_penalty=lp, early_stopping=True) if k > 1 else {}
     for prompt in (PROMPT_A, PROMPT_B):
-        hf = model.generate(torch.tensor([prompt]), num_beams=k, num_return_sequences=k,
-                            do_sample=False, max_new_tokens=steps, eos_token_id=None,
-                            pad_token_id=0, output_scores=True, return_dict_in_generate=True,
-                            **kwargs)
+        with _one_thread():
+            hf = model.generate(torch.tensor([prompt]), num_beams=k, num_return_sequences=k,
+                                do_sample=False, max_new_tokens=steps, eos_token_id=None,
+                                pad_token_id=0, output_scores=True, return_dict_in_generate=True,
+                                **kwargs)
         got = llm.beam_search(prompt, BeamSearchParams(beam_width=k, max_tokens=steps,
                                                        ignore_eos=True, length_penalty=lp))[0]
         assert [t for t, _ in _beams(got)] == [seq[len(prompt):].tolist() for seq in hf.sequences]
@@ -252,6 +270,13 @@ def test_beams_share_prefix_blocks(llm: LLM) -> None:
     queries = len(prompt) + sum(k * (len(prompt) + t) for t in range(1, steps))
     assert after["prefix_cache_queries"] - before["prefix_cache_queries"] == queries
     assert after["prefix_cache_hits"] - before["prefix_cache_hits"] >= full_blocks > 0
+
+
+def test_score_is_vllms() -> None:
+    assert get_beam_search_score([1, 2, 3, 4], -2.0, None, 1.0) == -0.5
+    assert get_beam_search_score([1, 2, 3, 4], -2.0, 4, 1.0) == pytest.approx(-2.0 / 3)
+    assert get_beam_search_score([1, 2, 3, 4], -2.0, 9, 2.0) == -0.125
+    assert get_beam_search_score([1, 2, 3, 4], -2.0, None, 0.0) == -2.0
 
 
 def test_bad_params_offline(llm: LLM) -> None:
