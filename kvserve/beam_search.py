@@ -25,9 +25,9 @@ import asyncio
 import itertools
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Optional, Sequence, Union
+from typing import Any, AsyncGenerator, Callable, Iterable, Optional, Sequence, Union
 
-from kvserve.outputs import Logprob, RequestOutput
+from kvserve.outputs import CompletionOutput, Logprob, RequestOutput
 from kvserve.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -271,3 +271,24 @@ async def beam_search_async(engine: Any, prompts: Sequence[list[int]], params: B
         search.advance([_step_answer(o) for o in outs])
     tokenizer = engine.tokenizer
     return search.outputs(lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+
+
+def to_request_output(request_id: str, prompt_token_ids: list[int], output: BeamSearchOutput,
+                      n: int) -> RequestOutput:
+    """The best n beams as one finished RequestOutput (choice j = the j-th best beam), for the
+    handlers that format RequestOutputs."""
+    outs = [CompletionOutput(index=j, text=b.text or "", token_ids=b.output_token_ids,
+                             cumulative_logprob=b.cum_logprob, logprobs=b.logprobs,
+                             finish_reason=b.finish_reason, stop_reason=b.stop_reason)
+            for j, b in enumerate(output.sequences[:n])]
+    return RequestOutput(request_id=request_id, prompt=None, prompt_token_ids=prompt_token_ids,
+                         prompt_logprobs=None, outputs=outs, finished=True)
+
+
+async def beam_search_stream(engine: Any, prompt_token_ids: list[int], params: BeamSearchParams,
+                             request_id: str, n: int, cache_salt: Optional[str] = None,
+                             priority: int = 0) -> AsyncGenerator[RequestOutput, None]:
+    """One prompt's beam search shaped like `AsyncLLM.generate`: one final RequestOutput."""
+    outputs = await beam_search_async(engine, [prompt_token_ids], params, request_id,
+                                      cache_salt=cache_salt, priority=priority)
+    yield to_request_output(request_id, prompt_token_ids, outputs[0], n)

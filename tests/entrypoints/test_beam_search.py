@@ -327,6 +327,24 @@ def test_server_use_beam_search(client: openai.OpenAI, hf64: torch.nn.Module,
     assert resp.usage.prompt_tokens == len(PROMPT_A) + len(PROMPT_B)
 
 
+def test_server_chat_beam_search(client: openai.OpenAI) -> None:
+    """Chat: the rendered prompt's beams, the same as /v1/completions on its token ids."""
+    model = client.models.list().data[0].id
+    chat = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "hello there"}], max_tokens=3, n=2,
+        extra_body={"use_beam_search": True, "return_token_ids": True})
+    assert [c.index for c in chat.choices] == [0, 1]
+    plain = client.completions.create(
+        model=model, prompt=chat.prompt_token_ids, max_tokens=3, n=2,
+        extra_body={"use_beam_search": True, "return_token_ids": True})
+    assert [c.token_ids for c in chat.choices] == [c.token_ids for c in plain.choices]
+    assert [c.message.content for c in chat.choices] == [c.text for c in plain.choices]
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+            temperature=0.5, extra_body={"use_beam_search": True})
+
+
 def test_server_bad_beam_requests(client: openai.OpenAI) -> None:
     model = client.models.list().data[0].id
     bad = [({"n": 11}, "too large"), ({"temperature": 0.8}, "temperature"),

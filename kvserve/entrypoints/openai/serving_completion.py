@@ -14,10 +14,10 @@ from kvserve.entrypoints.openai.protocol import (CompletionLogProbs, CompletionR
                                                  CompletionResponseStreamChoice,
                                                  CompletionStreamResponse, UsageInfo)
 from kvserve.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIServing, RequestTracker,
-                                                       ServingError, StreamingResult, clamp_logprob,
+                                                       StreamingResult, clamp_logprob,
                                                        error_payload, merge_async_iterators, now,
                                                        raise_if_failed, sse, to_serving_error)
-from kvserve.beam_search import BeamSearchSequence, beam_search_async, check_beam_width
+from kvserve.beam_search import BeamSearchSequence, beam_search_async
 from kvserve.outputs import CompletionOutput, Logprob, RequestOutput
 
 
@@ -94,11 +94,7 @@ class OpenAIServingCompletion(OpenAIServing):
         first; choice j of prompt i has index i * n + j."""
         request, n = ctx.request, ctx.request.n
         beam_width = request.best_of or n
-        try:
-            params = request.beam_search_params(beam_width, max_tokens)
-            check_beam_width(params, self.max_logprobs)
-        except ValueError as e:
-            raise ServingError(str(e), param="n") from e
+        params = self.beam_search_params(request, beam_width, max_tokens)
         self.check_num_sequences(beam_width, len(ctx.prompt_ids))
         admission = self.load.admit(beam_width * len(ctx.prompt_ids))
         try:
