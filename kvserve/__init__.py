@@ -20,8 +20,8 @@ _EXPORTS = {
     "CompletionOutput": "kvserve.outputs",
     "Logprob": "kvserve.outputs",
     "BeamSearchParams": "kvserve.sampling_params",
-    "BeamSearchOutput": "kvserve.beam_search",
-    "BeamSearchSequence": "kvserve.beam_search",
+    "BeamSearchOutput": "kvserve.entrypoints.beam_search",
+    "BeamSearchSequence": "kvserve.entrypoints.beam_search",
 }
 __all__ = [*_EXPORTS, "__version__"]
 

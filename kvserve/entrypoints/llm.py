@@ -5,7 +5,7 @@ import itertools
 import time
 from typing import Any, Optional, Sequence, Union
 
-from kvserve.beam_search import BeamSearchOutput, run_beam_search
+from kvserve.entrypoints.beam_search import BeamSearchOutput, run_beam_search
 from kvserve.engine.arg_utils import EngineArgs
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.outputs import RequestOutput
@@ -55,7 +55,7 @@ class LLM:
     def beam_search(self, prompts: Union[PromptType, Sequence[PromptType]],
                     params: BeamSearchParams, use_tqdm: bool = False) -> list[BeamSearchOutput]:
         """vLLM's `LLM.beam_search`: the best `params.beam_width` sequences of each prompt,
-        best first (kvserve/beam_search.py: one engine call per token, all beams batched,
+        best first (kvserve/entrypoints/beam_search.py: one engine call per token, all beams batched,
         shared prefixes served from the prefix cache)."""
         return run_beam_search(self, _as_prompt_list(prompts), params, use_tqdm=use_tqdm)
 

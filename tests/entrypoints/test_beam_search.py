@@ -27,7 +27,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kvserve import LLM, BeamSearchParams, SamplingParams
-from kvserve.beam_search import get_beam_search_score
+from kvserve.entrypoints.beam_search import get_beam_search_score
 from tests.entrypoints.conftest import SERVER_ENGINE_ARGS, RemoteServer
 
 PROMPT_A = [17, 230, 411, 95, 6, 800, 33, 12, 99, 5, 71, 300, 44, 8, 19, 21, 600, 3, 14, 15]

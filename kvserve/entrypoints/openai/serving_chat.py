@@ -39,7 +39,7 @@ from kvserve.entrypoints.openai.tool_calls import named_tool
 from kvserve.entrypoints.openai.tool_parsers import (NamedToolParser, RequiredToolParser,
                                                      ToolCallStreamer, ToolParser,
                                                      collect_calls, get_tool_parser)
-from kvserve.beam_search import beam_search_stream
+from kvserve.entrypoints.beam_search import beam_search_stream
 from kvserve.outputs import Logprob, RequestOutput
 from kvserve.sampling_params import BeamSearchParams, SamplingParams
 from kvserve.tokenizer import Tokenizer
@@ -187,7 +187,7 @@ class OpenAIServingChat(OpenAIServing):
                                               truncating), request.truncate_prompt_tokens)
         default_max_tokens = self.check_length(len(ids), request.requested_max_tokens(), "messages")
         beam: Optional[BeamSearchParams] = None
-        if request.use_beam_search:     # n beams, one final output (kvserve/beam_search.py)
+        if request.use_beam_search:     # n beams, one final output (kvserve/entrypoints/beam_search.py)
             if tool_mode in ("named", "required"):
                 raise ServingError(f"use_beam_search does not support tool_choice={tool_mode}.",
                                    param="tool_choice")

@@ -17,7 +17,7 @@ from kvserve.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIServing, 
                                                        StreamingResult, clamp_logprob,
                                                        error_payload, merge_async_iterators, now,
                                                        raise_if_failed, sse, to_serving_error)
-from kvserve.beam_search import BeamSearchSequence, beam_search_async
+from kvserve.entrypoints.beam_search import BeamSearchSequence, beam_search_async
 from kvserve.outputs import CompletionOutput, Logprob, RequestOutput
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any, AsyncGenerator, AsyncIterator, Callable, Iterable, Optional, TypeVar, Union
 
-from kvserve.beam_search import check_beam_width
+from kvserve.entrypoints.beam_search import check_beam_width
 from kvserve.engine.exceptions import EngineDeadError, EngineGenerateError
 from kvserve.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, random_uuid
 from kvserve.entrypoints.openai.serving_models import OpenAIServingModels
