@@ -22,6 +22,7 @@ _EXPORTS = {
     "BeamSearchParams": "kvserve.sampling_params",
     "BeamSearchOutput": "kvserve.entrypoints.beam_search",
     "BeamSearchSequence": "kvserve.entrypoints.beam_search",
+    "LoRARequest": "kvserve.lora.request",
 }
 __all__ = [*_EXPORTS, "__version__"]
 

@@ -82,6 +82,7 @@ class _Instance:
     """The search state of one prompt."""
     prompt_token_ids: list[int]
     cache_salt: Optional[str]
+    lora_request: Any
     beams: list[BeamSearchSequence] = field(default_factory=list)
     completed: list[BeamSearchSequence] = field(default_factory=list)
 
@@ -91,16 +92,17 @@ class BeamSearch:
     step, `advance(answers)` takes each beam's next-token logprobs, `outputs()` ranks."""
 
     def __init__(self, prompts: Sequence[list[int]], params: BeamSearchParams,
-                 eos_token_ids: Iterable[int], cache_salts: Optional[Sequence[Optional[str]]] = None
-                 ) -> None:
+                 eos_token_ids: Iterable[int], cache_salts: Optional[Sequence[Optional[str]]] = None,
+                 lora_requests: Optional[Sequence[Any]] = None) -> None:
         self.params = params
         self.eos_token_ids = frozenset(eos_token_ids)
         self.sort_key = make_sort_key(self.eos_token_ids, params.length_penalty)
         salts = list(cache_salts) if cache_salts is not None else [None] * len(prompts)
+        loras = list(lora_requests) if lora_requests is not None else [None] * len(prompts)
         self.instances = [
-            _Instance(list(p), salt, beams=[BeamSearchSequence(list(p), [], 0.0,
-                                                               num_prompt_tokens=len(p))])
-            for p, salt in zip(prompts, salts)]
+            _Instance(list(p), salt, lora, beams=[BeamSearchSequence(list(p), [], 0.0,
+                                                                     num_prompt_tokens=len(p))])
+            for p, salt, lora in zip(prompts, salts, loras)]
         self.num_steps = 0
 
     @property
@@ -115,9 +117,11 @@ class BeamSearch:
                               ignore_eos=True, detokenize=False,
                               output_kind=RequestOutputKind.FINAL_ONLY)
 
-    def live_beams(self) -> list[tuple[BeamSearchSequence, Optional[str]]]:
-        """Every live beam of every prompt, in a fixed order, with its prompt's cache salt."""
-        return [(beam, inst.cache_salt) for inst in self.instances for beam in inst.beams]
+    def live_beams(self) -> list[tuple[BeamSearchSequence, Optional[str], Any]]:
+        """Every live beam of every prompt, in a fixed order, with its prompt's cache salt and
+        LoRA adapter."""
+        return [(beam, inst.cache_salt, inst.lora_request)
+                for inst in self.instances for beam in inst.beams]
 
     def advance(self, answers: Sequence[Optional[dict[int, Logprob]]]) -> None:
         """`answers[i]`: the next-token logprobs of live beam i (as `live_beams()` ordered
@@ -198,6 +202,7 @@ def _step_prompt(beam: BeamSearchSequence, salt: Optional[str]) -> dict[str, Any
 
 # ---------------------------------------------------------------------- offline (LLM)
 def run_beam_search(llm: Any, prompts: Sequence[Any], params: BeamSearchParams,
+                    lora_requests: Optional[Sequence[Any]] = None,
                     use_tqdm: bool = False) -> list[BeamSearchOutput]:
     """`LLM.beam_search`: validates every prompt first (tokenizes text prompts), then one
     `llm.generate` call per output token with all live beams of all prompts."""
@@ -210,14 +215,15 @@ def run_beam_search(llm: Any, prompts: Sequence[Any], params: BeamSearchParams,
         logger.warning("Beam search without prefix caching recomputes every beam's whole "
                        "sequence at every step; enable_prefix_caching=True shares it.")
     processor = engine.input_processor
+    loras = list(lora_requests) if lora_requests is not None else [None] * len(prompts)
     token_ids, salts = [], []
-    for prompt in prompts:
-        request, _ = processor.process_inputs("beam-search-check", prompt,
-                                              SamplingParams(max_tokens=1))
+    for prompt, lora in zip(prompts, loras):
+        request, _ = engine.process_inputs("beam-search-check", prompt,
+                                           SamplingParams(max_tokens=1), lora_request=lora)
         check_length(len(request.prompt_token_ids), params, model_config.max_model_len)
         token_ids.append(request.prompt_token_ids)
         salts.append(request.cache_salt)
-    search = BeamSearch(token_ids, params, processor.eos_token_ids, salts)
+    search = BeamSearch(token_ids, params, processor.eos_token_ids, salts, loras)
     step_params = search.step_params()
     steps = range(params.max_tokens)
     if use_tqdm:
@@ -227,7 +233,8 @@ def run_beam_search(llm: Any, prompts: Sequence[Any], params: BeamSearchParams,
         if search.done:
             break
         live = search.live_beams()
-        outs = llm.generate([_step_prompt(b, s) for b, s in live], step_params, use_tqdm=False)
+        outs = llm.generate([_step_prompt(b, s) for b, s, _ in live], step_params,
+                            use_tqdm=False, lora_request=[lora for _, _, lora in live])
         search.advance([_step_answer(o) for o in outs])
     tokenizer = engine.tokenizer
     return search.outputs(lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
@@ -239,27 +246,30 @@ _beam_request_counter = itertools.count()
 
 async def beam_search_async(engine: Any, prompts: Sequence[list[int]], params: BeamSearchParams,
                             request_id: str, cache_salt: Optional[str] = None,
-                            priority: int = 0) -> list[BeamSearchOutput]:
+                            priority: int = 0, lora_request: Any = None
+                            ) -> list[BeamSearchOutput]:
     """Beam search over an AsyncLLM (`prompts`: token ids, validated by the caller). Each step
     awaits all beams' one-token requests together; the event loop keeps serving meanwhile.
     Cancelling this coroutine cancels the step's requests (AsyncLLM aborts each)."""
     search = BeamSearch(prompts, params, engine.input_processor.eos_token_ids,
-                        [cache_salt] * len(prompts))
+                        [cache_salt] * len(prompts), [lora_request] * len(prompts))
     step_params = search.step_params()
     tag = next(_beam_request_counter)
 
-    async def one(beam: BeamSearchSequence, salt: Optional[str], rid: str) -> RequestOutput:
+    async def one(beam: BeamSearchSequence, salt: Optional[str], lora: Any,
+                  rid: str) -> RequestOutput:
         final: Optional[RequestOutput] = None
         async for out in engine.generate(_step_prompt(beam, salt), step_params, rid,
-                                         priority=priority):
+                                         priority=priority, lora_request=lora):
             final = out
         assert final is not None
         return final
 
     while not search.done:
         live = search.live_beams()
-        tasks = [asyncio.ensure_future(one(b, s, f"{request_id}-beam{tag}-{search.num_steps}-{i}"))
-                 for i, (b, s) in enumerate(live)]
+        tasks = [asyncio.ensure_future(
+            one(b, s, lora, f"{request_id}-beam{tag}-{search.num_steps}-{i}"))
+            for i, (b, s, lora) in enumerate(live)]
         try:
             outs = await asyncio.gather(*tasks)
         except BaseException:
@@ -287,8 +297,10 @@ def to_request_output(request_id: str, prompt_token_ids: list[int], output: Beam
 
 async def beam_search_stream(engine: Any, prompt_token_ids: list[int], params: BeamSearchParams,
                              request_id: str, n: int, cache_salt: Optional[str] = None,
-                             priority: int = 0) -> AsyncGenerator[RequestOutput, None]:
+                             priority: int = 0, lora_request: Any = None
+                             ) -> AsyncGenerator[RequestOutput, None]:
     """One prompt's beam search shaped like `AsyncLLM.generate`: one final RequestOutput."""
     outputs = await beam_search_async(engine, [prompt_token_ids], params, request_id,
-                                      cache_salt=cache_salt, priority=priority)
+                                      cache_salt=cache_salt, priority=priority,
+                                      lora_request=lora_request)
     yield to_request_output(request_id, prompt_token_ids, outputs[0], n)

@@ -209,13 +209,15 @@ class OpenAIServingChat(OpenAIServing):
         if request.echo and messages[-1].get("role") == role:
             echo_text = messages[-1].get("content") or ""
         tracker = RequestTracker(self.engine_client, self.load.admit(request.n), [request_id])
+        lora = self.models.lora_request(request.model)
         if beam is not None:
             generator = beam_search_stream(self.engine_client, ids, beam, request_id, request.n,
-                                           cache_salt=request.cache_salt, priority=request.priority)
+                                           cache_salt=request.cache_salt, priority=request.priority,
+                                           lora_request=lora)
         else:
             generator = self.engine_client.generate(
                 {"prompt_token_ids": ids, "prompt": text}, params, request_id,
-                priority=request.priority, cache_salt=request.cache_salt)
+                priority=request.priority, cache_salt=request.cache_salt, lora_request=lora)
         ctx = _ChatContext(request, request_id, self.models.response_model_name(request.model),
                            now(), role, echo_text, ids, tool_mode, reasons)
         return ctx, generator, tracker

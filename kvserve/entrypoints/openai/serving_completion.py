@@ -67,7 +67,8 @@ class OpenAIServingCompletion(OpenAIServing):
         generators = [
             self.engine_client.generate(
                 {"prompt_token_ids": ids, **({"prompt": text} if text is not None else {})},
-                sp, rid, priority=request.priority, cache_salt=request.cache_salt)
+                sp, rid, priority=request.priority, cache_salt=request.cache_salt,
+                lora_request=self.models.lora_request(request.model))
             for ids, text, sp, rid in zip(prompt_ids, prompt_texts, params, engine_ids)]
         ctx = _Context(request, request_id, self.models.response_model_name(request.model), now(), engine_ids,
                        prompt_texts, prompt_ids)
@@ -98,9 +99,10 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_num_sequences(beam_width, len(ctx.prompt_ids))
         admission = self.load.admit(beam_width * len(ctx.prompt_ids))
         try:
-            results = await beam_search_async(self.engine_client, ctx.prompt_ids, params,
-                                              ctx.request_id, cache_salt=request.cache_salt,
-                                              priority=request.priority)
+            results = await beam_search_async(
+                self.engine_client, ctx.prompt_ids, params, ctx.request_id,
+                cache_salt=request.cache_salt, priority=request.priority,
+                lora_request=self.models.lora_request(request.model))
         except Exception as e:
             raise to_serving_error(e) from e
         finally:
