@@ -2,10 +2,10 @@
 of the same length, on one engine, interleaved, best of --iters.
 
 Printed per mode: seconds for one prompt's --output-len tokens, output tokens/s of the
-returned best sequence, and the engine tokens computed (prefix-cache queries minus hits, from
-the engine's stats): with prefix caching a beam's step recomputes only the tokens after its
-last full KV block, so the computed tokens grow with beam_width x block_size / 2, not with the
-sequence length.
+returned best sequence, and the tokens the engine computed (prefix-cache misses from the
+engine's stats, plus greedy's decode tokens): with prefix caching a beam's step recomputes only
+the tokens after its last full KV block, about beam_width x block_size / 2 per step, whatever
+the sequence length.
 
     python benchmarks/beam_search.py [--model demo] [--beam-width 4] [--prompt-len 32]
         [--output-len 32] [--iters 3] [--output-json f]
@@ -57,7 +57,10 @@ def main() -> None:
                                                          max_tokens=args.output_len,
                                                          ignore_eos=True))
             elapsed = time.perf_counter() - t0
-            computed[mode] = _computed(llm, before)
+            # Prompt tokens that missed the prefix cache, plus greedy's decode steps (a beam
+            # step is a new request: its tokens are all counted as prompt tokens).
+            computed[mode] = _computed(llm, before) + (args.output_len - 1 if mode == "greedy"
+                                                       else 0)
             if it > 0:
                 best[mode] = min(best[mode], elapsed)
     for mode in ("greedy", "beam"):
