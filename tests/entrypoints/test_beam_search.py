@@ -19,8 +19,10 @@ import contextlib
 import json
 import os
 import shutil
+import threading
 from typing import Callable, Iterator, Optional
 
+import httpx
 import openai
 import pytest
 import torch
@@ -343,6 +345,31 @@ def test_server_chat_beam_search(client: openai.OpenAI) -> None:
         client.chat.completions.create(
             model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
             temperature=0.5, extra_body={"use_beam_search": True})
+
+
+def test_server_answers_during_beam_search(client: openai.OpenAI) -> None:
+    """The beam search awaits each step: /health is answered while one runs (a beam search
+    that blocked the event loop would let no other request in until it ended)."""
+    model = client.models.list().data[0].id
+    health = str(client.base_url).rstrip("/").removesuffix("/v1") + "/health"
+    result: dict[str, object] = {}
+
+    def run() -> None:
+        result["resp"] = client.completions.create(
+            model=model, prompt=PROMPT_A, max_tokens=24, n=2,
+            extra_body={"use_beam_search": True, "ignore_eos": True})
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    answered_during = 0
+    with httpx.Client(timeout=30) as http:
+        while worker.is_alive():
+            assert http.get(health).status_code == 200
+            answered_during += worker.is_alive()
+    worker.join()
+    assert len(result["resp"].choices) == 2                          # type: ignore[attr-defined]
+    assert all(len(c.text) > 0 for c in result["resp"].choices)      # type: ignore[attr-defined]
+    assert answered_during >= 3
 
 
 def test_server_bad_beam_requests(client: openai.OpenAI) -> None:
