@@ -92,7 +92,8 @@ class BeamSearch:
     step, `advance(answers)` takes each beam's next-token logprobs, `outputs()` ranks."""
 
     def __init__(self, prompts: Sequence[list[int]], params: BeamSearchParams,
-                 eos_token_ids: Iterable[int], cache_salts: Optional[Sequence[Optional[str]]] = None,
+                 eos_token_ids: Iterable[int],
+                 cache_salts: Optional[Sequence[Optional[str]]] = None,
                  lora_requests: Optional[Sequence[Any]] = None) -> None:
         self.params = params
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -147,7 +148,8 @@ class BeamSearch:
             inst.beams = candidates[:self.params.beam_width]
         self.num_steps += 1
 
-    def outputs(self, decode: Optional[Callable[[list[int]], str]] = None) -> list[BeamSearchOutput]:
+    def outputs(self, decode: Optional[Callable[[list[int]], str]] = None
+                ) -> list[BeamSearchOutput]:
         """The best beam_width finished or live beams of each prompt, best first. `decode`
         fills `text` (the generated tokens only; a final EOS only with
         include_stop_str_in_output)."""

@@ -20,7 +20,7 @@ import json
 import os
 import shutil
 import threading
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator
 
 import httpx
 import openai

@@ -187,7 +187,7 @@ class OpenAIServingChat(OpenAIServing):
                                               truncating), request.truncate_prompt_tokens)
         default_max_tokens = self.check_length(len(ids), request.requested_max_tokens(), "messages")
         beam: Optional[BeamSearchParams] = None
-        if request.use_beam_search:     # n beams, one final output (kvserve/entrypoints/beam_search.py)
+        if request.use_beam_search:     # n beams, one final output (entrypoints/beam_search.py)
             if tool_mode in ("named", "required"):
                 raise ServingError(f"use_beam_search does not support tool_choice={tool_mode}.",
                                    param="tool_choice")
