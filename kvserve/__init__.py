@@ -19,6 +19,9 @@ _EXPORTS = {
     "RequestOutput": "kvserve.outputs",
     "CompletionOutput": "kvserve.outputs",
     "Logprob": "kvserve.outputs",
+    "BeamSearchParams": "kvserve.sampling_params",
+    "BeamSearchOutput": "kvserve.entrypoints.beam_search",
+    "BeamSearchSequence": "kvserve.entrypoints.beam_search",
     "LoRARequest": "kvserve.lora.request",
 }
 __all__ = [*_EXPORTS, "__version__"]

@@ -212,3 +212,37 @@ class SamplingParams(
             if v is not None and v != -1 and v > max_logprobs:
                 raise ValueError(f"Requested {name} of {v}, which is greater than "
                                  f"max_logprobs={max_logprobs}.")
+
+
+class BeamSearchParams(
+        msgspec.Struct,
+        omit_defaults=True,  # type: ignore[call-arg]
+        dict=True):  # type: ignore[call-arg]
+    """Beam search settings (vLLM's `BeamSearchParams`, same names and defaults).
+
+    Beam search is deterministic here: `temperature` must be 0 (vLLM accepts other values but
+    they only change one extra candidate per beam, a random one; a clear error is better than
+    a knob that silently does almost nothing). The engine must return `2 * beam_width`
+    logprobs per step, so `beam_width <= max_logprobs // 2` (checked by the engine)."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.beam_width, int) or isinstance(self.beam_width, bool) \
+                or self.beam_width < 1:
+            raise ValueError(f"beam_width must be an integer >= 1, got {self.beam_width!r}.")
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) \
+                or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}.")
+        if not self.temperature == 0.0:     # NaN included
+            raise ValueError(f"temperature must be 0 with beam search (beam search is "
+                             f"deterministic), got {self.temperature!r}.")
+        if not (isinstance(self.length_penalty, (int, float))
+                and -1e6 < self.length_penalty < 1e6):
+            raise ValueError(f"length_penalty must be a finite number, "
+                             f"got {self.length_penalty!r}.")

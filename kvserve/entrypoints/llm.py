@@ -5,6 +5,7 @@ import itertools
 import time
 from typing import Any, Optional, Sequence, Union
 
+from kvserve.entrypoints.beam_search import BeamSearchOutput, run_beam_search
 from kvserve.engine.arg_utils import EngineArgs
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.lora.request import LoRARequest
@@ -12,7 +13,7 @@ from kvserve.outputs import EmbeddingRequestOutput, PoolingRequestOutput, Reques
 import msgspec
 
 from kvserve.pooling_params import PoolingParams
-from kvserve.sampling_params import RequestOutputKind, SamplingParams
+from kvserve.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 PromptType = Union[str, list[int], dict[str, Any]]
 
@@ -84,6 +85,17 @@ class LLM:
         for (request, prompt_text), sp in zip(prepared, params):
             self.llm_engine.add_processed_request(request, prompt_text, sp)
         return ids
+
+    def beam_search(self, prompts: Union[PromptType, Sequence[PromptType]],
+                    params: BeamSearchParams, lora_request: Union["LoRARequest",
+                                                                  Sequence["LoRARequest"], None] = None,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """vLLM's `LLM.beam_search`: the best `params.beam_width` sequences of each prompt,
+        best first (kvserve/entrypoints/beam_search.py: one engine call per token, all beams
+        batched, shared prefixes served from the prefix cache)."""
+        prompt_list = _as_prompt_list(prompts)
+        loras = _broadcast(lora_request, len(prompt_list), "lora_request")
+        return run_beam_search(self, prompt_list, params, loras, use_tqdm=use_tqdm)
 
     def chat(self, messages: Union[list[dict], list[list[dict]]],
              sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,

@@ -18,7 +18,8 @@ from typing import Annotated, Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
 
 from kvserve.entrypoints.openai.tool_calls import tool_choice_schema
-from kvserve.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+from kvserve.sampling_params import (BeamSearchParams, RequestOutputKind, SamplingParams,
+                                     StructuredOutputsParams)
 
 # The generation_config.json keys that become default sampling values (vLLM's list).
 DEFAULT_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -183,6 +184,9 @@ class _SamplingRequest(OpenAIBaseModel):
     structured_outputs: Optional[dict[str, Any]] = None
     # Disaggregated prefill/decode (vLLM's field): do_remote_decode / do_remote_prefill, ...
     kv_transfer_params: Optional[dict[str, Any]] = None
+    # Beam search (vLLM's extras): n beams (best_of on completions), deterministic.
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
 
     @model_validator(mode="after")
     def _check_stream_options(self) -> "_SamplingRequest":
@@ -222,6 +226,27 @@ class _SamplingRequest(OpenAIBaseModel):
                         if self.kv_transfer_params is not None else None),
             **picked,
         )
+
+    def beam_search_params(self, beam_width: int, max_tokens: int) -> BeamSearchParams:
+        """`use_beam_search`: the settings that mean something to beam search; the ones that
+        would be silently ignored (sampling, stop strings, constraints, streaming) are a
+        ValueError instead."""
+        unsupported = [name for name, on in (
+            ("stream", bool(self.stream)), ("stop", bool(self.stop)),
+            ("response_format", self.response_format is not None
+             and self.response_format.type != "text"),
+            ("structured_outputs", self.structured_outputs is not None),
+            ("logit_bias", bool(self.logit_bias)), ("bad_words", bool(self.bad_words)),
+            ("allowed_token_ids", self.allowed_token_ids is not None),
+            ("min_tokens", self.min_tokens > 0), ("prompt_logprobs", self.prompt_logprobs is not None),
+            ("kv_transfer_params", self.kv_transfer_params is not None)) if on]
+        if unsupported:
+            raise ValueError(f"use_beam_search does not support {', '.join(unsupported)}.")
+        temperature = 0.0 if self.temperature is None else self.temperature
+        return BeamSearchParams(beam_width=beam_width, max_tokens=max_tokens,
+                                ignore_eos=self.ignore_eos, temperature=temperature,
+                                length_penalty=self.length_penalty,
+                                include_stop_str_in_output=self.include_stop_str_in_output)
 
     def structured_outputs_params(self) -> Optional[StructuredOutputsParams]:
         """`response_format` (json_schema / json_object) or `structured_outputs`; one only."""
@@ -281,8 +306,12 @@ class CompletionRequest(_SamplingRequest):
     def _check_completion(self) -> "CompletionRequest":
         if self.suffix is not None:
             raise ValueError("suffix is not supported.")
-        if self.best_of is not None and self.best_of != self.n:
-            raise ValueError(f"best_of={self.best_of} is not supported (only best_of == n).")
+        if self.use_beam_search:
+            if self.best_of is not None and self.best_of < self.n:
+                raise ValueError(f"best_of={self.best_of} must be >= n={self.n}.")
+        elif self.best_of is not None and self.best_of != self.n:
+            raise ValueError(f"best_of={self.best_of} is not supported (only best_of == n, "
+                             f"or best_of beams with use_beam_search).")
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must be a non-negative integer, got {self.logprobs}.")
         _logit_bias_keys_are_ids(self.logit_bias)

@@ -39,7 +39,9 @@ from kvserve.entrypoints.openai.tool_calls import named_tool
 from kvserve.entrypoints.openai.tool_parsers import (NamedToolParser, RequiredToolParser,
                                                      ToolCallStreamer, ToolParser,
                                                      collect_calls, get_tool_parser)
+from kvserve.entrypoints.beam_search import beam_search_stream
 from kvserve.outputs import Logprob, RequestOutput
+from kvserve.sampling_params import BeamSearchParams, SamplingParams
 from kvserve.tokenizer import Tokenizer
 
 
@@ -184,7 +186,16 @@ class OpenAIServingChat(OpenAIServing):
         ids = self.truncate(await self.encode(text, request.add_special_tokens, "messages",
                                               truncating), request.truncate_prompt_tokens)
         default_max_tokens = self.check_length(len(ids), request.requested_max_tokens(), "messages")
-        params = self.sampling_params(request, default_max_tokens)
+        beam: Optional[BeamSearchParams] = None
+        if request.use_beam_search:     # n beams, one final output (entrypoints/beam_search.py)
+            if tool_mode in ("named", "required"):
+                raise ServingError(f"use_beam_search does not support tool_choice={tool_mode}.",
+                                   param="tool_choice")
+            beam = self.beam_search_params(request, request.n,
+                                           request.requested_max_tokens() or default_max_tokens)
+            params = SamplingParams(max_tokens=1)   # only read for the parser settings below
+        else:
+            params = self.sampling_params(request, default_max_tokens)
         reasons = self._reasons(request, ids)
         if reasons and params.structured_outputs is not None:
             assert self.reasoning_parser is not None
@@ -198,10 +209,15 @@ class OpenAIServingChat(OpenAIServing):
         if request.echo and messages[-1].get("role") == role:
             echo_text = messages[-1].get("content") or ""
         tracker = RequestTracker(self.engine_client, self.load.admit(request.n), [request_id])
-        generator = self.engine_client.generate(
-            {"prompt_token_ids": ids, "prompt": text}, params, request_id,
-            priority=request.priority, cache_salt=request.cache_salt,
-            lora_request=self.models.lora_request(request.model))
+        lora = self.models.lora_request(request.model)
+        if beam is not None:
+            generator = beam_search_stream(self.engine_client, ids, beam, request_id, request.n,
+                                           cache_salt=request.cache_salt, priority=request.priority,
+                                           lora_request=lora)
+        else:
+            generator = self.engine_client.generate(
+                {"prompt_token_ids": ids, "prompt": text}, params, request_id,
+                priority=request.priority, cache_salt=request.cache_salt, lora_request=lora)
         ctx = _ChatContext(request, request_id, self.models.response_model_name(request.model),
                            now(), role, echo_text, ids, tool_mode, reasons)
         return ctx, generator, tracker

@@ -17,6 +17,7 @@ from kvserve.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIServing, 
                                                        StreamingResult, clamp_logprob,
                                                        error_payload, merge_async_iterators, now,
                                                        raise_if_failed, sse, to_serving_error)
+from kvserve.entrypoints.beam_search import BeamSearchSequence, beam_search_async
 from kvserve.outputs import CompletionOutput, Logprob, RequestOutput
 
 
@@ -35,6 +36,7 @@ class OpenAIServingCompletion(OpenAIServing):
         params = []
         prompts = request.prompts()
         self.check_num_sequences(request.n, len(prompts))
+        beam_max_tokens = self.max_model_len
         for p in prompts:
             if isinstance(p, str):
                 ids = await self.encode(p, request.add_special_tokens,
@@ -47,9 +49,17 @@ class OpenAIServingCompletion(OpenAIServing):
             if len(truncated) != len(ids):
                 ids, text = truncated, None   # the text no longer matches the ids
             default_max_tokens = self.check_length(len(ids), request.max_tokens, "prompt")
-            params.append(self.sampling_params(request, default_max_tokens))
+            if request.use_beam_search:
+                beam_max_tokens = min(beam_max_tokens, default_max_tokens)
+            else:
+                params.append(self.sampling_params(request, default_max_tokens))
             prompt_texts.append(text)
             prompt_ids.append(ids)
+        if request.use_beam_search:
+            max_tokens = request.max_tokens if request.max_tokens is not None else beam_max_tokens
+            ctx = _Context(request, request_id, self.models.response_model_name(request.model),
+                           now(), [], prompt_texts, prompt_ids)
+            return await self._beam_search(ctx, max_tokens)
 
         engine_ids = [f"{request_id}-{i}" for i in range(len(prompt_ids))]
         tracker = RequestTracker(self.engine_client,
@@ -78,6 +88,53 @@ class OpenAIServingCompletion(OpenAIServing):
         for res in final:
             raise_if_failed(res.outputs if res is not None else ())
         return self._full_response(ctx, final)
+
+    # ------------------------------------------------------------------ beam search
+    async def _beam_search(self, ctx: "_Context", max_tokens: int) -> CompletionResponse:
+        """`use_beam_search`: best_of (default n) beams per prompt, the best n returned, best
+        first; choice j of prompt i has index i * n + j."""
+        request, n = ctx.request, ctx.request.n
+        beam_width = request.best_of or n
+        params = self.beam_search_params(request, beam_width, max_tokens)
+        self.check_num_sequences(beam_width, len(ctx.prompt_ids))
+        admission = self.load.admit(beam_width * len(ctx.prompt_ids))
+        try:
+            results = await beam_search_async(
+                self.engine_client, ctx.prompt_ids, params, ctx.request_id,
+                cache_salt=request.cache_salt, priority=request.priority,
+                lora_request=self.models.lora_request(request.model))
+        except Exception as e:
+            raise to_serving_error(e) from e
+        finally:
+            admission.release()
+        choices: list[CompletionResponseChoice] = []
+        num_generated = 0
+        for i, result in enumerate(results):
+            for j, beam in enumerate(result.sequences[:n]):
+                choices.append(self._beam_choice(ctx, i, i * n + j, beam))
+                num_generated += len(beam.output_token_ids)
+        return CompletionResponse(
+            id=ctx.request_id, created=ctx.created, model=ctx.model_name, choices=choices,
+            usage=UsageInfo.of(sum(len(ids) for ids in ctx.prompt_ids), num_generated))
+
+    def _beam_choice(self, ctx: "_Context", i: int, index: int,
+                     beam: BeamSearchSequence) -> CompletionResponseChoice:
+        request = ctx.request
+        token_ids = beam.output_token_ids
+        text = beam.text or ""
+        lps: list[Optional[dict[int, Logprob]]] = [
+            _top_logprobs(step, tok, request.logprobs or 0)
+            for step, tok in zip(beam.logprobs, token_ids)]
+        if request.echo:
+            text = self._prompt_text(ctx, i) + text
+            lps = [None] * len(ctx.prompt_ids[i]) + lps
+            token_ids = ctx.prompt_ids[i] + token_ids
+        logprobs = self._logprobs(token_ids, lps, 0) if request.logprobs is not None else None
+        return CompletionResponseChoice(
+            index=index, text=text, logprobs=logprobs, finish_reason=beam.finish_reason,
+            stop_reason=beam.stop_reason,
+            prompt_token_ids=ctx.prompt_ids[i] if request.return_token_ids else None,
+            token_ids=beam.output_token_ids if request.return_token_ids else None)
 
     # ------------------------------------------------------------------ whole response
     def _full_response(self, ctx: "_Context", final: list[Optional[RequestOutput]]) -> CompletionResponse:
@@ -213,6 +270,15 @@ class OpenAIServingCompletion(OpenAIServing):
             offset += len(token)
         return CompletionLogProbs(text_offset=offsets, token_logprobs=token_logprobs,
                                   tokens=tokens, top_logprobs=tops)
+
+
+def _top_logprobs(step: dict[int, Logprob], chosen: int, k: int) -> dict[int, Logprob]:
+    """A beam step's candidates cut to the k most likely, plus the chosen token (the shape
+    plain requests return)."""
+    ranked = sorted(step.items(), key=lambda kv: -kv[1].logprob)[:k]
+    out = dict(ranked)
+    out[chosen] = step[chosen]
+    return out
 
 
 class _StreamState:

@@ -21,11 +21,12 @@ from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any, AsyncGenerator, AsyncIterator, Callable, Iterable, Optional, TypeVar, Union
 
+from kvserve.entrypoints.beam_search import check_beam_width
 from kvserve.engine.exceptions import EngineDeadError, EngineGenerateError
 from kvserve.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, random_uuid
 from kvserve.entrypoints.openai.serving_models import OpenAIServingModels
 from kvserve.outputs import Logprob
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling_params import BeamSearchParams, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -380,6 +381,17 @@ class OpenAIServing:
             params.verify_against_vocab(self.model_vocab_size, self.max_logprobs)
         except ValueError as e:
             raise ServingError(str(e)) from e
+        return params
+
+    def beam_search_params(self, request: Any, beam_width: int, max_tokens: int
+                           ) -> BeamSearchParams:
+        """`use_beam_search`: its params, or a 400 for what beam search cannot do."""
+        try:
+            params = request.beam_search_params(beam_width, max_tokens)
+            check_beam_width(params, self.max_logprobs)
+        except ValueError as e:
+            raise ServingError(str(e)) from e
+        self.check_num_sequences(beam_width, 1)
         return params
 
     # ------------------------------------------------------------------ logprobs
