@@ -29,10 +29,9 @@ from kvserve.entrypoints.openai.protocol import (ChatCompletionLogProb, ChatComp
                                                  DeltaMessage, UsageInfo)
 from kvserve.entrypoints.openai.reasoning_parsers import (ReasoningParser, ReasoningStreamer,
                                                           get_reasoning_parser)
-from kvserve.entrypoints.openai.serving_engine import (SSE_DONE, LoadTracker, OpenAIServing,
-                                                       RequestTracker, ServingError,
-                                                       StreamingResult, clamp_logprob,
-                                                       error_payload, large_messages, now,
+from kvserve.entrypoints.openai.serving_engine import (LoadTracker, OpenAIServing, RequestTracker,
+                                                       ServingError, StreamingResult,
+                                                       clamp_logprob, large_messages, now,
                                                        raise_if_failed, sse, to_serving_error)
 from kvserve.entrypoints.openai.serving_models import OpenAIServingModels
 from kvserve.entrypoints.openai.tool_calls import named_tool
@@ -296,44 +295,38 @@ class OpenAIServingChat(OpenAIServing):
             return sse(resp.model_dump_json(exclude_unset=True))
 
         parsers = [self.choice_parser(ctx) for _ in range(n)]
-        try:
-            for j in range(n):
-                yield chunk(j, DeltaMessage(role=ctx.role, content=""))
-                if ctx.echo_text:
-                    yield chunk(j, DeltaMessage(content=ctx.echo_text))
-            async with aclosing(generator) as stream:
-                async for res in stream:
-                    if raw_request is not None and await raw_request.is_disconnected():
-                        return   # `finally` aborts the request
-                    if res.finished:
-                        tracker.finished(ctx.request_id)
-                    for out in res.outputs:
-                        j = out.index
-                        num_tokens[j] += len(out.token_ids)
-                        logprobs = None
-                        if request.logprobs and out.logprobs:
-                            logprobs = self._logprobs(out.token_ids, out.logprobs,
-                                                      request.top_logprobs or 0)
-                        delta, finish_reason = parsers[j].feed(out.text, out.finish_reason)
-                        if (delta.content or delta.reasoning_content or delta.tool_calls
-                                or logprobs is not None):
-                            yield chunk(j, delta, logprobs,
-                                        token_ids=out.token_ids if request.return_token_ids else None)
-                        if finish_reason is not None:
-                            yield chunk(j, DeltaMessage(), finish_reason=finish_reason,
-                                        stop_reason=out.stop_reason)
-            if include_usage:
-                total = sum(num_tokens)
-                resp = ChatCompletionStreamResponse(
-                    id=ctx.request_id, object="chat.completion.chunk", created=ctx.created,
-                    model=ctx.model_name, choices=[],
-                    usage=UsageInfo.of(num_prompt, total))
-                yield sse(resp.model_dump_json(exclude_unset=True))
-        except Exception as e:
-            yield sse(error_payload(e))
-        finally:
-            tracker.close()
-        yield SSE_DONE
+        for j in range(n):
+            yield chunk(j, DeltaMessage(role=ctx.role, content=""))
+            if ctx.echo_text:
+                yield chunk(j, DeltaMessage(content=ctx.echo_text))
+        async with aclosing(generator) as stream:
+            async for res in stream:
+                if raw_request is not None and await raw_request.is_disconnected():
+                    return   # `finally` aborts the request
+                if res.finished:
+                    tracker.finished(ctx.request_id)
+                for out in res.outputs:
+                    j = out.index
+                    num_tokens[j] += len(out.token_ids)
+                    logprobs = None
+                    if request.logprobs and out.logprobs:
+                        logprobs = self._logprobs(out.token_ids, out.logprobs,
+                                                  request.top_logprobs or 0)
+                    delta, finish_reason = parsers[j].feed(out.text, out.finish_reason)
+                    if (delta.content or delta.reasoning_content or delta.tool_calls
+                            or logprobs is not None):
+                        yield chunk(j, delta, logprobs,
+                                    token_ids=out.token_ids if request.return_token_ids else None)
+                    if finish_reason is not None:
+                        yield chunk(j, DeltaMessage(), finish_reason=finish_reason,
+                                    stop_reason=out.stop_reason)
+        if include_usage:
+            total = sum(num_tokens)
+            resp = ChatCompletionStreamResponse(
+                id=ctx.request_id, object="chat.completion.chunk", created=ctx.created,
+                model=ctx.model_name, choices=[],
+                usage=UsageInfo.of(num_prompt, total))
+            yield sse(resp.model_dump_json(exclude_unset=True))
 
     # ------------------------------------------------------------------ logprobs
     def _logprobs(self, token_ids: list[int], top_logprobs: list[dict[int, Logprob]],

@@ -13,10 +13,10 @@ from kvserve.entrypoints.openai.protocol import (CompletionLogProbs, CompletionR
                                                  CompletionResponse, CompletionResponseChoice,
                                                  CompletionResponseStreamChoice,
                                                  CompletionStreamResponse, UsageInfo)
-from kvserve.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIServing, RequestTracker,
+from kvserve.entrypoints.openai.serving_engine import (OpenAIServing, RequestTracker,
                                                        StreamingResult, clamp_logprob,
-                                                       error_payload, merge_async_iterators, now,
-                                                       raise_if_failed, sse, to_serving_error)
+                                                       merge_async_iterators, now, raise_if_failed,
+                                                       sse, to_serving_error)
 from kvserve.entrypoints.beam_search import BeamSearchSequence, beam_search_async
 from kvserve.outputs import CompletionOutput, Logprob, RequestOutput
 
@@ -74,17 +74,7 @@ class OpenAIServingCompletion(OpenAIServing):
                        prompt_texts, prompt_ids)
         if request.stream:
             return StreamingResult(self._stream(ctx, generators, tracker, raw_request), tracker)
-        try:
-            final: list[Optional[RequestOutput]] = [None] * len(generators)
-            async with aclosing(merge_async_iterators(*generators)) as stream:
-                async for i, res in stream:
-                    final[i] = res
-                    if res.finished:
-                        tracker.finished(engine_ids[i])
-        except Exception as e:
-            raise to_serving_error(e) from e
-        finally:
-            tracker.close()
+        final: list[Optional[RequestOutput]] = await tracker.collect(generators, engine_ids)
         for res in final:
             raise_if_failed(res.outputs if res is not None else ())
         return self._full_response(ctx, final)
@@ -176,34 +166,28 @@ class OpenAIServingCompletion(OpenAIServing):
         opts = request.stream_options
         include_usage = bool(opts and opts.include_usage)
         continuous_usage = include_usage and bool(opts and opts.continuous_usage_stats)
-        try:
-            async with aclosing(merge_async_iterators(*generators)) as stream:
-                async for i, res in stream:
-                    if raw_request is not None and await raw_request.is_disconnected():
-                        return   # `finally` aborts what is still running
-                    if res.finished:
-                        tracker.finished(ctx.engine_ids[i])
-                    if res.prompt_logprobs is not None and state.prompt_logprobs[i] is None:
-                        state.prompt_logprobs[i] = res.prompt_logprobs
-                    for out in res.outputs:
-                        chunk = self._stream_chunk(ctx, state, i, res, out)
-                        if chunk is None:
-                            continue
-                        if continuous_usage:
-                            chunk.usage = UsageInfo.of(num_prompt_tokens[i],
-                                                 state.num_tokens[i * n + out.index])
-                        yield sse(chunk.model_dump_json(exclude_unset=True))
-            if include_usage:
-                chunk = CompletionStreamResponse(
-                    id=ctx.request_id, object="text_completion", created=ctx.created,
-                    model=ctx.model_name, choices=[],
-                    usage=UsageInfo.of(sum(num_prompt_tokens), sum(state.num_tokens)))
-                yield sse(chunk.model_dump_json(exclude_unset=True))
-        except Exception as e:
-            yield sse(error_payload(e))
-        finally:
-            tracker.close()
-        yield SSE_DONE
+        async with aclosing(merge_async_iterators(*generators)) as stream:
+            async for i, res in stream:
+                if raw_request is not None and await raw_request.is_disconnected():
+                    return   # `finally` aborts what is still running
+                if res.finished:
+                    tracker.finished(ctx.engine_ids[i])
+                if res.prompt_logprobs is not None and state.prompt_logprobs[i] is None:
+                    state.prompt_logprobs[i] = res.prompt_logprobs
+                for out in res.outputs:
+                    chunk = self._stream_chunk(ctx, state, i, res, out)
+                    if chunk is None:
+                        continue
+                    if continuous_usage:
+                        chunk.usage = UsageInfo.of(num_prompt_tokens[i],
+                                             state.num_tokens[i * n + out.index])
+                    yield sse(chunk.model_dump_json(exclude_unset=True))
+        if include_usage:
+            chunk = CompletionStreamResponse(
+                id=ctx.request_id, object="text_completion", created=ctx.created,
+                model=ctx.model_name, choices=[],
+                usage=UsageInfo.of(sum(num_prompt_tokens), sum(state.num_tokens)))
+            yield sse(chunk.model_dump_json(exclude_unset=True))
 
     def _stream_chunk(self, ctx: "_Context", state: "_StreamState", i: int, res: RequestOutput,
                       out: CompletionOutput) -> Optional[CompletionStreamResponse]:

@@ -9,7 +9,6 @@ the cosine similarity of the two texts' embeddings (cross-encoder heads are not 
 from __future__ import annotations
 
 import base64
-from contextlib import aclosing
 from http import HTTPStatus
 from typing import Any, Optional, Union
 
@@ -21,8 +20,7 @@ from kvserve.entrypoints.openai.protocol import (EmbeddingRequest, EmbeddingResp
                                                  RerankUsage, ScoreRequest, ScoreResponse,
                                                  ScoreResponseData, UsageInfo)
 from kvserve.entrypoints.openai.serving_engine import (OpenAIServing, RequestTracker,
-                                                       ServingError, merge_async_iterators,
-                                                       to_serving_error)
+                                                       ServingError)
 from kvserve.outputs import PoolingRequestOutput
 from kvserve.pooling_params import PoolingParams
 
@@ -113,20 +111,12 @@ class OpenAIServingEmbedding(OpenAIServing):
                     priority: int) -> list[PoolingRequestOutput]:
         engine_ids = [f"{request_id}-{i}" for i in range(len(prompt_ids))]
         tracker = RequestTracker(self.engine_client, self.load.admit(len(prompt_ids)), engine_ids)
-        final: list[Optional[PoolingRequestOutput]] = [None] * len(prompt_ids)
-        try:
-            generators = [self.engine_client.encode({"prompt_token_ids": ids}, params, rid,
-                                                    priority=priority)
-                          for ids, rid in zip(prompt_ids, engine_ids)]
-            async with aclosing(merge_async_iterators(*generators)) as stream:
-                async for i, res in stream:
-                    final[i] = res
-                    if res.finished:
-                        tracker.finished(engine_ids[i])
-        except Exception as e:
-            raise to_serving_error(e) from e
-        finally:
-            tracker.close()
+        # (encode() is an async generator function: calling it runs nothing yet.)
+        generators = [self.engine_client.encode({"prompt_token_ids": ids}, params, rid,
+                                                priority=priority)
+                      for ids, rid in zip(prompt_ids, engine_ids)]
+        final: list[Optional[PoolingRequestOutput]] = await tracker.collect(generators,
+                                                                           engine_ids)
         for res in final:
             if res is None or res.outputs.data is None:
                 raise ServingError(f"A pooling request ended without a result "

@@ -17,9 +17,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from contextlib import aclosing
 from dataclasses import dataclass
 from http import HTTPStatus
-from typing import Any, AsyncGenerator, AsyncIterator, Callable, Iterable, Optional, TypeVar, Union
+from typing import (Any, AsyncGenerator, AsyncIterator, Callable, Iterable, Optional, Sequence,
+                    TypeVar, Union)
 
 from kvserve.entrypoints.beam_search import check_beam_width
 from kvserve.engine.exceptions import EngineDeadError, EngineGenerateError
@@ -192,6 +194,23 @@ class RequestTracker:
     def finished(self, request_id: str) -> None:
         self.unfinished.discard(request_id)
 
+    async def collect(self, generators: Sequence[AsyncIterator[Any]],
+                      engine_ids: Sequence[str]) -> list[Any]:
+        """Each generator's last output (None where it yielded none); closes the tracker
+        (aborting what is unfinished) however it ends. Engine errors become ServingErrors."""
+        final: list[Any] = [None] * len(generators)
+        try:
+            async with aclosing(merge_async_iterators(*generators)) as stream:
+                async for i, res in stream:
+                    final[i] = res
+                    if res.finished:
+                        self.finished(engine_ids[i])
+        except Exception as e:
+            raise to_serving_error(e) from e
+        finally:
+            self.close()
+        return final
+
     def close(self) -> None:
         if self._closed:
             return
@@ -220,11 +239,27 @@ def _spawn(coro: Any) -> None:
 
 class StreamingResult:
     """A streaming response to be: the SSE body and the tracker to close when the response
-    ends however it ends (the body may never start if the client leaves at once)."""
+    ends however it ends (the body may never start if the client leaves at once). `events`
+    yields the SSE frames; an exception becomes an error frame, then `[DONE]` where `done`."""
 
-    def __init__(self, body: AsyncGenerator[str, None], tracker: RequestTracker) -> None:
-        self.body = body
+    def __init__(self, events: AsyncGenerator[str, None], tracker: RequestTracker,
+                 done: bool = True) -> None:
+        self.body = self._body(events, tracker, done)
         self.tracker = tracker
+
+    @staticmethod
+    async def _body(events: AsyncGenerator[str, None], tracker: RequestTracker,
+                    done: bool) -> AsyncGenerator[str, None]:
+        try:
+            async with aclosing(events):
+                async for frame in events:
+                    yield frame
+        except Exception as e:
+            yield sse(error_payload(e))
+        finally:
+            tracker.close()
+        if done:
+            yield SSE_DONE
 
 
 def sse(payload: str) -> str:

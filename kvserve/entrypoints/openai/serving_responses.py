@@ -27,9 +27,9 @@ from typing import Any, AsyncGenerator, Optional, Union
 
 from kvserve.entrypoints.openai.protocol import (ChatCompletionRequest, ResponsesRequest,
                                                  random_uuid)
-from kvserve.entrypoints.openai.serving_chat import ChoiceParser, OpenAIServingChat
+from kvserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from kvserve.entrypoints.openai.serving_engine import (RequestTracker, ServingError,
-                                                       StreamingResult, error_payload, sse)
+                                                       StreamingResult, sse)
 from kvserve.entrypoints.openai.tool_parsers import collect_calls
 
 MAX_STORED_RESPONSES = 1000
@@ -156,7 +156,7 @@ class OpenAIServingResponses:
         base = self._base(request, response_id, ctx.model_name)
         if request.stream:
             return StreamingResult(self._stream(request, base, messages, ctx, generator, tracker,
-                                                raw_request), tracker)
+                                                raw_request), tracker, done=False)
         final = await self.chat.final_output(ctx, generator, tracker)
         out = final.outputs[0]
         delta, finish = self.chat.choice_parser(ctx).feed(out.text, out.finish_reason, final=True)
@@ -227,29 +227,24 @@ class OpenAIServingResponses:
         events = _EventWriter(base)
         parser = self.chat.choice_parser(ctx)
         num_prompt, num_output, finish = len(ctx.prompt_ids), 0, None
-        try:
-            yield events.event("response.created", response=base)
-            yield events.event("response.in_progress", response=base)
-            async with aclosing(generator) as stream:
-                async for res in stream:
-                    if raw_request is not None and await raw_request.is_disconnected():
-                        return
-                    if res.finished:
-                        tracker.finished(ctx.request_id)
-                    out = res.outputs[0]
-                    num_output += len(out.token_ids)
-                    delta, finish = parser.feed(out.text, out.finish_reason)
-                    for chunk in events.deltas(delta):
-                        yield chunk
-            for chunk in events.close_item():
-                yield chunk
-            body = self._finish(request, base, messages, events.items, finish, num_prompt,
-                                num_output)
-            yield events.event("response.completed", response=body)
-        except Exception as e:
-            yield sse(error_payload(e))
-        finally:
-            tracker.close()
+        yield events.event("response.created", response=base)
+        yield events.event("response.in_progress", response=base)
+        async with aclosing(generator) as stream:
+            async for res in stream:
+                if raw_request is not None and await raw_request.is_disconnected():
+                    return
+                if res.finished:
+                    tracker.finished(ctx.request_id)
+                out = res.outputs[0]
+                num_output += len(out.token_ids)
+                delta, finish = parser.feed(out.text, out.finish_reason)
+                for chunk in events.deltas(delta):
+                    yield chunk
+        for chunk in events.close_item():
+            yield chunk
+        body = self._finish(request, base, messages, events.items, finish, num_prompt,
+                            num_output)
+        yield events.event("response.completed", response=body)
 
 
 class _EventWriter:
