@@ -88,3 +88,16 @@ class ModelRunnerOutput:
     spec_propose_time: float = 0.0
     # The KV connector's report (kv_transfer.base.KVConnectorOutput), if the engine has one.
     kv_connector_output: Optional[Any] = None
+
+
+class AsyncModelRunnerOutput:
+    """A step's output whose sampled ids are still on their way to the host (async
+    scheduling): `get_output()` waits for that copy and returns the plain output."""
+
+    def get_output(self) -> ModelRunnerOutput:
+        raise NotImplementedError
+
+
+def resolve_runner_output(output: Any) -> Any:
+    """The plain ModelRunnerOutput of an executor's reply (anything else passes through)."""
+    return output.get_output() if isinstance(output, AsyncModelRunnerOutput) else output

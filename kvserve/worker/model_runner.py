@@ -26,7 +26,8 @@ from kvserve.sample.sampler import Sampler
 from kvserve.spec_decode import make_spec_decode_runner
 from kvserve.spec_decode.base import TargetHiddenStates
 from kvserve.structured_output.bitmask import apply_grammar_bitmask
-from kvserve.worker.input_batch import InputBatch
+from kvserve.worker.async_output import AsyncRunnerOutput, AsyncTokenState
+from kvserve.worker.input_batch import _NO_LOGPROBS, InputBatch
 
 if TYPE_CHECKING:
     from kvserve.worker.cuda_graph import CUDAGraphRunner
@@ -80,6 +81,10 @@ class ModelRunner:
             max_num_reqs=config.scheduler_config.max_num_seqs, max_model_len=self.max_model_len,
             max_blocks_per_req=self.max_blocks_per_req, vocab_size=self.vocab_size,
             device=device)
+        # Async scheduling: sampled ids go to the host without a sync (worker/async_output.py).
+        self.async_tokens: Optional[AsyncTokenState] = (
+            AsyncTokenState(self.input_batch, device, self.append_sampled_tokens)
+            if config.scheduler_config.async_scheduling else None)
 
     # ------------------------------------------------------------------ set-up
     def load_model(self) -> None:
@@ -139,7 +144,11 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ step
     @torch.inference_mode()
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput
+                      ) -> "ModelRunnerOutput | AsyncRunnerOutput":
+        asynch = self.async_tokens
+        if asynch is not None:
+            asynch.begin_step()
         self._update_states(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
@@ -147,6 +156,8 @@ class ModelRunner:
         assert self.model is not None
         intermediate = None if self.is_first_stage else self._recv_intermediate(len(step.positions))
         hidden = self._forward(step, intermediate)
+        if asynch is not None:   # the forward is launched: now wait for the last step's ids
+            asynch.resolve_pending()
         if not self.is_last_stage:
             pp_send(hidden.pack())
             self.input_batch.num_computed_tokens[step.rows] += step.query_lens
@@ -161,10 +172,13 @@ class ModelRunner:
         prompt_logprobs = self._prompt_logprobs(step, hidden)
         start = time.perf_counter()
         drafts = self._propose_drafts(scheduler_output, step, step.rows[sample_idx], hidden)
-        return ModelRunnerOutput(
+        output = ModelRunnerOutput(
             req_ids=step.req_ids, sampled_token_ids=sampled_lists,
             logprobs=logprobs or None, prompt_logprobs=prompt_logprobs or None,
             spec_token_ids=drafts, spec_propose_time=time.perf_counter() - start)
+        if asynch is None:
+            return output
+        return AsyncRunnerOutput(output, asynch.pending, sample_idx)
 
     def _sample(self, so: SchedulerOutput, step: StepInputs, hidden: torch.Tensor,
                 sample_idx: np.ndarray, sampled_lists: list[list[int]],
@@ -181,6 +195,8 @@ class ModelRunner:
                          for s, i in enumerate(sample_idx)}
             logits = self._apply_grammar_bitmask(so, first_row, logits)
         sample_rows = step.rows[sample_idx]
+        if self.async_tokens is not None and self._sample_async(step, logits, sample_idx):
+            return
         tokens, lps = self._sample_tokens(logits, layout, sample_rows)
         for s, (i, row) in enumerate(zip(sample_idx, sample_rows)):
             if self.append_sampled_tokens:
@@ -189,6 +205,19 @@ class ModelRunner:
             sampled_lists[i] = tokens[s]
             if lps[s] is not None:
                 logprobs[step.req_ids[i]] = lps[s]
+
+    def _sample_async(self, step: StepInputs, logits: torch.Tensor,
+                      sample_idx: np.ndarray) -> bool:
+        """Async scheduling, plain sampling without logprobs (the usual step): sample and
+        start the non-blocking copy of the ids; False where the step needs host lists now."""
+        sample_rows = step.rows[sample_idx]
+        ib = self.input_batch
+        if (ib.logprobs[sample_rows] != _NO_LOGPROBS).any():
+            return False
+        out = self.sampler(logits, ib.make_sampling_metadata(sample_rows))
+        assert self.async_tokens is not None
+        self.async_tokens.start([step.req_ids[i] for i in sample_idx], out.sampled_token_ids)
+        return True
 
     def _sample_tokens(self, logits: torch.Tensor, layout: SampleLayout, sample_rows: np.ndarray
                        ) -> tuple[list[list[int]], list[Optional[LogprobsLists]]]:
@@ -309,9 +338,13 @@ class ModelRunner:
             context_lens=computed, slot_mapping=slot_mapping, block_size=bs,
             block_table=ib.block_table[rows, :cdiv(int(seq_lens.max()), bs)])
         meta = self.attn_backend.build_metadata(common)
+        input_ids_dev = torch.from_numpy(input_ids).to(dev)
+        if self.async_tokens is not None:
+            self.async_tokens.fill_placeholders(input_ids_dev, positions, tok_rows, tok_req,
+                                                req_ids)
         return StepInputs(
             req_ids=req_ids, rows=rows, query_lens=qlens, query_starts=starts,
-            input_ids=torch.from_numpy(input_ids).to(dev),
+            input_ids=input_ids_dev,
             positions=torch.from_numpy(positions).to(dev),
             attn_metadata=meta, common_attn_metadata=common, sample_mask=sample_mask)
 
