@@ -27,6 +27,7 @@ from kvserve.core.sched_output import AsyncModelRunnerOutput, ModelRunnerOutput
 
 if TYPE_CHECKING:
     from kvserve.worker.input_batch import InputBatch
+    from kvserve.worker.staging import PinnedStaging
 
 
 class PendingSampledTokens:
@@ -68,8 +69,9 @@ class AsyncTokenState:
     buffers they are copied into (two, as two steps' copies may be alive at once)."""
 
     def __init__(self, input_batch: "InputBatch", device: torch.device,
-                 append_sampled_tokens: bool) -> None:
+                 append_sampled_tokens: bool, staging: "PinnedStaging") -> None:
         self.input_batch = input_batch
+        self.staging = staging
         self.append_sampled_tokens = append_sampled_tokens
         self.pending: Optional[PendingSampledTokens] = None
         self.num_filled = 0    # placeholder input ids filled on the device (for tests)
@@ -99,9 +101,9 @@ class AsyncTokenState:
             raise RuntimeError("async scheduling: a placeholder token without a step in flight")
         src = np.fromiter((pending.index[req_ids[i]] for i in tok_req[fill].tolist()),
                           np.int64, len(fill))
-        dev = input_ids.device
         self.num_filled += len(fill)
-        input_ids[torch.from_numpy(fill).to(dev)] = pending.sampled[torch.from_numpy(src).to(dev)]
+        dst_idx, src_idx = self.staging.upload(fill, src)
+        input_ids[dst_idx] = pending.sampled[src_idx]
 
     def resolve_pending(self) -> None:
         """Append the previous step's sampled ids to the InputBatch (waits for their copy)."""

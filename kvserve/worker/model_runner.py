@@ -28,6 +28,7 @@ from kvserve.spec_decode.base import TargetHiddenStates
 from kvserve.structured_output.bitmask import apply_grammar_bitmask
 from kvserve.worker.async_output import AsyncRunnerOutput, AsyncTokenState
 from kvserve.worker.input_batch import _NO_LOGPROBS, InputBatch
+from kvserve.worker.staging import PinnedStaging
 
 if TYPE_CHECKING:
     from kvserve.worker.cuda_graph import CUDAGraphRunner
@@ -81,9 +82,11 @@ class ModelRunner:
             max_num_reqs=config.scheduler_config.max_num_seqs, max_model_len=self.max_model_len,
             max_blocks_per_req=self.max_blocks_per_req, vocab_size=self.vocab_size,
             device=device)
+        # Inputs to the device without a sync: one pinned buffer, one copy (CUDA).
+        self.staging = PinnedStaging(device)
         # Async scheduling: sampled ids go to the host without a sync (worker/async_output.py).
         self.async_tokens: Optional[AsyncTokenState] = (
-            AsyncTokenState(self.input_batch, device, self.append_sampled_tokens)
+            AsyncTokenState(self.input_batch, device, self.append_sampled_tokens, self.staging)
             if config.scheduler_config.async_scheduling else None)
 
     # ------------------------------------------------------------------ set-up
@@ -188,8 +191,8 @@ class ModelRunner:
         assert self.model is not None
         layout = SampleLayout.make(step.req_ids, sample_idx, step.query_starts + step.query_lens,
                                    so.scheduled_spec_decode_tokens)
-        logits = self.model.compute_logits(
-            hidden[torch.from_numpy(layout.logits_indices).to(self.device)])
+        logits_indices, = self.staging.upload(layout.logits_indices)
+        logits = self.model.compute_logits(hidden[logits_indices])
         if so.grammar_bitmask is not None:   # one bitmask row per draft + the bonus row
             first_row = {step.req_ids[i]: int(layout.row_starts[s])
                          for s, i in enumerate(sample_idx)}
@@ -338,14 +341,14 @@ class ModelRunner:
             context_lens=computed, slot_mapping=slot_mapping, block_size=bs,
             block_table=ib.block_table[rows, :cdiv(int(seq_lens.max()), bs)])
         meta = self.attn_backend.build_metadata(common)
-        input_ids_dev = torch.from_numpy(input_ids).to(dev)
+        input_ids_dev, positions_dev = self.staging.upload(input_ids, positions)
         if self.async_tokens is not None:
             self.async_tokens.fill_placeholders(input_ids_dev, positions, tok_rows, tok_req,
                                                 req_ids)
         return StepInputs(
             req_ids=req_ids, rows=rows, query_lens=qlens, query_starts=starts,
             input_ids=input_ids_dev,
-            positions=torch.from_numpy(positions).to(dev),
+            positions=positions_dev,
             attn_metadata=meta, common_attn_metadata=common, sample_mask=sample_mask)
 
     def _prompt_logprobs(self, step: StepInputs, hidden: torch.Tensor) -> dict[str, LogprobsLists]:
