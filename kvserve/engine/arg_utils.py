@@ -245,6 +245,9 @@ class EngineArgs:
         _verify_async_scheduling(self.async_scheduling, spec_config, parallel)
         from kvserve.kv_transfer.config import KVTransferConfig
         kv_transfer_config = KVTransferConfig.parse(self.kv_transfer_config)
+        if kv_transfer_config is not None and self.async_scheduling:
+            raise ValueError("async_scheduling does not support kv_transfer_config yet (the KV "
+                             "connector's hooks expect each step's output before the next).")
         if kv_transfer_config is not None and parallel.world_size > 1:
             raise ValueError("kv_transfer_config needs tensor_parallel_size=1 and "
                              "pipeline_parallel_size=1 here.")

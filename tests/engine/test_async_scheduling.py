@@ -108,11 +108,17 @@ def test_structured_outputs_and_stop_strings(engines: dict[bool, LLM]) -> None:
     _assert_all_blocks_free(engines[True])
 
 
-def test_speculative_decoding_refused_at_start(tiny_llama: str) -> None:
-    args = EngineArgs(model=tiny_llama, **BASE, async_scheduling=True,
-                      speculative_config={"method": "ngram", "num_speculative_tokens": 2,
-                                          "prompt_lookup_max": 3})
-    with pytest.raises(ValueError, match="async_scheduling does not support speculative"):
+@pytest.mark.parametrize("kw,match", [
+    (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2,
+                              "prompt_lookup_max": 3}), "speculative decoding"),
+    (dict(kv_transfer_config={"kv_connector": "SharedStorageConnector", "kv_role": "kv_both",
+                              "kv_connector_extra_config": {"shared_storage_path": "/tmp"}}),
+     "kv_transfer_config"),
+])
+def test_unsupported_features_refused_at_start(tiny_llama: str, kw: dict, match: str) -> None:
+    """What async scheduling does not run with is a clear error before anything starts."""
+    args = EngineArgs(model=tiny_llama, **BASE, async_scheduling=True, **kw)
+    with pytest.raises(ValueError, match=f"async_scheduling does not support {match}"):
         args.create_engine_config()
 
 
