@@ -19,6 +19,7 @@ _EXPORTS = {
     "RequestOutput": "kvserve.outputs",
     "CompletionOutput": "kvserve.outputs",
     "Logprob": "kvserve.outputs",
+    "LoRARequest": "kvserve.lora.request",
 }
 __all__ = [*_EXPORTS, "__version__"]
 

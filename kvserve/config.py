@@ -110,6 +110,11 @@ class ModelConfig:
     # math, KV cache) is float32: resolve_weight_dtype.
     weight_dtype: Optional[torch.dtype] = None
     load_format: str = "auto"        # "auto" | "safetensors" | "gguf" (vLLM's --load-format)
+    # vLLM's --runner (resolved: "generate" or "pooling") and --convert ("none" or "embed");
+    # a pooling runner has its pooler_config resolved (kvserve.pooling.config).
+    runner_type: str = "generate"
+    convert_type: str = "none"
+    pooler_config: Optional["PoolerConfig"] = None
 
     def __post_init__(self) -> None:
         if not self.served_model_names:
@@ -144,6 +149,11 @@ class ModelConfig:
     def head_dim(self) -> int:
         hd = self.hf_config.get("head_dim")
         return int(hd) if hd else self.hidden_size // self.num_attention_heads
+
+    @property
+    def is_matryoshka(self) -> bool:
+        """The checkpoint says its embeddings may be truncated (`dimensions`), as vLLM reads it."""
+        return bool(self.hf_config.get("is_matryoshka") or self.hf_config.get("matryoshka_dimensions"))
 
     @property
     def is_gguf(self) -> bool:
@@ -241,6 +251,9 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     gpu_memory_utilization: float = 0.9         # CUDA: share of the GPU for everything
     num_blocks: int = 0                         # filled in once the worker has sized the cache
+    # The hybrid KV cache's groups (get_kv_cache_groups); empty = one full-attention group of
+    # every layer, today's single block table.
+    kv_cache_groups: list["KVCacheGroupSpec"] = field(default_factory=list)
 
 
 @dataclass
@@ -317,10 +330,6 @@ class CpuConfig:
 class DeviceConfig:
     device: str = "cpu"
 
-    @property
-    def torch_device(self) -> torch.device:
-        return torch.device(self.device)
-
 
 _SO_BACKENDS = ("auto", "xgrammar", "guidance")
 
@@ -358,6 +367,36 @@ class StructuredOutputsConfig:
         return StructuredOutputsConfig(**value)
 
 
+POOLING_TYPES = ("LAST", "MEAN", "CLS", "ALL")
+
+
+@dataclass
+class PoolerConfig:
+    """vLLM's --pooler-config (JSON): how a pooling runner pools. Fields left None come from
+    the checkpoint's sentence-transformers config, else the decoder-embedder defaults (LAST,
+    normalised); see kvserve.pooling.config."""
+    pooling_type: Optional[str] = None     # LAST | MEAN | CLS | ALL
+    normalize: Optional[bool] = None
+    dimensions: Optional[int] = None       # default `dimensions` of requests that set none
+
+    def __post_init__(self) -> None:
+        if self.pooling_type is not None:
+            self.pooling_type = str(self.pooling_type).upper()
+            if self.pooling_type not in POOLING_TYPES:
+                raise ValueError(f"pooling_type must be one of {list(POOLING_TYPES)}, got "
+                                 f"{self.pooling_type!r}.")
+        if self.dimensions is not None and self.dimensions < 1:
+            raise ValueError(f"pooler_config.dimensions must be >= 1, got {self.dimensions}.")
+
+    @staticmethod
+    def parse(value: Union[None, str, dict, "PoolerConfig"]) -> "PoolerConfig":
+        if value is None:
+            return PoolerConfig()
+        if isinstance(value, PoolerConfig):
+            return value
+        return PoolerConfig(**parse_json_config(value, "pooler_config", PoolerConfig))
+
+
 @dataclass
 class KVServeConfig:
     """Everything an engine needs, passed whole to EngineCore, executors and workers."""
@@ -374,4 +413,60 @@ class KVServeConfig:
         default_factory=StructuredOutputsConfig)
     speculative_config: Optional["SpeculativeConfig"] = None
     kv_transfer_config: Optional[Any] = None    # kv_transfer.config.KVTransferConfig
+    lora_config: Optional[Any] = None           # lora.config.LoRAConfig (--enable-lora)
     cpu_config: CpuConfig = field(default_factory=CpuConfig)
+
+
+# ---------------------------------------------------------------------------- sliding windows
+def layer_sliding_windows(hf_config: dict, max_model_len: int) -> list[Optional[int]]:
+    """Per decoder layer: its sliding window W (a query attends to the last W positions, itself
+    included, as transformers' sliding masks do) or None for full attention.
+
+    From `layer_types` ("sliding_attention" / "full_attention", transformers >= 4.53), else
+    Gemma 3's `sliding_window_pattern` (every Nth layer global), Gemma 2's alternation (even
+    layers local), or one `sliding_window` for every layer (Mistral; Qwen2 with
+    `use_sliding_window`). A window >= max_model_len never cuts anything: None.
+    """
+    n = int(hf_config["num_hidden_layers"])
+    window = hf_config.get("sliding_window")
+    if not window or hf_config.get("use_sliding_window") is False or window >= max_model_len:
+        return [None] * n
+    window = int(window)
+    types = hf_config.get("layer_types")
+    if types:
+        if len(types) != n:
+            raise ValueError(f"config.json has {len(types)} layer_types for {n} layers.")
+        return [window if t == "sliding_attention" else None for t in types]
+    model_type = hf_config.get("model_type", "")
+    pattern = hf_config.get("sliding_window_pattern") or hf_config.get("_sliding_window_pattern")
+    if model_type.startswith("gemma3") and pattern:
+        return [None if (i + 1) % int(pattern) == 0 else window for i in range(n)]
+    if model_type == "gemma2":
+        return [window if i % 2 == 0 else None for i in range(n)]
+    return [window] * n
+
+
+@dataclass(frozen=True)
+class KVCacheGroupSpec:
+    """One KV cache group (vLLM's KVCacheGroupSpec): layers of one attention type that share a
+    block table. `layer_ids` are model layer indices; the i-th layer of every group shares the
+    i-th KV tensor of the worker (so one block id is one page across `group_size` tensors)."""
+    layer_ids: tuple[int, ...]
+    sliding_window: Optional[int] = None     # None: full attention
+
+
+def get_kv_cache_groups(windows: list[Optional[int]],
+                        disable_hybrid: bool = False) -> list[KVCacheGroupSpec]:
+    """Group layers by attention type, vLLM's way: every group has the same number of layers
+    (the smallest type's count; a type's last group may be shorter), so layer i of each group
+    can share one KV tensor. All layers full (or `disable_hybrid`): [] (today's one group)."""
+    kinds = sorted(set(windows), key=lambda w: (w is not None, w or 0))
+    if disable_hybrid or kinds == [None]:
+        return []
+    by_kind = {k: [i for i, w in enumerate(windows) if w == k] for k in kinds}
+    size = min(len(ids) for ids in by_kind.values())
+    groups = []
+    for kind, ids in by_kind.items():
+        for start in range(0, len(ids), size):
+            groups.append(KVCacheGroupSpec(tuple(ids[start:start + size]), kind))
+    return groups

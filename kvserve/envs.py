@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Sequence
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -70,6 +70,12 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
          "Keep the API server up (answering 503) when its engine dies, instead of exiting."),
     _var("KVSERVE_ENABLE_MULTIPROCESSING", "bool", True,
          "Run the engine core in its own process (0: in the API/LLM process)."),
+    _var("KVSERVE_ALLOW_RUNTIME_LORA_UPDATING", "bool", False,
+         "Serve /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's "
+         "VLLM_ALLOW_RUNTIME_LORA_UPDATING)."),
+    _var("KVSERVE_TEST_LORA_TP", "bool", False,
+         "Tests: also run the multi-LoRA test with tensor_parallel_size=2 (two worker "
+         "processes; slow on 2 cores)."),
     _var("KVSERVE_HOLD_OUTPUTS", "bool", True,
          "Coalesce engine outputs a client has not read yet (the output coalescer)."),
     # Start-up and distributed timeouts (seconds).
@@ -112,14 +118,6 @@ def is_set(name: str) -> bool:
     ENV_VARS[name]                 # KeyError for an undeclared name
     raw = os.environ.get(name)
     return raw is not None and bool(raw.strip())
-
-
-def env_switch(name: str, default: Optional[bool] = None) -> bool:
-    """A bool variable (kept for the callers of the old helper; `default` overrides the
-    table's)."""
-    if default is not None and not is_set(name):
-        return default
-    return bool(get(name))
 
 
 def cache_dir() -> str:

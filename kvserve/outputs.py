@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import TYPE_CHECKING, Optional, Union
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -51,3 +54,50 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: Optional[RequestMetrics] = None
     kv_transfer_params: Optional[dict] = field(default=None)
+
+
+# ---------------------------------------------------------------------- pooling (vLLM's shapes)
+@dataclass
+class PoolingOutput:
+    """A pooling request's result: `data` is the pooled float32 tensor ([hidden] or, with
+    pooling_type ALL, [tokens, hidden]); None when the request was aborted or failed."""
+    data: Optional["torch.Tensor"]
+
+
+@dataclass
+class PoolingRequestOutput:
+    request_id: str
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
+    finished: bool
+    prompt: Optional[str] = None
+    finish_reason: Optional[str] = None      # "stop" when pooled; "abort" / "error" otherwise
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @staticmethod
+    def from_base(output: PoolingOutput) -> "EmbeddingOutput":
+        if output.data is None:
+            raise ValueError("The pooling request has no result (aborted or failed).")
+        if output.data.ndim != 1:
+            raise ValueError("pooled data should be 1-D for an embedding")
+        return EmbeddingOutput(output.data.tolist())
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput(PoolingRequestOutput):
+    outputs: EmbeddingOutput     # type: ignore[assignment]
+
+    @staticmethod
+    def from_base(out: PoolingRequestOutput) -> "EmbeddingRequestOutput":
+        return EmbeddingRequestOutput(
+            request_id=out.request_id, outputs=EmbeddingOutput.from_base(out.outputs),
+            prompt_token_ids=out.prompt_token_ids, finished=out.finished, prompt=out.prompt,
+            finish_reason=out.finish_reason)

@@ -40,12 +40,14 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 
 def _config_class(arch: str) -> Any:
-    from transformers import (LlamaConfig, MistralConfig, MixtralConfig, Phi3Config,
-                              Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
+    from transformers import (Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig,
+                              MixtralConfig, Phi3Config, Qwen2Config, Qwen2MoeConfig,
+                              Qwen3Config, Qwen3MoeConfig)
 
     classes = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config,
                "qwen3": Qwen3Config, "mixtral": MixtralConfig, "qwen2_moe": Qwen2MoeConfig,
-               "qwen3_moe": Qwen3MoeConfig, "phi3": Phi3Config}
+               "qwen3_moe": Qwen3MoeConfig, "phi3": Phi3Config, "gemma2": Gemma2Config,
+               "gemma3_text": Gemma3TextConfig}
     if arch not in classes:
         raise ValueError(f"unknown test arch {arch!r}")
     return classes[arch]

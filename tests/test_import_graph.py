@@ -13,13 +13,15 @@ packages of one layer do not import each other:
 
     envs, json_config, sampling_params, outputs,  settings and plain data types;
     utils                                          process set-up (allocator, oneDNN cache)
-    ops, metrics                                   compiled kernels; counters and stat loggers
+    ops, metrics, pooling_params                   compiled kernels; counters and stat loggers;
+                                                   PoolingParams (it names SamplingParams' kinds)
     config                                         the resolved engine configuration
     distributed, attention, sample                 process groups; attention backends; sampler
     model                                          layers, architectures, loaders (GGUF too)
     tokenizer                                      (builds GGUF tokenizers from model/'s reader)
     core                                           requests, KV blocks, the scheduler, messages
-    structured_output, kv_transfer, spec_decode    features: scheduler- and worker-side parts
+    structured_output, kv_transfer, spec_decode,   features: scheduler- and worker-side parts
+    pooling, lora
     worker                                         model runner, input batch
     executor                                       uni / multiproc / Ray
     engine                                         engine core, clients, frontend processing
@@ -43,13 +45,13 @@ PACKAGE_DIR = os.path.dirname(kvserve.__file__)
 
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("envs", "json_config", "sampling_params", "outputs", "utils"),
-    ("ops", "metrics"),
+    ("ops", "metrics", "pooling_params"),
     ("config",),
     ("distributed", "attention", "sample"),
     ("model",),
     ("tokenizer",),
     ("core",),
-    ("structured_output", "kv_transfer", "spec_decode"),
+    ("structured_output", "kv_transfer", "spec_decode", "pooling", "lora"),
     ("worker",),
     ("executor",),
     ("engine",),

@@ -35,8 +35,10 @@ class AsyncScheduler(Scheduler):
         output = super().schedule()
         for rid in output.num_scheduled_tokens:
             request = self.requests[rid]
-            # This step computes the request's last known (or placeholder) token: it samples.
-            if request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
+            # This step computes the request's last known (or placeholder) token: it samples
+            # (a pooling request ends with its prompt instead).
+            if (request.pooling_params is None and request.num_computed_tokens
+                    == request.num_tokens + request.num_output_placeholders):
                 request.num_output_placeholders += 1
         return output
 

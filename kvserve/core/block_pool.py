@@ -22,20 +22,28 @@ if TYPE_CHECKING:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
-        if num_blocks <= 0:
+    def __init__(self, num_blocks: int, enable_caching: bool,
+                 reserve_null_block: bool = False) -> None:
+        if num_blocks <= int(reserve_null_block):
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.blocks: list[KVCacheBlock] = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
+        # The hybrid KV cache (kv_cache_coordinator.py) fills the table slots of blocks a
+        # sliding window let go with this block: never handed out, written, cached or freed.
+        self.null_block: Optional[KVCacheBlock] = (
+            self.free_block_queue.popleft() if reserve_null_block else None)
+        self.num_usable_blocks = num_blocks - int(reserve_null_block)
         # One block per hash. A second block that fills with the same tokens (two requests
         # prefilling the same prefix in the same step) stays unregistered; see cache_full_blocks.
         self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
 
     # -- match ----------------------------------------------------------------
-    def get_cached_block(self, block_hash: BlockHash) -> Optional[KVCacheBlock]:
-        return self.cached_block_hash_to_block.get(block_hash)
+    def get_cached_block(self, block_hash: BlockHash,
+                         group_id: Optional[int] = None) -> Optional[KVCacheBlock]:
+        key = block_hash if group_id is None else (block_hash, group_id)
+        return self.cached_block_hash_to_block.get(key)  # type: ignore[call-overload]
 
     # -- insert ---------------------------------------------------------------
     def cache_full_blocks(
@@ -44,8 +52,11 @@ class BlockPool:
         blocks: Sequence[KVCacheBlock],
         num_cached_blocks: int,
         num_full_blocks: int,
+        group_id: Optional[int] = None,
     ) -> None:
-        """Register `blocks[num_cached_blocks:num_full_blocks]` under the request's hashes.
+        """Register `blocks[num_cached_blocks:num_full_blocks]` under the request's hashes
+        (keyed (hash, group_id) for a hybrid KV cache group: each group's blocks hold only its
+        layers' KV, so a hit must come from the same group).
 
         `blocks` is the request's block table and `request.block_hashes` must already cover
         `num_full_blocks`. If another block already holds a hash, the map keeps that block and
@@ -61,10 +72,10 @@ class BlockPool:
         cache = self.cached_block_hash_to_block
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
-            if block.block_hash is not None:
+            if block.block_hash is not None or block is self.null_block:
                 # Already registered (e.g. a prefix hit); nothing to do.
                 continue
-            block_hash = block_hashes[i]
+            block_hash = block_hashes[i] if group_id is None else (block_hashes[i], group_id)
             if block_hash not in cache:
                 block.block_hash = block_hash
                 cache[block_hash] = block
@@ -119,7 +130,7 @@ class BlockPool:
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash. Only possible when no block is in use (a running
         request's blocks may be shared through the map); returns whether it happened."""
-        if self.free_block_queue.num_free_blocks != self.num_blocks:
+        if self.free_block_queue.num_free_blocks != self.num_usable_blocks:
             return False
         self.cached_block_hash_to_block = {}
         for block in self.blocks:
@@ -131,4 +142,4 @@ class BlockPool:
 
     def get_usage(self) -> float:
         """Fraction of blocks in use (ref_cnt > 0)."""
-        return 1.0 - self.free_block_queue.num_free_blocks / self.num_blocks
+        return 1.0 - self.free_block_queue.num_free_blocks / self.num_usable_blocks

@@ -52,20 +52,34 @@ def hash_block_tokens(
     return BlockHash(hash((parent_hash_value, token_ids, extra_keys)), token_ids, extra_keys)
 
 
-def _first_block_extra_keys(cache_salt: Optional[str]) -> Optional[tuple]:
-    return None if cache_salt is None else (cache_salt,)
+def _first_block_extra_keys(cache_salt: Optional[str],
+                            lora_key: Optional[tuple] = None) -> Optional[tuple]:
+    """The salt and the LoRA adapter (two adapters' KV of one prompt differ) of the chain."""
+    if lora_key is None:
+        return None if cache_salt is None else (cache_salt,)
+    return (cache_salt, *lora_key) if cache_salt is not None else lora_key
+
+
+def lora_hash_key(lora_request: Optional[object]) -> Optional[tuple]:
+    """A LoRARequest's part of the block hashes: its id, name and path."""
+    if lora_request is None:
+        return None
+    return ("lora", getattr(lora_request, "lora_int_id"), getattr(lora_request, "lora_name"),
+            getattr(lora_request, "lora_path"))
 
 
 def hash_request_tokens(
     block_size: int,
     token_ids: Sequence[int],
     cache_salt: Optional[str] = None,
+    lora_request: Optional[object] = None,
 ) -> list[BlockHash]:
     """Chained hashes of every full block of `token_ids` (a partial tail block is skipped)."""
     hashes: list[BlockHash] = []
     parent: Optional[int] = None
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        extra = _first_block_extra_keys(cache_salt) if start == 0 else None
+        extra = (_first_block_extra_keys(cache_salt, lora_hash_key(lora_request))
+                 if start == 0 else None)
         block_hash = hash_block_tokens(parent, token_ids[start:start + block_size], extra)
         hashes.append(block_hash)
         parent = block_hash.hash_value
@@ -86,7 +100,8 @@ def update_request_block_hashes(request: "Request", block_size: int) -> list[Blo
     new_hashes: list[BlockHash] = []
     for i in range(num_hashed, num_full):
         start = i * block_size
-        extra = _first_block_extra_keys(request.cache_salt) if i == 0 else None
+        extra = (_first_block_extra_keys(request.cache_salt, lora_hash_key(request.lora_request))
+                 if i == 0 else None)
         block_hash = hash_block_tokens(parent, token_ids[start:start + block_size], extra)
         new_hashes.append(block_hash)
         parent = block_hash.hash_value

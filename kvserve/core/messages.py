@@ -11,8 +11,10 @@ import enum
 from typing import Any, Optional
 
 import msgspec
+import torch
 
 from kvserve.core.sched_output import LogprobsLists  # noqa: F401  (re-exported for clients)
+from kvserve.pooling_params import PoolingParams
 from kvserve.sampling_params import SamplingParams
 
 
@@ -25,6 +27,11 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):  #
     priority: int = 0
     cache_salt: Optional[str] = None
     client_index: int = 0
+    # A pooling request (prefill only; sampling_params then only carries max_tokens=1).
+    pooling_params: Optional[PoolingParams] = None
+    # A kvserve.lora.LoRARequest (a dict after msgpack: core/ cannot import lora/); the engine
+    # core turns it back into one (lora.request.as_lora_request).
+    lora_request: Optional[Any] = None
 
 
 class FinishReason(enum.IntEnum):
@@ -58,6 +65,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):  # 
     events: Optional[list[tuple[int, float]]] = None
     # From the KV connector when the request finished (vLLM's kv_transfer_params).
     kv_transfer_params: Optional[dict[str, Any]] = None
+    # A pooling request's pooled hidden states (float32), with its final output.
+    pooling_output: Optional[torch.Tensor] = None
 
     @property
     def finished(self) -> bool:

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
+from kvserve.pooling_params import PoolingParams
 from kvserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -56,6 +57,8 @@ class Request:
         priority: int = 0,
         cache_salt: Optional[str] = None,
         client_index: int = 0,
+        pooling_params: Optional[PoolingParams] = None,
+        lora_request: Optional[Any] = None,
     ) -> None:
         self.request_id = request_id
         self.sampling_params = sampling_params
@@ -64,6 +67,10 @@ class Request:
         self.priority = priority
         self.cache_salt = cache_salt
         self.client_index = client_index
+        self.pooling_params = pooling_params
+        # kvserve.lora.LoRARequest, or None for the base model (core/ sits below lora/ in
+        # the import layers, so it is untyped here; it is part of the block hashes).
+        self.lora_request = lora_request
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.max_tokens = sampling_params.max_tokens or 0

@@ -35,6 +35,11 @@ class SchedulerHook:
         finished: the scheduler reports them with the next outputs)."""
         return []
 
+    def admissible(self, request: Request, running: list[Request]) -> bool:
+        """False: the waiting request cannot join `running` now (LoRA: too many distinct
+        adapters); the scheduler skips it this step and tries the requests behind it."""
+        return True
+
     def admit(self, request: Request, computed_blocks: list, num_computed: int) -> bool:
         """A waiting request with `num_computed` tokens in the local prefix cache is next in
         line. True: the hook took it (the scheduler pops it from the queue)."""

@@ -10,6 +10,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from kvserve.pooling_params import PoolingParams
 from kvserve.sampling_params import SamplingParams
 
 
@@ -24,6 +25,8 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     eos_token_ids: list[int] = field(default_factory=list)   # for min_tokens masking
+    pooling_params: Optional[PoolingParams] = None            # a pooling request's settings
+    lora_request: Optional[Any] = None      # kvserve.lora.LoRARequest (None: the base model)
 
 
 @dataclass
@@ -88,6 +91,9 @@ class ModelRunnerOutput:
     spec_propose_time: float = 0.0
     # The KV connector's report (kv_transfer.base.KVConnectorOutput), if the engine has one.
     kv_connector_output: Optional[Any] = None
+    # Pooling runner: per request in req_ids, its pooled vector (torch float32) in the step
+    # that finished its prompt, else None.
+    pooler_output: Optional[list[Optional[Any]]] = None
 
 
 class AsyncModelRunnerOutput:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional, Sequence
 
 from kvserve.config import CacheConfig, SchedulerConfig
-from kvserve.core.kv_cache_manager import KVCacheManager
+from kvserve.core.kv_cache_coordinator import make_kv_cache_manager, to_block_ids
 from kvserve.core.messages import (EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs,
                                    FinishReason)
 from kvserve.core.request import Request, RequestStatus
@@ -65,7 +65,7 @@ class _StepPlan:
 
     def add(self, rid: str, n: int, blocks: list, drafts: list[int]) -> None:
         self.num_scheduled[rid] = n
-        self.new_blocks[rid] = [b.block_id for b in blocks]
+        self.new_blocks[rid] = to_block_ids(blocks)   # one list per KV cache group if hybrid
         if drafts:
             self.drafts[rid] = drafts
         self.budget -= n
@@ -85,9 +85,8 @@ class Scheduler:
         self.config = scheduler_config
         self.max_model_len = scheduler_config.max_model_len
         self.num_blocks = cache_config.num_blocks
-        self.kv_cache_manager = KVCacheManager(
-            num_blocks=cache_config.num_blocks, block_size=cache_config.block_size,
-            enable_caching=cache_config.enable_prefix_caching, max_model_len=self.max_model_len)
+        # One block table per request, or one per KV cache group (sliding-window layers).
+        self.kv_cache_manager = make_kv_cache_manager(cache_config, self.max_model_len)
         # Called in order at every point of a step (the engine core puts speculation before
         # structured outputs: drafts are set, then cut to what the grammar accepts).
         self.hooks = list(hooks)
@@ -273,8 +272,12 @@ class Scheduler:
         request.record_event(EngineCoreEventType.PREEMPTED)
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
+        skipped: list[Request] = []    # not admissible now (a hook said so): back in front
         while self.waiting and plan.budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
+            if not all(hook.admissible(request, self.running) for hook in self.hooks):
+                skipped.append(self.waiting.pop())
+                continue
             if self.kv_cache_manager.get_blocks(request.request_id):
                 # Its KV was loaded from outside: it holds its blocks already.
                 computed_blocks, num_computed = [], request.num_computed_tokens
@@ -306,6 +309,8 @@ class Scheduler:
             self.running.append(request)
             plan.scheduled_new.append(request)
             plan.add(request.request_id, n, blocks, [])
+        for request in reversed(skipped):
+            self.waiting.prepend(request)
 
     def _make_output(self, plan: _StepPlan) -> SchedulerOutput:
         preempted_ids = {r.request_id for r in plan.preempted if r.request_id in self._on_workers}
@@ -317,7 +322,9 @@ class Scheduler:
                 num_prompt_tokens=r.num_prompt_tokens, sampling_params=r.sampling_params,
                 block_ids=self.kv_cache_manager.get_block_ids(r.request_id),
                 num_computed_tokens=r.num_computed_tokens,
-                eos_token_ids=[] if r.sampling_params.ignore_eos else sorted(r.eos_token_ids)))
+                eos_token_ids=[] if r.sampling_params.ignore_eos else sorted(r.eos_token_ids),
+                pooling_params=r.pooling_params,
+                lora_request=r.lora_request))
             self._on_workers.add(r.request_id)
             self._worker_num_tokens[r.request_id] = r.num_tokens
         new_ids = {r.request_id for r in plan.scheduled_new}
@@ -383,7 +390,8 @@ class Scheduler:
             request_id=rid, new_token_ids=new_tokens, new_logprobs=new_logprobs,
             new_prompt_logprobs=new_prompt_logprobs, finish_reason=_FINISH_REASON.get(request.status),
             stop_reason=request.stop_reason, num_cached_tokens=max(request.num_cached_tokens, 0),
-            events=request.take_events(), kv_transfer_params=kv_params)
+            events=request.take_events(), kv_transfer_params=kv_params,
+            pooling_output=runner_output.pooler_output[idx] if runner_output.pooler_output else None)
 
     @staticmethod
     def _error_output(request: Request) -> EngineCoreOutput:
@@ -402,7 +410,9 @@ class Scheduler:
         return SchedulerStats(
             num_running_reqs=len(self.running), num_waiting_reqs=self.num_waiting_reqs,
             kv_cache_usage=self.kv_cache_manager.usage,
-            num_free_blocks=self.kv_cache_manager.num_free_blocks, num_total_blocks=self.num_blocks,
+            num_free_blocks=self.kv_cache_manager.num_free_blocks,
+            # The hybrid KV cache keeps one block back as its null block.
+            num_total_blocks=self.kv_cache_manager.block_pool.num_usable_blocks,
             prefix_cache_queries=self.prefix_cache_queries, prefix_cache_hits=self.prefix_cache_hits,
             num_preemptions=self.num_preemptions, feature_stats=feature_stats)
 

@@ -88,20 +88,12 @@ def destroy_distributed() -> None:
     _PP_STATE.rank, _PP_STATE.world_size, _PP_STATE.tp_size, _PP_STATE.global_rank = 0, 1, 1, 0
 
 
-def is_distributed_initialized() -> bool:
-    return _TP_STATE.initialized
-
-
 def get_tp_rank() -> int:
     return _TP_STATE.rank
 
 
 def get_tp_world_size() -> int:
     return _TP_STATE.world_size
-
-
-def get_tp_group() -> Optional[dist.ProcessGroup]:
-    return _TP_STATE.group
 
 
 def get_pp_rank() -> int:

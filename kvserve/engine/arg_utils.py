@@ -38,6 +38,8 @@ _HELP = {
     "kv_cache_memory": "Bytes of memory for the KV cache (default: 2 GiB on CPU, 90%% of free memory on CUDA).",
     "num_gpu_blocks_override": "Use exactly this many KV cache blocks (for testing).",
     "enable_prefix_caching": "Reuse KV blocks of shared prompt prefixes.",
+    "disable_hybrid_kv_cache_manager": "Sliding-window layers keep every KV block, as full "
+                                       "attention does (one block table for all layers).",
     "enable_chunked_prefill": "Split long prefills across steps to fit the token budget.",
     "long_prefill_token_threshold": "Cap on a single request's prefill tokens per step (0 = no cap).",
     "max_num_seqs": "Maximum number of requests running in one step.",
@@ -78,13 +80,28 @@ _HELP = {
     "kv_transfer_config": "KV connector settings as JSON (disaggregated prefill/decode, KV reuse "
                           "across engines), e.g. '{\"kv_connector\": \"NixlConnector\", "
                           "\"kv_role\": \"kv_both\"}'.",
+    "enable_lora": "Serve LoRA adapters (PEFT format) beside the base model, mixed in one batch.",
+    "max_loras": "LoRA adapters in one batch (the workers' adapter slots).",
+    "max_lora_rank": "Largest LoRA rank an adapter may have (1, 8, 16, 32, 64, 128, 256, 320, 512).",
+    "max_cpu_loras": "Loaded LoRA adapters kept in memory, least recently used evicted "
+                     "(default: max_loras).",
     "cpu_isa": "ISA tier of the C++ CPU kernels; auto: the host's best (env KVSERVE_CPU_ISA).",
     "disable_cpu_kernels": "Pure-torch paths instead of the C++ CPU kernels and oneDNN "
                            "prepacking (env KVSERVE_DISABLE_CPU_KERNELS).",
     "cpu_huge_pages": "CPU weights in transparent huge pages; auto: where THP is madvise "
                       "(env KVSERVE_CPU_HUGE_PAGES).",
 }
-_CHOICES = {"cpu_isa": ("auto", "generic", "avx2", "avx512", "avx512_bf16"),
+_HELP.update({
+    "runner": "auto, generate or pooling: a pooling runner returns pooled hidden states "
+              "(embeddings: LLM.embed, /v1/embeddings) instead of generating (auto: pooling "
+              "for --convert embed or a *Model architecture).",
+    "convert": "auto, none or embed: serve a generative checkpoint as an embedding model.",
+    "pooler_config": "Pooling runner settings (JSON): pooling_type (LAST, MEAN, CLS, ALL), "
+                     "normalize, dimensions; unset ones come from the checkpoint's "
+                     "sentence-transformers config, else LAST + normalize.",
+})
+_CHOICES = {"runner": ("auto", "generate", "pooling"), "convert": ("auto", "none", "embed"),
+            "cpu_isa": ("auto", "generic", "avx2", "avx512", "avx512_bf16"),
             "cpu_huge_pages": ("auto", "on", "off")}
 _SHORT = {"tensor_parallel_size": "-tp", "pipeline_parallel_size": "-pp",
           "data_parallel_size": "-dp"}
@@ -105,6 +122,7 @@ class EngineArgs:
     kv_cache_memory: Optional[int] = None
     num_gpu_blocks_override: Optional[int] = None
     enable_prefix_caching: bool = True
+    disable_hybrid_kv_cache_manager: bool = False
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
     max_num_seqs: int = 256
@@ -131,9 +149,16 @@ class EngineArgs:
     structured_outputs_config: Optional[Union[str, dict]] = None
     speculative_config: Optional[Union[str, dict]] = None
     kv_transfer_config: Optional[Union[str, dict]] = None
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: Optional[int] = None
     cpu_isa: Optional[str] = None
     disable_cpu_kernels: Optional[bool] = None
     cpu_huge_pages: Optional[str] = None
+    runner: str = "auto"
+    convert: str = "auto"
+    pooler_config: Optional[Union[str, dict]] = None
 
     # ------------------------------------------------------------------
     @staticmethod
@@ -235,6 +260,7 @@ class EngineArgs:
         attention_backend = resolve_backend_name(self.attention_backend, device,
                                                  self.block_size, model_config.head_dim)
         spec_config = SpeculativeConfig.parse(self.speculative_config)
+        enable_prefix_caching = self._resolve_runner(model_config, spec_config)
         if spec_config is not None and parallel.pipeline_parallel_size > 1:
             raise ValueError("Speculative decoding with pipeline parallelism "
                              "(pipeline_parallel_size > 1) is not supported yet.")
@@ -251,14 +277,19 @@ class EngineArgs:
         if kv_transfer_config is not None and parallel.world_size > 1:
             raise ValueError("kv_transfer_config needs tensor_parallel_size=1 and "
                              "pipeline_parallel_size=1 here.")
+        kv_cache_groups = _kv_cache_groups(model_config, parallel, spec_config,
+                                           kv_transfer_config,
+                                           self.disable_hybrid_kv_cache_manager)
+        lora_config = self._lora_config(parallel, spec_config, kv_transfer_config)
         return KVServeConfig(
             model_config=model_config,
             cache_config=CacheConfig(
                 block_size=self.block_size, kv_cache_memory=self.kv_cache_memory,
                 kv_cache_dtype=resolve_kv_cache_dtype(self.kv_cache_dtype, model_config, device),
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
-                enable_prefix_caching=self.enable_prefix_caching,
-                gpu_memory_utilization=self.gpu_memory_utilization),
+                enable_prefix_caching=enable_prefix_caching,
+                gpu_memory_utilization=self.gpu_memory_utilization,
+                kv_cache_groups=kv_cache_groups),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs, max_num_batched_tokens=batched,
                 max_model_len=max_len, enable_chunked_prefill=self.enable_chunked_prefill,
@@ -277,7 +308,60 @@ class EngineArgs:
             speculative_config=spec_config,
             kv_transfer_config=kv_transfer_config,
             cpu_config=cpu_config,
+            lora_config=lora_config,
         )
+
+    def _lora_config(self, parallel: ParallelConfig, spec_config: Any,
+                     kv_transfer_config: Any) -> Any:
+        """LoRAConfig with --enable-lora; the combinations not built yet are an error now."""
+        if not self.enable_lora:
+            return None
+        from kvserve.lora.config import LoRAConfig
+        for on, what in ((spec_config is not None, "speculative decoding"),
+                         (parallel.pipeline_parallel_size > 1, "pipeline parallelism"),
+                         (kv_transfer_config is not None, "a KV connector (P/D disaggregation)")):
+            if on:
+                raise ValueError(f"--enable-lora with {what} is not supported yet.")
+        return LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
+                          max_cpu_loras=self.max_cpu_loras)
+
+
+    def _resolve_runner(self, model_config: ModelConfig, spec_config: Any) -> bool:
+        """Set the model's runner (and a pooling runner's pooler); returns whether prefix
+        caching stays on. A pooling runner turns it off: a prompt prefix found in the cache
+        is not computed again, so MEAN / CLS / ALL would miss its hidden states."""
+        from kvserve.config import PoolerConfig
+        from kvserve.pooling.config import resolve_pooler_config, resolve_runner
+        runner, convert = resolve_runner(self.runner, self.convert, model_config.architecture)
+        model_config.runner_type, model_config.convert_type = runner, convert
+        if runner != "pooling":
+            if self.pooler_config is not None:
+                raise ValueError("--pooler-config needs --runner pooling.")
+            return self.enable_prefix_caching
+        if spec_config is not None:
+            raise ValueError("Speculative decoding does not apply to --runner pooling.")
+        model_config.pooler_config = resolve_pooler_config(
+            model_config, PoolerConfig.parse(self.pooler_config))
+        return False
+
+
+def _kv_cache_groups(model_config: ModelConfig, parallel: ParallelConfig, spec: Any,
+                     kv_transfer: Any, disable_hybrid: bool) -> list:
+    """The hybrid KV cache's groups; a sliding-window model with a feature that assumes one
+    block table (PP stages, speculative decoding's draft cache, KV transfer) is refused here."""
+    from kvserve.config import get_kv_cache_groups, layer_sliding_windows
+    windows = layer_sliding_windows(model_config.hf_config, model_config.max_model_len)
+    if any(w is not None for w in windows):
+        for on, what in ((parallel.pipeline_parallel_size > 1, "pipeline parallelism"),
+                         (spec is not None, "speculative decoding"),
+                         (kv_transfer is not None, "kv_transfer_config")):
+            if on:
+                raise ValueError(f"{model_config.architecture} has sliding-window layers "
+                                 f"(window {max(w or 0 for w in windows)} < max_model_len "
+                                 f"{model_config.max_model_len}); {what} is not supported with "
+                                 "them yet. Set max_model_len <= the window to run it with "
+                                 "full attention.")
+    return get_kv_cache_groups(windows, disable_hybrid)
 
 
 def _verify_async_scheduling(async_scheduling: bool, spec_config: Optional[SpeculativeConfig],

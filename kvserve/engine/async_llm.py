@@ -27,7 +27,8 @@ from kvserve.engine.launch import ClientAddresses
 from kvserve.engine.mp_client import AsyncMPClient, cancel_task
 from kvserve.engine.output_processor import (IterationStats, OutputProcessor, ParentRequest,
                                              RequestOutputCollector)
-from kvserve.outputs import RequestOutput
+from kvserve.outputs import PoolingRequestOutput, RequestOutput
+from kvserve.pooling_params import PoolingParams
 from kvserve.sampling_params import SamplingParams
 from kvserve.tokenizer import Tokenizer
 
@@ -53,7 +54,8 @@ class AsyncLLM:
         self.tokenizer = Tokenizer.from_pretrained(config.model_config.tokenizer)
         self.input_processor = InputProcessor(config.model_config, self.tokenizer,
                                               config.structured_outputs_config,
-                                              config.kv_transfer_config)
+                                              config.kv_transfer_config,
+                                              lora_config=config.lora_config)
         self.output_processor = OutputProcessor(self.tokenizer, log_stats=self.log_stats)
         # Metrics hooks (the server's Prometheus metrics). The stats are None when the engine
         # runs with disable_log_stats=True.
@@ -109,13 +111,15 @@ class AsyncLLM:
     # ------------------------------------------------------------------ requests
     async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                           priority: int = 0,
-                          cache_salt: Optional[str] = None) -> RequestOutputCollector:
+                          cache_salt: Optional[str] = None,
+                          lora_request: Optional[Any] = None) -> RequestOutputCollector:
         """Validate and send one request; its outputs arrive in the returned collector."""
         if self.errored:
             raise self.dead_error
         self._run_output_handler()
         request, prompt_text = self.input_processor.process_inputs(
-            request_id, prompt, params, priority=priority, cache_salt=cache_salt)
+            request_id, prompt, params, priority=priority, cache_salt=cache_salt,
+            lora_request=lora_request)
         queue = RequestOutputCollector(params.output_kind)
         if params.n == 1:
             self.output_processor.add_request(request, prompt_text, None, 0, queue)
@@ -145,14 +149,16 @@ class AsyncLLM:
 
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams,
                        request_id: str, *, priority: int = 0,
-                       cache_salt: Optional[str] = None) -> AsyncGenerator[RequestOutput, None]:
+                       cache_salt: Optional[str] = None, lora_request: Optional[Any] = None,
+                       ) -> AsyncGenerator[RequestOutput, None]:
         """Stream the request's RequestOutputs (CUMULATIVE / DELTA / FINAL_ONLY as
         `sampling_params.output_kind` says). Cancelling the consumer aborts the request."""
         queue: Optional[RequestOutputCollector] = None
         try:
             # ValueError (bad input) is raised here, before anything is streamed.
             queue = await self.add_request(request_id, prompt, sampling_params,
-                                           priority=priority, cache_salt=cache_salt)
+                                           priority=priority, cache_salt=cache_salt,
+                                           lora_request=lora_request)
             finished = False
             while not finished:
                 # Take what is there without a context switch; wait otherwise.
@@ -169,6 +175,14 @@ class AsyncLLM:
             if queue is not None:
                 await self.abort(request_id)
             raise EngineGenerateError(f"Request {request_id} failed: {e}") from e
+
+    async def encode(self, prompt: PromptType, pooling_params: PoolingParams, request_id: str,
+                     *, priority: int = 0) -> AsyncGenerator[PoolingRequestOutput, None]:
+        """vLLM's AsyncLLM.encode: one PoolingRequestOutput when the prompt is pooled (needs
+        --runner pooling; bad input raises ValueError before anything is scheduled)."""
+        async for out in self.generate(prompt, pooling_params, request_id,  # type: ignore[arg-type]
+                                       priority=priority):
+            yield out   # type: ignore[misc]
 
     async def abort(self, request_id: Union[str, list[str]]) -> None:
         """Abort requests (user ids; a parent id aborts all its n children). Their streams end

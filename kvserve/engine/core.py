@@ -75,6 +75,12 @@ class EngineCore:
             from kvserve.spec_decode.scheduling import SpecDecodeScheduling
             hooks.append(SpecDecodeScheduling(spec.num_speculative_tokens,
                                               make_spec_decode_controller(spec), max_model_len))
+        if config.model_config.runner_type == "pooling":
+            from kvserve.pooling.scheduling import PoolingScheduling
+            hooks.append(PoolingScheduling())
+        if config.lora_config is not None:
+            from kvserve.lora.scheduling import LoRAScheduling
+            hooks.append(LoRAScheduling(config.lora_config.max_loras, self.add_lora))
         hooks.append(StructuredOutputScheduling(
             self.structured_output_manager, max_model_len,
             config.structured_outputs_config.enable_jump_forward))
@@ -98,7 +104,30 @@ class EngineCore:
             request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
             sampling_params=request.sampling_params, eos_token_ids=set(request.eos_token_ids),
             arrival_time=request.arrival_time, priority=request.priority,
-            cache_salt=request.cache_salt, client_index=request.client_index))
+            cache_salt=request.cache_salt, client_index=request.client_index,
+            pooling_params=request.pooling_params,
+            lora_request=self._lora_request(request)))
+
+    def _lora_request(self, request: EngineCoreRequest) -> Any:
+        if request.lora_request is None:
+            return None
+        if self.config.lora_config is None:
+            raise ValueError("A LoRA request needs an engine started with --enable-lora.")
+        from kvserve.lora.request import as_lora_request
+        return as_lora_request(request.lora_request)
+
+    # ------------------------------------------------------------------ LoRA adapters
+    def add_lora(self, lora_request: Any) -> bool:
+        """Load an adapter on every worker now (True if it was not loaded yet)."""
+        from kvserve.lora.request import as_lora_request
+        return bool(self.model_executor.collective_rpc(
+            "add_lora", (as_lora_request(lora_request),))[0])
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return bool(self.model_executor.collective_rpc("remove_lora", (lora_int_id,))[0])
+
+    def list_loras(self) -> list[int]:
+        return list(self.model_executor.collective_rpc("list_loras")[0])
 
     def abort_requests(self, request_ids: list[str]) -> list[str]:
         return self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)

@@ -15,7 +15,8 @@ import msgspec
 
 from kvserve.config import ModelConfig, StructuredOutputsConfig
 from kvserve.core.messages import EngineCoreRequest
-from kvserve.sampling_params import SamplingParams
+from kvserve.pooling_params import PoolingParams
+from kvserve.sampling_params import RequestOutputKind, SamplingParams
 from kvserve.tokenizer import Tokenizer
 
 # A text prompt, {"prompt": text}, {"prompt_token_ids": ids} (optionally with "prompt": the
@@ -28,8 +29,11 @@ _PROMPT_KEYS = {"prompt", "prompt_token_ids", "cache_salt"}
 class InputProcessor:
     def __init__(self, model_config: ModelConfig, tokenizer: Optional[Tokenizer],
                  structured_outputs_config: Optional[StructuredOutputsConfig] = None,
-                 kv_transfer_config: Optional[Any] = None) -> None:
+                 kv_transfer_config: Optional[Any] = None,
+                 lora_config: Optional[Any] = None) -> None:
         self.model_config = model_config
+        from kvserve.lora.peft_loader import AdapterChecker
+        self.lora_checker = AdapterChecker(lora_config, model_config.hf_config)
         self.kv_transfer_config = kv_transfer_config
         self.structured_outputs_config = structured_outputs_config or StructuredOutputsConfig()
         self.tokenizer = tokenizer
@@ -50,18 +54,26 @@ class InputProcessor:
             eos.update(hf_eos if isinstance(hf_eos, list) else [hf_eos])
         self.eos_token_ids: list[int] = sorted(eos)
 
-    def process_inputs(self, request_id: str, prompt: PromptType, params: SamplingParams,
+    def process_inputs(self, request_id: str, prompt: PromptType,
+                       params: Union[SamplingParams, PoolingParams],
                        arrival_time: Optional[float] = None, priority: int = 0,
-                       cache_salt: Optional[str] = None) -> tuple[EngineCoreRequest, Optional[str]]:
+                       cache_salt: Optional[str] = None, lora_request: Optional[Any] = None,
+                       ) -> tuple[EngineCoreRequest, Optional[str]]:
         """Validate and tokenize. Returns the request for the engine core and the prompt text
         (None when the prompt was given as token ids only).
 
         `params` is not modified: when the request needs different values (max_tokens=None
-        becomes "up to max_model_len") a copy is made.
+        becomes "up to max_model_len") a copy is made. PoolingParams make a pooling request,
+        which only a `--runner pooling` engine serves (and SamplingParams only the others).
         """
+        is_pooling = self.model_config.runner_type == "pooling"
+        if isinstance(params, PoolingParams) or is_pooling:
+            return self._process_pooling(request_id, prompt, params, arrival_time, priority)
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}.")
         orig_params = params
+        if lora_request is not None:
+            self.lora_checker.check(lora_request)
         prompt_text, prompt_token_ids, dict_salt = self._tokenize(prompt)
         self._validate_prompt(prompt_token_ids)
         if params.max_tokens is None:
@@ -87,7 +99,33 @@ class InputProcessor:
             arrival_time=arrival_time if arrival_time is not None else time.time(),
             priority=priority,
             cache_salt=cache_salt if cache_salt is not None else dict_salt,
+            lora_request=lora_request,
         ), prompt_text
+
+    def _process_pooling(self, request_id: str, prompt: PromptType, params: Any,
+                         arrival_time: Optional[float], priority: int
+                         ) -> tuple[EngineCoreRequest, Optional[str]]:
+        if self.model_config.runner_type != "pooling":
+            raise ValueError(f"Model {self.model_config.served_model_name!r} runs the generate "
+                             f"runner: it does not serve embeddings or pooling requests (start "
+                             f"it with --runner pooling).")
+        if not isinstance(params, PoolingParams):
+            raise ValueError(f"Model {self.model_config.served_model_name!r} runs the pooling "
+                             f"runner (--runner pooling): it serves embeddings, not "
+                             f"generation; use LLM.embed / /v1/embeddings.")
+        if params.dimensions is not None:
+            from kvserve.pooling.config import check_dimensions   # the rule lives there
+            check_dimensions(self.model_config, params.dimensions)
+        prompt_text, prompt_token_ids, _ = self._tokenize(prompt)
+        # A pooled prompt generates nothing: it may fill the whole context.
+        self._validate_prompt(prompt_token_ids, room_to_generate=False)
+        return EngineCoreRequest(
+            request_id=request_id, prompt_token_ids=prompt_token_ids,
+            # Only the scheduler's bookkeeping reads these: nothing is sampled.
+            sampling_params=SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
+                                           output_kind=RequestOutputKind.FINAL_ONLY),
+            eos_token_ids=[], arrival_time=arrival_time if arrival_time is not None else time.time(),
+            priority=priority, pooling_params=params), prompt_text
 
     def _validate_structured_outputs(self, params: SamplingParams) -> None:
         """The backend's cheap checks (parse the schema / regex / grammar, no token masks): a
@@ -142,7 +180,7 @@ class InputProcessor:
             raise ValueError(f"prompt_token_ids must contain only ints, got {bad!r}.")
         return [operator.index(t) for t in ids]
 
-    def _validate_prompt(self, ids: list[int]) -> None:
+    def _validate_prompt(self, ids: list[int], room_to_generate: bool = True) -> None:
         if not ids:
             raise ValueError("The prompt cannot be empty.")
         lo, hi = min(ids), max(ids)
@@ -155,7 +193,7 @@ class InputProcessor:
             raise ValueError(f"The decoder prompt (length {n}) is longer than the maximum model "
                              f"length of {self.max_model_len}. Make sure that `max_model_len` is "
                              f"no smaller than the number of text tokens.")
-        if n == self.max_model_len:
+        if n == self.max_model_len and room_to_generate:
             raise ValueError(f"The decoder prompt (length {n}) is as long as the maximum model "
                              f"length of {self.max_model_len}, which leaves no room to generate "
                              f"tokens; shorten the prompt or raise `max_model_len`.")

@@ -21,7 +21,8 @@ class LLMEngine:
         self.tokenizer = Tokenizer.from_pretrained(config.model_config.tokenizer)
         self.input_processor = InputProcessor(config.model_config, self.tokenizer,
                                               config.structured_outputs_config,
-                                              config.kv_transfer_config)
+                                              config.kv_transfer_config,
+                                              lora_config=config.lora_config)
         self.output_processor = OutputProcessor(self.tokenizer, log_stats=not config.disable_log_stats)
         self.engine_core = EngineCoreClient.make_client(config)
 
@@ -32,10 +33,11 @@ class LLMEngine:
     # ------------------------------------------------------------------ requests
     def process_inputs(self, request_id: str, prompt: Any, params: SamplingParams,
                        arrival_time: Optional[float] = None, priority: int = 0,
-                       cache_salt: Optional[str] = None) -> tuple[EngineCoreRequest, Optional[str]]:
+                       cache_salt: Optional[str] = None, lora_request: Optional[Any] = None,
+                       ) -> tuple[EngineCoreRequest, Optional[str]]:
         return self.input_processor.process_inputs(
             request_id, prompt, params, arrival_time=arrival_time or time.time(),
-            priority=priority, cache_salt=cache_salt)
+            priority=priority, cache_salt=cache_salt, lora_request=lora_request)
 
     def add_processed_request(self, request: EngineCoreRequest, prompt_text: Optional[str],
                               params: SamplingParams) -> None:

@@ -30,7 +30,7 @@ import tempfile
 import threading
 import time
 import weakref
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Iterator, Optional, Union
 
 import zmq
 import zmq.asyncio
@@ -231,19 +231,27 @@ def _monitor_engine(resources: BackgroundResources, proc_sentinel: int, pid: int
                  f"{name} (pid {pid}) died unexpectedly (exit code {exitcode}).")
 
 
+def _readable(resources: BackgroundResources, sock: zmq.Socket) -> Iterator[None]:
+    """Yields each time `sock` has input, until the client closes (its wake pipe fires)."""
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    poller.register(resources.wake_r, zmq.POLLIN)
+    while True:
+        events = dict(poller.poll())
+        if resources.closed or sock not in events:
+            return
+        yield
+
+
 def _monitor_connections(resources: BackgroundResources, monitor: zmq.Socket,
                          fd_engine: dict[int, int]) -> None:
     """Thread: engines that are not our child processes (another node's, or started by the
     API-server launcher) are watched through their connection to our input socket: a process
     that exits closes it, and ZMTP heartbeats close it for a host that vanished."""
     from zmq.utils.monitor import recv_monitor_message
-    poller = zmq.Poller()
-    poller.register(monitor, zmq.POLLIN)
-    poller.register(resources.wake_r, zmq.POLLIN)
     try:
-        while fd_engine:
-            events = dict(poller.poll())
-            if resources.closed or monitor not in events:
+        for _ in _readable(resources, monitor):
+            if not fd_engine:
                 return
             event = recv_monitor_message(monitor)
             if event["event"] != zmq.EVENT_DISCONNECTED:
@@ -365,14 +373,8 @@ def _sync_output_reader(r: BackgroundResources, sock: zmq.Socket,
                         decoder: MsgpackDecoder) -> None:
     """Thread: output socket -> outputs_queue; utility results -> their futures."""
     assert isinstance(r.outputs_queue, queue.Queue)
-    poller = zmq.Poller()
-    poller.register(sock, zmq.POLLIN)
-    poller.register(r.wake_r, zmq.POLLIN)
     try:
-        while True:
-            events = dict(poller.poll())
-            if sock not in events or r.closed:
-                return
+        for _ in _readable(r, sock):
             frames = sock.recv_multipart(copy=False)
             if not _dispatch_output(r, frames, decoder):
                 return

@@ -15,15 +15,15 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import msgspec
 
 from kvserve.core.messages import (EngineCoreEventType, EngineCoreOutput, EngineCoreRequest,
                                    FinishReason)
 from kvserve.engine.detokenizer import IncrementalDetokenizer
-from kvserve.outputs import (CompletionOutput, Logprob, PromptLogprobs, RequestMetrics,
-                             RequestOutput, SampleLogprobs)
+from kvserve.outputs import (CompletionOutput, Logprob, PoolingOutput, PoolingRequestOutput,
+                             PromptLogprobs, RequestMetrics, RequestOutput, SampleLogprobs)
 from kvserve.sampling_params import RequestOutputKind, SamplingParams
 from kvserve.tokenizer import Tokenizer
 
@@ -195,10 +195,6 @@ class ParentRequest:
     def child_request_id(self, index: int) -> str:
         return f"{index}_{self.request_id}"
 
-    def get_child_info(self, index: int) -> tuple[str, SamplingParams]:
-        """The id and sampling params of child `index` (registers it as running)."""
-        return self._child_info(index, self.sampling_params)
-
     def _child_info(self, index: int, params: SamplingParams) -> tuple[str, SamplingParams]:
         if not 0 <= index < self.n:
             raise ValueError(f"child index {index} out of range for n={self.n}.")
@@ -300,6 +296,9 @@ class RequestState:
         self.stop_reason: Union[int, str, None] = None
         self.num_cached_tokens = 0
         self.kv_transfer_params: Optional[dict] = None
+        # Pooling requests: their result arrives whole, with the final output.
+        self.is_pooling = request.pooling_params is not None
+        self.pooling_output: Any = None
         self.metrics = RequestMetrics(arrival_time=request.arrival_time)
         self._num_sent_tokens = 0     # DELTA: ids (and logprob positions) already reported
         self.added_monotonic = time.monotonic()
@@ -333,9 +332,14 @@ class RequestState:
             logprobs=out_logprobs, finish_reason=self.finish_reason,
             stop_reason=self.stop_reason)
 
-    def make_request_output(self) -> Optional[RequestOutput]:
+    def make_request_output(self) -> Union[RequestOutput, PoolingRequestOutput, None]:
         """For a request without a parent; None while FINAL_ONLY waits for the end."""
         finished = self.finished
+        if self.is_pooling:
+            return PoolingRequestOutput(
+                request_id=self.request_id, outputs=PoolingOutput(self.pooling_output),
+                prompt_token_ids=self.prompt_token_ids, finished=finished, prompt=self.prompt,
+                finish_reason=self.finish_reason) if finished else None
         if self.output_kind == RequestOutputKind.FINAL_ONLY and not finished:
             return None
         if self.output_kind == RequestOutputKind.DELTA:
@@ -418,6 +422,8 @@ class OutputProcessor:
                 state.num_cached_tokens = eco.num_cached_tokens
             if eco.kv_transfer_params is not None:
                 state.kv_transfer_params = eco.kv_transfer_params
+            if eco.pooling_output is not None:
+                state.pooling_output = eco.pooling_output
             if eco.events:
                 self._record_events(state, eco.events, now, now_mono)
             if new_ids:

@@ -87,6 +87,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--chat-template", type=str, default=None,
                    help="Chat template: a file path or the Jinja template itself "
                         "(default: the tokenizer's).")
+    g.add_argument("--lora-modules", type=str, nargs="+", default=None,
+                   help="LoRA adapters served as models (with --enable-lora): name=path or JSON "
+                        "'{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'.")
     g.add_argument("--response-role", type=str, default="assistant",
                    help="Role of the generated message when add_generation_prompt is true.")
     g.add_argument("--root-path", type=str, default=None,

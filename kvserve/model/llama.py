@@ -11,13 +11,13 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Iterable, Optional, Union
+from typing import Any, Iterable, Optional, Union
 
 import torch
 from torch import nn
 
 from kvserve.attention.backends.cpu import AttentionMetadata
-from kvserve.config import ModelConfig
+from kvserve.config import ModelConfig, layer_sliding_windows
 from kvserve.distributed.parallel_state import (get_pp_rank, get_pp_world_size,
                                                 is_first_pp_rank, is_last_pp_rank)
 from kvserve.distributed.pp_utils import (IntermediateTensors, PPMissingLayer, get_pp_indices,
@@ -91,6 +91,7 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         hf = config.hf_config
         eps = float(hf.get("rms_norm_eps", 1e-6))
+        self.layer_idx = layer_idx
         self.self_attn = LlamaAttention(config, flags)
         self.mlp = self.build_mlp(config, flags, layer_idx)
         self.input_layernorm = RMSNorm(config.hidden_size, eps)
@@ -141,6 +142,9 @@ class LlamaModel(nn.Module):
         # Layers the fused op cannot run (MoE) never take it; tests set True for the
         # layer-by-layer path.
         self._fused_decode_decided = not layer_cls.supports_fused_decode
+        # Multi-LoRA's per-step mapping (kvserve.lora.punica.LoRAMapping), set when LoRA is on:
+        # the fused op runs no Python linears, so steps with adapter tokens go layer by layer.
+        self.lora_mapping: Optional[Any] = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], attn_metadata: AttentionMetadata,
@@ -177,7 +181,8 @@ class LlamaModel(nn.Module):
 
     def _fused_decode_for(self, layers: list[nn.Module], num_tokens: int,
                           attn_metadata: AttentionMetadata) -> Optional[FusedDecodeStack]:
-        if not FusedDecodeStack.applies(num_tokens, attn_metadata):
+        if not FusedDecodeStack.applies(num_tokens, attn_metadata) or (
+                self.lora_mapping is not None and self.lora_mapping.groups):
             return None
         if not self._fused_decode_decided:
             self._fused_decode = FusedDecodeStack.build(layers)
@@ -205,13 +210,15 @@ class LlamaForCausalLM(nn.Module):
         act = hf.get("hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"{type(self).__name__}: hidden_act={act!r} is not supported (silu only).")
-        window = hf.get("sliding_window") if hf.get("use_sliding_window", True) else None
-        if window and window < config.max_model_len:
-            raise ValueError(
-                f"{type(self).__name__} uses sliding-window attention (window {window}), which "
-                f"kvserve does not implement; set max_model_len <= {window} to run it exactly.")
         self.config = config
         self.model = LlamaModel(config, self.decoder_flags(hf), self.decoder_layer_cls)
+        # Mistral / Qwen2 `sliding_window` (a window >= max_model_len is none): windowed layers
+        # take the torch attention path, so never the fused C++ decode op.
+        windows = layer_sliding_windows(hf, config.max_model_len)
+        if any(windows):
+            for layer in self.model._local_layers:
+                layer.self_attn.attn.sliding_window = windows[layer.layer_idx]
+            self.model._fused_decode, self.model._fused_decode_decided = None, True
         self.tie_word_embeddings = bool(hf.get("tie_word_embeddings", False))
         if self.model.is_last:
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)

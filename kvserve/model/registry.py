@@ -5,10 +5,13 @@ from torch import nn
 
 from kvserve.model.llama import (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
                                  Qwen3ForCausalLM)
+from kvserve.model.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from kvserve.model.phi3 import Phi3ForCausalLM
 from kvserve.model.moe import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 
 _MODELS: dict[str, type[nn.Module]] = {
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,

@@ -57,10 +57,6 @@ def build_tokenizer_info(tokenizer: Any, vocab_size: int, stop_token_ids: list[i
                              add_prefix_space=add_prefix_space)
 
 
-def _json_schema_text(spec: Any) -> str:
-    return spec if isinstance(spec, str) else json.dumps(spec)
-
-
 # xgrammar (0.2.x) writes the characters of a string with minLength / maxLength as this class,
 # which admits raw control characters (U+0000-U+001F but CR and LF): strict JSON parsers refuse
 # them. Its plain string rule already excludes them; the bounded one is made to match.

@@ -19,7 +19,7 @@ from kvserve.sampling_params import SamplingParams
 
 class InputBatch:
     def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int,
-                 vocab_size: int, device: torch.device) -> None:
+                 vocab_size: int, device: torch.device, num_kv_cache_groups: int = 1) -> None:
         self.max_num_reqs = max_num_reqs
         self.vocab_size = vocab_size
         self.device = device
@@ -31,8 +31,12 @@ class InputBatch:
         self.num_tokens = np.zeros(R, dtype=np.int64)
         self.num_prompt_tokens = np.zeros(R, dtype=np.int64)
         self.num_computed_tokens = np.zeros(R, dtype=np.int64)
-        self.block_table = np.zeros((R, max_blocks_per_req), dtype=np.int64)
-        self.num_blocks = np.zeros(R, dtype=np.int64)
+        # One block table per KV cache group (hybrid KV cache); block_table is group 0's.
+        self.num_kv_cache_groups = num_kv_cache_groups
+        self.block_tables = np.zeros((num_kv_cache_groups, R, max_blocks_per_req), dtype=np.int64)
+        self.group_num_blocks = np.zeros((num_kv_cache_groups, R), dtype=np.int64)
+        self.block_table = self.block_tables[0]
+        self.num_blocks = self.group_num_blocks[0]
         # Sampling settings per row.
         self.temperature = np.zeros(R, dtype=np.float32)
         self.top_p = np.ones(R, dtype=np.float32)
@@ -75,7 +79,7 @@ class InputBatch:
         self.num_tokens[row] = n
         self.num_prompt_tokens[row] = req.num_prompt_tokens
         self.num_computed_tokens[row] = req.num_computed_tokens
-        self.num_blocks[row] = 0
+        self.group_num_blocks[:, row] = 0
         self.append_blocks(row, req.block_ids)
         p = req.sampling_params
         self.params[row] = p
@@ -97,7 +101,14 @@ class InputBatch:
         self.output_token_ids[row] = list(req.token_ids[req.num_prompt_tokens:])
         return row
 
-    def append_blocks(self, row: int, block_ids: list[int]) -> None:
+    def append_blocks(self, row: int, block_ids: "list[int] | tuple[list[int], ...]") -> None:
+        if isinstance(block_ids, tuple):   # one list per KV cache group
+            for g, ids in enumerate(block_ids):
+                if ids:
+                    start = self.group_num_blocks[g, row]
+                    self.block_tables[g, row, start:start + len(ids)] = ids
+                    self.group_num_blocks[g, row] = start + len(ids)
+            return
         if block_ids:
             start = self.num_blocks[row]
             self.block_table[row, start:start + len(block_ids)] = block_ids
@@ -126,6 +137,10 @@ class InputBatch:
         self.token_ids[dst, :n] = self.token_ids[src, :n]
         nb = self.num_blocks[src]
         self.block_table[dst, :nb] = self.block_table[src, :nb]
+        for g in range(1, self.num_kv_cache_groups):
+            nbg = self.group_num_blocks[g, src]
+            self.block_tables[g, dst, :nbg] = self.block_tables[g, src, :nbg]
+            self.group_num_blocks[g, dst] = nbg
         for arr in (self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens,
                     self.num_blocks, self.temperature, self.top_p, self.top_k, self.min_p,
                     self.presence, self.frequency, self.repetition, self.seeded, self.logprobs,

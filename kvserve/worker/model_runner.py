@@ -21,6 +21,7 @@ from kvserve.attention import CommonAttentionMetadata, get_attn_backend
 from kvserve.distributed.parallel_state import (is_first_pp_rank, is_last_pp_rank, pp_recv,
                                                 pp_send)
 from kvserve.distributed.pp_utils import IntermediateTensors
+from kvserve.pooling.pooler import Pooler
 from kvserve.sample.rejection_sampler import RejectionSampler, SampleLayout, SpecDecodeMetadata
 from kvserve.sample.sampler import Sampler
 from kvserve.spec_decode import make_spec_decode_runner
@@ -31,6 +32,7 @@ from kvserve.worker.input_batch import _NO_LOGPROBS, InputBatch
 from kvserve.worker.staging import PinnedStaging
 
 if TYPE_CHECKING:
+    from kvserve.lora.manager import LoRAModelManager
     from kvserve.worker.cuda_graph import CUDAGraphRunner
 
 logger = logging.getLogger(__name__)
@@ -71,6 +73,9 @@ class ModelRunner:
         self.spec_decode = make_spec_decode_runner(config, device)
         self.attn_backend = get_attn_backend(config.attention_backend, device)
         self.cuda_graphs: Optional["CUDAGraphRunner"] = None   # set by capture_cuda_graphs
+        # --runner pooling: pooled hidden states instead of sampled tokens (no LM head).
+        self.pooler: Optional[Pooler] = (Pooler(mc) if mc.runner_type == "pooling" else None)
+        self.lora_manager: Optional["LoRAModelManager"] = None  # set by load_model (--enable-lora)
         pc = config.parallel_config
         # Pipeline stage (set by load_model, once the process groups exist).
         self.is_first_stage = self.is_last_stage = True
@@ -78,10 +83,12 @@ class ModelRunner:
         # With PP the engine core sends every sampled token back to all stages
         # (new_token_ids); the last stage then must not append it a second time.
         self.append_sampled_tokens = pc.pipeline_parallel_size == 1
+        # Hybrid KV cache (sliding-window layers): one block table per group; [] = one table.
+        self.kv_cache_groups = config.cache_config.kv_cache_groups
         self.input_batch = InputBatch(
             max_num_reqs=config.scheduler_config.max_num_seqs, max_model_len=self.max_model_len,
             max_blocks_per_req=self.max_blocks_per_req, vocab_size=self.vocab_size,
-            device=device)
+            device=device, num_kv_cache_groups=max(1, len(self.kv_cache_groups)))
         # Inputs to the device without a sync: one pinned buffer, one copy (CUDA).
         self.staging = PinnedStaging(device)
         # Async scheduling: sampled ids go to the host without a sync (worker/async_output.py).
@@ -98,9 +105,22 @@ class ModelRunner:
             self.spec_decode.load_model(self.model)
         from kvserve.model.layers.attention import bind_attention_backend
         bind_attention_backend(self.model, self.attn_backend)
+        if self.config.lora_config is not None:
+            from kvserve.lora.manager import LoRAModelManager
+            mc = self.config.model_config
+            self.lora_manager = LoRAModelManager(self.model, self.config.lora_config,
+                                                 mc.hf_config, self.dtype, self.device)
         # This pipeline stage's layers: the KV cache holds only theirs.
         self.num_local_layers = getattr(self.model, "num_local_layers",
                                         self.config.model_config.num_layers)
+        if self.kv_cache_groups:
+            from kvserve.worker.kv_cache_groups import bind_kv_cache_groups
+            bind_kv_cache_groups(self.model, self.kv_cache_groups)
+
+    def lora_manager_or_error(self) -> "LoRAModelManager":
+        if self.lora_manager is None:
+            raise ValueError("LoRA adapters need an engine started with --enable-lora.")
+        return self.lora_manager
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         from kvserve.model.loader import get_kv_cache_shape
@@ -111,14 +131,23 @@ class ModelRunner:
         shape = self.kv_cache_shape(1)
         per_layer = int(np.prod(shape)) * torch.empty((), dtype=self.kv_dtype).element_size()
         draft = self.spec_decode.kv_cache_bytes_per_block() if self.spec_decode else 0
-        return per_layer * self.num_local_layers + draft
+        # Hybrid KV cache: a block id is one page of each group's layers (the groups' i-th
+        # layers share a tensor), so a block costs one group's layers.
+        layers = (len(self.kv_cache_groups[0].layer_ids) if self.kv_cache_groups
+                  else self.num_local_layers)
+        return per_layer * layers + draft
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         # Zeroed, not empty: masked-out slots are multiplied by 0 in attention, and garbage
         # NaNs would survive that.
         shape = self.kv_cache_shape(num_blocks)
-        self.kv_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
-                          for _ in range(self.num_local_layers)]
+        if self.kv_cache_groups:
+            from kvserve.worker.kv_cache_groups import shared_kv_caches
+            self.kv_caches = shared_kv_caches(self.kv_cache_groups, self.num_local_layers,
+                                              shape, self.kv_dtype, self.device)
+        else:
+            self.kv_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+                              for _ in range(self.num_local_layers)]
         if self.spec_decode is not None:
             self.spec_decode.initialize_kv_cache(num_blocks)
 
@@ -126,8 +155,11 @@ class ModelRunner:
         """Capture the all-decode step per batch-size bucket (TRITON_ATTN on CUDA only)."""
         from kvserve.worker.cuda_graph import CUDAGraphRunner, capture_sizes
         if (self.device.type != "cuda" or self.attn_backend.name != "TRITON_ATTN"
-                or self.config.parallel_config.pipeline_parallel_size > 1):
-            return   # graphs hold one whole-model decode step: not with PP stages
+                or self.config.parallel_config.pipeline_parallel_size > 1
+                or self.kv_cache_groups or self.lora_manager is not None):
+            # Graphs hold one whole-model decode step: not with PP stages; sliding windows
+            # take the torch path; LoRA's per-step slot grouping is not captured yet (eager).
+            return
         sizes = capture_sizes(self.config.scheduler_config.max_num_seqs)
         assert self.model is not None
         self.cuda_graphs = CUDAGraphRunner(self.model, self.kv_caches, sizes,
@@ -157,6 +189,8 @@ class ModelRunner:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         step = self._prepare_inputs(scheduler_output)
         assert self.model is not None
+        if self.lora_manager is not None:
+            self.lora_manager.prepare_step(step.req_ids, step.query_lens)
         intermediate = None if self.is_first_stage else self._recv_intermediate(len(step.positions))
         hidden = self._forward(step, intermediate)
         if asynch is not None:   # the forward is launched: now wait for the last step's ids
@@ -165,6 +199,8 @@ class ModelRunner:
             pp_send(hidden.pack())
             self.input_batch.num_computed_tokens[step.rows] += step.query_lens
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        if self.pooler is not None:
+            return self._pool(step, hidden)
 
         sample_idx = np.flatnonzero(step.sample_mask)
         sampled_lists: list[list[int]] = [[] for _ in step.req_ids]
@@ -182,6 +218,18 @@ class ModelRunner:
         if asynch is None:
             return output
         return AsyncRunnerOutput(output, asynch.pending, sample_idx)
+
+    def _pool(self, step: StepInputs, hidden: torch.Tensor) -> ModelRunnerOutput:
+        """Pooling runner: the pooled vectors of the prompts that end this step; no logits."""
+        assert self.pooler is not None
+        ib = self.input_batch
+        pooled = self.pooler.pool(step.req_ids, hidden, step.query_starts, step.query_lens,
+                                  ib.num_computed_tokens[step.rows],
+                                  ib.num_prompt_tokens[step.rows])
+        ib.num_computed_tokens[step.rows] += step.query_lens
+        return ModelRunnerOutput(req_ids=step.req_ids,
+                                 sampled_token_ids=[[] for _ in step.req_ids],
+                                 pooler_output=pooled)
 
     def _sample(self, so: SchedulerOutput, step: StepInputs, hidden: torch.Tensor,
                 sample_idx: np.ndarray, sampled_lists: list[list[int]],
@@ -284,6 +332,10 @@ class ModelRunner:
     def _update_states(self, so: SchedulerOutput) -> None:
         ib = self.input_batch
         ib.remove_requests(so.finished_req_ids | so.preempted_req_ids)
+        if self.pooler is not None:
+            self.pooler.update_states(so)
+        if self.lora_manager is not None:
+            self.lora_manager.update_requests(so)
         if self.spec_decode is not None:
             self.spec_decode.drop(so.finished_req_ids | so.preempted_req_ids)
         for new in so.scheduled_new_reqs:
@@ -340,7 +392,12 @@ class ModelRunner:
             num_decodes=num_decodes, query_starts=starts, query_lens=qlens,
             context_lens=computed, slot_mapping=slot_mapping, block_size=bs,
             block_table=ib.block_table[rows, :cdiv(int(seq_lens.max()), bs)])
-        meta = self.attn_backend.build_metadata(common)
+        if self.kv_cache_groups:
+            from kvserve.worker.kv_cache_groups import build_group_metadata
+            meta = build_group_metadata(self.attn_backend, common, ib.block_tables, rows,
+                                        tok_rows, positions)
+        else:
+            meta = self.attn_backend.build_metadata(common)
         input_ids_dev, positions_dev = self.staging.upload(input_ids, positions)
         if self.async_tokens is not None:
             self.async_tokens.fill_placeholders(input_ids_dev, positions, tok_rows, tok_req,

@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -31,10 +31,6 @@ class Worker:
         # In-process (UniProcExecutor): the engine core reads async outputs itself, after it
         # has scheduled the next step; a worker process replies with plain lists.
         self.keep_async_output = False
-
-    @property
-    def is_driver(self) -> bool:
-        return self.rank == 0
 
     @property
     def is_output_rank(self) -> bool:
@@ -125,6 +121,18 @@ class Worker:
         """Benchmarks: start (on) or stop recording execute_model's times; returns them."""
         timeline, self._timeline = self._timeline or [], [] if on else None
         return timeline
+
+    def add_lora(self, lora_request: Any) -> bool:
+        assert self.model_runner is not None
+        return self.model_runner.lora_manager_or_error().add_adapter(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        assert self.model_runner is not None
+        return self.model_runner.lora_manager_or_error().remove_adapter(lora_int_id)
+
+    def list_loras(self) -> list[int]:
+        assert self.model_runner is not None
+        return self.model_runner.lora_manager_or_error().list_adapters()
 
     def get_num_local_layers(self) -> int:
         """Decoder layers this rank's pipeline stage holds."""

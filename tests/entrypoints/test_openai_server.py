@@ -619,3 +619,9 @@ def test_second_server_api_key_queue_limit_template_dead_engine(tiny_llama: str,
         assert "Shutting down the engine" in srv.log_text()
     finally:
         srv.close()
+
+
+def test_embeddings_on_a_generate_model_is_400(client: openai.OpenAI, model_name: str) -> None:
+    """A generate-runner server refuses /v1/embeddings with a 400 that names the fix."""
+    with pytest.raises(openai.BadRequestError, match="--runner pooling"):
+        client.embeddings.create(model=model_name, input="hello", encoding_format="float")

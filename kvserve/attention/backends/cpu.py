@@ -85,6 +85,10 @@ class CpuAttentionBackend(AttentionBackend):
     def forward(self, layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         self._write_kv(k, v, kv_cache, meta.slot_mapping)
+        window = getattr(layer, "sliding_window", None)
+        softcap = getattr(layer, "logits_soft_cap", None)
+        if window or softcap:   # the C++ kernels take neither: the torch path
+            return _forward_windowed(layer, q, kv_cache, meta, window, softcap)
         if meta.prefill_query_starts is not None:
             # Every chunk in one call, K/V read from the cache (the chunk's own were just
             # written); the decode rows come back as zeros and are filled below.
@@ -101,3 +105,23 @@ class CpuAttentionBackend(AttentionBackend):
             out[:nd] = self._decode(q[:nd], kv_cache, meta.decode_block_tables,
                                     meta.decode_seq_lens, layer.scale)
         return out
+
+
+def _forward_windowed(layer: AttentionLayer, q: torch.Tensor, kv_cache: torch.Tensor,
+                      meta: AttentionMetadata, window: Optional[int],
+                      softcap: Optional[float]) -> torch.Tensor:
+    """Sliding-window / soft-capped attention (kvserve.attention.windowed), K/V written."""
+    from kvserve.attention.windowed import windowed_decode_attention, windowed_prefill_attention
+    out = torch.empty_like(q)
+    nd = meta.num_decode_tokens
+    if meta.prefill_query_starts is not None:
+        assert (meta.prefill_query_lens is not None and meta.prefill_context_lens is not None
+                and meta.prefill_block_tables is not None)
+        windowed_prefill_attention(q, kv_cache, meta.prefill_query_starts,
+                                   meta.prefill_query_lens, meta.prefill_context_lens,
+                                   meta.prefill_block_tables, layer.scale, window, softcap, out)
+    if nd:
+        assert meta.decode_block_tables is not None and meta.decode_seq_lens is not None
+        out[:nd] = windowed_decode_attention(q[:nd], kv_cache, meta.decode_block_tables,
+                                             meta.decode_seq_lens, layer.scale, window, softcap)
+    return out

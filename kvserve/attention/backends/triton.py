@@ -101,8 +101,28 @@ class TritonAttentionBackend(AttentionBackend):
     def _attend(self, layer: AttentionLayer, q: torch.Tensor, kv_cache: torch.Tensor,
                 meta: TritonAttentionMetadata) -> torch.Tensor:
         _, unified, split_kv, num_splits = self._ops
+        window = getattr(layer, "sliding_window", None)
+        softcap = getattr(layer, "logits_soft_cap", None)
+        if window or softcap:   # the kernels take neither yet: the torch path
+            return _forward_windowed(layer, q, kv_cache, meta, window, softcap)
         if meta.decode_only:
             return split_kv(q, kv_cache, meta.seq_lens, meta.block_table, layer.scale,
                             num_splits(meta.num_reqs, layer.num_kv_heads, self.target_programs))
         return unified(q, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_table,
                        layer.scale)
+
+
+def _forward_windowed(layer: AttentionLayer, q: torch.Tensor, kv_cache: torch.Tensor,
+                      meta: TritonAttentionMetadata, window: Optional[int],
+                      softcap: Optional[float]) -> torch.Tensor:
+    """Sliding-window / soft-capped layers through kvserve.attention.windowed: all-decode
+    steps batched, otherwise every request as a chunk."""
+    from kvserve.attention.windowed import windowed_decode_attention, windowed_prefill_attention
+    R = meta.num_reqs
+    if meta.decode_only:
+        return windowed_decode_attention(q[:R], kv_cache, meta.block_table, meta.seq_lens,
+                                         layer.scale, window, softcap)
+    starts = meta.query_start_loc[:-1].long()
+    lens = meta.query_start_loc[1:].long() - starts
+    return windowed_prefill_attention(q, kv_cache, starts, lens, meta.seq_lens.long() - lens,
+                                      meta.block_table, layer.scale, window, softcap)

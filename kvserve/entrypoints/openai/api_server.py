@@ -49,9 +49,12 @@ from kvserve import envs
 from kvserve.entrypoints.openai.openapi import install_openapi
 from kvserve.entrypoints.openai.protocol import (DEFAULT_SAMPLING_KEYS, ChatCompletionRequest,
                                                  CompletionRequest, DetokenizeRequest,
-                                                 ResponsesRequest, TokenizeRequest)
+                                                 EmbeddingRequest, LoadLoRAAdapterRequest,
+                                                 RerankRequest, ResponsesRequest, ScoreRequest,
+                                                 TokenizeRequest, UnloadLoRAAdapterRequest)
 from kvserve.entrypoints.openai.serving_chat import OpenAIServingChat, load_chat_template
 from kvserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from kvserve.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from kvserve.entrypoints.openai.serving_engine import (LoadTracker, RequestLimits, ServingError,
                                                        StreamingResult, create_error_response,
                                                        is_engine_dead_error)
@@ -232,6 +235,43 @@ async def show_available_models(raw_request: Request) -> JSONResponse:
     return JSONResponse(content=_state(raw_request).serving_models.show_available_models().model_dump())
 
 
+@router.post("/v1/load_lora_adapter")
+async def load_lora_adapter(request: LoadLoRAAdapterRequest, raw_request: Request) -> Response:
+    """Register (checked) and load an adapter on the engines; vLLM's plain-text answer."""
+    state = _state(raw_request)
+    if not envs.get("KVSERVE_ALLOW_RUNTIME_LORA_UPDATING"):
+        return error_json("Runtime LoRA updating is off (set KVSERVE_ALLOW_RUNTIME_LORA_UPDATING=1).",
+                          HTTPStatus.NOT_FOUND, err_type="NotFoundError")
+    try:
+        lora = state.serving_models.add_lora(request.lora_name, request.lora_path)
+    except ValueError as e:
+        return error_json(str(e), HTTPStatus.BAD_REQUEST, param="lora_path")
+    try:
+        await state.engine_client.engine_core.call_utility_all_async("add_lora", lora)
+    except Exception as e:   # the engine could not load it after all: forget it again
+        state.serving_models.remove_lora(lora.lora_name)
+        return error_json(f"Loading LoRA adapter {lora.lora_name!r} failed: {e}",
+                          HTTPStatus.BAD_REQUEST, param="lora_path")
+    return Response(content=f"Success: LoRA adapter '{lora.lora_name}' added successfully.",
+                    media_type="text/plain")
+
+
+@router.post("/v1/unload_lora_adapter")
+async def unload_lora_adapter(request: UnloadLoRAAdapterRequest, raw_request: Request) -> Response:
+    state = _state(raw_request)
+    if not envs.get("KVSERVE_ALLOW_RUNTIME_LORA_UPDATING"):
+        return error_json("Runtime LoRA updating is off (set KVSERVE_ALLOW_RUNTIME_LORA_UPDATING=1).",
+                          HTTPStatus.NOT_FOUND, err_type="NotFoundError")
+    try:
+        lora = state.serving_models.remove_lora(request.lora_name)
+    except KeyError:
+        return error_json(f"The LoRA adapter '{request.lora_name}' cannot be found.",
+                          HTTPStatus.NOT_FOUND, param="lora_name", err_type="NotFoundError")
+    await state.engine_client.engine_core.call_utility_all_async("remove_lora", lora.lora_int_id)
+    return Response(content=f"Success: LoRA adapter '{lora.lora_name}' removed successfully.",
+                    media_type="text/plain")
+
+
 @router.post("/v1/completions")
 async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
     handler: OpenAIServingCompletion = _state(raw_request).serving_completion
@@ -260,6 +300,28 @@ async def retrieve_response(response_id: str, raw_request: Request) -> Response:
     async def get() -> Any:
         return handler.retrieve_json(response_id)
     return await _handle(raw_request, get)
+
+
+@router.post("/v1/embeddings")
+async def create_embedding(request: EmbeddingRequest, raw_request: Request) -> Response:
+    handler: OpenAIServingEmbedding = _state(raw_request).serving_embedding
+    _warn_ignored(request)
+    return await _handle(raw_request, lambda: handler.create_embedding(request, raw_request))
+
+
+@router.post("/v1/score")
+@router.post("/score")
+async def create_score(request: ScoreRequest, raw_request: Request) -> Response:
+    handler: OpenAIServingEmbedding = _state(raw_request).serving_embedding
+    return await _handle(raw_request, lambda: handler.create_score(request, raw_request))
+
+
+@router.post("/v1/rerank")
+@router.post("/rerank")
+@router.post("/v2/rerank")
+async def create_rerank(request: RerankRequest, raw_request: Request) -> Response:
+    handler: OpenAIServingEmbedding = _state(raw_request).serving_embedding
+    return await _handle(raw_request, lambda: handler.create_rerank(request, raw_request))
 
 
 @router.post("/tokenize")
@@ -494,8 +556,15 @@ def init_app_state(engine_client: Any, state: Any, args: argparse.Namespace) -> 
     """Wire the handlers and the stat loggers to one engine."""
     model_config = engine_client.model_config
     config = engine_client.config
-    models = OpenAIServingModels(model_config.served_model_names, model_config.model,
-                                 model_config.max_model_len)
+    from kvserve.lora.request import parse_lora_modules
+    lora_modules = parse_lora_modules(getattr(args, "lora_modules", None))
+    if lora_modules and config.lora_config is None:
+        raise ValueError("--lora-modules needs --enable-lora.")
+    models = OpenAIServingModels(
+        model_config.served_model_names, model_config.model, model_config.max_model_len,
+        lora_modules=lora_modules,
+        lora_checker=(engine_client.input_processor.lora_checker
+                      if config.lora_config is not None else None))
     sched = config.scheduler_config
     num_engines = config.parallel_config.data_parallel_size
     load = LoadTracker(sched.max_num_seqs * num_engines, sched.max_num_queued_requests)
@@ -543,6 +612,7 @@ def init_app_state(engine_client: Any, state: Any, args: argparse.Namespace) -> 
     state.serving_responses = OpenAIServingResponses(state.serving_chat)
     state.serving_tokenization = OpenAIServingTokenization(engine_client, models, load,
                                                            chat_template=chat_template)
+    state.serving_embedding = OpenAIServingEmbedding(engine_client, models, load)
     # xgrammar takes seconds to import; the first structured request would import it on the
     # event loop (the frontend parses constraints), so it is imported now, beside the loop.
     threading.Thread(target=_import_quietly, args=("xgrammar",), daemon=True).start()

@@ -33,13 +33,21 @@ _ROUTE_ERRORS: dict[str, tuple[str, ...]] = {
     "/v1/responses": ("401", "404", "503"),
     "/v1/responses/{response_id}": ("401", "404"),
     "/v1/models": ("401",),
+    "/v1/load_lora_adapter": ("401", "404"),
+    "/v1/unload_lora_adapter": ("401", "404"),
     "/tokenize": ("404",),
+    "/v1/embeddings": ("401", "404", "503"),
+    "/v1/score": ("401", "404", "503"),
+    "/score": ("404", "503"),
+    "/v1/rerank": ("401", "404", "503"),
+    "/rerank": ("404", "503"),
+    "/v2/rerank": ("404", "503"),
     "/detokenize": ("404",),
 }
 
 # Responses whose media type is not JSON.
 _STREAMING = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
-_PLAIN_TEXT = ("/metrics",)
+_PLAIN_TEXT = ("/metrics", "/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 _EMPTY_OK = ("/health", "/ping")
 
 

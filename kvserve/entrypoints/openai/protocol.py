@@ -87,6 +87,16 @@ class ModelCard(OpenAIBaseModel):
     permission: list[ModelPermission] = Field(default_factory=list)
 
 
+class LoadLoRAAdapterRequest(OpenAIBaseModel):
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(OpenAIBaseModel):
+    lora_name: str
+    lora_int_id: Optional[int] = None
+
+
 class ModelList(OpenAIBaseModel):
     object: str = "list"
     data: list[ModelCard] = Field(default_factory=list)
@@ -246,7 +256,7 @@ _TokenIds = Annotated[list[int], Field(min_length=1)]
 _PromptText = Annotated[str, Field(min_length=1)]
 Prompt = Union[_TokenIds, Annotated[list[_TokenIds], Field(min_length=1)], _PromptText,
                Annotated[list[_PromptText], Field(min_length=1)]]
-ChatMessage = Annotated[dict[str, Any], WithJsonSchema({
+ChatMessageParam = Annotated[dict[str, Any], WithJsonSchema({
     "type": "object", "required": ["role"], "additionalProperties": True,
     "properties": {"role": {"type": "string"}}})]
 
@@ -355,7 +365,7 @@ class CompletionStreamResponse(OpenAIBaseModel):
 # ---------------------------------------------------------------------- chat
 class ChatCompletionRequest(_SamplingRequest):
     # https://platform.openai.com/docs/api-reference/chat/create
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    messages: Annotated[list[ChatMessageParam], Field(min_length=1)]
     logprobs: Optional[bool] = False
     top_logprobs: Optional[int] = 0
     max_tokens: Optional[int] = Field(default=None, description="Deprecated: max_completion_tokens.")
@@ -572,3 +582,110 @@ class ResponsesRequest(OpenAIBaseModel):
         if isinstance(value, (str, list)) and not value:
             raise ValueError("input must not be empty.")
         return value
+
+
+# ---------------------------------------------------------------------- embeddings
+class EmbeddingRequest(OpenAIBaseModel):
+    # https://platform.openai.com/docs/api-reference/embeddings/create (+ vLLM's extras)
+    model: Optional[str] = None
+    input: Prompt
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Optional[int] = None
+    user: Optional[str] = None
+    truncate_prompt_tokens: Optional[Annotated[int, Field(ge=-1)]] = None
+    add_special_tokens: bool = True
+    normalize: Optional[bool] = None
+    priority: int = Field(default=0, **_INT64)
+    request_id: Optional[str] = None
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _input_not_empty(cls, p: Any) -> Any:
+        if _is_empty_prompt(p):
+            raise ValueError("input must not be empty.")
+        return p
+
+    def inputs(self) -> list[Union[str, list[int]]]:
+        """The inputs as a list: each a string or a list of token ids."""
+        p = self.input
+        if isinstance(p, str):
+            return [p]
+        if p and isinstance(p[0], int):
+            return [p]  # type: ignore[list-item]
+        return list(p)  # type: ignore[arg-type]
+
+
+class EmbeddingResponseData(OpenAIBaseModel):
+    index: int
+    object: str = "embedding"
+    embedding: Union[list[float], str]      # base64: little-endian float32 bytes
+
+
+class EmbeddingResponse(OpenAIBaseModel):
+    id: str = Field(default_factory=lambda: f"embd-{random_uuid()}")
+    object: str = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[EmbeddingResponseData]
+    usage: UsageInfo
+
+
+# ---------------------------------------------------------------------- score / rerank
+_Texts = Union[_PromptText, Annotated[list[_PromptText], Field(min_length=1)]]
+
+
+class ScoreRequest(OpenAIBaseModel):
+    """vLLM's /v1/score: text_1 against each of text_2 (one text_1, or as many as text_2)."""
+    model: Optional[str] = None
+    text_1: _Texts
+    text_2: _Texts
+    truncate_prompt_tokens: Optional[Annotated[int, Field(ge=-1)]] = None
+    priority: int = Field(default=0, **_INT64)
+    request_id: Optional[str] = None
+
+
+class ScoreResponseData(OpenAIBaseModel):
+    index: int
+    object: str = "score"
+    score: float
+
+
+class ScoreResponse(OpenAIBaseModel):
+    id: str = Field(default_factory=lambda: f"score-{random_uuid()}")
+    object: str = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[ScoreResponseData]
+    usage: UsageInfo
+
+
+class RerankRequest(OpenAIBaseModel):
+    """vLLM's /rerank (Jina / Cohere shape): documents ordered by relevance to the query."""
+    model: Optional[str] = None
+    query: _PromptText
+    documents: Annotated[list[_PromptText], Field(min_length=1)]
+    top_n: Optional[Annotated[int, Field(ge=0)]] = None
+    truncate_prompt_tokens: Optional[Annotated[int, Field(ge=-1)]] = None
+    priority: int = Field(default=0, **_INT64)
+    request_id: Optional[str] = None
+
+
+class RerankDocument(OpenAIBaseModel):
+    text: str
+
+
+class RerankResult(OpenAIBaseModel):
+    index: int
+    document: RerankDocument
+    relevance_score: float
+
+
+class RerankUsage(OpenAIBaseModel):
+    total_tokens: int
+
+
+class RerankResponse(OpenAIBaseModel):
+    id: str = Field(default_factory=lambda: f"rerank-{random_uuid()}")
+    model: str
+    usage: RerankUsage
+    results: list[RerankResult]

@@ -200,7 +200,8 @@ class OpenAIServingChat(OpenAIServing):
         tracker = RequestTracker(self.engine_client, self.load.admit(request.n), [request_id])
         generator = self.engine_client.generate(
             {"prompt_token_ids": ids, "prompt": text}, params, request_id,
-            priority=request.priority, cache_salt=request.cache_salt)
+            priority=request.priority, cache_salt=request.cache_salt,
+            lora_request=self.models.lora_request(request.model))
         ctx = _ChatContext(request, request_id, self.models.response_model_name(request.model),
                            now(), role, echo_text, ids, tool_mode, reasons)
         return ctx, generator, tracker

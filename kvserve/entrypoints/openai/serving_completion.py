@@ -57,7 +57,8 @@ class OpenAIServingCompletion(OpenAIServing):
         generators = [
             self.engine_client.generate(
                 {"prompt_token_ids": ids, **({"prompt": text} if text is not None else {})},
-                sp, rid, priority=request.priority, cache_salt=request.cache_salt)
+                sp, rid, priority=request.priority, cache_salt=request.cache_salt,
+                lora_request=self.models.lora_request(request.model))
             for ids, text, sp, rid in zip(prompt_ids, prompt_texts, params, engine_ids)]
         ctx = _Context(request, request_id, self.models.response_model_name(request.model), now(), engine_ids,
                        prompt_texts, prompt_ids)

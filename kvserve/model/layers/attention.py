@@ -22,7 +22,8 @@ class Attention(nn.Module):
     """Multi-head / grouped-query attention reading and writing a paged KV cache."""
 
     def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int,
-                 scale: Optional[float] = None) -> None:
+                 scale: Optional[float] = None, sliding_window: Optional[int] = None,
+                 logits_soft_cap: Optional[float] = None) -> None:
         super().__init__()
         assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
         self.num_heads = num_heads
@@ -30,6 +31,13 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.num_groups = num_heads // num_kv_heads
         self.scale = scale if scale is not None else head_dim ** -0.5
+        # Keys at positions (p - sliding_window, p] only; scores soft-capped (Gemma 2):
+        # backends route such layers to kvserve.attention.windowed.
+        self.sliding_window = sliding_window
+        self.logits_soft_cap = logits_soft_cap
+        # This layer's KV cache group (hybrid KV cache: the runner then passes one metadata
+        # per group, in a list, and sets this index).
+        self.kv_cache_group = 0
         self.backend: Optional[AttentionBackend] = None
         # Set by kv_transfer.worker.bind_kv_connector when a KV connector is configured.
         self.kv_connector: Optional[Any] = None
@@ -47,6 +55,8 @@ class Attention(nn.Module):
         if backend is None:
             raise RuntimeError("Attention layer has no backend: bind one after loading the model "
                                "(kvserve.model.layers.attention.bind_attention_backend).")
+        if type(meta) is list:     # one per KV cache group (hybrid KV cache)
+            meta = meta[self.kv_cache_group]
         fused = getattr(backend, "forward_with_rotary", None)
         if rope is not None and (fused is None or rope[0].cos_cache.dtype != torch.float32):
             q, k = rope[0](rope[1], q, k)

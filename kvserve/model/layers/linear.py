@@ -13,7 +13,7 @@ parameter that `shard_id` names). The matmul goes through the weight's object (o
 """
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 from torch import nn
@@ -75,13 +75,16 @@ class LinearBase(nn.Module):
             self.register_parameter("bias", None)
         # Plain until the loader applies the model's weight plan (ops.cpu_weight).
         self.linear_weight = CpuLinearWeight(self.weight, self.weight.dtype)
+        # Multi-LoRA (kvserve.lora.layers.LoRALinear): adds this step's adapter deltas.
+        self.lora: Optional[Any] = None
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
                       shard_id: Optional[Union[int, str]] = None) -> None:
         raise NotImplementedError
 
     def apply_linear(self, x: torch.Tensor, with_bias: bool = True) -> torch.Tensor:
-        return self.linear_weight.matmul(x, self.bias if with_bias else None)
+        y = self.linear_weight.matmul(x, self.bias if with_bias else None)
+        return y if self.lora is None else self.lora.apply(x, y)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.input_size}, out_features={self.output_size}, "

@@ -1,0 +1,158 @@
+"""Multi-LoRA offline throughput: kvserve with 1, 4 and 16 distinct rank-16 adapters against
+base-only, the adapter load time, and PEFT's `generate` as the peer, same model and prompts.
+
+The model is the benchmark Llama (benchmarks/roofline.py, ~110M parameters, float32); the
+adapters are PEFT LoRA adapters (rank 16, lora_alpha 32, on q/k/v/o/gate/up/down, random
+non-zero A and B) saved by peft under --model-dir. The workload: --num-prompts requests,
+prompt lengths uniform in 64..256, --output-len tokens each, greedy, EOS ignored; request i
+uses adapter i mod N. kvserve runs with --max-loras N (all adapters in one batch) and an
+engine without LoRA gives the base-only number. The peer runs PEFT's model with the
+adapters loaded and `generate(adapter_names=...)` (PEFT's mixed-batch inference) in batches
+of --hf-batch-size.
+
+Issue 33's goals: >= 0.8x base-only with 4 adapters; >= 4x PEFT on CPU.
+
+    python benchmarks/lora.py [--num-prompts 32] [--output-len 64] [--adapters 1 4 16]
+        [--hf-batch-size 16] [--output-json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import time
+from typing import Any, Optional
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from roofline import DEFAULT_MODEL_DIR, ensure_bench_model, machine_description, write_json  # noqa: E402
+
+from kvserve import LLM, LoRARequest, SamplingParams  # noqa: E402
+
+RANK = 16
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def ensure_adapters(model_path: str, count: int, model_dir: str) -> list[str]:
+    """`count` PEFT adapters for the benchmark model, built once with peft and reused."""
+    root = os.path.join(model_dir, f"{os.path.basename(model_path)}-lora-r{RANK}")
+    paths = [os.path.join(root, f"adapter{i}") for i in range(count)]
+    missing = [i for i, p in enumerate(paths)
+               if not os.path.isfile(os.path.join(p, "adapter_model.safetensors"))]
+    if missing:
+        from peft import LoraConfig, get_peft_model
+        from transformers import AutoModelForCausalLM
+        base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        model = get_peft_model(base, LoraConfig(r=RANK, lora_alpha=2 * RANK, target_modules=TARGETS,
+                                                init_lora_weights=False))
+        for i in missing:
+            gen = torch.Generator().manual_seed(i)
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    if "lora_" in name:
+                        p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+            model.save_pretrained(paths[i])
+    return paths
+
+
+def make_prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(5, vocab) for _ in range(rng.randint(64, 256))] for _ in range(n)]
+
+
+def run_kvserve(llm: LLM, prompts: list[list[int]], output_len: int,
+                loras: Optional[list[Optional[LoRARequest]]]) -> float:
+    """Output tokens/s of one generate call with every request submitted at once."""
+    sp = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    llm.generate([prompts[0][:4]], SamplingParams(max_tokens=2), use_tqdm=False)   # warm-up
+    start = time.perf_counter()
+    outs = llm.generate(prompts, sp, lora_request=loras, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    return sum(len(o.outputs[0].token_ids) for o in outs) / elapsed
+
+
+def run_peft(model_path: str, adapters: list[str], prompts: list[list[int]], output_len: int,
+             batch_size: int) -> float:
+    """PEFT's generate, left-padded batches, request i with adapter i mod len(adapters)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    model = PeftModel.from_pretrained(model, adapters[0], adapter_name="a0")
+    for i, path in enumerate(adapters[1:], 1):
+        model.load_adapter(path, adapter_name=f"a{i}")
+    model.eval()
+    names = [f"a{i % len(adapters)}" for i in range(len(prompts))]
+    start, produced = time.perf_counter(), 0
+    for b in range(0, len(prompts), batch_size):
+        batch = prompts[b:b + batch_size]
+        width = max(len(p) for p in batch)
+        ids = torch.zeros(len(batch), width, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, p in enumerate(batch):
+            ids[row, width - len(p):] = torch.tensor(p)
+            mask[row, width - len(p):] = 1
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=output_len,
+                                 min_new_tokens=output_len, do_sample=False, pad_token_id=0,
+                                 adapter_names=names[b:b + batch_size])
+        produced += (out.shape[1] - width) * len(batch)
+    return produced / (time.perf_counter() - start)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    model = args.model or ensure_bench_model(args.model_dir)
+    counts = sorted(set(args.adapters))
+    paths = ensure_adapters(model, max(counts), args.model_dir)
+    import json
+    vocab = json.load(open(os.path.join(model, "config.json")))["vocab_size"]
+    prompts = make_prompts(args.num_prompts, vocab)
+    engine = dict(dtype="float32", max_model_len=512, multiprocessing=False)
+    result: dict[str, Any] = {"machine": machine_description(), "load_average": os.getloadavg(),
+                              "num_prompts": args.num_prompts, "output_len": args.output_len,
+                              "rank": RANK}
+    with LLM(model, **engine) as llm:
+        result["base_only_tok_s"] = run_kvserve(llm, prompts, args.output_len, None)
+    with LLM(model, enable_lora=True, max_loras=max(counts), max_cpu_loras=max(counts),
+             max_lora_rank=RANK, **engine) as llm:
+        loras = [LoRARequest(f"a{i}", i + 1, p) for i, p in enumerate(paths)]
+        start = time.perf_counter()
+        for lr in loras:
+            llm.add_lora(lr)
+        result["adapter_load_s"] = (time.perf_counter() - start) / len(loras)
+        result["lora_engine_base_requests_tok_s"] = run_kvserve(llm, prompts, args.output_len, None)
+        for n in counts:
+            per_req = [loras[i % n] for i in range(len(prompts))]
+            result[f"adapters_{n}_tok_s"] = run_kvserve(llm, prompts, args.output_len, per_req)
+            result[f"adapters_{n}_vs_base"] = result[f"adapters_{n}_tok_s"] / result["base_only_tok_s"]
+    if not args.skip_peft:
+        n = min(4, max(counts))
+        result[f"peft_{n}_adapters_tok_s"] = run_peft(model, paths[:n], prompts, args.output_len,
+                                                      args.hf_batch_size)
+        result["kvserve_vs_peft"] = result[f"adapters_{n}_tok_s"] / result[f"peft_{n}_adapters_tok_s"]
+    result["load_average_end"] = os.getloadavg()
+    return result
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=None, help="checkpoint (default: the benchmark Llama)")
+    p.add_argument("--model-dir", default=DEFAULT_MODEL_DIR)
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--adapters", type=int, nargs="+", default=[1, 4, 16])
+    p.add_argument("--hf-batch-size", type=int, default=16)
+    p.add_argument("--skip-peft", action="store_true")
+    p.add_argument("--output-json", default=None)
+    args = p.parse_args(argv)
+    result = run(args)
+    for k, v in result.items():
+        print(f"{k}: {v:.3f}" if isinstance(v, float) else f"{k}: {v}")
+    if args.output_json:
+        write_json(args.output_json, result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""The pieces of multi-LoRA on their own: the grouped shrink/expand against a float64
+token-by-token reference, the scheduler's adapter limit and load-at-add-time (the hook's
+load callable records what it was asked), and the --lora-modules parser."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvserve.lora.punica import LoRAMapping, add_lora, add_lora_reference
+
+
+def test_grouped_shrink_expand_matches_reference() -> None:
+    gen = torch.Generator().manual_seed(0)
+    S, R, T, d_in, d_out = 3, 12, 37, 48, 40
+    a = torch.randn(S, R, d_in, generator=gen)
+    b = torch.randn(S, d_out, R, generator=gen)
+    x = torch.randn(T, d_in, generator=gen)
+    y = torch.randn(T, d_out, generator=gen)
+    # Contiguous runs (a request's tokens), a slot split in two runs, and base tokens.
+    slots = np.array([2] * 5 + [-1] * 4 + [0] * 10 + [2] * 3 + [1] * 8 + [-1] * 7)
+    mapping = LoRAMapping()
+    mapping.set(slots, torch.device("cpu"))
+    kinds = {slot: isinstance(g, slice) for slot, g in mapping.groups}
+    assert kinds == {0: True, 1: True, 2: False}
+    want = add_lora_reference(y, x, a, b, torch.from_numpy(slots))
+    got = y.clone()
+    add_lora(got, x, a, b, mapping.groups)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
+    assert torch.equal(got[5:9], y[5:9])     # base tokens untouched
+
+
+def test_scheduler_admits_at_most_max_loras_adapters() -> None:
+    from kvserve.config import CacheConfig, SchedulerConfig
+    from kvserve.core.request import Request
+    from kvserve.core.scheduler import Scheduler
+    from kvserve.lora.request import LoRARequest
+    from kvserve.lora.scheduling import LoRAScheduling
+    from kvserve.sampling_params import SamplingParams
+
+    loaded: list[int] = []           # what the hook asked the workers to load, in order
+    hook = LoRAScheduling(2, lambda lora: loaded.append(lora.lora_int_id))
+    sched = Scheduler(SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=1000,
+                                      max_model_len=64),
+                      CacheConfig(block_size=4, num_gpu_blocks_override=100, num_blocks=100),
+                      hooks=[hook])
+    loras = [LoRARequest(f"a{i}", i, f"/x/{i}") for i in (1, 2, 3)]
+    order = [loras[0], loras[1], loras[2], None, loras[0]]
+    for i, lora in enumerate(order):
+        sched.add_request(Request(str(i), [1, 2, 3, 4, 5], SamplingParams(max_tokens=4),
+                                  lora_request=lora))
+    assert loaded == [1, 2, 3, 1]    # at add time, before any step
+    out = sched.schedule()
+    # The third adapter waits; the base request and adapter 1's second request behind it run.
+    assert set(out.num_scheduled_tokens) == {"0", "1", "3", "4"}
+    assert [r.request_id for r in sched.waiting] == ["2"]
+
+
+def test_failed_adapter_load_fails_only_that_request() -> None:
+    from kvserve.config import CacheConfig, SchedulerConfig
+    from kvserve.core.request import Request
+    from kvserve.core.scheduler import Scheduler
+    from kvserve.lora.request import LoRARequest
+    from kvserve.lora.scheduling import LoRAScheduling
+    from kvserve.sampling_params import SamplingParams
+
+    def load(lora: LoRARequest) -> None:
+        raise ValueError("adapter_model.safetensors vanished")
+
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=100, max_model_len=64),
+                      CacheConfig(block_size=4, num_gpu_blocks_override=20, num_blocks=20),
+                      hooks=[LoRAScheduling(1, load)])
+    sched.add_request(Request("bad", [1, 2, 3], SamplingParams(max_tokens=2),
+                              lora_request=LoRARequest("x", 1, "/nope")))
+    sched.add_request(Request("ok", [1, 2, 3], SamplingParams(max_tokens=2)))
+    out = sched.schedule()
+    assert set(out.num_scheduled_tokens) == {"ok"}
+    from kvserve.core.sched_output import ModelRunnerOutput
+    res = sched.update_from_output(out, ModelRunnerOutput(req_ids=["ok"], sampled_token_ids=[[7]]))
+    failed = [o for o in res.outputs if o.request_id == "bad"]
+    assert failed and str(failed[0].finish_reason) == "error"
+
+
+def test_parse_lora_modules() -> None:
+    from kvserve.lora.request import LoRAModulePath, parse_lora_modules
+    got = parse_lora_modules(["a=/p/a", '{"name": "b", "path": "/p/b", "base_model_name": "m"}'])
+    assert got == [LoRAModulePath("a", "/p/a"), LoRAModulePath("b", "/p/b", "m")]
+    for bad in (["a"], ["=/p"], ['{"name": "b"}'], ["a=/x", "a=/y"]):
+        with pytest.raises(ValueError, match="lora-modules"):
+            parse_lora_modules(bad)
