@@ -9,14 +9,23 @@ vocab 8192), bfloat16, built once under --model-dir. In one run:
 2. batch-1 decode tok/s (prefill excluded: a 1-token run subtracted) vs the bandwidth limit
    = measured device copy bandwidth / bytes of weights read per decode step;
 3. TTFT of one 4096-token prompt (max_tokens=1);
-4. the same throughput and batch-1 runs with enforce_eager=True (graphs off).
+4. the same throughput and batch-1 runs with enforce_eager=True (graphs off), and with
+   --async-scheduling (the engine core schedules step N+1 while step N runs);
+5. per batch-1 decode step (torch.profiler, prefill excluded: a 1-token run subtracted): GPU
+   kernels launched, host (process) CPU ms and wall ms, async scheduling off and on;
+6. the served path: `kvserve serve` (engine core in its own process) driven by
+   `kvserve bench serve`, random 512 in / 128 out, 256 prompts at 16 req/s and at saturation,
+   async scheduling off and on; TTFT / TPOT / ITL and throughput, and the offline-vs-served
+   throughput gap at saturation (same requests through LLM.generate).
 
-Goals on an H100: kvserve >= 12x HF throughput; batch-1 >= 60% of the bandwidth limit.
+Goals (issue 31) on an H100: kvserve >= 20x HF throughput; batch-1 >= 70% of the bandwidth
+limit; TTFT 4k <= 40 ms; <= 150 kernels per decode step; served gap at saturation <= 10%.
 
     python benchmarks/gpu.py [--num-prompts 256] [--output-len 256] [--hf-batch-sizes 32 64]
-        [--attention-backend TRITON_ATTN] [--output-json results/gpu.json]
+        [--attention-backend TRITON_ATTN] [--skip-serve] [--output-json results/gpu.json]
 
-Shrink for a smoke run: --num-prompts 16 --output-len 32 --hf-batch-sizes 16.
+`--smoke`: a tiny random model, a few requests and no peer, on CPU when no GPU is there (to
+check that the script runs; its numbers mean nothing).
 """
 from __future__ import annotations
 
@@ -41,7 +50,12 @@ MODEL_CONFIG: dict[str, Any] = dict(
     intermediate_size=8192, vocab_size=8192, max_position_embeddings=8192,
     tie_word_embeddings=False, dtype="bfloat16", seed=0)
 MODEL_NAME = "llama-1b-random-bf16-v1"
-GOAL_RATIO, GOAL_BATCH1 = 12.0, 0.6
+SMOKE_CONFIG: dict[str, Any] = dict(
+    arch="llama", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+    intermediate_size=128, vocab_size=512, max_position_embeddings=2048,
+    tie_word_embeddings=False, dtype="float32", seed=0)
+SMOKE_NAME = "llama-smoke-random-f32-v1"
+GOAL_RATIO, GOAL_BATCH1, GOAL_KERNELS, GOAL_GAP = 20.0, 0.7, 150, 0.10
 
 
 def make_requests(n: int, lo: int, hi: int, out_len: int, vocab: int, seed: int = 0):
@@ -89,30 +103,130 @@ def batch1_decode(llm, prompt: list[int], out_len: int) -> float:
     return (out_len - 1) / (tn - t1)
 
 
-def run_kvserve_all(path: str, requests, args, enforce_eager: bool) -> dict[str, Any]:
+def decode_step_profile(llm, prompt: list[int], steps: int, device: str) -> dict[str, float]:
+    """Per batch-1 decode step: GPU kernels (torch.profiler), host CPU ms (process time, all
+    threads) and wall ms; a 1-token run is subtracted so the prefill is not counted."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from kvserve import SamplingParams
+    p = {"prompt_token_ids": prompt}
+    runs = {}
+    for n in (1, steps + 1):
+        sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        llm.generate(p, sp, use_tqdm=False)                      # warm-up (and graphs)
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+        with profile(activities=acts) as prof:
+            llm.generate(p, sp, use_tqdm=False)
+        events = prof.events()
+        kernels = sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA
+                      and not e.name.startswith(("Memcpy", "Memset")))
+        aten = sum(1 for e in events if e.name.startswith("aten::"))
+        c, t = time.process_time(), time.perf_counter()        # unprofiled for the times
+        llm.generate(p, sp, use_tqdm=False)
+        runs[n] = (kernels, aten, time.process_time() - c, time.perf_counter() - t)
+    a, b = runs[1], runs[steps + 1]
+    return {"kernels_per_step": (b[0] - a[0]) / steps, "aten_ops_per_step": (b[1] - a[1]) / steps,
+            "cpu_ms_per_step": (b[2] - a[2]) / steps * 1e3,
+            "wall_ms_per_step": (b[3] - a[3]) / steps * 1e3}
+
+
+def run_kvserve_all(path: str, requests, args, enforce_eager: bool,
+                    async_scheduling: bool = False) -> dict[str, Any]:
     from kvserve import LLM, SamplingParams
-    llm = LLM(path, dtype="bfloat16", device="cuda", enforce_eager=enforce_eager,
-              attention_backend=args.attention_backend, max_model_len=8192,
-              max_num_seqs=256, multiprocessing=False)
+    llm = LLM(path, dtype=args.dtype, device=args.device, enforce_eager=enforce_eager,
+              attention_backend=args.attention_backend, max_model_len=args.max_model_len,
+              max_num_seqs=256, multiprocessing=False, async_scheduling=async_scheduling)
     elapsed, outs = run_kvserve(requests, llm)
+    prompt = requests[0].prompt_token_ids
     res = {"throughput_tok_s": sum(outs) / elapsed, "elapsed_s": elapsed,
-           "batch1_tok_s": batch1_decode(llm, requests[0].prompt_token_ids, 128)}
+           "batch1_tok_s": batch1_decode(llm, prompt, args.batch1_len),
+           "decode_step": decode_step_profile(llm, prompt, args.profile_steps, args.device)}
     if not enforce_eager:
-        long_prompt = {"prompt_token_ids": [random.Random(1).randrange(5, 8192)
-                                            for _ in range(4096)]}
+        long_prompt = {"prompt_token_ids": [random.Random(1).randrange(5, args.vocab)
+                                            for _ in range(args.ttft_len)]}
         one = SamplingParams(temperature=0.0, max_tokens=1)
         llm.generate(long_prompt, one, use_tqdm=False)           # warm-up
         llm.reset_prefix_cache()                                 # the timed run is no cache hit
-        torch.cuda.synchronize()
+        _sync(args.device)
         t = time.perf_counter()
         llm.generate(long_prompt, one, use_tqdm=False)
-        res["ttft_4k_ms"] = (time.perf_counter() - t) * 1e3
+        res["ttft_long_ms"] = (time.perf_counter() - t) * 1e3
+    if args.serve_offline:       # the served workload offline: the gap's reference
+        served = make_requests(args.serve_num_prompts, args.serve_input_len,
+                               args.serve_input_len, args.serve_output_len, args.vocab, seed=2)
+        elapsed, outs = run_kvserve(served, llm)
+        res["serve_workload_offline_tok_s"] = sum(outs) / elapsed
     del llm
-    gc.collect(); torch.cuda.empty_cache()
+    _free(args.device)
     return res
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _free(device: str) -> None:
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def served_run(path: str, args, async_scheduling: bool) -> dict[str, Any]:
+    """`kvserve serve` in its own processes, `kvserve bench serve` against it at each rate."""
+    import subprocess
+    import tempfile
+    port = _free_port()
+    out_dir = tempfile.mkdtemp(prefix="kvserve-gpu-serve-")
+    cmd = [sys.executable, "-m", "kvserve", "serve", path, "--port", str(port),
+           "--dtype", args.dtype, "--device", args.device, "--max-model-len",
+           str(args.max_model_len), "--disable-uvicorn-access-log"]
+    if args.attention_backend:
+        cmd += ["--attention-backend", args.attention_backend]
+    if async_scheduling:
+        cmd.append("--async-scheduling")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    log = open(os.path.join(out_dir, "server.log"), "w")
+    server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                              start_new_session=True)
+    res: dict[str, Any] = {}
+    try:
+        for rate in args.serve_rates:
+            name = f"rate-{rate}.json"
+            bench = [sys.executable, "-m", "kvserve", "bench", "serve", "--port", str(port),
+                     "--dataset-name", "random", "--random-input-len", str(args.serve_input_len),
+                     "--random-output-len", str(args.serve_output_len), "--random-range-ratio",
+                     "0", "--num-prompts", str(args.serve_num_prompts), "--request-rate", rate,
+                     "--ignore-eos", "--disable-tqdm", "--percentile-metrics", "ttft,tpot,itl",
+                     "--metric-percentiles", "50,99", "--save-result", "--result-dir", out_dir,
+                     "--result-filename", name, "--ready-check-timeout-sec", "900"]
+            subprocess.run(bench, env=env, check=True, timeout=args.serve_timeout_s)
+            with open(os.path.join(out_dir, name)) as f:
+                r = json.load(f)
+            res[rate] = {k: r.get(k) for k in (
+                "completed", "failed", "output_throughput", "total_token_throughput",
+                "request_throughput", "mean_ttft_ms", "p50_ttft_ms", "p99_ttft_ms",
+                "mean_tpot_ms", "p99_tpot_ms", "mean_itl_ms", "p99_itl_ms")}
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+        log.close()
+    res["log"] = os.path.join(out_dir, "server.log")
+    return res
+
+
+def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model-dir", default=os.path.expanduser("~/.cache/kvserve/bench"))
     ap.add_argument("--num-prompts", type=int, default=256)
@@ -121,45 +235,106 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--hf-batch-sizes", type=int, nargs="+", default=[32, 64])
     ap.add_argument("--attention-backend", default="TRITON_ATTN")
+    ap.add_argument("--profile-steps", type=int, default=32,
+                    help="Decode steps profiled for the per-step kernel count and CPU time.")
+    ap.add_argument("--skip-serve", action="store_true", help="No served run (part 6).")
+    ap.add_argument("--serve-num-prompts", type=int, default=256)
+    ap.add_argument("--serve-input-len", type=int, default=512)
+    ap.add_argument("--serve-output-len", type=int, default=128)
+    ap.add_argument("--serve-rates", nargs="+", default=["16", "inf"])
+    ap.add_argument("--serve-timeout-s", type=float, default=1800)
+    ap.add_argument("--smoke", action="store_true",
+                    help="Tiny model, few requests, no peer; on CPU without a GPU.")
     ap.add_argument("--output-json")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("benchmarks/gpu.py needs a CUDA GPU", file=sys.stderr)
+    args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    args.dtype, args.max_model_len, args.batch1_len, args.ttft_len = "bfloat16", 8192, 128, 4096
+    if args.smoke:
+        args.num_prompts, args.min_prompt_len, args.max_prompt_len = 8, 16, 64
+        args.output_len, args.hf_batch_sizes, args.profile_steps = 8, [], 4
+        args.serve_num_prompts, args.serve_input_len, args.serve_output_len = 8, 32, 8
+        args.max_model_len, args.batch1_len, args.ttft_len = 512, 8, 256
+        if args.device == "cpu":
+            args.dtype, args.attention_backend = "float32", None
+    args.serve_offline = not args.skip_serve
+    return args
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = _parse(argv)
+    if args.device != "cuda" and not args.smoke:
+        print("benchmarks/gpu.py needs a CUDA GPU (or --smoke)", file=sys.stderr)
         return 2
-    path = ensure_random_checkpoint(MODEL_NAME, MODEL_CONFIG, args.model_dir)
+    name, config = (SMOKE_NAME, SMOKE_CONFIG) if args.smoke else (MODEL_NAME, MODEL_CONFIG)
+    path = ensure_random_checkpoint(name, config, args.model_dir)
+    args.vocab = config["vocab_size"]
     requests = make_requests(args.num_prompts, args.min_prompt_len, args.max_prompt_len,
-                             args.output_len, MODEL_CONFIG["vocab_size"])
-    result: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                              "model": MODEL_CONFIG, "num_prompts": args.num_prompts}
+                             args.output_len, args.vocab)
+    result: dict[str, Any] = {
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+        "torch": torch.__version__, "model": config, "num_prompts": args.num_prompts}
     result["kvserve"] = run_kvserve_all(path, requests, args, enforce_eager=False)
+    result["kvserve_async"] = run_kvserve_all(path, requests, args, enforce_eager=False,
+                                              async_scheduling=True)
     result["kvserve_enforce_eager"] = run_kvserve_all(path, requests, args, enforce_eager=True)
-    hf = load_hf_model(path, torch.bfloat16, "cuda")
+    if not args.skip_serve:
+        result["served"] = {mode: served_run(path, args, mode == "async")
+                            for mode in ("sync", "async")}
     result["hf"] = {}
-    for b in args.hf_batch_sizes:
-        elapsed, outs = run_hf(requests, hf, b)
-        result["hf"][b] = sum(outs) / elapsed
-    del hf
-    gc.collect(); torch.cuda.empty_cache()
-    bw = copy_bandwidth_gb_s()
-    limit = bw * 1e9 / weight_bytes_per_decode(path)
-    best_hf = max(result["hf"].values())
-    kv = result["kvserve"]
-    result.update(copy_bandwidth_gb_s=bw, batch1_limit_tok_s=limit,
-                  ratio_vs_hf=kv["throughput_tok_s"] / best_hf,
-                  batch1_fraction=kv["batch1_tok_s"] / limit,
-                  graphs_speedup_batch1=kv["batch1_tok_s"]
-                  / result["kvserve_enforce_eager"]["batch1_tok_s"])
-    print(f"{result['device']}: kvserve {kv['throughput_tok_s']:.0f} tok/s vs HF best "
-          f"{best_hf:.0f} ({result['ratio_vs_hf']:.1f}x, goal {GOAL_RATIO}x); batch-1 "
-          f"{kv['batch1_tok_s']:.0f} tok/s = {result['batch1_fraction']:.0%} of "
-          f"{limit:.0f} (copy {bw:.0f} GB/s; goal {GOAL_BATCH1:.0%}); TTFT 4k "
-          f"{kv['ttft_4k_ms']:.0f} ms; enforce_eager batch-1 "
-          f"{result['kvserve_enforce_eager']['batch1_tok_s']:.0f} tok/s")
+    if args.hf_batch_sizes:
+        hf = load_hf_model(path, getattr(torch, args.dtype), args.device)
+        for b in args.hf_batch_sizes:
+            elapsed, outs = run_hf(requests, hf, b)
+            result["hf"][b] = sum(outs) / elapsed
+        del hf
+        _free(args.device)
+    summarize(result, path, args)
     if args.output_json:
         os.makedirs(os.path.dirname(os.path.abspath(args.output_json)), exist_ok=True)
         with open(args.output_json, "w") as f:
             json.dump(result, f, indent=2, default=str)
     return 0
+
+
+def summarize(result: dict[str, Any], path: str, args: argparse.Namespace) -> None:
+    kv, ka, ke = result["kvserve"], result["kvserve_async"], result["kvserve_enforce_eager"]
+    lines = [f"{result['device']}:"]
+    if args.device == "cuda":
+        bw = copy_bandwidth_gb_s()
+        limit = bw * 1e9 / weight_bytes_per_decode(path)
+        result.update(copy_bandwidth_gb_s=bw, batch1_limit_tok_s=limit,
+                      batch1_fraction=kv["batch1_tok_s"] / limit,
+                      batch1_fraction_async=ka["batch1_tok_s"] / limit)
+        lines.append(f"  batch-1 limit {limit:.0f} tok/s (copy {bw:.0f} GB/s); goal "
+                     f"{GOAL_BATCH1:.0%}")
+    if result["hf"]:
+        best_hf = max(result["hf"].values())
+        result["ratio_vs_hf"] = kv["throughput_tok_s"] / best_hf
+        lines.append(f"  HF best {best_hf:.0f} tok/s; goal {GOAL_RATIO}x")
+    for label, r in (("graphs", kv), ("graphs+async", ka), ("eager", ke)):
+        d = r["decode_step"]
+        lines.append(
+            f"  {label:13s} offline {r['throughput_tok_s']:8.0f} tok/s | batch-1 "
+            f"{r['batch1_tok_s']:7.0f} tok/s | per decode step: {d['kernels_per_step']:.0f} "
+            f"kernels (goal <= {GOAL_KERNELS}), {d['aten_ops_per_step']:.0f} aten ops, CPU "
+            f"{d['cpu_ms_per_step']:.2f} ms, wall {d['wall_ms_per_step']:.2f} ms"
+            + (f" | TTFT {args.ttft_len} {r['ttft_long_ms']:.0f} ms" if "ttft_long_ms" in r
+               else ""))
+    for mode, served in result.get("served", {}).items():
+        offline = (ka if mode == "async" else kv).get("serve_workload_offline_tok_s")
+        for rate, r in list(served.items()):
+            if rate == "log":
+                continue
+            gap = (1 - r["output_throughput"] / offline) if offline and rate == "inf" else None
+            if gap is not None:
+                served[f"gap_vs_offline_{rate}"] = gap
+            lines.append(
+                f"  served {mode:5s} @ {rate:>4s} req/s: {r['output_throughput']:.0f} tok/s, TTFT "
+                f"mean {r['mean_ttft_ms']:.1f} p99 {r['p99_ttft_ms']:.1f} ms, TPOT mean "
+                f"{r['mean_tpot_ms']:.2f} ms, ITL mean {r['mean_itl_ms']:.2f} ms"
+                + (f", gap vs offline {gap:.1%} (goal <= {GOAL_GAP:.0%})" if gap is not None
+                   else ""))
+    print("\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -265,6 +265,8 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0
     policy: str = "fcfs"                        # "fcfs" | "priority"
     max_num_queued_requests: Optional[int] = None
+    # Schedule step N+1 while step N runs (placeholders for step N's unsampled tokens).
+    async_scheduling: bool = False
 
 
 @dataclass

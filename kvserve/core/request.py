@@ -89,6 +89,8 @@ class Request:
         self.events: list[tuple[int, float]] = []
         # Draft tokens proposed for the next step (speculative decoding); not yet outputs.
         self.spec_token_ids: list[int] = []
+        # Async scheduling: tokens a step in flight will sample that are not appended yet.
+        self.num_output_placeholders = 0
         # Set by the StructuredOutputManager for requests with structured_outputs.
         self.structured_output_request: Optional["StructuredOutputRequest"] = None
 

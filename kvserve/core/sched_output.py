@@ -94,3 +94,16 @@ class ModelRunnerOutput:
     # Pooling runner: per request in req_ids, its pooled vector (torch float32) in the step
     # that finished its prompt, else None.
     pooler_output: Optional[list[Optional[Any]]] = None
+
+
+class AsyncModelRunnerOutput:
+    """A step's output whose sampled ids are still on their way to the host (async
+    scheduling): `get_output()` waits for that copy and returns the plain output."""
+
+    def get_output(self) -> ModelRunnerOutput:
+        raise NotImplementedError
+
+
+def resolve_runner_output(output: Any) -> Any:
+    """The plain ModelRunnerOutput of an executor's reply (anything else passes through)."""
+    return output.get_output() if isinstance(output, AsyncModelRunnerOutput) else output

@@ -203,8 +203,13 @@ class Scheduler:
                 else:
                     self.waiting.add(request)
 
+    def _may_schedule(self, request: Request) -> bool:
+        """A request in a batch still in flight (PP) waits for that batch's output."""
+        return request.request_id not in self.in_flight
+
     def _num_new_tokens(self, request: Request, budget: int) -> int:
-        n = request.num_tokens - request.num_computed_tokens
+        # Placeholders (async scheduling) stand for tokens a step in flight samples.
+        n = request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
         threshold = self.config.long_prefill_token_threshold
         if 0 < threshold < n:
             n = threshold
@@ -214,9 +219,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and plan.budget > 0:
             request = self.running[i]
-            # A request in a batch still in flight (PP) waits for that batch's output.
-            n = (0 if request.request_id in self.in_flight
-                 else self._num_new_tokens(request, plan.budget))
+            n = (self._num_new_tokens(request, plan.budget) if self._may_schedule(request)
+                 else 0)
             if n <= 0:
                 i += 1
                 continue
@@ -261,6 +265,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.spec_token_ids = []
+        request.num_output_placeholders = 0   # its in-flight output is dropped: recomputed
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.prepend(request)

@@ -45,6 +45,9 @@ _HELP = {
     "max_num_seqs": "Maximum number of requests running in one step.",
     "max_num_batched_tokens": "Token budget of one step (default: 2048 on CPU, 8192 on CUDA).",
     "max_num_queued_requests": "Reject new requests (HTTP 503) while this many are waiting.",
+    "async_scheduling": "Schedule and prepare step N+1 while step N runs; the tokens step N "
+                        "has not sampled yet are placeholders filled on the device. Not with "
+                        "speculative decoding or pipeline parallelism.",
     "scheduling_policy": "fcfs or priority (lower priority value runs first).",
     "seed": "Random seed for sampling requests that set none.",
     "max_logprobs": "Largest logprobs / prompt_logprobs a request may ask for.",
@@ -126,6 +129,7 @@ class EngineArgs:
     max_num_batched_tokens: Optional[int] = None
     max_num_queued_requests: Optional[int] = None
     scheduling_policy: str = "fcfs"
+    async_scheduling: bool = False
     seed: int = 0
     max_logprobs: int = 20
     tensor_parallel_size: int = 1
@@ -264,8 +268,12 @@ class EngineArgs:
             spec_config.verify_with_target(model_config.hf_config, model_config.tokenizer,
                                            parallel.tensor_parallel_size,
                                            model_config.max_model_len)
+        _verify_async_scheduling(self.async_scheduling, spec_config, parallel)
         from kvserve.kv_transfer.config import KVTransferConfig
         kv_transfer_config = KVTransferConfig.parse(self.kv_transfer_config)
+        if kv_transfer_config is not None and self.async_scheduling:
+            raise ValueError("async_scheduling does not support kv_transfer_config yet (the KV "
+                             "connector's hooks expect each step's output before the next).")
         if kv_transfer_config is not None and parallel.world_size > 1:
             raise ValueError("kv_transfer_config needs tensor_parallel_size=1 and "
                              "pipeline_parallel_size=1 here.")
@@ -287,7 +295,8 @@ class EngineArgs:
                 max_model_len=max_len, enable_chunked_prefill=self.enable_chunked_prefill,
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
                 policy=self.scheduling_policy,
-                max_num_queued_requests=self.max_num_queued_requests),
+                max_num_queued_requests=self.max_num_queued_requests,
+                async_scheduling=self.async_scheduling),
             parallel_config=parallel,
             device_config=DeviceConfig(device=device),
             # KVSERVE_ENABLE_MULTIPROCESSING=0 runs the engine core in-process (no extra process).
@@ -353,6 +362,22 @@ def _kv_cache_groups(model_config: ModelConfig, parallel: ParallelConfig, spec: 
                                  "them yet. Set max_model_len <= the window to run it with "
                                  "full attention.")
     return get_kv_cache_groups(windows, disable_hybrid)
+
+
+def _verify_async_scheduling(async_scheduling: bool, spec_config: Optional[SpeculativeConfig],
+                             parallel: ParallelConfig) -> None:
+    """What async scheduling does not run with (as vLLM at its start): the drafts of a step
+    are proposed from tokens the host has not read yet, and PP already keeps a batch per stage
+    in flight."""
+    if not async_scheduling:
+        return
+    if spec_config is not None:
+        raise ValueError("async_scheduling does not support speculative decoding "
+                         "(speculative_config): drafts are proposed from the sampled tokens the "
+                         "host reads one step late. Turn one of them off.")
+    if parallel.pipeline_parallel_size > 1:
+        raise ValueError("async_scheduling does not support pipeline_parallel_size > 1 (the "
+                         "batch queue already keeps one batch per stage in flight).")
 
 
 def _verify_parallel(model_config: ModelConfig, parallel: ParallelConfig) -> None:

@@ -7,10 +7,11 @@ from collections import deque
 from typing import Any, Optional
 
 from kvserve.config import KVServeConfig
+from kvserve.core.async_scheduler import AsyncScheduler
 from kvserve.core.messages import EngineCoreOutputs, EngineCoreRequest
 from kvserve.core.request import Request, RequestStatus
 from kvserve.core.sched_hooks import SchedulerHook
-from kvserve.core.sched_output import SchedulerOutput
+from kvserve.core.sched_output import SchedulerOutput, resolve_runner_output
 from kvserve.core.scheduler import Scheduler
 from kvserve.executor import get_executor_class
 from kvserve.executor.base import Executor
@@ -39,13 +40,17 @@ class EngineCore:
             raise
         config.cache_config.num_blocks = num_blocks
         self.structured_output_manager = StructuredOutputManager(config)
-        self.scheduler = Scheduler(
+        async_scheduling = config.scheduler_config.async_scheduling
+        scheduler_class = AsyncScheduler if async_scheduling else Scheduler
+        self.scheduler = scheduler_class(
             config.scheduler_config, config.cache_config, hooks=self._make_scheduler_hooks(),
             num_lookahead_tokens=(config.speculative_config.num_lookahead_tokens
                                   if config.speculative_config else 0),
             send_sampled_tokens=config.parallel_config.pipeline_parallel_size > 1)
         # Pipeline parallelism: up to one batch per stage in flight, so the stages overlap.
-        self.batch_queue_size = self.model_executor.max_concurrent_batches
+        # Async scheduling: one step in flight while the next is scheduled (a queue of two).
+        self.batch_queue_size = (2 if async_scheduling
+                                 else self.model_executor.max_concurrent_batches)
         self.batch_queue: Optional[deque[tuple[Any, SchedulerOutput]]] = (
             deque() if self.batch_queue_size > 1 else None)
         self.log_stats = not config.disable_log_stats
@@ -162,6 +167,8 @@ class EngineCore:
         return self._update(scheduler_output, future.result())
 
     def _update(self, scheduler_output: SchedulerOutput, runner_output: Any) -> EngineCoreOutputs:
+        # Async scheduling: the sampled ids reach the host now (a non-blocking copy).
+        runner_output = resolve_runner_output(runner_output)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         outputs.timestamp = time.monotonic()
         if self.log_stats:

@@ -10,6 +10,7 @@ from kvserve.worker.worker import Worker
 class UniProcExecutor(Executor):
     def _init_executor(self) -> None:
         self.worker = Worker(self.config, local_rank=0, rank=0)
+        self.worker.keep_async_output = True
         self.worker.init_device()
         self.worker.load_model()
 

@@ -78,8 +78,9 @@ class LlamaAttention(nn.Module):
             T = q.shape[0]
             q = self.q_norm(q.reshape(T, -1, self.head_dim)).view(T, self.q_size)
             k = self.k_norm(k.reshape(T, -1, self.head_dim)).view(T, self.kv_size)
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, kv_cache, attn_metadata))
+        # The rotation goes with q and k: TRITON_ATTN fuses it with its KV-cache write.
+        return self.o_proj(self.attn(q, k, v, kv_cache, attn_metadata,
+                                     rope=(self.rotary_emb, positions)))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 from types import SimpleNamespace
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -60,6 +60,12 @@ def set_kernels_enabled(enabled: bool) -> None:
 reset_dispatch = _ops.cache_clear      # the process's CPU settings changed: look up again
 
 
+def _triton() -> Any:
+    """The CUDA path's fused Triton kernels (imported on first use: CPU runs never need them)."""
+    from kvserve.ops.triton import fused
+    return fused
+
+
 def kernels_active() -> bool:
     """Whether the C++ kernels are in use (enabled, built, not disabled by the environment)."""
     return _ops() is not None
@@ -77,6 +83,8 @@ def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim of x (see rms_norm_torch for the arithmetic)."""
+    if x.is_cuda and weight.dtype is x.dtype:
+        return _triton().rms_norm(x, weight, eps)
     ops = _ops()
     if ops is not None and x.is_cpu and x.dtype in KERNEL_DTYPES and weight.dtype is x.dtype:
         return ops.rms_norm(x, weight, eps)
@@ -92,7 +100,10 @@ def fused_add_rms_norm_torch(x: torch.Tensor, residual: torch.Tensor, weight: to
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual), x + residual). The kernel works in place: x becomes the
-    output and residual the sum (same shapes and dtype required, else the torch path)."""
+    output and residual the sum (same shapes and dtype required, else the torch path).
+    On CUDA one Triton kernel does both."""
+    if x.is_cuda and residual.dtype is x.dtype and weight.dtype is x.dtype:
+        return _triton().fused_add_rms_norm(x, residual, weight, eps)
     ops = _ops()
     if (ops is not None and x.is_cpu and x.dtype in KERNEL_DTYPES and residual.dtype is x.dtype
             and weight.dtype is x.dtype):
@@ -125,6 +136,8 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q [T, Hq*D] and k [T, Hk*D] (or [T, H, D]) at `positions` [T] with the float32
     tables cos/sin_cache [max_position, D/2]. The kernel rotates q and k in place."""
+    if q.is_cuda and k.dtype is q.dtype and cos_cache.dtype is torch.float32:
+        return _triton().rotary_embedding(positions, q, k, head_size, cos_cache, sin_cache)
     ops = _ops()
     if (ops is not None and q.is_cpu and q.dtype in KERNEL_DTYPES and k.dtype is q.dtype
             and cos_cache.dtype is torch.float32):
@@ -143,6 +156,8 @@ def silu_and_mul_torch(x: torch.Tensor) -> torch.Tensor:
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x [..., 2I] = gate | up -> silu(gate) * up [..., I]."""
+    if x.is_cuda:
+        return _triton().silu_and_mul(x)
     ops = _ops()
     if ops is not None and x.is_cpu and x.dtype in KERNEL_DTYPES:
         return ops.silu_and_mul(x)

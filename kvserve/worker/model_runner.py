@@ -27,7 +27,9 @@ from kvserve.sample.sampler import Sampler
 from kvserve.spec_decode import make_spec_decode_runner
 from kvserve.spec_decode.base import TargetHiddenStates
 from kvserve.structured_output.bitmask import apply_grammar_bitmask
-from kvserve.worker.input_batch import InputBatch
+from kvserve.worker.async_output import AsyncRunnerOutput, AsyncTokenState
+from kvserve.worker.input_batch import _NO_LOGPROBS, InputBatch
+from kvserve.worker.staging import PinnedStaging
 
 if TYPE_CHECKING:
     from kvserve.lora.manager import LoRAModelManager
@@ -87,6 +89,12 @@ class ModelRunner:
             max_num_reqs=config.scheduler_config.max_num_seqs, max_model_len=self.max_model_len,
             max_blocks_per_req=self.max_blocks_per_req, vocab_size=self.vocab_size,
             device=device, num_kv_cache_groups=max(1, len(self.kv_cache_groups)))
+        # Inputs to the device without a sync: one pinned buffer, one copy (CUDA).
+        self.staging = PinnedStaging(device)
+        # Async scheduling: sampled ids go to the host without a sync (worker/async_output.py).
+        self.async_tokens: Optional[AsyncTokenState] = (
+            AsyncTokenState(self.input_batch, device, self.append_sampled_tokens, self.staging)
+            if config.scheduler_config.async_scheduling else None)
 
     # ------------------------------------------------------------------ set-up
     def load_model(self) -> None:
@@ -171,7 +179,11 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ step
     @torch.inference_mode()
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput
+                      ) -> "ModelRunnerOutput | AsyncRunnerOutput":
+        asynch = self.async_tokens
+        if asynch is not None:
+            asynch.begin_step()
         self._update_states(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
@@ -181,6 +193,8 @@ class ModelRunner:
             self.lora_manager.prepare_step(step.req_ids, step.query_lens)
         intermediate = None if self.is_first_stage else self._recv_intermediate(len(step.positions))
         hidden = self._forward(step, intermediate)
+        if asynch is not None:   # the forward is launched: now wait for the last step's ids
+            asynch.resolve_pending()
         if not self.is_last_stage:
             pp_send(hidden.pack())
             self.input_batch.num_computed_tokens[step.rows] += step.query_lens
@@ -197,10 +211,13 @@ class ModelRunner:
         prompt_logprobs = self._prompt_logprobs(step, hidden)
         start = time.perf_counter()
         drafts = self._propose_drafts(scheduler_output, step, step.rows[sample_idx], hidden)
-        return ModelRunnerOutput(
+        output = ModelRunnerOutput(
             req_ids=step.req_ids, sampled_token_ids=sampled_lists,
             logprobs=logprobs or None, prompt_logprobs=prompt_logprobs or None,
             spec_token_ids=drafts, spec_propose_time=time.perf_counter() - start)
+        if asynch is None:
+            return output
+        return AsyncRunnerOutput(output, asynch.pending, sample_idx)
 
     def _pool(self, step: StepInputs, hidden: torch.Tensor) -> ModelRunnerOutput:
         """Pooling runner: the pooled vectors of the prompts that end this step; no logits."""
@@ -222,13 +239,15 @@ class ModelRunner:
         assert self.model is not None
         layout = SampleLayout.make(step.req_ids, sample_idx, step.query_starts + step.query_lens,
                                    so.scheduled_spec_decode_tokens)
-        logits = self.model.compute_logits(
-            hidden[torch.from_numpy(layout.logits_indices).to(self.device)])
+        logits_indices, = self.staging.upload(layout.logits_indices)
+        logits = self.model.compute_logits(hidden[logits_indices])
         if so.grammar_bitmask is not None:   # one bitmask row per draft + the bonus row
             first_row = {step.req_ids[i]: int(layout.row_starts[s])
                          for s, i in enumerate(sample_idx)}
             logits = self._apply_grammar_bitmask(so, first_row, logits)
         sample_rows = step.rows[sample_idx]
+        if self.async_tokens is not None and self._sample_async(step, logits, sample_idx):
+            return
         tokens, lps = self._sample_tokens(logits, layout, sample_rows)
         for s, (i, row) in enumerate(zip(sample_idx, sample_rows)):
             if self.append_sampled_tokens:
@@ -237,6 +256,19 @@ class ModelRunner:
             sampled_lists[i] = tokens[s]
             if lps[s] is not None:
                 logprobs[step.req_ids[i]] = lps[s]
+
+    def _sample_async(self, step: StepInputs, logits: torch.Tensor,
+                      sample_idx: np.ndarray) -> bool:
+        """Async scheduling, plain sampling without logprobs (the usual step): sample and
+        start the non-blocking copy of the ids; False where the step needs host lists now."""
+        sample_rows = step.rows[sample_idx]
+        ib = self.input_batch
+        if (ib.logprobs[sample_rows] != _NO_LOGPROBS).any():
+            return False
+        out = self.sampler(logits, ib.make_sampling_metadata(sample_rows))
+        assert self.async_tokens is not None
+        self.async_tokens.start([step.req_ids[i] for i in sample_idx], out.sampled_token_ids)
+        return True
 
     def _sample_tokens(self, logits: torch.Tensor, layout: SampleLayout, sample_rows: np.ndarray
                        ) -> tuple[list[list[int]], list[Optional[LogprobsLists]]]:
@@ -366,10 +398,14 @@ class ModelRunner:
                                         tok_rows, positions)
         else:
             meta = self.attn_backend.build_metadata(common)
+        input_ids_dev, positions_dev = self.staging.upload(input_ids, positions)
+        if self.async_tokens is not None:
+            self.async_tokens.fill_placeholders(input_ids_dev, positions, tok_rows, tok_req,
+                                                req_ids)
         return StepInputs(
             req_ids=req_ids, rows=rows, query_lens=qlens, query_starts=starts,
-            input_ids=torch.from_numpy(input_ids).to(dev),
-            positions=torch.from_numpy(positions).to(dev),
+            input_ids=input_ids_dev,
+            positions=positions_dev,
             attn_metadata=meta, common_attn_metadata=common, sample_mask=sample_mask)
 
     def _prompt_logprobs(self, step: StepInputs, hidden: torch.Tensor) -> dict[str, LogprobsLists]:

@@ -9,7 +9,7 @@ from typing import Any, Optional
 import torch
 
 from kvserve.config import KVServeConfig
-from kvserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from kvserve.core.sched_output import ModelRunnerOutput, SchedulerOutput, resolve_runner_output
 from kvserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -28,6 +28,9 @@ class Worker:
         # (start, end) time.time() of each execute_model while a benchmark records them.
         self._timeline: Optional[list[tuple[float, float]]] = None
         self.kv_connector = None     # the KV connector's worker side, when configured
+        # In-process (UniProcExecutor): the engine core reads async outputs itself, after it
+        # has scheduled the next step; a worker process replies with plain lists.
+        self.keep_async_output = False
 
     @property
     def is_output_rank(self) -> bool:
@@ -102,10 +105,14 @@ class Worker:
         start = time.time() if self._timeline is not None else 0.0
         if self.kv_connector is not None:
             from kvserve.kv_transfer.worker import execute_with_connector
-            output = execute_with_connector(self.kv_connector, scheduler_output,
-                                            self.model_runner.execute_model)
+            runner = self.model_runner
+            output = execute_with_connector(
+                self.kv_connector, scheduler_output,
+                lambda so: resolve_runner_output(runner.execute_model(so)))
         else:
             output = self.model_runner.execute_model(scheduler_output)
+            if not self.keep_async_output:   # the reply leaves this process: plain lists
+                output = resolve_runner_output(output)
         if self._timeline is not None:
             self._timeline.append((start, time.time()))
         return output if self.is_output_rank else None

@@ -9,7 +9,7 @@ On CPU the kernels run under Triton's interpreter (TRITON_INTERPRET=1): tests on
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -38,7 +38,10 @@ class TritonAttentionBackend(AttentionBackend):
         self._ops = (reshape_and_cache.reshape_and_cache, unified_attention.unified_attention,
                      decode_attention.split_kv_decode_attention,
                      decode_attention.choose_num_splits)
-        self._staging: Optional[torch.Tensor] = None   # pinned, reused (CUDA)
+        # Pinned staging, two buffers used in turn (CUDA): with async scheduling step N+1's
+        # metadata is staged before step N has run, while N's copy may still be pending.
+        self._staging: list[Optional[torch.Tensor]] = [None, None]
+        self._next_staging = 0
         # Split-KV programs to aim for: a few per streaming multiprocessor on a GPU; few under
         # the CPU interpreter, where every program costs milliseconds.
         self.target_programs = (
@@ -46,15 +49,19 @@ class TritonAttentionBackend(AttentionBackend):
             if device.type == "cuda" else 8)
 
     def _upload(self, host: np.ndarray) -> torch.Tensor:
-        """One host-to-device copy of the packed metadata (pinned staging on CUDA). The
-        previous step's copy has finished: its sampled tokens were read back since."""
+        """One host-to-device copy of the packed metadata (pinned staging on CUDA). The copy
+        from the buffer used two steps ago has finished: that step's sampled tokens were read
+        back since (one step ahead at most with async scheduling)."""
         buf = torch.from_numpy(host)
         if self.device.type != "cuda":
             return buf
-        if self._staging is None or self._staging.numel() < buf.numel():
-            self._staging = torch.empty(max(buf.numel(), 1 << 16), dtype=torch.int32,
-                                        pin_memory=True)
-        staged = self._staging[:buf.numel()]
+        i = self._next_staging
+        self._next_staging ^= 1
+        staging = self._staging[i]
+        if staging is None or staging.numel() < buf.numel():
+            staging = self._staging[i] = torch.empty(max(buf.numel(), 1 << 16),
+                                                     dtype=torch.int32, pin_memory=True)
+        staged = staging[:buf.numel()]
         staged.copy_(buf)
         return staged.to(self.device, non_blocking=True)
 
@@ -78,8 +85,22 @@ class TritonAttentionBackend(AttentionBackend):
 
     def forward(self, layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, meta: TritonAttentionMetadata) -> torch.Tensor:
-        write, unified, split_kv, num_splits = self._ops
-        write(k, v, kv_cache, meta.slot_mapping)
+        self._ops[0](k, v, kv_cache, meta.slot_mapping)
+        return self._attend(layer, q, kv_cache, meta)
+
+    def forward_with_rotary(self, layer: AttentionLayer, rotary: Any, positions: torch.Tensor,
+                            q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            kv_cache: torch.Tensor, meta: TritonAttentionMetadata) -> torch.Tensor:
+        """forward() of un-rotated q and k: one kernel rotates them and writes k and v into
+        the cache (kvserve/ops/triton/fused.py), then attention as forward()."""
+        from kvserve.ops.triton.fused import rotary_embedding_and_cache
+        rotary_embedding_and_cache(positions, q, k, v, layer.head_dim, rotary.cos_cache,
+                                   rotary.sin_cache, kv_cache, meta.slot_mapping)
+        return self._attend(layer, q, kv_cache, meta)
+
+    def _attend(self, layer: AttentionLayer, q: torch.Tensor, kv_cache: torch.Tensor,
+                meta: TritonAttentionMetadata) -> torch.Tensor:
+        _, unified, split_kv, num_splits = self._ops
         window = getattr(layer, "sliding_window", None)
         softcap = getattr(layer, "logits_soft_cap", None)
         if window or softcap:   # the kernels take neither yet: the torch path

@@ -44,8 +44,11 @@ class Attention(nn.Module):
         self.layer_name = ""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: torch.Tensor, meta: Any) -> torch.Tensor:
-        """q [T, H*D], k/v [T, Hkv*D] -> [T, H*D]."""
+                kv_cache: torch.Tensor, meta: Any,
+                rope: Optional[tuple[nn.Module, torch.Tensor]] = None) -> torch.Tensor:
+        """q [T, H*D], k/v [T, Hkv*D] -> [T, H*D]. With `rope` = (rotary embedding,
+        positions), q and k are not rotated yet: a backend that can fuses the rotation with
+        its KV-cache write (TRITON_ATTN: one kernel), any other gets them rotated first."""
         T = q.shape[0]
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         backend = self.backend
@@ -54,11 +57,19 @@ class Attention(nn.Module):
                                "(kvserve.model.layers.attention.bind_attention_backend).")
         if type(meta) is list:     # one per KV cache group (hybrid KV cache)
             meta = meta[self.kv_cache_group]
+        fused = getattr(backend, "forward_with_rotary", None)
+        if rope is not None and (fused is None or rope[0].cos_cache.dtype != torch.float32):
+            q, k = rope[0](rope[1], q, k)
+            rope = None
         connector = self.kv_connector
         if connector is not None:   # vLLM's per-layer connector hooks, around the attention
             connector.wait_for_layer_load(self.layer_name)
-        out = backend.forward(self, q.view(T, H, D), k.view(T, Hkv, D), v.view(T, Hkv, D),
-                              kv_cache, meta)
+        if rope is not None:
+            out = fused(self, rope[0], rope[1], q.view(T, H, D), k.view(T, Hkv, D),
+                        v.view(T, Hkv, D), kv_cache, meta)
+        else:
+            out = backend.forward(self, q.view(T, H, D), k.view(T, Hkv, D), v.view(T, Hkv, D),
+                                  kv_cache, meta)
         if connector is not None:
             connector.save_kv_layer(self.layer_name, kv_cache)
         return out.view(T, H * D)
