@@ -101,6 +101,14 @@ def run_peft(model_path: str, adapters: list[str], prompts: list[list[int]], out
     return produced / (time.perf_counter() - start)
 
 
+class _Results(dict):
+    """Printed as they come: a long run on a loaded machine still shows its first numbers."""
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        super().__setitem__(key, value)
+        print(f"{key}: {value:.3f}" if isinstance(value, float) else f"{key}: {value}", flush=True)
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     model = args.model or ensure_bench_model(args.model_dir)
     counts = sorted(set(args.adapters))
@@ -109,9 +117,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     vocab = json.load(open(os.path.join(model, "config.json")))["vocab_size"]
     prompts = make_prompts(args.num_prompts, vocab)
     engine = dict(dtype="float32", max_model_len=512, multiprocessing=False)
-    result: dict[str, Any] = {"machine": machine_description(), "load_average": os.getloadavg(),
-                              "num_prompts": args.num_prompts, "output_len": args.output_len,
-                              "rank": RANK}
+    result: dict[str, Any] = _Results()
+    result["machine"] = machine_description()
+    result["load_average"] = os.getloadavg()
+    result.update(num_prompts=args.num_prompts, output_len=args.output_len, rank=RANK)
     with LLM(model, **engine) as llm:
         result["base_only_tok_s"] = run_kvserve(llm, prompts, args.output_len, None)
     with LLM(model, enable_lora=True, max_loras=max(counts), max_cpu_loras=max(counts),
@@ -147,8 +156,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--output-json", default=None)
     args = p.parse_args(argv)
     result = run(args)
-    for k, v in result.items():
-        print(f"{k}: {v:.3f}" if isinstance(v, float) else f"{k}: {v}")
     if args.output_json:
         write_json(args.output_json, result)
     return 0
