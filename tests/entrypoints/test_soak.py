@@ -44,15 +44,18 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvserve import envs
 from tests.entrypoints.conftest import SERVER_ENGINE_ARGS, RemoteServer
 
-CI_REQUESTS = 200
+CI_REQUESTS = 120
 REQUESTS = envs.get("KVSERVE_SOAK_REQUESTS") or CI_REQUESTS
 PASSES = 4                      # the first is the warm-up
 CONCURRENCY = 24
 ABANDON_FRACTION = 0.2          # of the streamed requests
 CALL_TIMEOUT_S = 60.0           # a client call not done by then is "hung"
-# Growth allowed after warm-up: the CI pass is short (allocator noise of a few MB); in the
-# full soak a tensor of 4 KB kept per request (40 MB at 10,000) would be over it.
-RSS_TOLERANCE_MB = 24.0
+# Growth allowed after the warm-up pass. The engine core's native caches fill over the first
+# ~2,000 requests of this mix (+0.2 to 0.4 MB a request; then flat: 641.7 -> 641.7 MB over the
+# next 2,500 in the full soak), so the CI pass (30 requests a pass) bounds the growth of its
+# last 90 requests at 80 MB (a leak of 1 MB a request fails it), the full soak (2,500 a pass)
+# at 24 MB (a leak of 4 KB a request, 30 MB over 7,500, fails it).
+RSS_TOLERANCE_MB = 24.0 if REQUESTS >= 4000 else 80.0
 NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2,
                     "prompt_lookup_max": 3})
 # Set by hand before issue 32; the server must not need them, so none leaks in from the
@@ -111,10 +114,11 @@ def make_call(rng: random.Random, model: str) -> Call:
     chat = rng.random() < 0.5
     if chat:
         body["messages"] = [{"role": "user", "content": _prompt(rng)}]
-        if rng.random() < 0.12:
+        if rng.random() < 0.12:     # no stop strings: they would cut the JSON short
             body["response_format"] = {"type": "json_schema",
                                        "json_schema": {"name": "person", "schema": SCHEMA}}
             body["max_tokens"] = 40
+            body.pop("stop", None)
         if rng.random() < 0.15:
             body.update(logprobs=True, top_logprobs=2)
     else:
@@ -322,7 +326,7 @@ def test_soak(soak_server: RemoteServer) -> None:
           f"{rss[0]}, after warm-up {rss[1]}, end {rss[-1]}, peak {sampler.peak}; growth after "
           f"warm-up {growth} (tolerance {RSS_TOLERANCE_MB})", flush=True)
 
-    assert not total.failures, total.failures[:5]
+    assert not total.failures, (len(total.failures), total.failures[:5])
     assert total.outcomes["ok"] + total.outcomes["abandon"] + total.outcomes["abort"] \
         + total.outcomes["invalid"] == total.calls == per_pass * PASSES
     for kind in ("abandon", "abort", "invalid"):

@@ -131,7 +131,8 @@ async def _fresh_request(base_url: str, model: str) -> tuple[float, str]:
 
 
 async def _load_and_kill(report: KillReport, base_url: str, model: str, victim_pid: int,
-                         fresh_delay: float, wait_all_s: float) -> None:
+                         fresh_delay: float, wait_all_s: float,
+                         trigger: Optional[Callable[[], bool]]) -> None:
     client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="EMPTY", max_retries=0,
                                 timeout=60)
     ends: dict[int, tuple[float, str]] = {}
@@ -139,7 +140,13 @@ async def _load_and_kill(report: KillReport, base_url: str, model: str, victim_p
     firsts = [asyncio.Event() for _ in range(CLIENTS)]
     tasks = [asyncio.ensure_future(_stream(client, model, i, firsts[i], ends, last_chunk))
              for i in range(CLIENTS)]
-    await asyncio.wait_for(asyncio.gather(*(e.wait() for e in firsts)), 120)
+    if trigger is None:        # every client has its first chunk: all are running
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in firsts)), 120)
+    else:                      # the moment the caller waits for (a KV transfer in flight)
+        deadline = time.monotonic() + 60
+        while not await asyncio.to_thread(trigger):
+            assert time.monotonic() < deadline, "the kill's trigger never came"
+            await asyncio.sleep(0.01)
     os.kill(victim_pid, signal.SIGKILL)
     report.killed_at = time.monotonic()
     await asyncio.sleep(fresh_delay)
@@ -163,14 +170,15 @@ async def _load_and_kill(report: KillReport, base_url: str, model: str, victim_p
 def kill_under_load(kind: str, base_url: str, model: str, server_pid: int, victim_pid: int,
                     wait_exit: Callable[[float], Optional[int]], fresh_delay: float = 0.2,
                     keep_alive_wait: Optional[float] = None,
-                    wait_all_s: float = CLIENT_DEADLINE_S + 10) -> KillReport:
+                    wait_all_s: float = CLIENT_DEADLINE_S + 10,
+                    trigger: Optional[Callable[[], bool]] = None) -> KillReport:
     """Kill `victim_pid` under CLIENTS streams; then wait for the server (`wait_exit(timeout)`
     returns its exit code, None if it is still running) and look for leftovers. With
     `keep_alive_wait` (a server told to stay up) only wait that long and return."""
     report = KillReport(kind)
-    pids = tree_pids(server_pid)
-    assert victim_pid in pids
-    asyncio.run(_load_and_kill(report, base_url, model, victim_pid, fresh_delay, wait_all_s))
+    pids = tree_pids(server_pid) | tree_pids(victim_pid)
+    asyncio.run(_load_and_kill(report, base_url, model, victim_pid, fresh_delay, wait_all_s,
+                               trigger))
     report.exit_code = wait_exit(keep_alive_wait if keep_alive_wait is not None else 30.0)
     if keep_alive_wait is not None:     # told to stay up: the caller stops it and checks
         print(report.line(), flush=True)
