@@ -10,6 +10,7 @@ checked), opt-in: KVSERVE_KILL_TESTS_EXPENSIVE=1 python -m pytest tests/reliabil
 """
 from __future__ import annotations
 
+import os
 from typing import Iterator, Optional
 
 import httpx
@@ -66,8 +67,9 @@ def pd(tiny_llama: str) -> Iterator[dict]:
         yield setup
     finally:
         setup["proxy"].close()
-        decode.close()
-        prefill.close()
+        for srv in (setup["decode"], prefill):
+            if srv.proc.poll() is None or os.path.exists(srv._log.name):
+                srv.close()
 
 
 def _proxy_url(proxy) -> str:
@@ -96,7 +98,7 @@ def test_kill_pd_decode(pd: dict, tiny_llama: str) -> None:
                              decode.proc.pid, decode.proc.pid, _wait_exit(decode.proc))
     assert_clean_failure(report)
     pd["proxy"].close()
-    decode.close()
+    decode.close()          # its log; the processes are gone (checked above)
     pd["decode"] = RemoteServer(tiny_llama, _nixl_args(transfer_timeout_s=5,
                                                        handshake_timeout_s=2))
     pd["proxy"] = pd["Proxy"]([pd["prefill"].base_url], [pd["decode"].base_url])
