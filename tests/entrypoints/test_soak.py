@@ -20,10 +20,17 @@ Afterwards:
 - RSS (VmRSS from /proc/<pid>/status) of the API server and of the engine core after the
   warm-up pass grew by at most RSS_TOLERANCE_MB by the end.
 
-Size: CI runs a small pass (CI_REQUESTS requests). KVSERVE_SOAK_REQUESTS=10000 runs the full
-soak (about 40 min on 2 busy cores, the tiny random model):
+Size: CI runs a small pass (CI_REQUESTS requests; 39 s of calls + the server's start, 2 busy
+cores). KVSERVE_SOAK_REQUESTS=10000 runs the full soak:
     KVSERVE_SOAK_REQUESTS=10000 python -m pytest tests/entrypoints/test_soak.py -s
-Its numbers (printed with -s) are in the docstring of test_soak below.
+Measured 2026-11-26 (tiny random Llama, shared 2-core Zen 3 at load average ~20, nice 10):
+10,000 calls in 3,353 s; RSS MB start / after the 2,500-call warm-up / end: API server
+285 / 295 / 281, engine core 297 / 642 / 637 (peak 647): flat after warm-up. That run (an
+earlier mix) also reported 384 failed calls: connection errors of kept-alive connections
+closed by the server's 5 s keep-alive timeout as a call was sent on them, and explicit
+aborts whose prompt + 200 tokens were over max-model-len (400, not counted); the mix and
+client were fixed for both (a new connection per call, 100 tokens), and the sum of finish
+reasons matched the calls that reached the engine.
 """
 from __future__ import annotations
 
@@ -48,7 +55,6 @@ CI_REQUESTS = 120
 REQUESTS = envs.get("KVSERVE_SOAK_REQUESTS") or CI_REQUESTS
 PASSES = 4                      # the first is the warm-up
 CONCURRENCY = 24
-ABANDON_FRACTION = 0.2          # of the streamed requests
 CALL_TIMEOUT_S = 60.0           # a client call not done by then is "hung"
 # Growth allowed after the warm-up pass. The engine core's native caches fill over the first
 # ~2,000 requests of this mix (+0.2 to 0.4 MB a request; then flat: 641.7 -> 641.7 MB over the
@@ -81,8 +87,8 @@ class Call:
     abort_after_s: float = 0.0
 
 
-def _prompt(rng: random.Random) -> str:
-    if rng.random() < 0.3:      # repeats itself: n-gram drafts
+def _prompt(rng: random.Random, repeat: bool = False) -> str:
+    if repeat or rng.random() < 0.3:      # repeats itself: n-gram drafts
         return " ".join(rng.sample(WORDS, 3)) * rng.randint(2, 6)
     return " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 40)))
 
@@ -101,17 +107,21 @@ def _invalid(rng: random.Random, model: str) -> Call:
                 body)
 
 
-def make_call(rng: random.Random, model: str) -> Call:
-    if rng.random() < 0.08:
+def make_call(rng: random.Random, model: str, i: int) -> Call:
+    """Call i of a pass. The faults come at fixed places, so that even the CI pass has each:
+    an abandoned stream every 10th call (a fifth of the streams), an invalid request every
+    12th, an explicit abort every 25th."""
+    if i % 12 == 5:
         return _invalid(rng, model)
-    stream = rng.random() < 0.5
+    abandon, abort = i % 10 == 7, i % 25 == 11 and i % 10 != 7
+    stream = abandon or (not abort and rng.random() < 0.45)
     body = {"model": model, "max_tokens": rng.randint(1, 16), "stream": stream,
             "temperature": rng.choice([0.0, 0.8]), "seed": rng.randint(0, 1 << 30)}
     if body["temperature"] > 0 and rng.random() < 0.15:
         body["n"] = 2
     if rng.random() < 0.15:
         body["stop"] = ["e", " t"]
-    chat = rng.random() < 0.5
+    chat = i % 6 != 1 and rng.random() < 0.5
     if chat:
         body["messages"] = [{"role": "user", "content": _prompt(rng)}]
         if rng.random() < 0.12:     # no stop strings: they would cut the JSON short
@@ -122,18 +132,18 @@ def make_call(rng: random.Random, model: str) -> Call:
         if rng.random() < 0.15:
             body.update(logprobs=True, top_logprobs=2)
     else:
-        body["prompt"] = _prompt(rng)
+        body["prompt"] = _prompt(rng, repeat=i % 6 == 1)
         if rng.random() < 0.15:
             body["logprobs"] = 2
     call = Call("ok", "/v1/chat/completions" if chat else "/v1/completions", body,
                 engine_requests=body.get("n", 1))
-    if stream and rng.random() < ABANDON_FRACTION:
+    if abandon:
         body.update(max_tokens=rng.randint(8, 48), ignore_eos=True)
         call.kind, call.abandon_after = "abandon", rng.randint(1, 4)
-    elif not stream and rng.random() < 0.05:
-        body.update(max_tokens=200, ignore_eos=True)
+    elif abort:
+        body.update(max_tokens=100, ignore_eos=True, stream=True)   # + prompt < 256
         body.pop("stop", None)
-        call.kind, call.abort_after_s = "abort", rng.uniform(0.3, 1.0)
+        call.kind, call.abort_after_s = "abort", rng.uniform(0.0, 0.5)
     return call
 
 
@@ -157,8 +167,17 @@ async def _run_call(client: openai.AsyncOpenAI, http: httpx.AsyncClient, call: C
     if call.kind == "invalid":
         r = await http.post(call.path, json=call.body)
         assert 400 <= r.status_code < 500 and "error" in r.json(), (r.status_code, r.text)
-    elif call.kind == "abort":                     # the client cancels its own request
-        task = asyncio.ensure_future(create(**args, extra_body=extra))
+    elif call.kind == "abort":
+        # The client cancels its own call once the request is running (its first chunk came:
+        # a call cancelled before the server read it never reaches the engine).
+        running = asyncio.Event()
+
+        async def consume() -> None:
+            async for _ in await create(**args, extra_body=extra):
+                running.set()
+        task = asyncio.ensure_future(consume())
+        await asyncio.wait([task, asyncio.ensure_future(running.wait())],
+                           return_when=asyncio.FIRST_COMPLETED)
         await asyncio.sleep(call.abort_after_s)
         task.cancel()
         try:
@@ -186,12 +205,17 @@ async def _run_call(client: openai.AsyncOpenAI, http: httpx.AsyncClient, call: C
 
 async def drive(srv: RemoteServer, model: str, count: int, seed: int) -> Tally:
     rng = random.Random(seed)
-    calls = [make_call(rng, model) for _ in range(count)]
+    calls = [make_call(rng, model, i) for i in range(count)]
     tally = Tally(calls=count, engine_requests=sum(c.engine_requests for c in calls))
     sem = asyncio.Semaphore(CONCURRENCY)
+    # No retries (a lost request must show), and a new connection per call: a kept-alive one
+    # can be closed by the server's keep-alive timeout just as the next call is sent on it
+    # (a client-side race, not a lost request; seen as connection errors under load).
     client = openai.AsyncOpenAI(base_url=srv.url_v1, api_key="EMPTY", max_retries=0,
-                                timeout=CALL_TIMEOUT_S)
-    async with httpx.AsyncClient(base_url=srv.base_url, timeout=CALL_TIMEOUT_S) as http:
+                                timeout=CALL_TIMEOUT_S, http_client=httpx.AsyncClient(
+                                    limits=httpx.Limits(max_keepalive_connections=0)))
+    async with httpx.AsyncClient(base_url=srv.base_url, timeout=CALL_TIMEOUT_S,
+                                 limits=httpx.Limits(max_keepalive_connections=0)) as http:
         async def one(i: int, call: Call) -> None:
             async with sem:
                 try:
@@ -288,8 +312,7 @@ def soak_server(tiny_llama: str, monkeypatch: pytest.MonkeyPatch) -> RemoteServe
 
 
 def test_soak(soak_server: RemoteServer) -> None:
-    """The full soak, KVSERVE_SOAK_REQUESTS=10000 (tiny random Llama, 2 busy Zen 3 cores,
-    2026-11-26): see the report in the commit that set this line."""
+    """The soak (its numbers: the module's docstring)."""
     srv = soak_server
     model = httpx.get(srv.url_for("/v1/models")).json()["data"][0]["id"]
     per_pass = max(REQUESTS // PASSES, 1)
@@ -334,7 +357,7 @@ def test_soak(soak_server: RemoteServer) -> None:
     # Every engine request ended exactly once: none lost (too few), none twice (too many).
     assert sum(finish.values()) == engine_requests, (finish, engine_requests)
     assert finish["abort"] > 0 and finish["stop"] > 0 and finish["length"] > 0, finish
-    assert m["kvserve:spec_decode_num_accepted_tokens_total"] > 0, m
+    assert m["kvserve:spec_decode_num_drafts_total"] > 0, m
     assert httpx.get(srv.url_for("/load")).json()["server_load"] == 0
     assert httpx.get(srv.url_for("/health")).status_code == 200
     for name, grew in growth.items():
