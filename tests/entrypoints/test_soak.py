@@ -29,8 +29,9 @@ Measured 2026-11-26 (tiny random Llama, shared 2-core Zen 3 at load average ~20,
 earlier mix) also reported 384 failed calls: connection errors of kept-alive connections
 closed by the server's 5 s keep-alive timeout as a call was sent on them, and explicit
 aborts whose prompt + 200 tokens were over max-model-len (400, not counted); the mix and
-client were fixed for both (a new connection per call, 100 tokens), and the sum of finish
-reasons matched the calls that reached the engine.
+client were fixed for both (a new connection per call, 60 tokens). A 2,000-call run after the
+connection fix: 270 s, 0 connection errors, sum of finish reasons == engine requests that
+reached the engine (1,952), engine core 514 / 632 / 635 MB after passes 1-3.
 """
 from __future__ import annotations
 
@@ -61,7 +62,9 @@ CALL_TIMEOUT_S = 60.0           # a client call not done by then is "hung"
 # next 2,500 in the full soak), so the CI pass (30 requests a pass) bounds the growth of its
 # last 90 requests at 80 MB (a leak of 1 MB a request fails it), the full soak (2,500 a pass)
 # at 24 MB (a leak of 4 KB a request, 30 MB over 7,500, fails it).
-RSS_TOLERANCE_MB = 24.0 if REQUESTS >= 4000 else 80.0
+# Sizes between (KVSERVE_SOAK_REQUESTS=2000: warm-up pass of 500, the cache still filling
+# until ~2,000, +121 MB after it) get 160 MB.
+RSS_TOLERANCE_MB = 24.0 if REQUESTS >= 10000 else 80.0 if REQUESTS <= CI_REQUESTS else 160.0
 NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2,
                     "prompt_lookup_max": 3})
 # Set by hand before issue 32; the server must not need them, so none leaks in from the
@@ -141,7 +144,7 @@ def make_call(rng: random.Random, model: str, i: int) -> Call:
         body.update(max_tokens=rng.randint(8, 48), ignore_eos=True)
         call.kind, call.abandon_after = "abandon", rng.randint(1, 4)
     elif abort:
-        body.update(max_tokens=100, ignore_eos=True, stream=True)   # + prompt < 256
+        body.update(max_tokens=60, ignore_eos=True, stream=True)    # + prompt < 256
         body.pop("stop", None)
         call.kind, call.abort_after_s = "abort", rng.uniform(0.0, 0.5)
     return call
