@@ -101,6 +101,13 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
     _var("KVSERVE_CPU_HUGE_PAGES", "choice", "auto",
          "Default of --cpu-huge-pages: advise transparent huge pages for CPU weights.",
          ("auto", "on", "off")),
+    # Test sizes (read by tests/, declared here like every other KVSERVE_* variable).
+    _var("KVSERVE_SOAK_REQUESTS", "int", 0,
+         "Requests of tests/entrypoints/test_soak.py (0: the small CI pass; 10000: the full "
+         "soak)."),
+    _var("KVSERVE_KILL_TESTS_EXPENSIVE", "bool", False,
+         "Also run the expensive kill tests of tests/reliability/ (Ray worker actor, P/D "
+         "prefill, decode and proxy with NIXL)."),
 )}
 
 

@@ -438,7 +438,9 @@ class EngineCoreProc(EngineCore):
         # Deliver what is queued (ENGINE_CORE_DEAD included) before tearing the executor down.
         if self.output_thread is not None and self.output_thread.is_alive():
             self.output_queue.put_nowait(None)
-            self.output_thread.join(timeout=5.0)
+            # Told to stop, do not wait long: a send to a dead API server's socket (one of
+            # several) blocks for ever, and the thread is a daemon.
+            self.output_thread.join(timeout=5.0 if self._output_linger_ms else 0.5)
         super().shutdown()
 
 
@@ -488,6 +490,7 @@ def run_engine_core(handshake_address: str, engine_index: int = 0,
 
     engine: Optional[EngineCoreProc] = None
     exit_code = 0
+    told_to_stop = False
     try:
         engine_class = EngineCoreProc
         if data_parallel:
@@ -500,6 +503,12 @@ def run_engine_core(handshake_address: str, engine_index: int = 0,
         engine.run_busy_loop()
     except SystemExit:
         logger.debug("Engine core shutting down.")
+        told_to_stop = True
+        if engine is not None:
+            # Told to stop (SIGTERM, SHUTDOWN): no frontend waits for more outputs, and one
+            # of several API servers may be dead, the output thread blocked sending to it
+            # (the exit took 5 s when one of `--api-server-count 2` was killed).
+            engine._output_linger_ms = 0
     except Exception:
         exit_code = 1
         if engine is None:
@@ -516,9 +525,11 @@ def run_engine_core(handshake_address: str, engine_index: int = 0,
                 engine.shutdown()
             except Exception:
                 logger.exception("Engine core shut-down failed.")
-    if exit_code:
-        # ENGINE_CORE_DEAD is delivered and the executor is down: nothing is left that needs
-        # the interpreter's finalisation, which can stall on threads and native pools.
+    if exit_code or told_to_stop:
+        # ENGINE_CORE_DEAD is delivered (or no one waits for outputs) and the executor is
+        # down: nothing is left that needs the interpreter's finalisation, which can stall on
+        # threads and native pools (over 5 s after one of `--api-server-count 2` was killed,
+        # the IO threads' zmq sockets still open to it).
         _flush_and_exit(exit_code)
 
 

@@ -31,7 +31,7 @@ import os
 import pickle
 import socket
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import msgspec
 import zmq
@@ -299,9 +299,18 @@ def startup_error(status: dict) -> Exception:
     return RuntimeError(message)
 
 
-def wait_for_processes(procs: list[multiprocessing.process.BaseProcess]) -> int:
+# After a failure: how long the other processes get to exit by themselves (an API server
+# ends its streams and exits about a second after its engines are gone).
+_FAILURE_EXIT_WAIT_S = 5.0
+
+
+def wait_for_processes(procs: list[multiprocessing.process.BaseProcess],
+                       on_failure: Optional[Callable[[], None]] = None) -> int:
     """Until one of `procs` exits or SIGTERM / SIGINT arrives; then stop them all. Returns 0
-    for a signal or clean exits, 1 when a process failed."""
+    for a signal or clean exits, 1 when a process failed. `on_failure` runs first when one
+    failed (the API servers' launcher stops the engines there: the surviving servers then end
+    their open streams with an error at once and exit by themselves, instead of draining
+    them for their graceful-shutdown timeout)."""
     import signal
 
     def on_signal(signum: int, frame: Any) -> None:
@@ -317,6 +326,11 @@ def wait_for_processes(procs: list[multiprocessing.process.BaseProcess]) -> int:
             logger.error("%s exited with code %s; stopping the others.", failed[0].name,
                          failed[0].exitcode)
             exit_code = 1
+            if on_failure is not None:
+                on_failure()
+                deadline = time.monotonic() + _FAILURE_EXIT_WAIT_S
+                for proc in procs:
+                    proc.join(max(deadline - time.monotonic(), 0.0))
     except (SystemExit, KeyboardInterrupt):
         logger.info("Shutting down.")
     finally:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import itertools
+import json
 import logging
 from typing import Any, AsyncIterator
 
@@ -139,8 +140,17 @@ class DisaggProxy:
             try:
                 async for chunk in resp.aiter_raw():
                     yield chunk
-            except httpx.HTTPError as e:   # the instance died mid-stream: end it cleanly
+            except httpx.HTTPError as e:
+                # The instance died mid-stream: end the stream with an error event (as the
+                # server does when its engine dies), not as if it had finished: a client
+                # must not take a cut answer for a whole one. The blank line first ends an
+                # event the last chunk may have cut.
                 logger.warning("Stream from %s broke: %r", url, e)
+                error = {"error": {"message": f"Instance {url} failed mid-stream: "
+                                              f"{type(e).__name__}: {e}",
+                                   "type": "ServiceUnavailableError", "param": None,
+                                   "code": 503}}
+                yield f"\n\ndata: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
             finally:
                 await resp.aclose()
                 stack.close()

@@ -11,7 +11,8 @@ client_index) and sends its scheduler stats to all. Metrics use prometheus_clien
 multiprocess mode (metrics/prometheus.py), so /metrics on any server shows the totals of all.
 Each server's access log lines carry its process name (`[APIServer_i]`).
 
-The launcher exits when an API server exits (stopping the rest and the engines), or on
+The launcher exits when an API server exits (stopping the rest and the engines; when one died,
+the engines first, so that the others end their streams with an error at once), or on
 SIGTERM / SIGINT, which it passes on to the API servers (graceful) and then the engines.
 """
 from __future__ import annotations
@@ -68,7 +69,7 @@ def run_api_servers(args: argparse.Namespace) -> int:
             sock.close()          # the servers hold their copies
         logger.info("Started %d API servers on port %d.", n, args.port)
         # An engine's death is the API servers' business (503, or exit): wait on them.
-        return wait_for_processes(servers)
+        return wait_for_processes(servers, on_failure=resources.close)
     finally:
         for sock in socks:
             sock.close()
