@@ -1,0 +1,167 @@
+"""GGUF weights kept packed (kvserve/ops/quant) against today's float32 path, on SmolLM2-135M's
+linear shapes (hidden 576, intermediate 1536, GQA 9/3 heads of 64: qkv 960 x 576, o 576 x 576,
+gate_up 3072 x 576, down 576 x 1536, the tied LM head 49152 x 576).
+
+Small batches (--rows, decode): the int8 kernel on the packed blocks against ops.linear on the
+same weight dequantized to float32 and tiled (the small-batch kernel kvserve runs today), per
+call: microseconds, the bytes each call streams and the effective GB/s; then one token's worth
+(30 layers + the LM head) at M = 1.
+Large batches (--large-rows, prefill): the int8 kernel, the packed weight dequantized in chunks
+into torch's float32 GEMM (PackedQuantWeight's large-batch path), and the float32 weight
+prepacked for oneDNN (today's path for a float32 model).
+
+Weights are random valid blocks (speed does not depend on values). Each side cycles through
+enough copies (> 96 MB) that a weight is never still in cache from its previous call, as in a
+decode step over the whole model. The timings alternate between the paths (time_alternately of
+benchmarks/linear.py).
+
+    python benchmarks/quant_kernels.py [--types Q4_1 Q8_0 Q5_0 Q4_K Q6_K] [--rows 1 2 4 8]
+        [--large-rows 16 64 256] [--threads 1] [--iters 30] [--stat median] [--clock cpu]
+        [--output-json out.json]
+
+K-quants apply only where K is a multiple of 256 (down, 1536 wide); llama.cpp's Q4_K_M stores
+the 576-wide rows as Q5_0. On a shared machine: --threads 1 --clock cpu --stat median.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.linear import time_alternately  # noqa: E402
+from kvserve.ops import cpu_isa, linear as kl  # noqa: E402
+from kvserve.ops.quant import FORMATS, PackedQuantWeight, kernel  # noqa: E402
+
+# (name, N, K, calls per token)
+SHAPES = [("qkv", 960, 576, 30), ("o", 576, 576, 30), ("gate_up", 3072, 576, 30),
+          ("down", 576, 1536, 30), ("lm_head", 49152, 576, 1)]
+_COPIES_BYTES = 96 << 20
+
+
+def random_weight(name: str, n: int, k: int, rng: np.random.Generator) -> PackedQuantWeight:
+    fmt = FORMATS[name]
+    raw = rng.integers(0, 256, size=(n, k // fmt.block_size, fmt.type_size), dtype=np.uint8)
+    scales = np.frombuffer(rng.uniform(-0.02, 0.02, raw.shape[:2]).astype(np.float16).tobytes(),
+                           np.uint8).reshape(*raw.shape[:2], 2)
+    if name == "Q6_K":
+        raw[..., 208:210] = scales
+    else:
+        raw[..., 0:2] = raw[..., 2:4] = scales
+    return PackedQuantWeight.from_gguf(name, raw.reshape(n, -1), (n, k))
+
+
+def small_batches(args: argparse.Namespace, ops: Any) -> list[dict[str, Any]]:
+    rng = np.random.default_rng(0)
+    rows: list[dict[str, Any]] = []
+    f32_op = kl.cpu_kernel()
+    print(f"{'type':>5} {'shape':>8} {'N x K':>11} {'M':>3} {'int8 us':>8} {'f32 us':>8} "
+          f"{'speedup':>7} {'packed MB':>9} {'f32 MB':>7} {'int8 GB/s':>9} {'f32 GB/s':>8}")
+    for qtype in args.types:
+        fmt = FORMATS[qtype]
+        for label, n, k, _ in SHAPES:
+            if k % fmt.block_size:
+                continue
+            first = random_weight(qtype, n, k, rng)
+            copies = max(2, min(512, _COPIES_BYTES // first.nbytes))
+            packed = [first] + [random_weight(qtype, n, k, rng) for _ in range(copies - 1)]
+            f_copies = max(2, min(copies, _COPIES_BYTES // (4 * n * k)))
+            floats = [kl.tile_weight(p.dequantize()) for p in packed[:f_copies]]
+            floats = [f if f is not None else packed[i].dequantize() for i, f in enumerate(floats)]
+            for m in args.rows:
+                x = torch.randn(m, k)
+                fns = {"int8": lambda i: ops.linear(x, packed[i % copies].packed, fmt.ggml_type, n),
+                       "f32": lambda i: f32_op(x, floats[i % f_copies], None)}
+                t = time_alternately(fns, copies * f_copies, args.iters, args.stat, args.clock)
+                qb, fb = first.nbytes, 4 * n * k
+                print(f"{qtype:>5} {label:>8} {n:>5}x{k:<5} {m:>3} {t['int8'] * 1e6:>8.1f} "
+                      f"{t['f32'] * 1e6:>8.1f} {t['f32'] / t['int8']:>6.2f}x {qb / 2**20:>9.2f} "
+                      f"{fb / 2**20:>7.2f} {qb / t['int8'] / 1e9:>9.1f} "
+                      f"{fb / t['f32'] / 1e9:>8.1f}",
+                      flush=True)
+                rows.append(dict(section="small", type=qtype, shape=label, n=n, k=k, m=m,
+                                 int8_s=t["int8"], f32_s=t["f32"], packed_bytes=qb, f32_bytes=fb))
+            del packed, floats
+    return rows
+
+
+def per_token(rows: list[dict[str, Any]]) -> None:
+    """One token at M = 1: 30 layers' linears + the LM head, per type (shapes it covers)."""
+    calls = {label: c for label, _, _, c in SHAPES}
+    for qtype in sorted({r["type"] for r in rows}):
+        sel = [r for r in rows if r["type"] == qtype and r["m"] == 1]
+        if not sel:
+            continue
+        i8 = sum(calls[r["shape"]] * r["int8_s"] for r in sel)
+        f32 = sum(calls[r["shape"]] * r["f32_s"] for r in sel)
+        qb = sum(calls[r["shape"]] * r["packed_bytes"] for r in sel)
+        fb = sum(calls[r["shape"]] * r["f32_bytes"] for r in sel)
+        shapes = ", ".join(r["shape"] for r in sel)
+        print(f"{qtype}: one token's linears ({shapes}) at M=1: int8 {i8 * 1e3:.2f} ms "
+              f"({qb / 2**20:.1f} MB, {qb / i8 / 1e9:.1f} GB/s), float32 {f32 * 1e3:.2f} ms "
+              f"({fb / 2**20:.1f} MB, {fb / f32 / 1e9:.1f} GB/s): {f32 / i8:.2f}x")
+
+
+def large_batches(args: argparse.Namespace, ops: Any) -> list[dict[str, Any]]:
+    rng = np.random.default_rng(1)
+    rows: list[dict[str, Any]] = []
+    print(f"\n{'type':>5} {'shape':>8} {'M':>4} {'int8 us':>9} {'deq+gemm us':>11} "
+          f"{'f32 packed us':>13} {'deq/int8':>8}")
+    for qtype in args.types:
+        fmt = FORMATS[qtype]
+        for label, n, k, _ in SHAPES:
+            if k % fmt.block_size or label == "lm_head" and not args.lm_head_large:
+                continue
+            ws = [random_weight(qtype, n, k, rng) for _ in range(2)]
+            prepacked = [kl.pack_weight(w.dequantize()) for w in ws]
+            for m in args.large_rows:
+                x = torch.randn(m, k)
+                fns = {"int8": lambda i: ops.linear(x, ws[i % 2].packed, fmt.ggml_type, n),
+                       "deq": lambda i: ws[i % 2]._dequantized_matmul(x)}
+                if prepacked[0] is not None:
+                    fns["f32"] = lambda i: kl.packed_linear(x, prepacked[i % 2])
+                t = time_alternately(fns, 2, max(5, args.iters // 3), args.stat, args.clock)
+                f32 = t.get("f32", float("nan"))
+                print(f"{qtype:>5} {label:>8} {m:>4} {t['int8'] * 1e6:>9.0f} "
+                      f"{t['deq'] * 1e6:>11.0f} {f32 * 1e6:>13.0f} "
+                      f"{t['deq'] / t['int8']:>7.2f}x", flush=True)
+                rows.append(dict(section="large", type=qtype, shape=label, n=n, k=k, m=m,
+                                 int8_s=t["int8"], dequant_gemm_s=t["deq"], f32_packed_s=f32))
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--types", nargs="+", default=["Q4_1", "Q8_0", "Q5_0", "Q4_K", "Q6_K"])
+    p.add_argument("--rows", type=int, nargs="*", default=[1, 2, 4, 8])
+    p.add_argument("--large-rows", type=int, nargs="*", default=[16, 64, 256])
+    p.add_argument("--lm-head-large", action="store_true", help="the LM head at large M too")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--stat", choices=["best", "median"], default="median")
+    p.add_argument("--clock", choices=["wall", "cpu"], default="wall")
+    p.add_argument("--output-json")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    ops = kernel.ops()
+    if ops is None or kl.cpu_kernel() is None:
+        raise SystemExit("the C++ kernels are unavailable (see the log): nothing to compare")
+    print(f"tier {cpu_isa.selected_tier()}: int8 kernel {kernel.isa()}; float32 kernel "
+          f"{kl.cpu_kernel_isa()}; threads {torch.get_num_threads()}, {args.stat} of "
+          f"{args.iters}, clock {args.clock}")
+    rows = small_batches(args, ops) if args.rows else []
+    per_token(rows)
+    if args.large_rows:
+        rows += large_batches(args, ops)
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,698 @@
+// Linear layers on GGUF block-quantized weights kept packed: y[M, N] = x[M, K] @ W^T.
+//
+//   x       [M, K]   float32, contiguous (M small: decode, speculative verification)
+//   packed  [ceil(N/8), K/B, 8*T] uint8: GGUF blocks (B weights in T bytes each) of 8 rows at a
+//           time, interleaved field by field so that one 32-byte load holds 4 weights of each
+//           of the 8 rows (ops/quant/formats.py, packing.py; "the packed layout" below)
+//   qtype   the GGML type id: Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7, Q8_0 8, Q4_K 12, Q5_K 13, Q6_K 14
+//   -> y    [M, N] float32
+//
+// As llama.cpp does, x is first quantized per block to int8 (quantize_x: d = amax / 127 per
+// block of 32, or 256 for the K-quants, q = round-half-even(x / d), plus the sums of q per 32
+// or 16 that the weights' minimums / offsets multiply); each weight block is then an integer
+// dot product of its unpacked 4/5/6/8-bit values with the x block, times float scales. The
+// integer parts are exact, so the result differs from float64 math on the same quantized
+// values only by float32 rounding of the per-block terms (tests: 1e-5 of |x_q| @ |W|^T).
+//
+// With M small the op is a stream over the packed weight (0.56-1.06 bytes a weight) and x's
+// int8 blocks stay in L1. Work items are groups of 8 output rows (at::parallel_for over them);
+// a group's blocks are one sequential stream, and lane r of every vector is row r, so there are
+// no per-row scalar scale conversions and no horizontal sums. x rows are taken 4 at a time while
+// the group is in L1, so large batches (prefill) run here too: measured faster than
+// dequantizing into a float32 GEMM at every M up to 1024 (ops/quant/weight.py).
+//
+// Paths: AVX2 (avx2 tier and above): maddubs (u8 x s8 -> s16 pairs) and madd (-> s32), signed
+// weights through the sign trick (|w| x sign(x, w)); the portable path: each row-block decoded,
+// the same integer math in plain loops. quant_dequantize gives float32 rows (bit-identical to
+// gguf's dequantizer) for the float path (a float32 GEMM on dequantized chunks).
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "vec_avx2.h"
+
+namespace {
+
+#define QL_INLINE inline __attribute__((always_inline))
+
+constexpr int64_t kGroup = 8;          // output rows per work item (the packed interleave)
+// Minimum packed bytes per thread's share: below this the fork/join costs more than it gains.
+constexpr int64_t kMinBytesPerTask = 16384;
+// Software prefetch distance along the packed stream (the first x pass over a group).
+constexpr int64_t kPrefetchBytes = 2048;
+
+enum QType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8,
+                       kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
+
+// block: weights per block; bytes: per GGUF block; gbytes: per packed group-block of 8 rows.
+struct Format { int64_t block, bytes, act_block, sum_group, gbytes; };
+
+Format format_of(int64_t qtype) {
+  switch (qtype) {
+    case kQ4_0: return {32, 18, 32, 32, 144};
+    case kQ4_1: return {32, 20, 32, 32, 160};
+    case kQ5_0: return {32, 22, 32, 32, 176};
+    case kQ5_1: return {32, 24, 32, 32, 192};
+    case kQ8_0: return {32, 34, 32, 32, 272};
+    case kQ4_K: return {256, 144, 256, 16, 1184};
+    case kQ5_K: return {256, 176, 256, 16, 1440};
+    case kQ6_K: return {256, 210, 256, 16, 1680};
+    default: TORCH_CHECK(false, "quant_linear: unsupported GGML type ", qtype);
+  }
+  return {};
+}
+
+QL_INLINE float f16(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+#if defined(KVS_AVX2)
+  return _cvtsh_ss(h);
+#else
+  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
+#endif
+}
+
+// The quantized activations: q [M, K] int8, d [M, K / act_block], s [M, K / sum_group].
+struct XQ {
+  const int8_t* q;
+  const float* d;
+  const int32_t* s;
+  int64_t K, nd, ns;     // row strides of q, d, s
+};
+
+// ------------------------------------------------------------------ activation quantization
+
+// One block of n (32 or 256) values: scale, int8 values, sums of each `group` (16 or 32).
+void quantize_block(const float* x, int64_t n, int64_t group, int8_t* q, float* d,
+                    int32_t* s) {
+  float amax = 0.f;
+#if defined(KVS_AVX2)
+  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 mx = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; i += 8)
+    mx = _mm256_max_ps(mx, _mm256_and_ps(_mm256_loadu_ps(x + i), absmask));
+  amax = kvs_avx2::hmax8(mx);
+#else
+  for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(x[i]));
+#endif
+  const float dd = amax / 127.f;
+  const float inv = dd > 0.f ? 1.f / dd : 0.f;
+  *d = dd;
+#if defined(KVS_AVX2)
+  const __m256 iv = _mm256_set1_ps(inv);
+  const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t c = 0; c < n; c += 32) {
+    __m256i v[4];
+    for (int i = 0; i < 4; ++i) {
+      const __m256 r = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + c + 8 * i), iv),
+                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      v[i] = _mm256_min_epi32(_mm256_max_epi32(_mm256_cvtps_epi32(r), lo), hi);
+    }
+    const __m256i p01 = _mm256_packs_epi32(v[0], v[1]);   // values 0-15 (lane-shuffled)
+    const __m256i p23 = _mm256_packs_epi32(v[2], v[3]);   // values 16-31
+    const __m256i b = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p01, p23),
+                                                  _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + c), b);
+    const __m256i s01 = _mm256_madd_epi16(p01, ones), s23 = _mm256_madd_epi16(p23, ones);
+    const int32_t a = static_cast<int32_t>(kvs_avx2::hsum8(_mm256_cvtepi32_ps(s01)));
+    const int32_t e = static_cast<int32_t>(kvs_avx2::hsum8(_mm256_cvtepi32_ps(s23)));
+    if (group == 16) {
+      s[c / 16] = a;
+      s[c / 16 + 1] = e;
+    } else {
+      s[c / 32] = a + e;
+    }
+  }
+#else
+  for (int64_t g = 0; g < n / group; ++g) {
+    int32_t sum = 0;
+    for (int64_t i = g * group; i < (g + 1) * group; ++i) {
+      const float r = std::nearbyint(x[i] * inv);
+      const int v = static_cast<int>(std::min(127.f, std::max(-127.f, r)));
+      q[i] = static_cast<int8_t>(v);
+      sum += v;
+    }
+    s[g] = sum;
+  }
+#endif
+}
+
+void quantize_x(const float* x, int64_t M, int64_t K, const Format& f, int8_t* q, float* d,
+                int32_t* s) {
+  const int64_t nd = K / f.act_block, ns = K / f.sum_group;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < nd; ++b)
+      quantize_block(x + m * K + b * f.act_block, f.act_block, f.sum_group,
+                     q + m * K + b * f.act_block, d + m * nd + b,
+                     s + m * ns + b * (f.act_block / f.sum_group));
+}
+
+// ------------------------------------------------------------------ the packed layout
+// A group-block (8 rows x one block) holds each field of the GGUF block in turn as
+// [length / width][8 rows][width] (ops/quant/formats.py). Offsets below are of the fields in
+// the group-block; `unit(gb, off, w, u, r)` is row r's u-th unit of width w of a field.
+
+QL_INLINE const uint8_t* unit(const uint8_t* gb, int64_t off, int64_t w, int64_t u, int64_t r) {
+  return gb + off + (u * kGroup + r) * w;
+}
+
+// Field offsets in a group-block (8 x the GGUF field lengths, in formats.py's order).
+constexpr int64_t kOffM = 16;                           // _1 types' minimum, K-quants' dmin
+constexpr int64_t kLegacyQh = 16;                       // Q5_0 (Q5_1: + 16)
+QL_INLINE int64_t legacy_qs(int64_t qt) {
+  return qt == kQ4_1 ? 32 : qt == kQ5_0 ? 48 : qt == kQ5_1 ? 64 : 16;
+}
+// Q4_K / Q5_K: scales [j][row] (64 B), mins [j / 2][row][j % 2] (64 B), then qh, qs.
+constexpr int64_t kKScales = 32, kKMins = 96, kK4Qs = 160, kK5Qh = 160, kK5Qs = 416;
+constexpr int64_t kQ6Sc = 16, kQ6Ql = 144, kQ6Qh = 1168;
+
+// One row of one group-block decoded: integer weights and their scales.
+struct Decoded {
+  int8_t q[256];        // Q8_0 / Q4_0 / Q5_0 / Q6_K signed (offset applied); others unsigned
+  float d = 0.f, m = 0.f;   // d; m: the _1 types' minimum, the K-quants' dmin
+  int sc[16] = {};      // K-quants: sub-block scales (Q6_K: 16 int8; Q4_K / Q5_K: 8 six-bit)
+  int mn[8] = {};       // Q4_K / Q5_K: sub-block minimums
+};
+
+void decode_legacy(int64_t qt, const uint8_t* gb, int64_t r, Decoded& o) {
+  o.d = f16(unit(gb, 0, 2, 0, r));
+  const bool has_min = qt == kQ4_1 || qt == kQ5_1, five = qt == kQ5_0 || qt == kQ5_1;
+  if (has_min) o.m = f16(unit(gb, kOffM, 2, 0, r));
+  const int64_t qs = legacy_qs(qt);
+  const uint8_t* qh = unit(gb, kLegacyQh + (has_min ? 16 : 0), 4, 0, r);
+  for (int k = 0; k < 32; ++k) {
+    if (qt == kQ8_0) {
+      o.q[k] = static_cast<int8_t>(unit(gb, qs, 4, k / 4, r)[k % 4]);
+      continue;
+    }
+    const uint8_t byte = unit(gb, qs, 4, (k % 16) / 4, r)[k % 4];
+    int v = k < 16 ? byte & 0xF : byte >> 4;
+    if (five) v |= ((qh[k % 4] >> (k / 4)) & 1) << 4;     // chunk k/4's bit of byte k%4
+    o.q[k] = static_cast<int8_t>(v - (qt == kQ4_0 ? 8 : qt == kQ5_0 ? 16 : 0));
+  }
+}
+
+void decode_k(int64_t qt, const uint8_t* gb, int64_t r, Decoded& o) {
+  o.d = f16(unit(gb, 0, 2, 0, r));
+  if (qt == kQ6_K) {
+    for (int g = 0; g < 16; ++g) o.sc[g] = static_cast<int8_t>(unit(gb, kQ6Sc, 2, g / 2, r)[g % 2]);
+    for (int k = 0; k < 256; ++k) {
+      const int h = k / 128, t = (k % 128) / 32, l = k % 32;
+      const uint8_t lb = unit(gb, kQ6Ql, 4, (2 * h + (t & 1)) * 8 + l / 4, r)[l % 4];
+      const uint8_t hb = unit(gb, kQ6Qh, 4, 8 * h + l / 4, r)[l % 4];
+      o.q[k] = static_cast<int8_t>((((t < 2 ? lb : lb >> 4) & 0xF) | (((hb >> (2 * t)) & 3) << 4)) - 32);
+    }
+    return;
+  }
+  o.m = f16(unit(gb, kOffM, 2, 0, r));
+  for (int j = 0; j < 8; ++j) {
+    o.sc[j] = *unit(gb, kKScales, 1, j, r);
+    o.mn[j] = unit(gb, kKMins, 2, j / 2, r)[j % 2];
+  }
+  const int64_t qs = qt == kQ5_K ? kK5Qs : kK4Qs;
+  for (int k = 0; k < 256; ++k) {
+    const int j = k / 64, s = k / 32, l = k % 32;
+    const uint8_t byte = unit(gb, qs, 4, 8 * j + l / 4, r)[l % 4];
+    int v = (s & 1) ? byte >> 4 : byte & 0xF;
+    if (qt == kQ5_K) v |= ((unit(gb, kK5Qh, 4, l / 4, r)[l % 4] >> s) & 1) << 4;
+    o.q[k] = static_cast<int8_t>(v);
+  }
+}
+
+QL_INLINE bool is_k(int64_t qt) { return qt == kQ4_K || qt == kQ5_K || qt == kQ6_K; }
+
+void decode(int64_t qt, const uint8_t* gb, int64_t r, Decoded& o) {
+  if (is_k(qt)) decode_k(qt, gb, r, o);
+  else decode_legacy(qt, gb, r, o);
+}
+
+// ------------------------------------------------------------------ portable path
+// Each row-block decoded, then integer dot products with x's int8 block, float scales.
+
+float dot_decoded(int64_t qt, const Decoded& w, const XQ& x, int64_t m, int64_t b) {
+  const float xd = x.d[m * x.nd + b];
+  const int32_t* xs = x.s + m * x.ns;
+  if (!is_k(qt)) {
+    const int8_t* xb = x.q + m * x.K + b * 32;
+    int32_t sumi = 0;
+    for (int i = 0; i < 32; ++i) sumi += w.q[i] * xb[i];
+    float r = w.d * xd * static_cast<float>(sumi);
+    if (qt == kQ4_1 || qt == kQ5_1) r += w.m * xd * static_cast<float>(xs[b]);
+    return r;
+  }
+  const int8_t* xb = x.q + m * x.K + b * 256;
+  const int gsize = qt == kQ6_K ? 16 : 32;
+  int32_t sumi = 0;
+  for (int g = 0; g < 256 / gsize; ++g) {
+    int32_t part = 0;
+    for (int l = 0; l < gsize; ++l) part += w.q[g * gsize + l] * xb[g * gsize + l];
+    sumi += w.sc[g] * part;
+  }
+  float r = w.d * xd * static_cast<float>(sumi);
+  if (qt != kQ6_K) {
+    int32_t msum = 0;
+    for (int j = 0; j < 8; ++j) msum += w.mn[j] * (xs[b * 16 + 2 * j] + xs[b * 16 + 2 * j + 1]);
+    r -= w.m * xd * static_cast<float>(msum);
+  }
+  return r;
+}
+
+void run_generic(int64_t qt, const Format& f, const uint8_t* packed, const XQ& x, float* y,
+                 int64_t M, int64_t N, int64_t g0, int64_t g1) {
+  const int64_t nb = x.K / f.block, gbytes = f.gbytes;
+  std::vector<float> acc(static_cast<size_t>(M * kGroup));
+  Decoded w;
+  for (int64_t g = g0; g < g1; ++g) {
+    std::fill(acc.begin(), acc.end(), 0.f);
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* gb = packed + (g * nb + b) * gbytes;
+      for (int64_t r = 0; r < kGroup; ++r) {
+        decode(qt, gb, r, w);
+        for (int64_t m = 0; m < M; ++m) acc[m * kGroup + r] += dot_decoded(qt, w, x, m, b);
+      }
+    }
+    for (int64_t r = 0; r < kGroup && g * kGroup + r < N; ++r)
+      for (int64_t m = 0; m < M; ++m) y[m * N + g * kGroup + r] = acc[m * kGroup + r];
+  }
+}
+
+// ------------------------------------------------------------------ AVX2 path
+// Lane r of every vector is row r of the group: a 32-byte load of a [unit][row][4] field holds
+// 4 consecutive weights of each row; x's 4 matching int8 values are broadcast to all lanes, so
+// maddubs + madd leave row r's partial dot product in lane r. Scales of the 8 rows are one
+// float16 load (or int8 / 6-bit integers multiplied in). Signed weights (Q8_0, Q4_0, Q5_0) use
+// the sign trick: |w| (unsigned) times x with w's sign. x rows are taken MB at a time.
+#if defined(KVS_AVX2)
+
+QL_INLINE __m256i load32(const uint8_t* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+QL_INLINE __m256 load_f16x8(const uint8_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+QL_INLINE __m256i bcast4(const int8_t* p) {   // x's 4 int8 values at p, in every lane
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+QL_INLINE __m256i udot(__m256i u, __m256i s) {   // lane r: sum of its 4 u8 x s8 products
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+}
+// Bit `bit` of every byte moved to bit `to` (0x10 or 0x30 masks keep it / them).
+template <int kShiftRight, int kMask>
+QL_INLINE __m256i bit_at4(__m256i v) {
+  return _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(v, kShiftRight), 4),
+                          _mm256_set1_epi8(kMask));
+}
+
+template <int64_t QT, int MB>
+QL_INLINE void group_block_legacy(const uint8_t* gb, const XQ& x, int64_t m0, int64_t b,
+                                  __m256 (&acc)[MB]) {
+  constexpr bool kMin = QT == kQ4_1 || QT == kQ5_1, kFive = QT == kQ5_0 || QT == kQ5_1;
+  constexpr bool kSigned = !kMin;
+  constexpr int64_t kQs = QT == kQ4_1 ? 32 : QT == kQ5_0 ? 48 : QT == kQ5_1 ? 64 : 16;
+  const __m256 d = load_f16x8(gb);
+  __m256i qh = _mm256_setzero_si256();
+  if constexpr (kFive) qh = load32(gb + kLegacyQh + (kMin ? 16 : 0));
+  // maddubs' int16 pair sums are added in int16 for kFlush chunks, then widened by one madd:
+  // |w| <= 16 (Q4_0, Q4_1, Q5_0) keeps 8 chunks under 2^15 (8 x 2 x 16 x 127), Q5_1 (<= 31)
+  // 4 chunks, Q8_0 (<= 128) one.
+  constexpr int kFlush = QT == kQ8_0 ? 1 : QT == kQ5_1 ? 4 : 8;
+  __m256i sumi[MB], s16[MB];
+  for (int m = 0; m < MB; ++m) sumi[m] = s16[m] = _mm256_setzero_si256();
+  const __m256i m4 = _mm256_set1_epi8(0xF);
+  auto chunk = [&](__m256i w, int c) {     // weights 4c .. 4c + 3 of each row
+    const __m256i u = kSigned ? _mm256_sign_epi8(w, w) : w;
+    for (int m = 0; m < MB; ++m) {
+      __m256i xv = bcast4(x.q + (m0 + m) * x.K + b * 32 + 4 * c);
+      if constexpr (kSigned) xv = _mm256_sign_epi8(xv, w);
+      s16[m] = _mm256_add_epi16(s16[m], _mm256_maddubs_epi16(u, xv));
+    }
+  };
+  auto flush = [&]() {
+    for (int m = 0; m < MB; ++m) {
+      sumi[m] = _mm256_add_epi32(sumi[m], _mm256_madd_epi16(s16[m], _mm256_set1_epi16(1)));
+      s16[m] = _mm256_setzero_si256();
+    }
+  };
+  if constexpr (QT == kQ8_0) {
+#pragma GCC unroll 8
+    for (int c = 0; c < 8; ++c) {
+      chunk(load32(gb + kQs + 32 * c), c);
+      flush();
+    }
+  } else {
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) {
+      const __m256i raw = load32(gb + kQs + 32 * c);
+      __m256i lo = _mm256_and_si256(raw, m4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+      if constexpr (kFive) {
+        lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(qh, c), 4),
+                                                  _mm256_set1_epi8(0x10)));
+        hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(qh, c + 4), 4),
+                                                  _mm256_set1_epi8(0x10)));
+      }
+      if constexpr (QT == kQ4_0) {
+        lo = _mm256_sub_epi8(lo, _mm256_set1_epi8(8));
+        hi = _mm256_sub_epi8(hi, _mm256_set1_epi8(8));
+      } else if constexpr (QT == kQ5_0) {
+        lo = _mm256_sub_epi8(lo, _mm256_set1_epi8(16));
+        hi = _mm256_sub_epi8(hi, _mm256_set1_epi8(16));
+      }
+      chunk(lo, c);
+      chunk(hi, c + 4);
+      if constexpr (kFlush == 4) if (c % 2 == 1) flush();
+    }
+    if constexpr (kFlush == 8) flush();
+  }
+  __m256 mv = _mm256_setzero_ps();
+  if constexpr (kMin) mv = load_f16x8(gb + kOffM);
+  for (int m = 0; m < MB; ++m) {
+    const float xd = x.d[(m0 + m) * x.nd + b];
+    acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(xd)), _mm256_cvtepi32_ps(sumi[m]),
+                             acc[m]);
+    if constexpr (kMin)
+      acc[m] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xd * static_cast<float>(x.s[(m0 + m) * x.ns + b])),
+                               acc[m]);
+  }
+}
+
+// int16 pairs (v, v) per lane from int32 lanes v (small): madd then scales a pair sum by v.
+QL_INLINE __m256i dup16(__m256i v32) { return _mm256_or_si256(v32, _mm256_slli_epi32(v32, 16)); }
+QL_INLINE __m256i pair16(int32_t lo, int32_t hi) {    // (lo, hi) int16 in every lane
+  return _mm256_set1_epi32(static_cast<int32_t>((static_cast<uint32_t>(hi) << 16) |
+                                                (static_cast<uint32_t>(lo) & 0xFFFF)));
+}
+
+// Q4_K / Q5_K: madd multiplies each sub-block's pair sums by the lane's scale (int16 pairs),
+// so a super-block is one int32 sum per lane; the minimums, by madd of (min, min) pairs with
+// x's 32-sums.
+template <int64_t QT, int MB>
+QL_INLINE void group_block_k45(const uint8_t* gb, const XQ& x, int64_t m0, int64_t b,
+                               __m256 (&acc)[MB]) {
+  constexpr int64_t kQs = QT == kQ5_K ? kK5Qs : kK4Qs;
+  const __m256i m4 = _mm256_set1_epi8(0xF);
+  __m256i sumi[MB];
+  for (int m = 0; m < MB; ++m) sumi[m] = _mm256_setzero_si256();
+  for (int j = 0; j < 4; ++j) {
+    const auto scale = [&](int s) {
+      return dup16(_mm256_cvtepu8_epi32(
+          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(gb + kKScales + 8 * s))));
+    };
+    const __m256i s_lo = scale(2 * j), s_hi = scale(2 * j + 1);
+#pragma GCC unroll 8
+    for (int c = 0; c < 8; ++c) {
+      const __m256i raw = load32(gb + kQs + 32 * (8 * j + c));
+      __m256i lo = _mm256_and_si256(raw, m4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+      if constexpr (QT == kQ5_K) {
+        const __m256i qh = load32(gb + kK5Qh + 32 * c);
+        const __m256i h = _mm256_set1_epi8(0x10);
+        lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(qh, 2 * j), 4), h));
+        hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(qh, 2 * j + 1), 4), h));
+      }
+      for (int m = 0; m < MB; ++m) {
+        const int8_t* xb = x.q + (m0 + m) * x.K + b * 256 + 64 * j + 4 * c;
+        sumi[m] = _mm256_add_epi32(sumi[m], _mm256_add_epi32(
+            _mm256_madd_epi16(_mm256_maddubs_epi16(lo, bcast4(xb)), s_lo),
+            _mm256_madd_epi16(_mm256_maddubs_epi16(hi, bcast4(xb + 32)), s_hi)));
+      }
+    }
+  }
+  const __m256 d = load_f16x8(gb), dmin = load_f16x8(gb + kOffM);
+  for (int m = 0; m < MB; ++m) {
+    const int32_t* bs = x.s + (m0 + m) * x.ns + b * 16;
+    __m256i msum = _mm256_setzero_si256();
+    for (int p = 0; p < 4; ++p) {
+      const __m256i mins = _mm256_cvtepu8_epi16(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(gb + kKMins + 16 * p)));
+      msum = _mm256_add_epi32(msum, _mm256_madd_epi16(
+          mins, pair16(bs[4 * p] + bs[4 * p + 1], bs[4 * p + 2] + bs[4 * p + 3])));
+    }
+    const __m256 xd = _mm256_set1_ps(x.d[(m0 + m) * x.nd + b]);
+    acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(d, xd), _mm256_cvtepi32_ps(sumi[m]), acc[m]);
+    acc[m] = _mm256_fnmadd_ps(_mm256_mul_ps(dmin, xd), _mm256_cvtepi32_ps(msum), acc[m]);
+  }
+}
+
+// Q6_K: q (0..63) with x, each 16-weight group's pair sums scaled by the lane's int8 scale in
+// madd; the -32 offset is 32 x (scale, scale) pairs madd x's 16-sums, subtracted once.
+template <int MB>
+QL_INLINE void group_block_q6k(const uint8_t* gb, const XQ& x, int64_t m0, int64_t b,
+                               __m256 (&acc)[MB]) {
+  const __m256i m4 = _mm256_set1_epi8(0xF), m3 = _mm256_set1_epi8(0x30);
+  __m256i sumi[MB];
+  for (int m = 0; m < MB; ++m) sumi[m] = _mm256_setzero_si256();
+  const auto pairs = [&](int p) {      // lane r: (sc[2p][r], sc[2p+1][r]) int16
+    return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gb + kQ6Sc + 16 * p)));
+  };
+  for (int h = 0; h < 2; ++h)
+    for (int t = 0; t < 4; ++t) {
+      const __m256i pr = pairs(4 * h + t);           // groups g = 8h + 2t and g + 1
+      const __m256i s_a = _mm256_blend_epi16(pr, _mm256_slli_epi32(pr, 16), 0xAA);
+      const __m256i s_b = _mm256_blend_epi16(_mm256_srli_epi32(pr, 16), pr, 0xAA);
+#pragma GCC unroll 8
+      for (int c = 0; c < 8; ++c) {
+        const __m256i lb = load32(gb + kQ6Ql + 32 * ((2 * h + (t & 1)) * 8 + c));
+        const __m256i qh = load32(gb + kQ6Qh + 32 * (8 * h + c));
+        const __m256i lo = t < 2 ? _mm256_and_si256(lb, m4)
+                                 : _mm256_and_si256(_mm256_srli_epi16(lb, 4), m4);
+        const __m256i q = _mm256_or_si256(
+            lo, _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(qh, 2 * t), 4), m3));
+        const __m256i sv = c < 4 ? s_a : s_b;
+        for (int m = 0; m < MB; ++m)
+          sumi[m] = _mm256_add_epi32(sumi[m], _mm256_madd_epi16(_mm256_maddubs_epi16(
+              q, bcast4(x.q + (m0 + m) * x.K + b * 256 + 128 * h + 32 * t + 4 * c)), sv));
+      }
+    }
+  const __m256 d = load_f16x8(gb);
+  for (int m = 0; m < MB; ++m) {
+    const int32_t* bs = x.s + (m0 + m) * x.ns + b * 16;
+    __m256i off = _mm256_setzero_si256();
+    for (int p = 0; p < 8; ++p)
+      off = _mm256_add_epi32(off, _mm256_madd_epi16(pairs(p), pair16(bs[2 * p], bs[2 * p + 1])));
+    const __m256i total = _mm256_sub_epi32(sumi[m], _mm256_slli_epi32(off, 5));
+    acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(x.d[(m0 + m) * x.nd + b])),
+                             _mm256_cvtepi32_ps(total), acc[m]);
+  }
+}
+
+// One group of 8 rows against x rows m0 .. m0 + MB - 1, every block.
+template <int64_t QT, int MB>
+__attribute__((noinline)) void pass_avx2(const uint8_t* wg, const XQ& x, int64_t nb,
+                                         int64_t gbytes, int64_t m0, float* y, int64_t N,
+                                         int64_t n0) {
+  __m256 acc[MB];
+  for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* gb = wg + b * gbytes;
+    if (m0 == 0)   // the first pass reads memory: keep the stream kPrefetchBytes ahead
+      for (int64_t o = 0; o < gbytes; o += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(gb) + kPrefetchBytes + o, _MM_HINT_T1);
+    if constexpr (QT == kQ4_K || QT == kQ5_K) group_block_k45<QT, MB>(gb, x, m0, b, acc);
+    else if constexpr (QT == kQ6_K) group_block_q6k<MB>(gb, x, m0, b, acc);
+    else group_block_legacy<QT, MB>(gb, x, m0, b, acc);
+  }
+  for (int m = 0; m < MB; ++m) {
+    float* out = y + (m0 + m) * N + n0;
+    if (n0 + kGroup <= N) {
+      _mm256_storeu_ps(out, acc[m]);
+    } else {
+      alignas(32) float tmp[8];
+      _mm256_store_ps(tmp, acc[m]);
+      for (int64_t r = 0; n0 + r < N; ++r) out[r] = tmp[r];
+    }
+  }
+}
+
+// x rows per pass: the group's bytes stay in L1 between passes.
+template <int64_t QT>
+constexpr int kPassRows = 4;
+
+template <int64_t QT>
+void run_avx2_t(const Format& f, const uint8_t* packed, const XQ& x, float* y, int64_t M,
+                int64_t N, int64_t g0, int64_t g1) {
+  constexpr int P = kPassRows<QT>;
+  const int64_t nb = x.K / f.block, gbytes = f.gbytes;
+  for (int64_t g = g0; g < g1; ++g) {
+    const uint8_t* wg = packed + g * nb * gbytes;
+    int64_t m0 = 0;
+    for (; m0 + P <= M; m0 += P) pass_avx2<QT, P>(wg, x, nb, gbytes, m0, y, N, g * kGroup);
+    switch (M - m0) {
+      case 3: if constexpr (P > 3) pass_avx2<QT, 3>(wg, x, nb, gbytes, m0, y, N, g * kGroup); break;
+      case 2: if constexpr (P > 2) pass_avx2<QT, 2>(wg, x, nb, gbytes, m0, y, N, g * kGroup); break;
+      case 1: pass_avx2<QT, 1>(wg, x, nb, gbytes, m0, y, N, g * kGroup); break;
+      default: break;
+    }
+  }
+}
+
+void run_avx2(int64_t qt, const Format& f, const uint8_t* packed, const XQ& x, float* y,
+              int64_t M, int64_t N, int64_t g0, int64_t g1) {
+  switch (qt) {
+    case kQ4_0: return run_avx2_t<kQ4_0>(f, packed, x, y, M, N, g0, g1);
+    case kQ4_1: return run_avx2_t<kQ4_1>(f, packed, x, y, M, N, g0, g1);
+    case kQ5_0: return run_avx2_t<kQ5_0>(f, packed, x, y, M, N, g0, g1);
+    case kQ5_1: return run_avx2_t<kQ5_1>(f, packed, x, y, M, N, g0, g1);
+    case kQ8_0: return run_avx2_t<kQ8_0>(f, packed, x, y, M, N, g0, g1);
+    case kQ4_K: return run_avx2_t<kQ4_K>(f, packed, x, y, M, N, g0, g1);
+    case kQ5_K: return run_avx2_t<kQ5_K>(f, packed, x, y, M, N, g0, g1);
+    case kQ6_K: return run_avx2_t<kQ6_K>(f, packed, x, y, M, N, g0, g1);
+    default: TORCH_CHECK(false, "quant_linear: unsupported GGML type ", qt);
+  }
+}
+#endif  // KVS_AVX2
+
+// ------------------------------------------------------------------ dequantization
+// One row of a group-block -> float32 with gguf.quants' float32 operations in its order
+// (products of a float16 scale and small integers are exact, so FMA contraction changes no
+// bits; the _1 minimum and the K-quants' dmin * min are one rounding each, as there).
+
+void dequant_row(int64_t qt, const uint8_t* gb, int64_t r, float* out) {
+  Decoded w;
+  decode(qt, gb, r, w);
+  if (qt == kQ6_K) {
+    for (int k = 0; k < 256; ++k) out[k] = (w.d * static_cast<float>(w.sc[k / 16])) * w.q[k];
+  } else if (is_k(qt)) {
+    for (int j = 0; j < 8; ++j) {
+      const float ds = w.d * static_cast<float>(w.sc[j]), dm = w.m * static_cast<float>(w.mn[j]);
+      for (int l = 0; l < 32; ++l) out[32 * j + l] = ds * static_cast<float>(w.q[32 * j + l]) - dm;
+    }
+  } else if (qt == kQ4_1 || qt == kQ5_1) {
+    for (int k = 0; k < 32; ++k) out[k] = w.d * static_cast<float>(w.q[k]) + w.m;
+  } else {
+    for (int k = 0; k < 32; ++k) out[k] = w.d * static_cast<float>(w.q[k]);
+  }
+}
+
+// ------------------------------------------------------------------ entries
+
+void check_packed(const at::Tensor& packed, const Format& f, int64_t N, int64_t K) {
+  TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kByte &&
+                  packed.is_contiguous() && packed.dim() == 3,
+              "quant_linear: packed must be a contiguous uint8 CPU tensor [G, K/B, 8*T]");
+  TORCH_CHECK(K % f.block == 0, "quant_linear: K = ", K, " is not a multiple of the block size ",
+              f.block);
+  TORCH_CHECK(packed.size(0) == (N + kGroup - 1) / kGroup && packed.size(1) == K / f.block &&
+                  packed.size(2) == f.gbytes,
+              "quant_linear: packed has shape ", packed.sizes(), ", expected [",
+              (N + kGroup - 1) / kGroup, ", ", K / f.block, ", ", f.gbytes, "] for N = ", N,
+              ", K = ", K);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_x_op(const at::Tensor& x,
+                                                             int64_t qtype) {
+  const Format f = format_of(qtype);
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 &&
+                  x.is_contiguous(), "quant_quantize_x: x must be a contiguous float32 [M, K]");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(K % f.act_block == 0, "quant_quantize_x: K = ", K, " is not a multiple of ",
+              f.act_block);
+  at::Tensor q = at::empty({M, K}, x.options().dtype(at::kChar));
+  at::Tensor d = at::empty({M, K / f.act_block}, x.options());
+  at::Tensor s = at::empty({M, K / f.sum_group}, x.options().dtype(at::kInt));
+  quantize_x(x.data_ptr<float>(), M, K, f, q.data_ptr<int8_t>(), d.data_ptr<float>(),
+             s.data_ptr<int32_t>());
+  return {q, d, s};
+}
+
+// y = x @ W^T: the tier's vector path, or the portable one (`portable`: tests compare the two
+// in one process).
+at::Tensor linear_impl(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t N,
+                       bool portable) {
+  const Format f = format_of(qtype);
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 &&
+                  x.is_contiguous(), "quant_linear: x must be a contiguous float32 [M, K]");
+  const int64_t M = x.size(0), K = x.size(1);
+  check_packed(packed, f, N, K);
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  std::vector<int8_t> q(static_cast<size_t>(M * K));
+  std::vector<float> d(static_cast<size_t>(M * (K / f.act_block)));
+  std::vector<int32_t> s(static_cast<size_t>(M * (K / f.sum_group)));
+  quantize_x(x.data_ptr<float>(), M, K, f, q.data(), d.data(), s.data());
+  const XQ xq{q.data(), d.data(), s.data(), K, K / f.act_block, K / f.sum_group};
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  float* out = y.data_ptr<float>();
+  const int64_t group_bytes = (K / f.block) * f.gbytes;
+  const int64_t grain = std::max<int64_t>(1, kMinBytesPerTask / group_bytes);
+  at::parallel_for(0, packed.size(0), grain, [&](int64_t g0, int64_t g1) {
+#if defined(KVS_AVX2)
+    if (!portable) return run_avx2(qtype, f, w, xq, out, M, N, g0, g1);
+#endif
+    run_generic(qtype, f, w, xq, out, M, N, g0, g1);
+  });
+  return y;
+}
+
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t N) {
+  return linear_impl(x, packed, qtype, N, false);
+}
+
+at::Tensor quant_linear_generic(const at::Tensor& x, const at::Tensor& packed, int64_t qtype,
+                                int64_t N) {
+  return linear_impl(x, packed, qtype, N, true);
+}
+
+// Rows [row0, row1) of the weight as float32 [row1 - row0, K].
+at::Tensor quant_dequantize(const at::Tensor& packed, int64_t qtype, int64_t N, int64_t row0,
+                            int64_t row1) {
+  const Format f = format_of(qtype);
+  TORCH_CHECK(packed.dim() == 3, "quant_dequantize: packed must be [G, K/B, 8*T]");
+  const int64_t K = packed.size(1) * f.block;
+  check_packed(packed, f, N, K);
+  TORCH_CHECK(0 <= row0 && row0 <= row1 && row1 <= N, "quant_dequantize: rows [", row0, ", ",
+              row1, ") outside [0, ", N, ")");
+  at::Tensor out = at::empty({row1 - row0, K}, packed.options().dtype(at::kFloat));
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  float* o = out.data_ptr<float>();
+  const int64_t nb = K / f.block;
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(K, 1));
+  at::parallel_for(row0, row1, grain, [&](int64_t r0, int64_t r1) {
+    for (int64_t n = r0; n < r1; ++n) {
+      const uint8_t* wg = w + (n / kGroup) * nb * f.gbytes;
+      for (int64_t b = 0; b < nb; ++b)
+        dequant_row(qtype, wg + b * f.gbytes, n % kGroup, o + (n - row0) * K + b * f.block);
+    }
+  });
+  return out;
+}
+
+std::string isa() {
+#if defined(__AVX512F__) && defined(KVS_AVX2)
+  return "avx512 tier (int8 dot products on the avx2 maddubs/madd path)";
+#elif defined(KVS_AVX2)
+  return "avx2 (maddubs/madd int8 dot products)";
+#else
+  return "generic";
+#endif
+}
+
+}  // namespace
+
+// A fragment: paged_attention.cpp owns TORCH_LIBRARY(kvserve).
+TORCH_LIBRARY_FRAGMENT(kvserve, m) {
+  m.def("quant_linear(Tensor x, Tensor packed, int qtype, int n) -> Tensor");
+  m.def("quant_linear_generic(Tensor x, Tensor packed, int qtype, int n) -> Tensor");
+  m.def("quant_quantize_x(Tensor x, int qtype) -> (Tensor, Tensor, Tensor)");
+  m.def("quant_dequantize(Tensor packed, int qtype, int n, int row0, int row1) -> Tensor");
+  m.def("quant_linear_isa() -> str", &isa);
+}
+
+TORCH_LIBRARY_IMPL(kvserve, CPU, m) {
+  m.impl("quant_linear", &quant_linear);
+  m.impl("quant_linear_generic", &quant_linear_generic);
+  m.impl("quant_quantize_x", &quantize_x_op);
+  m.impl("quant_dequantize", &quant_dequantize);
+}

@@ -1,0 +1,13 @@
+"""GGUF block-quantized weights kept packed: formats, repacking, kernels and the weight type.
+
+    formats.py    the block formats (Q4_0 .. Q8_0, Q4_K .. Q6_K) and the packed layout
+    packing.py    raw GGUF rows -> the kernels' interleaved layout; torch dequantization
+    kernel.py     the compiled kernels (csrc/quant_linear.cpp)
+    weight.py     PackedQuantWeight: from_gguf, matmul, dequantize_rows, shard
+    reference.py  float64 / gguf references for tests and benchmarks
+"""
+from kvserve.ops.quant.formats import FORMATS, PACKED_TYPES, ROW_GROUP, BlockFormat, block_format
+from kvserve.ops.quant.weight import PackedQuantWeight
+
+__all__ = ["FORMATS", "PACKED_TYPES", "ROW_GROUP", "BlockFormat", "PackedQuantWeight",
+           "block_format"]

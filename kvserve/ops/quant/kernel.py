@@ -1,0 +1,41 @@
+"""The compiled packed-weight kernels (csrc/quant_linear.cpp), built like every CPU kernel.
+
+`ops()` gives the four ops (or None: no compiler, not x86-64, KVSERVE_DISABLE_CPU_KERNELS=1, a
+failed build), looked up once per process:
+
+    linear(x [M, K] f32, packed, qtype, n) -> [M, N] f32          int8 dot products (tier's path)
+    linear_generic(...)                                           the portable path, any build
+    quantize_x(x, qtype) -> (q int8 [M, K], d f32, sums int32)    the activations' int8 blocks
+    dequantize(packed, qtype, n, row0, row1) -> f32 [rows, K]     gguf-exact float32 rows
+"""
+from __future__ import annotations
+
+import functools
+from types import SimpleNamespace
+from typing import Optional
+
+import torch
+
+from kvserve.ops.build import CpuKernel
+
+_KERNEL = CpuKernel("quant_linear.cpp", op="quant_linear", isa_op="quant_linear_isa",
+                    what="packed GGUF linear", fallback="dequantized weights + F.linear")
+
+
+def _load() -> Optional[SimpleNamespace]:
+    if _KERNEL.get() is None:
+        return None
+    k = torch.ops.kvserve
+    return SimpleNamespace(linear=k.quant_linear, linear_generic=k.quant_linear_generic,
+                           quantize_x=k.quant_quantize_x, dequantize=k.quant_dequantize)
+
+
+@functools.lru_cache(maxsize=1)
+def ops() -> Optional[SimpleNamespace]:
+    """The compiled ops, or None (then PackedQuantWeight dequantizes with torch)."""
+    return _load()
+
+
+def isa() -> Optional[str]:
+    """The built kernel's vector path ("avx2 ...", "generic"), or None without a kernel."""
+    return _KERNEL.isa()

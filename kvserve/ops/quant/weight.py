@@ -1,0 +1,168 @@
+"""PackedQuantWeight: a GGUF-quantized linear weight kept packed in memory.
+
+    w = PackedQuantWeight.from_gguf("Q4_K", raw, (N, K))   # raw: GGUFReader's uint8 blocks
+    y = w.matmul(x)                                        # x [..., K] -> [..., N]
+
+matmul on CPU with the kernel built runs the int8 kernel for every batch size up to
+INT8_MAX_ROWS (x quantized per block to int8, integer dot products; as llama.cpp does for all
+batch sizes on CPU). At M = 1..8 it is a stream over the packed bytes (0.56 - 1.06 bytes a weight
+instead of float32's 4). For larger batches the alternative is the weight dequantized
+CHUNK_ELEMS floats at a time into a float32 temporary for torch's GEMM
+(_dequantized_matmul); measured on the SmolLM2 shapes (benchmarks/quant_kernels.py, 1 thread,
+AVX2 EPYC) the int8 kernel is faster at every M tried: 5-10x at M = 16, 2.7-4x at 64, 1.9-2.4x
+at 256, 1.24-1.38x at 1024, and faster than the float32 weight prepacked for oneDNN as well
+(1.1x at 1024). Why: maddubs + madd make 32 int8 multiply-adds in two instructions where an
+FMA makes 8 float32 ones; a group of 8 packed rows stays in L1 while every x row passes over
+it; and the float path pays a dequantization per call on top of a GEMM. So the float path serves
+only batches above INT8_MAX_ROWS (None: none, on this evidence), x on another device, and
+builds without the kernel (not x86-64, no compiler, KVSERVE_DISABLE_CPU_KERNELS=1), where the
+chunks are dequantized with torch ops.
+
+It is shaped to become a variant of the CPU weight object (ops/cpu_weight.py): `matmul(x)`, the
+bytes a step streams (`streamable`, `nbytes`), and `shard` for tensor parallelism.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import numpy as np
+import torch
+
+from kvserve.ops.quant import kernel, packing
+from kvserve.ops.quant.formats import ROW_GROUP, BlockFormat, block_format
+
+# Largest row count of x that takes the int8 kernel; None: every batch (see the module doc).
+INT8_MAX_ROWS: Optional[int] = None
+# Floats per dequantized chunk of the weight (4 MiB): bounds the large-batch temporary.
+CHUNK_ELEMS = 1 << 20
+
+
+@dataclass
+class PackedQuantWeight:
+    """A [N, K] weight in GGUF blocks of `fmt`, 8 rows interleaved (formats.py):
+    packed [ceil(N/8), K / block_size, fmt.group_block_bytes] uint8."""
+    fmt: BlockFormat
+    shape: tuple[int, int]
+    packed: torch.Tensor
+
+    @classmethod
+    def from_gguf(cls, qtype: object, raw: Union[np.ndarray, torch.Tensor],
+                  shape: tuple[int, int]) -> "PackedQuantWeight":
+        """From the raw blocks of an [N, K] tensor (GGUFReader's `data`: [N, row_bytes] uint8)
+        of GGUF type `qtype` (a name, gguf.GGMLQuantizationType or its value). Repacked once."""
+        fmt = block_format(qtype)
+        n, k = int(shape[0]), int(shape[1])
+        rows = packing.as_raw_rows(raw, fmt, (n, k))
+        return cls(fmt, (n, k), packing.pack_blocks(rows, fmt))
+
+    # ------------------------------------------------------------------ what it holds
+    @property
+    def qtype(self) -> str:
+        return self.fmt.name
+
+    @property
+    def out_features(self) -> int:
+        return self.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.shape[1]
+
+    @property
+    def streamable(self) -> torch.Tensor:
+        """What a small-batch step reads: the packed blocks."""
+        return self.packed
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel()
+
+    def raw_rows(self) -> torch.Tensor:
+        """The GGUF blocks in file order, [N, row_bytes] uint8 (a copy)."""
+        return packing.unpack_blocks(self.packed, self.shape[0], self.fmt)
+
+    # ------------------------------------------------------------------ math
+    def matmul(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x [..., K] @ W^T (+ bias) -> [..., N] in x's dtype (the math in float32)."""
+        n, k = self.shape
+        if x.shape[-1] != k:
+            raise ValueError(f"x has {x.shape[-1]} features, the weight {k}")
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, k)
+        xf = x2 if x2.dtype == torch.float32 else x2.float()
+        ops = kernel.ops() if x.device.type == "cpu" else None
+        rows = xf.shape[0]
+        if ops is not None and 0 < rows and (INT8_MAX_ROWS is None or rows <= INT8_MAX_ROWS):
+            y = ops.linear(xf.contiguous(), self.packed, self.fmt.ggml_type, n)
+        else:
+            y = self._dequantized_matmul(xf)
+        if bias is not None:
+            y = y + bias.float()
+        return y.to(x.dtype).reshape(*lead, n)
+
+    def _dequantized_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W^T with W dequantized CHUNK_ELEMS floats at a time into float32."""
+        n, k = self.shape
+        step = max(ROW_GROUP, CHUNK_ELEMS // k // ROW_GROUP * ROW_GROUP)
+        if step >= n:
+            return torch.mm(x, self.dequantize().t())
+        y = torch.empty(x.shape[0], n, dtype=torch.float32, device=x.device)
+        for r0 in range(0, n, step):       # chunks of the weight, not rows or blocks
+            r1 = min(n, r0 + step)
+            y[:, r0:r1] = torch.mm(x, self.dequantize(r0, r1).t())
+        return y
+
+    def dequantize(self, row0: int = 0, row1: Optional[int] = None) -> torch.Tensor:
+        """Rows [row0, row1) as float32 [rows, K], bit-identical to gguf's dequantizer."""
+        n, _ = self.shape
+        row1 = n if row1 is None else row1
+        ops = kernel.ops() if self.packed.device.type == "cpu" else None
+        if ops is not None:
+            return ops.dequantize(self.packed, self.fmt.ggml_type, n, row0, row1)
+        g0, g1 = row0 // ROW_GROUP, -(-row1 // ROW_GROUP)       # the groups holding the rows
+        blocks = packing.unpack_blocks(self.packed[g0:g1], (g1 - g0) * ROW_GROUP, self.fmt)
+        rows = blocks[row0 - g0 * ROW_GROUP:row1 - g0 * ROW_GROUP]
+        return packing.dequantize_blocks(rows.reshape(row1 - row0, -1, self.fmt.type_size),
+                                         self.fmt).reshape(row1 - row0, self.shape[1])
+
+    def dequantize_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The given rows only, float32 [len(ids), K] (an embedding lookup): torch ops on the
+        gathered blocks, so any device and any number of ids."""
+        ids = ids.reshape(-1).long()
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.shape[0]):
+            raise IndexError(f"row ids outside [0, {self.shape[0]})")
+        blocks = packing.unpack_rows(self.packed, ids, self.fmt)             # [R, nb, type_size]
+        return packing.dequantize_blocks(blocks, self.fmt).reshape(ids.numel(), self.shape[1])
+
+    # ------------------------------------------------------------------ tensor parallelism
+    def shard(self, dim: int, rank: int, world: int) -> "PackedQuantWeight":
+        """This rank's 1/world of the weight along `dim` (0: output rows, column-parallel;
+        1: input features, row-parallel), cut on block boundaries. A ValueError where the shape
+        does not split evenly into whole rows (dim 0) or whole blocks (dim 1)."""
+        n, k = self.shape
+        if not 0 <= rank < world:
+            raise ValueError(f"rank {rank} outside a world of {world}")
+        size = (n, k)[dim]
+        if size % world:
+            raise ValueError(f"{self.qtype} weight [{n}, {k}]: dim {dim} ({size}) does not "
+                             f"split into {world} equal shards")
+        part = size // world
+        rows = self.raw_rows()
+        if dim == 0:
+            piece = rows[rank * part:(rank + 1) * part]
+            return PackedQuantWeight.from_gguf(self.fmt.name, piece.contiguous(), (part, k))
+        if dim != 1:
+            raise ValueError(f"dim must be 0 or 1, got {dim}")
+        bs = self.fmt.block_size
+        if part % bs:
+            raise ValueError(f"{self.qtype} weight [{n}, {k}]: {world} shards of {part} input "
+                             f"features are not whole {bs}-weight blocks; this type cannot be "
+                             f"split {world} ways along K")
+        tb = part // bs * self.fmt.type_size
+        piece = rows[:, rank * tb:(rank + 1) * tb]
+        return PackedQuantWeight.from_gguf(self.fmt.name, piece.contiguous(), (n, part))
+
+    def __repr__(self) -> str:
+        return (f"PackedQuantWeight({self.qtype}, shape={list(self.shape)}, "
+                f"{self.nbytes / 2**20:.2f} MiB)")

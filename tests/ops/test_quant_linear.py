@@ -1,0 +1,346 @@
+"""GGUF weights kept packed (kvserve/ops/quant, csrc/quant_linear.cpp): repacking and
+dequantization against gguf's own dequantizer (exact), the activations' int8 blocks against
+their reference (exact), and the integer kernels of the selected ISA tier and the portable path
+against a float64 reference on the same quantized blocks.
+
+Tolerance of the kernels: |y - ref| <= 1e-5 * (|x_q| @ |W|^T), per element. ref is float64 math
+on gguf's dequantized weights and the same int8 activation blocks, so the only difference is the
+kernel's float32 rounding of per-block terms (about K / 32 roundings of 6e-8 each); a wrong
+scale, nibble or bit is off by far more than that. The float paths (large batches, no kernel)
+use unquantized x: against x @ W^T in float64 with 1e-5 of |x| @ |W|^T.
+
+The test data: gguf's quantizers (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) on random normal weights, and
+for every type random bytes with bounded float16 scales (any such byte pattern is a valid
+block; the K-quants have no Python quantizer). test_other_tier reruns the kernel tests with
+KVSERVE_CPU_ISA=generic (the portable build) where the host runs more.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from kvserve.ops import build, cpu_isa
+from kvserve.ops.quant import FORMATS, PACKED_TYPES, ROW_GROUP, PackedQuantWeight, block_format
+from kvserve.ops.quant import kernel, packing, weight as qweight
+from kvserve.ops.quant.reference import dequantize_gguf, quantize_activations, reference_matmul
+from tests.utils import kernel_isa_prefix
+
+HAS_KERNELS = (shutil.which(os.environ.get("CXX", "c++")) is not None and cpu_isa.is_x86_64()
+               and os.environ.get(build.DISABLE_ENV, "") in ("", "0"))
+needs_kernel = pytest.mark.skipif(not HAS_KERNELS, reason="no C++ kernels here")
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TOL = 1e-5
+GGUF_QUANTIZERS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
+# (N, K): N odd and below / between multiples of the 4-row interleave; K block multiples only.
+SHAPES_32 = [(1, 32), (5, 64), (37, 576), (64, 1536)]
+SHAPES_256 = [(1, 256), (7, 512), (37, 1536)]
+ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 13]
+
+
+def _f16_bytes(a: np.ndarray) -> np.ndarray:
+    return np.frombuffer(a.astype(np.float16).tobytes(), np.uint8).reshape(*a.shape, 2)
+
+
+def random_blocks(name: str, n: int, k: int, seed: int) -> np.ndarray:
+    """[N, row_bytes] uint8: random bytes with finite float16 scales of either sign."""
+    fmt = FORMATS[name]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(n, k // fmt.block_size, fmt.type_size), dtype=np.uint8)
+    scale = lambda: _f16_bytes(rng.uniform(-0.02, 0.02, size=raw.shape[:2]))  # noqa: E731
+    if name == "Q6_K":
+        raw[..., 208:210] = scale()
+    else:
+        raw[..., 0:2] = scale()
+        if name in ("Q4_1", "Q5_1", "Q4_K", "Q5_K"):
+            raw[..., 2:4] = scale()      # the minimum (dmin for the K-quants)
+    return raw.reshape(n, -1)
+
+
+def quantized_blocks(name: str, n: int, k: int, seed: int) -> np.ndarray:
+    from gguf import GGMLQuantizationType, quants
+
+    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
+    return quants.quantize(w, GGMLQuantizationType[name])
+
+
+def make_raw(name: str, n: int, k: int, seed: int = 0, source: str = "random") -> np.ndarray:
+    if source == "gguf":
+        return quantized_blocks(name, n, k, seed)
+    return random_blocks(name, n, k, seed)
+
+
+def cases() -> list:
+    out = []
+    for name in PACKED_TYPES:
+        shapes = SHAPES_256 if FORMATS[name].block_size == 256 else SHAPES_32
+        sources = ["random", "gguf"] if name in GGUF_QUANTIZERS else ["random"]
+        out += [pytest.param(name, s, src, id=f"{name}-{s[0]}x{s[1]}-{src}")
+                for s in shapes for src in sources]
+    return out
+
+
+def activations(m: int, k: int, seed: int) -> np.ndarray:
+    x = np.random.default_rng(seed + 1000).standard_normal((m, k)).astype(np.float32)
+    x[:, ::7] *= 8.0       # uneven magnitudes across blocks
+    return x
+
+
+def check_close(y: torch.Tensor, ref: np.ndarray, bound: np.ndarray, what: str) -> None:
+    y64 = y.double().numpy()
+    assert y64.shape == ref.shape, (y64.shape, ref.shape)
+    assert np.isfinite(y64).all(), f"{what}: non-finite outputs"
+    err = np.abs(y64 - ref) - TOL * bound - 1e-30
+    assert (err <= 0).all(), \
+        f"{what}: max error {np.max(np.abs(y64 - ref) / (bound + 1e-30)):.3g} of |x_q||W| > {TOL}"
+
+
+def poison_padding(w: PackedQuantWeight) -> None:
+    """Every byte of the padding rows 0xFF: float16 scales of NaN."""
+    n, pad_from = w.shape[0], w.shape[0] % ROW_GROUP
+    if pad_from:
+        last = packing.unpack_blocks(w.packed[-1:], ROW_GROUP, w.fmt)   # [8, row_bytes]
+        last[pad_from:] = 0xFF
+        w.packed[-1:] = packing.pack_blocks(last, w.fmt)
+
+
+@pytest.fixture(scope="module")
+def ops():
+    if not HAS_KERNELS:
+        pytest.skip("no C++ kernels here")
+    o = kernel.ops()
+    assert o is not None, "the packed GGUF kernel failed to build (see the log)"
+    return o
+
+
+# ------------------------------------------------------------------ formats and repacking
+
+def test_formats_match_gguf() -> None:
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    for name, fmt in FORMATS.items():
+        t = GGMLQuantizationType[name]
+        assert (fmt.ggml_type, fmt.block_size, fmt.type_size) == (int(t), *GGML_QUANT_SIZES[t])
+        assert block_format(t) is fmt and block_format(int(t)) is fmt
+        assert block_format(name.lower()) is fmt
+    with pytest.raises(ValueError, match="not kept packed"):
+        block_format("IQ2_XS")
+    with pytest.raises(ValueError, match="not a whole number"):
+        FORMATS["Q4_K"].check_k(576)
+
+
+@pytest.mark.parametrize("name,shape,source", cases())
+def test_repack_and_dequantize_match_gguf_exactly(name: str, shape: tuple[int, int],
+                                                  source: str) -> None:
+    """Packing keeps every block's bytes; the C++ dequantizer (when built) and the torch one
+    (any device, the embedding gather) give gguf.quants.dequantize's float32 bits."""
+    n, k = shape
+    raw = make_raw(name, n, k, source=source)
+    w = PackedQuantWeight.from_gguf(name, raw, shape)
+    fmt = FORMATS[name]
+    groups = -(-n // ROW_GROUP)
+    assert w.packed.shape == (groups, k // fmt.block_size, fmt.group_block_bytes)
+    assert w.nbytes == groups * k // fmt.block_size * fmt.group_block_bytes
+    decoded_scales = 32 if name in ("Q4_K", "Q5_K") else 0
+    assert fmt.group_block_bytes == ROW_GROUP * fmt.type_size + decoded_scales
+    assert torch.equal(w.raw_rows(), torch.from_numpy(raw))
+    ref = torch.from_numpy(dequantize_gguf(raw, fmt, shape))
+    ids = torch.arange(n)
+    assert torch.equal(w.dequantize_rows(ids), ref)
+    gathered = torch.tensor([n - 1, 0, n // 2, n - 1])
+    assert torch.equal(w.dequantize_rows(gathered), ref[gathered])
+    if HAS_KERNELS:
+        assert torch.equal(w.dequantize(), ref)
+        assert torch.equal(w.dequantize(n // 3, n), ref[n // 3:])
+
+
+def test_bad_inputs_are_clear_errors() -> None:
+    raw = make_raw("Q4_0", 6, 64)
+    with pytest.raises(ValueError, match="needs 216 bytes"):
+        PackedQuantWeight.from_gguf("Q4_0", raw[:5], (6, 64))
+    with pytest.raises(ValueError, match="not a whole number"):
+        PackedQuantWeight.from_gguf("Q4_K", np.zeros((2, 144), np.uint8), (2, 288))
+    w = PackedQuantWeight.from_gguf("Q4_0", raw, (6, 64))
+    with pytest.raises(ValueError, match="features"):
+        w.matmul(torch.zeros(1, 32))
+    with pytest.raises(IndexError):
+        w.dequantize_rows(torch.tensor([6]))
+
+
+# ------------------------------------------------------------------ activations
+
+@needs_kernel
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_K"])
+def test_activation_blocks_match_reference_exactly(ops, name: str) -> None:
+    """The kernel's int8 blocks, scales and sums are the reference's, bit for bit (the float64
+    reference of the kernels relies on it). Zero blocks and ties included."""
+    fmt = FORMATS[name]
+    x = activations(5, 1536, seed=3)
+    x[1, :256] = 0.0
+    x[2, :32] = np.arange(32, dtype=np.float32) - 15.5     # many exact halves
+    x[3, :8] = [127.0, 0.5, 1.5, -0.5, -2.5, 63.5, -127.0, 3.0]
+    q, d, s = ops.quantize_x(torch.from_numpy(x), fmt.ggml_type)
+    ref = quantize_activations(x, fmt)
+    assert np.array_equal(q.numpy(), ref.q)
+    assert np.array_equal(d.numpy(), ref.d)
+    assert np.array_equal(s.numpy(), ref.sums)
+
+
+# ------------------------------------------------------------------ kernels
+
+@needs_kernel
+def test_kernel_built_for_the_selected_tier() -> None:
+    isa = kernel.isa()
+    assert isa is not None and isa.startswith(kernel_isa_prefix()), isa
+
+
+@needs_kernel
+@pytest.mark.parametrize("name,shape,source", cases())
+def test_kernel_matches_float64_reference(ops, name: str, shape: tuple[int, int],
+                                          source: str) -> None:
+    """The tier's int8 path (ops.linear) and the portable one (linear_generic) at M = 1..8 and
+    13 (passes of 4 x rows and a remainder), with the padding rows poisoned with NaN scales and
+    x a slice of a NaN-filled buffer."""
+    n, k = shape
+    raw = make_raw(name, n, k, source=source)
+    w = PackedQuantWeight.from_gguf(name, raw, shape)
+    poison_padding(w)
+    fmt = FORMATS[name]
+    for m in ROWS:
+        buf = torch.full((m + 3, k), float("nan"))
+        buf[:m] = torch.from_numpy(activations(m, k, seed=m))
+        x = buf[:m]
+        ref, bound = reference_matmul(x.numpy(), raw, fmt, shape)
+        check_close(ops.linear(x, w.packed, fmt.ggml_type, n), ref, bound, f"tier path M={m}")
+        check_close(ops.linear_generic(x, w.packed, fmt.ggml_type, n), ref, bound,
+                    f"portable path M={m}")
+        check_close(w.matmul(x), ref, bound, f"matmul M={m}")
+
+
+def float_reference(x: np.ndarray, raw: np.ndarray, name: str,
+                    shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+    wf = dequantize_gguf(raw, FORMATS[name], shape).astype(np.float64)
+    x64 = x.astype(np.float64)
+    return x64 @ wf.T, np.abs(x64) @ np.abs(wf).T
+
+
+@pytest.mark.parametrize("name", PACKED_TYPES)
+@pytest.mark.parametrize("m", [9, 33])
+def test_large_batches_dequantize_into_a_float_gemm(name: str, m: int,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The float path (above INT8_MAX_ROWS, lowered here to 8): float32 chunks of the weight
+    (several: CHUNK_ELEMS is lowered too) into torch's GEMM, x unquantized; padding poisoned."""
+    monkeypatch.setattr(qweight, "CHUNK_ELEMS", 8 * 512)
+    monkeypatch.setattr(qweight, "INT8_MAX_ROWS", 8)
+    shape = (37, 512)
+    raw = make_raw(name, *shape)
+    w = PackedQuantWeight.from_gguf(name, raw, shape)
+    poison_padding(w)
+    x = activations(m, shape[1], seed=m)
+    ref, bound = float_reference(x, raw, name, shape)
+    check_close(w.matmul(torch.from_numpy(x).view(1, m, -1)).view(m, -1), ref, bound, "large M")
+
+
+@pytest.mark.parametrize("m", [1, 8, 12])
+def test_without_kernels_the_torch_path_is_correct(m: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No C++ kernel (another CPU, no compiler, disabled): torch dequantization + float GEMM,
+    bias and bfloat16 x included."""
+    monkeypatch.setattr(kernel, "ops", lambda: None)
+    shape = (37, 512)
+    raw = make_raw("Q5_K", *shape)
+    w = PackedQuantWeight.from_gguf("Q5_K", raw, shape)
+    x = activations(m, shape[1], seed=m)
+    bias = torch.randn(shape[0])
+    ref, bound = float_reference(x, raw, "Q5_K", shape)
+    check_close(w.matmul(torch.from_numpy(x), bias) - bias, ref, bound, "torch path")
+    yb = w.matmul(torch.from_numpy(x).bfloat16())
+    assert yb.dtype == torch.bfloat16 and yb.shape == (m, shape[0])
+
+
+# ------------------------------------------------------------------ tensor parallelism
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q6_K"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_shards_recombine_to_the_whole(name: str, world: int) -> None:
+    """Column-parallel shards (dim 0) concatenate, row-parallel ones (dim 1) sum, to the whole
+    weight's product."""
+    k = 256 * world
+    shape = (8 * world, k)
+    raw = make_raw(name, *shape)
+    w = PackedQuantWeight.from_gguf(name, raw, shape)
+    xn = activations(12, k, seed=1)
+    x = torch.from_numpy(xn)
+    # The int8 kernel where built (shards cut on x's int8 blocks too, so the same blocks).
+    ref, bound = (reference_matmul(xn, raw, FORMATS[name], shape) if kernel.ops() is not None
+                  else float_reference(xn, raw, name, shape))
+    cols = torch.cat([w.shard(0, r, world).matmul(x) for r in range(world)], dim=1)
+    check_close(cols, ref, bound, "column-parallel shards")
+    parts = [w.shard(1, r, world) for r in range(world)]
+    assert all(p.shape == (shape[0], k // world) for p in parts)
+    rows = sum(p.matmul(x[:, r * (k // world):(r + 1) * (k // world)])
+               for r, p in enumerate(parts))
+    check_close(rows, ref, bound, "row-parallel shards")
+    assert torch.equal(torch.cat([p.dequantize_rows(torch.arange(shape[0])) for p in parts], 1),
+                       w.dequantize_rows(torch.arange(shape[0])))
+
+
+def test_shards_off_block_boundaries_are_errors() -> None:
+    w = PackedQuantWeight.from_gguf("Q4_K", make_raw("Q4_K", 6, 512), (6, 512))
+    with pytest.raises(ValueError, match="not whole 256-weight blocks"):
+        w.shard(1, 0, 4)            # 128 input features a shard
+    with pytest.raises(ValueError, match="does not split into 4"):
+        w.shard(0, 0, 4)            # 6 rows
+    with pytest.raises(ValueError, match="rank 2 outside"):
+        w.shard(0, 2, 2)
+
+
+# ------------------------------------------------------------------ the real demo model
+
+@needs_kernel
+def test_demo_model_tensors(ops, smollm2_gguf: str) -> None:
+    """SmolLM2-135M-Instruct's own blocks: a Q4_1 attention and MLP weight and the Q8_0
+    embedding, as GGUFReader gives them."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(smollm2_gguf)
+    tensors = {t.name: t for t in reader.tensors}
+    for name in ("blk.0.attn_q.weight", "blk.3.ffn_down.weight", "token_embd.weight"):
+        t = tensors[name]
+        shape = (int(t.shape[1]), int(t.shape[0]))           # GGUF lists K first
+        w = PackedQuantWeight.from_gguf(t.tensor_type, t.data, shape)
+        fmt = block_format(t.tensor_type)
+        ids = torch.tensor([0, 1, shape[0] - 1, 17])
+        ref_rows = dequantize_gguf(np.asarray(t.data)[ids.numpy()], fmt, (4, shape[1]))
+        assert torch.equal(w.dequantize_rows(ids), torch.from_numpy(ref_rows))
+        if name == "token_embd.weight":
+            continue                                          # 113 MB as float64: rows only
+        x = activations(3, shape[1], seed=5) * 0.1
+        ref, bound = reference_matmul(x, np.asarray(t.data), fmt, shape)
+        check_close(w.matmul(torch.from_numpy(x)), ref, bound, name)
+
+
+# ------------------------------------------------------------------ the other tier
+
+OTHER_TIERS = [t for t in cpu_isa.supported_tiers() if t != cpu_isa.selected_tier()][:1] \
+    if cpu_isa.is_x86_64() and not os.environ.get(cpu_isa.ISA_ENV) else []
+
+
+@pytest.mark.timeout(900)
+@needs_kernel
+@pytest.mark.parametrize("tier", [t for t in OTHER_TIERS if t == "generic"] or [
+    pytest.param(None, marks=pytest.mark.skip(reason="the host runs only one tier, or "
+                                                      "KVSERVE_CPU_ISA is set"))])
+def test_other_tier(tier: str) -> None:
+    """The kernel tests once more on the portable build (KVSERVE_CPU_ISA=generic)."""
+    env = dict(os.environ, **{cpu_isa.ISA_ENV: tier})
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__,
+         "-k", "kernel or activation or large_batches"],
+        env=env, cwd=REPO, capture_output=True, text=True, timeout=880)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout and " failed" not in proc.stdout
