@@ -166,3 +166,47 @@ class PackedQuantWeight:
     def __repr__(self) -> str:
         return (f"PackedQuantWeight({self.qtype}, shape={list(self.shape)}, "
                 f"{self.nbytes / 2**20:.2f} MiB)")
+
+
+@dataclass
+class QuantizedRows:
+    """A GGUF tensor's raw blocks on their way into a packed weight: [N, row_bytes] uint8
+    (a file view or a copy) holding an [N, K] weight of type `qtype`. The layers' weight
+    loaders cut TP shards of it as of a tensor: `narrow` on rows, or on whole blocks of K."""
+    qtype: str
+    raw: Union[np.ndarray, torch.Tensor]
+    shape: tuple[int, int]
+
+    def dim(self) -> int:
+        return 2
+
+    def narrow(self, dim: int, start: int, length: int) -> "QuantizedRows":
+        n, k = self.shape
+        if dim == 0:
+            return QuantizedRows(self.qtype, self.raw[start:start + length], (length, k))
+        fmt = block_format(self.qtype)
+        if dim != 1 or start % fmt.block_size or length % fmt.block_size:
+            raise ValueError(f"{self.qtype} weight [{n}, {k}]: a shard of input features "
+                             f"[{start}, {start + length}) is not whole {fmt.block_size}-weight "
+                             f"blocks; this tensor parallel split needs the weight dequantized "
+                             f"(--quantization gguf-dequantized) or another tensor_parallel_size")
+        b0, b1 = start // fmt.block_size * fmt.type_size, (start + length) // fmt.block_size
+        return QuantizedRows(self.qtype, self.raw[:, b0:b1 * fmt.type_size], (n, length))
+
+    def zero_padded(self, rows: int) -> "QuantizedRows":
+        """`rows` rows, the added ones zero bytes (scales 0: they dequantize to 0)."""
+        n, k = self.shape
+        if rows == n:
+            return self
+        raw = np.zeros((rows, np.asarray(self.raw).shape[1]), dtype=np.uint8)
+        raw[:n] = np.asarray(self.raw)
+        return QuantizedRows(self.qtype, raw, (rows, k))
+
+    @staticmethod
+    def pack(parts: list["QuantizedRows"]) -> PackedQuantWeight:
+        """One packed weight from row-wise parts of one type (a fused q|k|v, gate|up)."""
+        raws = [np.asarray(p.raw) for p in parts]
+        raw = raws[0] if len(raws) == 1 else np.concatenate(raws)
+        rows = sum(p.shape[0] for p in parts)
+        return PackedQuantWeight.from_gguf(parts[0].qtype, np.ascontiguousarray(raw),
+                                           (rows, parts[0].shape[1]))
