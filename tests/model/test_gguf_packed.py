@@ -1,0 +1,173 @@
+"""GGUF quantized tensors kept packed on CPU (issue 29 part 1), end to end on the real demo
+model (SmolLM2-135M-Instruct, Q4_1) and on files requantized from it with `gguf`'s own
+quantizers (no llama.cpp): Q8_0 everywhere, and a mix of Q5_0 / Q5_1 / Q4_0 / Q8_0 whose fused
+q|k|v holds two types. `gguf` has no K-quant quantizer, so K types are covered by the kernel
+tests (tests/ops/test_quant_linear.py) only.
+
+The packed path quantizes activations to int8 per block (as llama.cpp does), so it is compared
+with the dequantized float32 path of the same file (--quantization gguf-dequantized) by
+perplexity over a fixed text, not token for token.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from kvserve import LLM, SamplingParams
+from kvserve.config import ModelConfig
+from kvserve.model.loader import load_model
+from kvserve.ops import cpu_weight as cw
+from kvserve.ops.quant import kernel as quant_kernel
+from kvserve.ops.quant.weight import QuantizedRows
+
+pytestmark = pytest.mark.skipif(quant_kernel.ops() is None,
+                                reason="the packed GGUF kernel is not built here")
+
+TEXT = (
+    "The history of the city begins with a small fishing village on the banks of a wide river. "
+    "Over the centuries, merchants arrived from distant lands, bringing spices, silk and new "
+    "ideas. The village grew into a town, and the town into a city, with stone bridges, busy "
+    "markets and a great cathedral whose bells could be heard for miles. In the spring, farmers "
+    "from the surrounding valleys brought their goods to the market square, where they sold "
+    "bread, cheese, fruit and wine. Children played by the fountains while their parents "
+    "bargained over prices. Scholars founded a university, and students came from every corner "
+    "of the continent to study law, medicine and philosophy. During the long winters, the river "
+    "froze, and people skated on the ice under the pale light of the northern sky. Wars and "
+    "plagues came and went, but the city endured. Today it is known for its museums, its "
+    "gardens and its libraries, which hold thousands of old books and maps. Visitors walk "
+    "along the narrow streets of the old quarter, admire the painted houses, and stop at small "
+    "cafes to drink coffee and watch the world go by. In the evening, the lights of the "
+    "bridges are reflected in the dark water, and music drifts from open windows into the "
+    "warm summer air. The people who live there say that the city has a soul of its own.")
+ENGINE = dict(dtype="float32", max_model_len=1024, kv_cache_memory=64 << 20,
+              multiprocessing=False)
+# The requantized mixed file: llama.cpp tensor-name part -> type (the rest Q8_0).
+MIXED = {"attn_q": "Q5_0", "attn_k": "Q5_0", "attn_v": "Q5_1", "ffn_down": "Q4_0"}
+
+
+def _requantize(src: str, out: str, type_of) -> str:
+    """`src`'s metadata and tensors, the 2-D ones dequantized and requantized as type_of(name)
+    by gguf.quants (1-D norms stay F32)."""
+    import gguf
+    from gguf.quants import dequantize, quantize
+
+    reader = gguf.GGUFReader(src)
+    arch = reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(out, arch)
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(name, field.contents(), field.types[0], sub_type=sub)
+    for t in reader.tensors:
+        data = dequantize(t.data, t.tensor_type)
+        if len(t.shape) < 2:
+            writer.add_tensor(t.name, np.ascontiguousarray(data, dtype=np.float32))
+            continue
+        qtype = gguf.GGMLQuantizationType[type_of(t.name)]
+        q = quantize(np.ascontiguousarray(data, dtype=np.float32), qtype)
+        writer.add_tensor(t.name, q, raw_shape=q.shape, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def _mixed_type(name: str) -> str:
+    part = name.split(".")[-2] if name.startswith("blk.") else ""
+    return MIXED.get(part, "Q8_0")
+
+
+@pytest.fixture(scope="module")
+def files(smollm2_gguf: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    out = tmp_path_factory.mktemp("requantized")
+    return {"Q4_1": smollm2_gguf,
+            "Q8_0": _requantize(smollm2_gguf, str(out / "smollm2-q8_0.gguf"), lambda n: "Q8_0"),
+            "mixed": _requantize(smollm2_gguf, str(out / "smollm2-mixed.gguf"), _mixed_type)}
+
+
+def _perplexity(path: str, quantization: str) -> float:
+    with LLM(path, quantization=quantization, **ENGINE) as llm:
+        out = llm.generate([TEXT], SamplingParams(max_tokens=1, prompt_logprobs=0),
+                           use_tqdm=False)[0]
+    ids, lps = out.prompt_token_ids, out.prompt_logprobs
+    assert len(ids) >= 200
+    nll = [-lps[i][tok].logprob for i, tok in enumerate(ids) if i > 0]
+    return math.exp(sum(nll) / len(nll))
+
+
+@pytest.mark.parametrize("name", ["Q4_1", "Q8_0", "mixed"])
+def test_perplexity_within_one_percent_of_float32(files, name) -> None:
+    packed, float32 = _perplexity(files[name], "gguf"), _perplexity(files[name], "gguf-dequantized")
+    assert math.isfinite(packed) and 1.0 < float32 < 100.0
+    assert abs(packed / float32 - 1) < 0.01, (name, packed, float32)
+
+
+def _load(path: str, quantization: str = "gguf") -> torch.nn.Module:
+    cfg = ModelConfig.from_path(path, tokenizer=None, served_model_name=None, dtype="float32",
+                                max_model_len=None, seed=0, max_logprobs=20, device="cpu",
+                                quantization=quantization)
+    return load_model(cfg, torch.device("cpu"))
+
+
+def _tensor_bytes(path: str) -> int:
+    from kvserve.model.gguf import read_gguf_metadata
+
+    meta = read_gguf_metadata(path)
+    return sum(int(np.prod(t.data_shape)) * np.dtype(t.data_dtype).itemsize for t in meta.tensors)
+
+
+@pytest.mark.parametrize("name", ["Q4_1", "mixed"])
+def test_weights_stay_packed_within_1_2x_the_file(files, name, caplog) -> None:
+    with caplog.at_level("INFO", logger="kvserve.model.gguf"):
+        model = _load(files[name])
+    assert any("stay packed" in r.getMessage() for r in caplog.records)
+    objs = {id(m.linear_weight): m.linear_weight for m in model.modules()
+            if hasattr(m, "linear_weight")}
+    assert all(isinstance(w, cw.PackedWeight) for w in objs.values())
+    # The tied LM head shares the embedding's packed blocks.
+    assert model.lm_head.linear_weight is model.model.embed_tokens.linear_weight
+    qkv = model.model.layers[0].self_attn.qkv_proj.linear_weight
+    expected = ["Q5_0", "Q5_1"] if name == "mixed" else ["Q4_1"]
+    assert [p.qtype for p in qkv.parts] == expected
+    resident = sum(w.nbytes for w in objs.values())
+    resident += sum(p.numel() * p.element_size() for p in model.parameters())
+    assert resident <= 1.2 * _tensor_bytes(files[name]), (resident, _tensor_bytes(files[name]))
+
+
+def test_embedding_rows_and_block_boundary_shards(files) -> None:
+    packed, plain = _load(files["Q4_1"]), _load(files["Q4_1"], "gguf-dequantized")
+    ids = torch.tensor([[0, 17, 49151], [5, 5, 300]])
+    assert torch.equal(packed.model.embed_tokens(ids), plain.model.embed_tokens(ids))
+    rows = QuantizedRows("Q4_1", np.zeros((8, 2 * 20), np.uint8), (8, 64))
+    assert rows.narrow(1, 32, 32).shape == (8, 32)
+    with pytest.raises(ValueError, match="not whole 32-weight blocks"):
+        rows.narrow(1, 16, 32)
+
+
+# The demo file's float32 greedy answer starts with a near tie ("The" -1.88 vs "L" -1.96
+# nats); int8 activations (as llama.cpp quantizes them) turn it to "L'Etoile, ..." in the
+# Q4_1 and Q8_0 files (strict xfail: says when that changes); the mixed file says Paris.
+_TIE = pytest.mark.xfail(strict=True, reason="first-token near tie flipped by int8 activations")
+
+
+@pytest.mark.parametrize("name", [pytest.param("Q4_1", marks=_TIE),
+                                  pytest.param("Q8_0", marks=_TIE), "mixed"])
+def test_greedy_chat_says_paris(files, name) -> None:
+    with LLM(files[name], **ENGINE) as llm:
+        out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                       SamplingParams(max_tokens=48, temperature=0), use_tqdm=False)
+    assert "Paris" in out[0].outputs[0].text, out[0].outputs[0].text
+
+
+def test_quantization_flag() -> None:
+    with pytest.raises(ValueError, match="not supported on CPU"):
+        ModelConfig.from_path("demo-missing.gguf", tokenizer=None, served_model_name=None,
+                              dtype="float32", max_model_len=None, seed=0, max_logprobs=20,
+                              device="cpu", quantization="awq")
+    assert not os.path.exists("demo-missing.gguf")
