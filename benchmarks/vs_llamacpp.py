@@ -306,7 +306,9 @@ def bench_dtype(model: str, dtype: str, gguf_path: str, args: argparse.Namespace
     threads = torch.get_num_threads()
     ctx = max(args.prompt_len + 1,
               args.decode_prompt_len + max(args.decode_tokens + 1, args.check_tokens)) + 16
-    entry: dict[str, Any] = {"gguf": gguf_path, "threads": threads, "rounds": args.num_iters}
+    entry: dict[str, Any] = {"gguf": gguf_path, "threads": threads, "rounds": args.num_iters,
+                             "kvserve_weights": weights_label(model, dtype),
+                             "llamacpp_weights": weights_label(gguf_path, dtype)}
     if args.offline_requests:
         entry.update(measure_offline(model, dtype, args))
     llm = _open_kvserve(model, dtype, ctx, entry)
@@ -357,21 +359,36 @@ def bench_dtype(model: str, dtype: str, gguf_path: str, args: argparse.Namespace
     return entry
 
 
+def weights_label(model: str, dtype: str) -> str:
+    """The quantization type of the weights an engine runs: a GGUF file's most common 2-D
+    tensor type (kvserve keeps those packed), else the dtype."""
+    if not model.endswith(".gguf"):
+        return dtype
+    from collections import Counter
+
+    from kvserve.model.gguf import read_gguf_metadata
+    types = Counter(t.type_name for t in read_gguf_metadata(model).tensors if len(t.shape) == 2)
+    return types.most_common(1)[0][0] if types else dtype
+
+
 def format_report(result: dict[str, Any]) -> str:
     lines = [f"Machine: {result['machine']}", f"Model: {result['model']}", "",
-             "| dtype | kvserve decode tok/s | llama.cpp decode tok/s | ratio (median of rounds) | "
-             "kvserve prefill tok/s | llama.cpp prefill tok/s | ratio | greedy agreement |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| dtype | weights (kvserve / llama.cpp) | kvserve decode tok/s | llama.cpp decode tok/s "
+             "| ratio (median of rounds) | kvserve prefill tok/s | llama.cpp prefill tok/s | ratio | "
+             "greedy agreement |",
+             "|---|---|---|---|---|---|---|---|---|"]
     if any("llamacpp_decode_tok_s" not in e for e in result["dtypes"].values()):
-        lines[2:] = ["| dtype | kvserve decode tok/s | kvserve prefill tok/s | kvserve offline tok/s |",
-                     "|---|---|---|---|"]
+        lines[2:] = ["| dtype | weights | kvserve decode tok/s | kvserve prefill tok/s | "
+                     "kvserve offline tok/s |", "|---|---|---|---|---|"]
         for dtype, e in result["dtypes"].items():
-            lines.append(f"| {dtype} | {e['kvserve_decode_tok_s']:.1f} | "
+            lines.append(f"| {dtype} | {e.get('kvserve_weights', dtype)} | "
+                         f"{e['kvserve_decode_tok_s']:.1f} | "
                          f"{e['kvserve_prefill_tok_s']:.0f} | {e.get('kvserve_offline_tok_s', 0):.1f} |")
         return "\n".join(lines)
     for dtype, e in result["dtypes"].items():
         lines.append(
-            f"| {dtype} | {e['kvserve_decode_tok_s']:.1f} | {e['llamacpp_decode_tok_s']:.1f} | "
+            f"| {dtype} | {e.get('kvserve_weights', dtype)} / {e.get('llamacpp_weights', dtype)} | "
+            f"{e['kvserve_decode_tok_s']:.1f} | {e['llamacpp_decode_tok_s']:.1f} | "
             f"{e['decode_ratio']:.2f}x | {e['kvserve_prefill_tok_s']:.0f} | "
             f"{e['llamacpp_prefill_tok_s']:.0f} | {e['prefill_ratio']:.2f}x | "
             f"{e['greedy_tokens_agreeing']}/{e['greedy_tokens_checked']} |"
