@@ -213,8 +213,10 @@ REAL_MODEL_TIMEOUT = pytest.mark.timeout(900)
 
 @pytest.fixture(scope="module")
 def real_llm(smollm2_gguf):
+    # The float path, compared token for token with transformers (the packed int8 path:
+    # test_gguf_packed.py, by perplexity).
     with LLM(smollm2_gguf, dtype="float32", max_model_len=1024, kv_cache_memory=64 << 20,
-             multiprocessing=False) as llm:
+             multiprocessing=False, quantization="gguf-dequantized") as llm:
         yield llm
 
 
