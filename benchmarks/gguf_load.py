@@ -72,7 +72,8 @@ def _load_once(model: str, dtype: str, env: dict[str, str]) -> dict[str, Any]:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    from kvserve.model.demo import cache_dir, fetch_demo_gguf
+    from kvserve.envs import cache_dir
+    from kvserve.model.demo import fetch_demo_gguf
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--gguf", default=None, help="GGUF file (default: the demo model).")

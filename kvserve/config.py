@@ -5,12 +5,14 @@ import json
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
 
 from kvserve.json_config import parse_json_config
-from kvserve.spec_decode.config import SpeculativeConfig
+
+if TYPE_CHECKING:       # the feature configs are built above config.py (engine/arg_utils.py)
+    from kvserve.spec_decode.config import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -156,16 +158,17 @@ class ModelConfig:
                   dtype: Any, max_model_len: Optional[int], seed: int, max_logprobs: int,
                   device: str, load_format: str = "auto",
                   hf_config_path: Optional[str] = None,
+                  gguf_config: Optional[dict] = None,
                   cpu_isa: Optional[str] = None,
                   quantization: Optional[str] = None) -> "ModelConfig":
-        from kvserve.model.gguf import is_gguf
-
+        """`gguf_config`: a GGUF file's HF-style config, as plain data from the GGUF reader
+        (kvserve.model.gguf.read_gguf_config); config.py reads no GGUF itself."""
         if load_format not in LOAD_FORMATS:
             raise ValueError(f"Unknown load_format {load_format!r}; supported: "
                              f"{', '.join(LOAD_FORMATS)}.")
         gguf = is_gguf(path, load_format)
         quantization = resolve_quantization(quantization, gguf, device)
-        hf_config, gen_cfg = load_hf_config(path, hf_config_path, gguf)
+        hf_config, gen_cfg = load_hf_config(path, hf_config_path, gguf, gguf_config)
         derived_max = int(hf_config.get("max_position_embeddings") or 2048)
         if max_model_len is None:
             max_model_len = derived_max
@@ -209,36 +212,41 @@ def resolve_quantization(quantization: Optional[str], gguf: bool, device: str) -
     return quantization
 
 
+GGUF_EXTENSION = ".gguf"
+
+
+def is_gguf(model: str, load_format: str = "auto") -> bool:
+    """Whether `model` is to be loaded as GGUF: --load-format gguf, or a path ending in .gguf."""
+    return load_format == "gguf" or (load_format == "auto" and model.endswith(GGUF_EXTENSION))
+
+
 def _read_json_file(path: str) -> dict:
     with open(path) as f:
         return json.load(f)
 
 
 def load_hf_config(path: str, hf_config_path: Optional[str] = None,
-                   gguf: Optional[bool] = None) -> tuple[dict, dict]:
+                   gguf: Optional[bool] = None,
+                   gguf_config: Optional[dict] = None) -> tuple[dict, dict]:
     """(config.json, generation_config.json) of a checkpoint directory or a GGUF file.
 
     `hf_config_path` (vLLM's --hf-config-path): a directory whose config.json (and
     generation_config.json) is used instead of the model's own, e.g. where a GGUF file's
-    metadata does not say everything."""
-    from kvserve.model.gguf import (check_gguf_supported, gguf_hf_config, is_gguf,
-                                    read_gguf_metadata)
-
+    metadata does not say everything. A GGUF file's own config is `gguf_config`, made by the
+    GGUF reader (kvserve.model.gguf.read_gguf_config, which also checks the file)."""
     if gguf is None:
         gguf = is_gguf(path)
-    if gguf:
-        if not os.path.isfile(path):
-            raise ValueError(f"GGUF model {path!r} is not a file.")
-        meta = read_gguf_metadata(path)
-        check_gguf_supported(meta, use_hf_config=hf_config_path is not None)
-    elif not os.path.isdir(path):
+    if not gguf and not os.path.isdir(path):
         raise ValueError(f"Model path {path!r} is not a directory (a Hugging Face checkpoint "
                          f"directory with config.json, *.safetensors and tokenizer.json, a .gguf "
                          f"file, or 'demo').")
     config_dir = hf_config_path or (None if gguf else path)
     gen_cfg: dict = {}
     if config_dir is None:
-        return gguf_hf_config(meta), gen_cfg
+        if gguf_config is None:
+            raise ValueError(f"GGUF model {path!r}: pass its config from "
+                             f"kvserve.model.gguf.read_gguf_config (config reads no GGUF).")
+        return gguf_config, gen_cfg
     cfg_file = os.path.join(config_dir, "config.json")
     if not os.path.isfile(cfg_file):
         raise ValueError(f"{'Model' if config_dir == path else 'hf_config_path'} directory "
@@ -350,8 +358,14 @@ class StructuredOutputsConfig:
     disable_additional_properties: bool = False
     enable_jump_forward: bool = False
     max_compile_threads: int = 2
+    # A request whose grammar takes longer to compile fails alone (the compile thread cannot
+    # be stopped; it finishes into the cache).
+    grammar_compile_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
+        if not self.grammar_compile_timeout_s > 0:
+            raise ValueError(f"grammar_compile_timeout_s must be > 0, got "
+                             f"{self.grammar_compile_timeout_s}.")
         if self.backend not in _SO_BACKENDS:
             raise ValueError(f"structured outputs backend must be one of {list(_SO_BACKENDS)}, "
                              f"got {self.backend!r}.")

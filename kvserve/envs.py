@@ -122,6 +122,16 @@ def env_switch(name: str, default: Optional[bool] = None) -> bool:
     return bool(get(name))
 
 
+def cache_dir() -> str:
+    """kvserve's cache directory (the demo model, GGUF metadata, compiled kernels):
+    $KVSERVE_CACHE_DIR, else $XDG_CACHE_HOME/kvserve, else ~/.cache/kvserve."""
+    cache = get("KVSERVE_CACHE_DIR")
+    if cache:
+        return os.path.expanduser(cache)
+    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(xdg, "kvserve")
+
+
 def describe() -> str:
     """One line per variable, for `--help` epilogs and the README."""
     return "\n".join(f"  {v.name} (default {v.default!r}): {v.doc}" for v in ENV_VARS.values())

@@ -33,6 +33,9 @@ class StructuredOutputsParams(
     disable_any_whitespace: bool = False
     disable_additional_properties: bool = False
     whitespace_pattern: Optional[str] = None
+    # Set by a server with --reasoning-parser: the grammar applies only after this token
+    # (`</think>`) has been generated; the reasoning before it is free.
+    reasoning_end_token_id: Optional[int] = None
 
     def __post_init__(self) -> None:
         kinds = self.kinds()

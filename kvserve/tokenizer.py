@@ -85,8 +85,9 @@ class Tokenizer:
         """Load from a checkpoint directory (or a tokenizer.json file path), or build it from
         a GGUF file's metadata."""
         if os.path.isfile(path) and _is_gguf_file(path):
-            from kvserve.model.gguf_tokenizer import tokenizer_from_gguf
-            return tokenizer_from_gguf(path)
+            from kvserve.model.gguf_tokenizer import tokenizer_parts_from_gguf
+            backend, config, template = tokenizer_parts_from_gguf(path)
+            return cls(backend, config, chat_template=template, name_or_path=path)
         if os.path.isfile(path) and os.path.basename(path) == TOKENIZER_FILE:
             path = os.path.dirname(path) or "."
         if not os.path.isdir(path):

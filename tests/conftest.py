@@ -40,10 +40,12 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 
 def _config_class(arch: str) -> Any:
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import (LlamaConfig, MistralConfig, MixtralConfig, Phi3Config,
+                              Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
 
     classes = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config,
-               "qwen3": Qwen3Config}
+               "qwen3": Qwen3Config, "mixtral": MixtralConfig, "qwen2_moe": Qwen2MoeConfig,
+               "qwen3_moe": Qwen3MoeConfig, "phi3": Phi3Config}
     if arch not in classes:
         raise ValueError(f"unknown test arch {arch!r}")
     return classes[arch]
@@ -140,3 +142,13 @@ def smollm2_gguf() -> str:
     from kvserve.model.demo import fetch_demo_gguf
 
     return fetch_demo_gguf(_USER_CACHE or _SESSION_CACHE)
+
+
+@pytest.fixture(autouse=True)
+def _cpu_settings_from_the_environment() -> None:
+    """An in-process engine (UniProcExecutor) configures this process's CPU settings from its
+    CpuConfig and leaves them set; tests that set KVSERVE_CPU_* variables expect a process no
+    engine configured, as the tests run alone do. Each test starts from that state."""
+    from kvserve.ops import cpu_isa
+    if cpu_isa._configured is not None:
+        cpu_isa.configure(None)

@@ -3,6 +3,8 @@
 `add_bench_subparsers(subparsers)` adds `bench` to the `kvserve` command's subparsers; each
 mode registers its flags through its module's `add_cli_args` and runs through its `main`.
 `python -m kvserve.benchmarks.cli latency ...` runs a mode without the `kvserve` command.
+The benchmarks drive `LLM` and the server, so this package sits above kvserve.entrypoints and
+never the other way round (kvserve/__main__.py joins the two into one command).
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from types import ModuleType
 from typing import Any, Optional
 
 from kvserve.benchmarks import latency, serve, sweep, throughput
+from kvserve.engine.arg_utils import run_command
 
 # (name, module with add_cli_args(parser) and main(args) -> exit code, help)
 BENCH_MODES: tuple[tuple[str, ModuleType, str], ...] = (
@@ -45,8 +48,7 @@ def make_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[list[str]] = None) -> int:
     """Run one bench mode; argv is `[MODE, flags...]` (without the leading `bench`)."""
-    from kvserve.entrypoints.cli import main as kvserve_main
-    return kvserve_main(["bench", *(sys.argv[1:] if argv is None else argv)])
+    return run_command(make_parser, ["bench", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

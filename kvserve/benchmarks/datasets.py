@@ -165,8 +165,9 @@ def add_dataset_args(parser: argparse.ArgumentParser) -> None:
 
 def _model_vocab_size(model_path: str) -> int:
     from kvserve.config import load_hf_config
+    from kvserve.model.gguf import read_gguf_config
 
-    cfg, _ = load_hf_config(model_path)
+    cfg, _ = load_hf_config(model_path, gguf_config=read_gguf_config(model_path))
     cfg = cfg.get("text_config", cfg)
     return int(cfg["vocab_size"])
 

@@ -158,7 +158,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def main(args: argparse.Namespace) -> int:
-    from kvserve import LLM
+    from kvserve.entrypoints.llm import LLM
 
     engine_args = EngineArgs.from_cli_args(args)
     max_len = args.input_len + args.output_len

@@ -162,9 +162,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def main(args: argparse.Namespace) -> int:
-    from kvserve.config import load_hf_config, resolve_dtype
+    from kvserve.config import is_gguf, load_hf_config, resolve_dtype
     from kvserve.model.demo import resolve_model_path
-    from kvserve.model.gguf import is_gguf
+    from kvserve.model.gguf import read_gguf_config
     from kvserve.tokenizer import Tokenizer
 
     if args.n < 1:
@@ -173,14 +173,15 @@ def main(args: argparse.Namespace) -> int:
     model_path = resolve_model_path(engine_args.model, engine_args.load_format)
     tokenizer = Tokenizer.from_pretrained(
         resolve_model_path(engine_args.tokenizer) if engine_args.tokenizer else model_path)
-    hf_config, _ = load_hf_config(model_path, engine_args.hf_config_path,
-                                  is_gguf(model_path, engine_args.load_format))
+    fmt, hf_dir = engine_args.load_format, engine_args.hf_config_path
+    hf_config, _ = load_hf_config(model_path, hf_dir, is_gguf(model_path, fmt),
+                                  read_gguf_config(model_path, fmt, hf_dir))
     max_model_len = engine_args.max_model_len or int(hf_config["max_position_embeddings"])
     requests = get_samples(args, model_path, tokenizer, max_model_len)
     extra: dict[str, Any] = {"dataset_name": args.dataset_name, "model": engine_args.model}
 
     if args.backend == "kvserve":
-        from kvserve import LLM
+        from kvserve.entrypoints.llm import LLM
 
         llm = LLM(**vars(engine_args))
         try:

@@ -1,11 +1,12 @@
 """Pipeline parallelism: which layers a stage holds, and what passes between stages."""
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from kvserve import envs
 
 PP_LAYER_PARTITION_ENV = "KVSERVE_PP_LAYER_PARTITION"
 
@@ -16,7 +17,7 @@ def get_pp_partition(num_layers: int, pp_size: int) -> list[int]:
     holds the norm and the LM head)."""
     if pp_size < 1:
         raise ValueError(f"pipeline_parallel_size must be >= 1, got {pp_size}.")
-    text = os.environ.get(PP_LAYER_PARTITION_ENV, "").strip()
+    text = envs.get(PP_LAYER_PARTITION_ENV)
     if text:
         try:
             parts = [int(p) for p in text.split(",")]

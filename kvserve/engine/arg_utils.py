@@ -9,14 +9,16 @@ import argparse
 import dataclasses
 import os
 from dataclasses import dataclass, fields
-from typing import Any, Optional, Union, get_type_hints
+from typing import Any, Callable, Optional, Union, get_type_hints
 
 import torch
 
+from kvserve import envs
 from kvserve.attention.selector import resolve_backend_name
 from kvserve.config import (CacheConfig, CpuConfig, DeviceConfig, KVServeConfig, ModelConfig,
-                            ParallelConfig, SchedulerConfig, SpeculativeConfig,
-                            StructuredOutputsConfig, resolve_kv_cache_dtype)
+                            ParallelConfig, SchedulerConfig, StructuredOutputsConfig,
+                            resolve_kv_cache_dtype)
+from kvserve.spec_decode.config import SpeculativeConfig
 
 _HELP = {
     "model": "Path to a Hugging Face checkpoint directory or a .gguf file, 'demo' for the built-in "
@@ -175,6 +177,7 @@ class EngineArgs:
     # ------------------------------------------------------------------
     def create_engine_config(self) -> KVServeConfig:
         from kvserve.model.demo import resolve_model_path
+        from kvserve.model.gguf import read_gguf_config
 
         device = self.device
         if device == "auto":
@@ -185,14 +188,16 @@ class EngineArgs:
                                cpu_huge_pages=self.cpu_huge_pages)
         path = resolve_model_path(self.model, self.load_format)
         tok_path = resolve_model_path(self.tokenizer) if self.tokenizer else path
+        hf_config_path = (os.path.abspath(os.path.expanduser(self.hf_config_path))
+                          if self.hf_config_path else None)
         model_config = ModelConfig.from_path(
             path, tokenizer=tok_path,
             served_model_name=self.served_model_name or self.model,
             dtype=self.dtype, max_model_len=self.max_model_len, seed=self.seed,
             max_logprobs=self.max_logprobs, device=device, load_format=self.load_format,
-            hf_config_path=(os.path.abspath(os.path.expanduser(self.hf_config_path))
-                            if self.hf_config_path else None), cpu_isa=cpu_config.cpu_isa,
-            quantization=self.quantization)
+            hf_config_path=hf_config_path,
+            gguf_config=read_gguf_config(path, self.load_format, hf_config_path),
+            cpu_isa=cpu_config.cpu_isa, quantization=self.quantization)
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}.")
         if self.scheduling_policy not in ("fcfs", "priority"):
@@ -259,7 +264,7 @@ class EngineArgs:
             parallel_config=parallel,
             device_config=DeviceConfig(device=device),
             # KVSERVE_ENABLE_MULTIPROCESSING=0 runs the engine core in-process (no extra process).
-            multiprocessing=self.multiprocessing and os.environ.get("KVSERVE_ENABLE_MULTIPROCESSING", "1") != "0",
+            multiprocessing=self.multiprocessing and envs.get("KVSERVE_ENABLE_MULTIPROCESSING"),
             disable_log_stats=self.disable_log_stats,
             enforce_eager=self.enforce_eager,
             attention_backend=attention_backend,
@@ -340,3 +345,21 @@ def _base_type(hint: Any) -> Any:
         non_none = [a for a in args if a is not type(None)]
         return non_none[0] if non_none else str
     return hint
+
+
+def run_command(make_parser: Callable[[], argparse.ArgumentParser],
+                argv: Optional[list[str]] = None) -> int:
+    """Parse `argv` and run the chosen subcommand's `func(args)`; a ValueError (a bad flag, or
+    a bad KVSERVE_* value read for a flag's default) is a one-line error and exit status 2.
+    The `kvserve` command and its `python -m` entry points use it."""
+    import logging
+    import sys
+
+    logging.basicConfig(level=logging.INFO,
+                        format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    try:
+        args = make_parser().parse_args(argv)
+        return args.func(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2

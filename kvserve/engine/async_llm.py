@@ -19,11 +19,11 @@ from collections.abc import AsyncGenerator
 from typing import Any, Callable, Optional, Union
 
 from kvserve.config import KVServeConfig
+from kvserve.core.messages import EngineCoreOutputs
 from kvserve.engine.arg_utils import EngineArgs
 from kvserve.engine.exceptions import EngineDeadError, EngineGenerateError
 from kvserve.engine.input_processor import InputProcessor, PromptType
 from kvserve.engine.launch import ClientAddresses
-from kvserve.engine.messages import EngineCoreOutputs
 from kvserve.engine.mp_client import AsyncMPClient, cancel_task
 from kvserve.engine.output_processor import (IterationStats, OutputProcessor, ParentRequest,
                                              RequestOutputCollector)

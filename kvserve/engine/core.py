@@ -7,13 +7,16 @@ from collections import deque
 from typing import Any, Optional
 
 from kvserve.config import KVServeConfig
+from kvserve.core.messages import EngineCoreOutputs, EngineCoreRequest
 from kvserve.core.request import Request, RequestStatus
+from kvserve.core.sched_hooks import SchedulerHook
 from kvserve.core.sched_output import SchedulerOutput
 from kvserve.core.scheduler import Scheduler
-from kvserve.engine.messages import EngineCoreOutputs, EngineCoreRequest
+from kvserve.executor import get_executor_class
 from kvserve.executor.base import Executor
 from kvserve.spec_decode import make_spec_decode_controller
 from kvserve.structured_output.manager import StructuredOutputManager
+from kvserve.structured_output.scheduling import StructuredOutputScheduling
 
 logger = logging.getLogger(__name__)
 
@@ -25,7 +28,7 @@ class EngineCore:
     def __init__(self, config: KVServeConfig,
                  executor_class: Optional[type[Executor]] = None) -> None:
         self.config = config
-        executor_class = executor_class or Executor.get_class(config)
+        executor_class = executor_class or get_executor_class(config)
         start = time.perf_counter()
         self.model_executor = executor_class(config)
         try:
@@ -35,28 +38,42 @@ class EngineCore:
             self.model_executor.shutdown()
             raise
         config.cache_config.num_blocks = num_blocks
-        so_config = config.structured_outputs_config
-        spec = config.speculative_config
         self.structured_output_manager = StructuredOutputManager(config)
-        kv_connector = None
-        if config.kv_transfer_config is not None:
-            from kvserve.kv_transfer.base import KVConnectorRole
-            from kvserve.kv_transfer.factory import KVConnectorFactory
-            kv_connector = KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER)
-        self.scheduler = Scheduler(config.scheduler_config, config.cache_config,
-                                   structured_output_manager=self.structured_output_manager,
-                                   enable_jump_forward=so_config.enable_jump_forward,
-                                   num_spec_tokens=spec.num_speculative_tokens if spec else 0,
-                                   num_lookahead_tokens=spec.num_lookahead_tokens if spec else 0,
-                                   send_sampled_tokens=config.parallel_config.pipeline_parallel_size > 1,
-                                   kv_connector=kv_connector,
-                                   spec_decode_controller=make_spec_decode_controller(spec))
+        self.scheduler = Scheduler(
+            config.scheduler_config, config.cache_config, hooks=self._make_scheduler_hooks(),
+            num_lookahead_tokens=(config.speculative_config.num_lookahead_tokens
+                                  if config.speculative_config else 0),
+            send_sampled_tokens=config.parallel_config.pipeline_parallel_size > 1)
         # Pipeline parallelism: up to one batch per stage in flight, so the stages overlap.
         self.batch_queue_size = self.model_executor.max_concurrent_batches
         self.batch_queue: Optional[deque[tuple[Any, SchedulerOutput]]] = (
             deque() if self.batch_queue_size > 1 else None)
         self.log_stats = not config.disable_log_stats
         logger.info("Engine core ready in %.2f s", time.perf_counter() - start)
+
+    def _make_scheduler_hooks(self) -> list[SchedulerHook]:
+        """The features' parts in scheduling, in the order the scheduler calls them:
+        speculation sets a request's drafts before structured outputs cut them to its grammar."""
+        config = self.config
+        max_model_len = config.model_config.max_model_len
+        hooks: list[SchedulerHook] = []
+        self.kv_connector = None
+        if config.kv_transfer_config is not None:
+            from kvserve.kv_transfer.base import KVConnectorRole
+            from kvserve.kv_transfer.factory import KVConnectorFactory
+            from kvserve.kv_transfer.scheduling import KVTransferScheduling
+            self.kv_connector = KVConnectorFactory.create_connector(config,
+                                                                    KVConnectorRole.SCHEDULER)
+            hooks.append(KVTransferScheduling(self.kv_connector))
+        spec = config.speculative_config
+        if spec is not None:
+            from kvserve.spec_decode.scheduling import SpecDecodeScheduling
+            hooks.append(SpecDecodeScheduling(spec.num_speculative_tokens,
+                                              make_spec_decode_controller(spec), max_model_len))
+        hooks.append(StructuredOutputScheduling(
+            self.structured_output_manager, max_model_len,
+            config.structured_outputs_config.enable_jump_forward))
+        return hooks
 
     def _check_kv_cache_fits(self, num_blocks: int) -> None:
         block_size = self.config.cache_config.block_size
@@ -90,9 +107,9 @@ class EngineCore:
             return self.step_with_batch_queue()
         if not self.scheduler.has_unfinished_requests():
             return EngineCoreOutputs(timestamp=time.monotonic())
-        scheduler_output = self._schedule()
+        scheduler_output = self.scheduler.schedule()
         runner_output = self.model_executor.execute_model(scheduler_output)
-        if scheduler_output.is_empty and self.scheduler.kv_transfer is not None:
+        if scheduler_output.is_empty and self.kv_connector is not None:
             # Only KV transfers are in flight: poll them without spinning a core.
             time.sleep(_KV_TRANSFER_POLL_S)
         return self._update(scheduler_output, runner_output)
@@ -104,7 +121,7 @@ class EngineCore:
         assert self.batch_queue is not None
         scheduled = False
         if len(self.batch_queue) < self.batch_queue_size and self.scheduler.has_unfinished_requests():
-            scheduler_output = self._schedule()
+            scheduler_output = self.scheduler.schedule()
             scheduled = not scheduler_output.is_empty
             # An empty batch still goes out when it tells the workers to drop requests.
             if scheduled or scheduler_output.finished_req_ids or scheduler_output.preempted_req_ids:
@@ -115,29 +132,12 @@ class EngineCore:
         future, scheduler_output = self.batch_queue.popleft()
         return self._update(scheduler_output, future.result())
 
-    def _schedule(self) -> SchedulerOutput:
-        scheduler_output = self.scheduler.schedule()
-        if self.scheduler.waiting_for_fsm or self.structured_output_manager.num_active:
-            self._attach_grammar_bitmask(scheduler_output)
-        return scheduler_output
-
     def _update(self, scheduler_output: SchedulerOutput, runner_output: Any) -> EngineCoreOutputs:
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         outputs.timestamp = time.monotonic()
         if self.log_stats:
             outputs.scheduler_stats = self.scheduler.make_stats().to_dict()
         return outputs
-
-    def _attach_grammar_bitmask(self, scheduler_output: SchedulerOutput) -> None:
-        mgr = self.structured_output_manager
-        if scheduler_output.is_empty:
-            # Everything left is waiting for a grammar: wait for one (briefly) instead of
-            # spinning the loop against the compile threads.
-            mgr.wait_for_any(self.scheduler.waiting_for_fsm, timeout=0.01)
-            return
-        scheduler_output.grammar_bitmask, scheduler_output.structured_output_request_ids = (
-            mgr.grammar_bitmask(self.scheduler.requests, scheduler_output.num_scheduled_tokens,
-                                scheduler_output.scheduled_spec_decode_tokens))
 
     # ------------------------------------------------------------------ utilities
     def reset_prefix_cache(self) -> bool:

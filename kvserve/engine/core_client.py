@@ -9,7 +9,7 @@ from abc import ABC, abstractmethod
 from typing import Any
 
 from kvserve.config import KVServeConfig
-from kvserve.engine.messages import EngineCoreOutputs, EngineCoreRequest
+from kvserve.core.messages import EngineCoreOutputs, EngineCoreRequest
 
 
 class EngineCoreClient(ABC):

@@ -45,13 +45,15 @@ from typing import Any, Optional, Union
 import msgspec
 import zmq
 
+from kvserve import envs
 from kvserve.config import KVServeConfig
+from kvserve.core.messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest,
+                                   EngineCoreRequestType, FinishReason)
 from kvserve.engine.core import EngineCore
-from kvserve.engine.messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest,
-                                     EngineCoreRequestType, FinishReason)
 from kvserve.engine.output_coalescer import OutputCoalescer
 from kvserve.engine.serial_utils import MsgpackDecoder, MsgpackEncoder
 from kvserve.executor.base import Executor
+from kvserve.utils.memory import configure_process_memory
 
 logger = logging.getLogger(__name__)
 
@@ -59,8 +61,6 @@ logger = logging.getLogger(__name__)
 # its traceback text. (An EngineCoreOutputs encoding is a msgpack array, never this.)
 ENGINE_CORE_DEAD = b"ENGINE_CORE_DEAD"
 HANDSHAKE_TIMEOUT_S = 5 * 60
-# A headless engine (another node's) gives up on an unreachable front node after this long.
-DP_HANDSHAKE_TIMEOUT_S = float(os.environ.get("KVSERVE_DP_HANDSHAKE_TIMEOUT", "60"))
 # After the frontend died: how long a clean shut-down may take before the process hard-exits.
 _ORPHAN_GRACE_S = 10.0
 # After a fatal error: how long flushing ENGINE_CORE_DEAD and shutting down may take before
@@ -72,6 +72,12 @@ _IO_THREAD_FAILED = "IO_THREAD_FAILED"
 # Sent through input_queue when a signal arrived: wakes the busy loop so that the main thread
 # runs the Python signal handler (see run_engine_core).
 _WAKE_UP = "WAKE_UP"
+
+
+def dp_handshake_timeout_s() -> float:
+    """KVSERVE_DP_HANDSHAKE_TIMEOUT: how long a headless engine (another node's) waits for the
+    front node, and the front node for remote engines' HELLO."""
+    return float(envs.get("KVSERVE_DP_HANDSHAKE_TIMEOUT"))
 
 
 class EngineZmqAddresses(msgspec.Struct):
@@ -186,7 +192,7 @@ class EngineCoreProc(EngineCore):
         sock.send(msgspec.msgpack.encode({
             "status": "HELLO", "local": not headless, "headless": headless, "pid": os.getpid(),
             "data_parallel_size": config.parallel_config.data_parallel_size if config else None}))
-        timeout = DP_HANDSHAKE_TIMEOUT_S if headless else HANDSHAKE_TIMEOUT_S
+        timeout = dp_handshake_timeout_s() if headless else HANDSHAKE_TIMEOUT_S
         deadline = time.monotonic() + timeout
         while not sock.poll(timeout=1000):
             if _parent_is_dead():
@@ -457,6 +463,7 @@ def run_engine_core(handshake_address: str, engine_index: int = 0,
         logging.basicConfig(level=log_level,
                             format=f"%(levelname)s %(asctime)s [EngineCore_{engine_index}] "
                                    f"%(name)s: %(message)s")
+    configure_process_memory("Engine core")
     exiting = False
 
     def signal_handler(signum: int, frame: Any) -> None:

@@ -32,7 +32,7 @@ from typing import Optional, Sequence
 
 from tokenizers.decoders import DecodeStream
 
-from kvserve.engine.messages import EngineCoreRequest
+from kvserve.core.messages import EngineCoreRequest
 from kvserve.tokenizer import Tokenizer
 
 # Prompt ids used as decoding context: at least this many (when the prompt has them) ...

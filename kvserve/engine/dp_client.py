@@ -16,10 +16,10 @@ import zmq
 import zmq.asyncio
 
 from kvserve.config import KVServeConfig
+from kvserve.core.messages import EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType
 from kvserve.engine.coordinator import COUNTS_TOPIC
 from kvserve.engine.exceptions import EngineDeadError
 from kvserve.engine.launch import ClientAddresses
-from kvserve.engine.messages import EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType
 from kvserve.engine.mp_client import AsyncMPClient
 
 

@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 import zmq
 
+from kvserve.core.messages import EngineCoreRequestType
 from kvserve.engine.core_proc import EngineCoreProc
-from kvserve.engine.messages import EngineCoreRequestType
 
 logger = logging.getLogger(__name__)
 
@@ -78,8 +78,7 @@ class DPEngineCoreProc(EngineCoreProc):
         self._to_coordinator.send(msgspec.msgpack.encode(msg))
 
     def _maybe_publish_request_counts(self) -> None:
-        counts = (len(self.scheduler.waiting) + len(self.scheduler.waiting_for_fsm),
-                  len(self.scheduler.running))
+        counts = (self.scheduler.num_waiting_reqs, len(self.scheduler.running))
         if counts != self._last_counts:
             self._last_counts = counts
             self._send_to_coordinator({"engine": self.dp_rank, "waiting": counts[0],

@@ -14,7 +14,7 @@ from typing import Any, Optional, Union
 import msgspec
 
 from kvserve.config import ModelConfig, StructuredOutputsConfig
-from kvserve.engine.messages import EngineCoreRequest
+from kvserve.core.messages import EngineCoreRequest
 from kvserve.sampling_params import SamplingParams
 from kvserve.tokenizer import Tokenizer
 

@@ -36,17 +36,21 @@ from typing import Any, Optional
 import msgspec
 import zmq
 
+from kvserve import envs
 from kvserve.config import KVServeConfig, ParallelConfig
 from kvserve.engine.core_proc import (EngineHandshakeMetadata, EngineZmqAddresses,
-                                      engine_identity, run_engine_core)
+                                      dp_handshake_timeout_s, engine_identity, run_engine_core)
 
 logger = logging.getLogger(__name__)
 
-STARTUP_TIMEOUT_S = float(os.environ.get("KVSERVE_ENGINE_STARTUP_TIMEOUT", "600"))
-DP_HANDSHAKE_TIMEOUT_S = float(os.environ.get("KVSERVE_DP_HANDSHAKE_TIMEOUT", "60"))
 # The ParallelConfig fields a headless engine takes from the front's init message.
 _DP_INIT_FIELDS = ("data_parallel_master_addr", "data_parallel_master_port",
                    "dp_coordinator_input", "dp_coordinator_engines")
+
+
+def startup_timeout_s() -> float:
+    """KVSERVE_ENGINE_STARTUP_TIMEOUT: how long to wait for engine cores to report READY."""
+    return float(envs.get("KVSERVE_ENGINE_STARTUP_TIMEOUT"))
 
 
 class EngineAddresses(msgspec.Struct):
@@ -179,7 +183,7 @@ def _wait_for_engine_startup(handshake: zmq.Socket, config: KVServeConfig,
                              procs: dict[int, multiprocessing.process.BaseProcess],
                              addresses: EngineAddresses) -> None:
     """Per engine: HELLO -> init -> READY (or FAILED: raise the engine's error). Remote
-    engines must say HELLO within DP_HANDSHAKE_TIMEOUT_S; READY may take the model load."""
+    engines must say HELLO within dp_handshake_timeout_s(); READY may take the model load."""
     pc = config.parallel_config
     expected = {engine_identity(i): i for i in range(pc.data_parallel_size)}
     local = {engine_identity(i) for i in procs}
@@ -189,9 +193,9 @@ def _wait_for_engine_startup(handshake: zmq.Socket, config: KVServeConfig,
     while len(ready) < len(expected):
         missing = [expected[i] for i in expected if i not in hello and i not in local]
         if missing:
-            deadline, what = started + DP_HANDSHAKE_TIMEOUT_S, _missing_message(missing, addresses)
+            deadline, what = started + dp_handshake_timeout_s(), _missing_message(missing, addresses)
         else:
-            deadline, what = started + STARTUP_TIMEOUT_S, "no READY from every engine"
+            deadline, what = started + startup_timeout_s(), "no READY from every engine"
         identity, msg = recv_during_startup(handshake, list(procs.values()), deadline, what)
         status = msgspec.msgpack.decode(msg)
         kind = status.get("status")
@@ -258,8 +262,8 @@ def recv_during_startup(sock: zmq.Socket, procs: list[multiprocessing.process.Ba
         if remaining <= 0:
             raise TimeoutError(f"The engine cores did not complete their start-up in time: "
                                f"{what} (KVSERVE_ENGINE_STARTUP_TIMEOUT="
-                               f"{STARTUP_TIMEOUT_S:.0f} s, KVSERVE_DP_HANDSHAKE_TIMEOUT="
-                               f"{DP_HANDSHAKE_TIMEOUT_S:.0f} s).")
+                               f"{startup_timeout_s():.0f} s, KVSERVE_DP_HANDSHAKE_TIMEOUT="
+                               f"{dp_handshake_timeout_s():.0f} s).")
         events = dict(poller.poll(timeout=remaining * 1000))
         if sock in events:
             return sock.recv_multipart(copy=copy)

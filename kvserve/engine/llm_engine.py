@@ -5,10 +5,10 @@ import time
 from typing import Any, Optional
 
 from kvserve.config import KVServeConfig
+from kvserve.core.messages import EngineCoreRequest
 from kvserve.engine.arg_utils import EngineArgs
 from kvserve.engine.core_client import EngineCoreClient
 from kvserve.engine.input_processor import InputProcessor
-from kvserve.engine.messages import EngineCoreRequest
 from kvserve.engine.output_processor import OutputProcessor, ParentRequest
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams

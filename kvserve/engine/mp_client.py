@@ -36,13 +36,13 @@ import zmq
 import zmq.asyncio
 
 from kvserve.config import KVServeConfig
+from kvserve.core.messages import EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType
 from kvserve.engine.core_client import EngineCoreClient
-from kvserve.engine.core_proc import ENGINE_CORE_DEAD, engine_identity
-from kvserve.engine.launch import (DP_HANDSHAKE_TIMEOUT_S, ClientAddresses, client_addresses,
+from kvserve.engine.core_proc import ENGINE_CORE_DEAD, dp_handshake_timeout_s, engine_identity
+from kvserve.engine.exceptions import EngineDeadError
+from kvserve.engine.launch import (ClientAddresses, client_addresses,
                                    launch_core_engines, make_engine_addresses,
                                    recv_during_startup)
-from kvserve.engine.exceptions import EngineDeadError
-from kvserve.engine.messages import EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType
 from kvserve.engine.serial_utils import MsgpackDecoder, MsgpackEncoder
 
 logger = logging.getLogger(__name__)
@@ -311,7 +311,7 @@ class MPClient(EngineCoreClient):
         processes, their connection's file descriptor -> engine index."""
         r = self.resources
         registered: dict[int, int] = {}
-        deadline = time.monotonic() + DP_HANDSHAKE_TIMEOUT_S
+        deadline = time.monotonic() + dp_handshake_timeout_s()
         while len(registered) < self.num_engines:
             frames = recv_during_startup(input_sync, list(r.procs.values()), deadline,
                                          "the engines' input connections", copy=False)

@@ -25,8 +25,8 @@ from __future__ import annotations
 import time
 from typing import Iterable, Optional
 
-from kvserve.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
-from kvserve.envs import env_switch
+from kvserve.core.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+from kvserve import envs
 from kvserve.sampling_params import RequestOutputKind
 
 # An upper bound on how stale the frontend's view can get (progress bars, a client polling
@@ -60,7 +60,7 @@ class OutputCoalescer:
     """Decides, step by step, what of the engine core's outputs to send now."""
 
     def __init__(self, log_stats: bool, max_hold_s: float = MAX_HOLD_S) -> None:
-        self.enabled = not log_stats and env_switch(HOLD_OUTPUTS_ENV)
+        self.enabled = not log_stats and envs.get(HOLD_OUTPUTS_ENV)
         self.max_hold_s = max_hold_s
         self._holdable: set[str] = set()     # requests whose per-step outputs may wait
         self._started: set[str] = set()      # ... whose first token has gone out

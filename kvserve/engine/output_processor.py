@@ -19,9 +19,9 @@ from typing import Optional, Union
 
 import msgspec
 
+from kvserve.core.messages import (EngineCoreEventType, EngineCoreOutput, EngineCoreRequest,
+                                   FinishReason)
 from kvserve.engine.detokenizer import IncrementalDetokenizer
-from kvserve.engine.messages import (EngineCoreEventType, EngineCoreOutput, EngineCoreRequest,
-                                     FinishReason)
 from kvserve.outputs import (CompletionOutput, Logprob, PromptLogprobs, RequestMetrics,
                              RequestOutput, SampleLogprobs)
 from kvserve.sampling_params import RequestOutputKind, SamplingParams

@@ -1,13 +1,16 @@
-"""The `kvserve` command: generate | serve | chat | proxy | bench."""
+"""`kvserve generate | serve | chat | proxy`. The `kvserve` command (kvserve/__main__.py) adds
+`bench` (kvserve/benchmarks/cli.py), which sits above this package: its benchmarks drive `LLM`
+and the server, so this module does not import them."""
 from __future__ import annotations
 
 import argparse
-import logging
-import os
 import sys
-from typing import Optional
+from typing import Any, Callable, Optional, Sequence
 
-from kvserve.engine.arg_utils import EngineArgs
+from kvserve import envs
+from kvserve.engine.arg_utils import EngineArgs, run_command
+from kvserve.entrypoints.openai.reasoning_parsers import reasoning_parser_names
+from kvserve.entrypoints.openai.tool_parsers import tool_parser_names
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -25,7 +28,8 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from kvserve import LLM, SamplingParams
+    from kvserve.entrypoints.llm import LLM
+    from kvserve.sampling_params import SamplingParams
     engine_args = EngineArgs.from_cli_args(args)
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -46,6 +50,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     import asyncio
+
+    from kvserve.utils.memory import configure_process_memory
+    configure_process_memory("API server")
 
     if args.headless:       # engines only: they serve the front node's API server
         from kvserve.engine.launch import run_headless
@@ -73,8 +80,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--host", type=str, default=None,
                    help="Address to listen on (default: all interfaces).")
     g.add_argument("--port", type=int, default=8000, help="Port to listen on (default: 8000).")
-    g.add_argument("--api-key", type=str, default=None,
-                   help="Require 'Authorization: Bearer <key>' on /v1/* (or set KVSERVE_API_KEY).")
+    g.add_argument("--api-key", type=str, default=envs.get("KVSERVE_API_KEY"),
+                   help="Require 'Authorization: Bearer <key>' on /v1/* (default: "
+                        f"$KVSERVE_API_KEY, {'' if envs.is_set('KVSERVE_API_KEY') else 'not '}"
+                        "set; the key itself is not shown).")
     g.add_argument("--chat-template", type=str, default=None,
                    help="Chat template: a file path or the Jinja template itself "
                         "(default: the tokenizer's).")
@@ -87,18 +96,39 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--disable-uvicorn-access-log", action="store_true",
                    help="Do not log every HTTP request.")
     g.add_argument("--keep-alive-on-engine-death", action="store_true",
-                   default=os.environ.get("KVSERVE_KEEP_ALIVE_ON_ENGINE_DEATH", "0") == "1",
+                   default=envs.get("KVSERVE_KEEP_ALIVE_ON_ENGINE_DEATH"),
                    help="When the engine core dies, keep the server up answering 503 instead of "
-                        "exiting with status 1 so that an orchestrator restarts it (or set "
-                        "KVSERVE_KEEP_ALIVE_ON_ENGINE_DEATH=1, like vLLM's variable).")
+                        "exiting with status 1 so that an orchestrator restarts it (default: "
+                        "%(default)s, from KVSERVE_KEEP_ALIVE_ON_ENGINE_DEATH, like vLLM's "
+                        "variable).")
     g.add_argument("--log-stats-interval", type=float, default=5.0,
                    help="Seconds between throughput log lines (default: 5).")
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="Let the model call tools on its own (tool_choice='auto'); needs "
                         "--tool-call-parser.")
-    g.add_argument("--tool-call-parser", type=str, default=None, choices=["hermes"],
-                   help="How tool calls are written in the model's text (hermes: "
-                        "<tool_call>{...}</tool_call>).")
+    g.add_argument("--tool-call-parser", type=str, default=None, choices=tool_parser_names(),
+                   help="How tool calls are written in the model's text (vLLM's names): hermes "
+                        "(<tool_call>{...}</tool_call>), llama3_json ({\"name\", "
+                        "\"parameters\"}), mistral ([TOOL_CALLS][...]), pythonic "
+                        "([f(a=1)]), qwen3_coder (<tool_call><function=f>...).")
+    g.add_argument("--reasoning-parser", type=str, default=None,
+                   choices=reasoning_parser_names(),
+                   help="Return the model's <think>...</think> reasoning as reasoning_content "
+                        "(vLLM's names); structured outputs apply after the reasoning.")
+    lim = parser.add_argument_group("request limits")
+    lim.add_argument("--max-request-body-bytes", type=int, default=16 << 20,
+                     help="Request bodies larger than this get 413 without being read "
+                          "(default: 16 MiB; 0: no limit).")
+    lim.add_argument("--limit-concurrency", type=int, default=0,
+                     help="Open connections and requests at once before new requests get 503 "
+                          "(uvicorn's limit, idle connections included; default: 0, no limit: "
+                          "connections that send no complete request within 5 s are closed).")
+    lim.add_argument("--max-n-sequences", type=int, default=1024,
+                     help="Most sequences one request may ask for: n times the number of "
+                          "prompts (vLLM's VLLM_MAX_N_SEQUENCES; default: 1024).")
+    lim.add_argument("--trust-request-chat-template", action="store_true",
+                     help="Accept a chat_template in requests (a request's Jinja template runs "
+                          "in the server; off by default, as in vLLM).")
     g.add_argument("--headless", action="store_true",
                    help="Run this node's data-parallel engines only (no API server); they "
                         "connect to the front node at --data-parallel-address / "
@@ -133,7 +163,9 @@ def add_chat_args(parser: argparse.ArgumentParser) -> None:
     EngineArgs.add_cli_args(parser, skip=("model",))
 
 
-def make_parser() -> argparse.ArgumentParser:
+def make_parser(more_subcommands: Sequence[Callable[[Any], Any]] = ()
+                ) -> argparse.ArgumentParser:
+    """This module's subcommands, then each of `more_subcommands(subparsers)` (`bench`)."""
     parser = argparse.ArgumentParser(prog="kvserve", description="kvserve LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="Generate text for one or more prompts (offline).")
@@ -152,19 +184,13 @@ def make_parser() -> argparse.ArgumentParser:
     from kvserve.entrypoints.proxy import add_proxy_args, run_proxy
     add_proxy_args(proxy)
     proxy.set_defaults(func=run_proxy)
-    from kvserve.benchmarks.cli import add_bench_subparsers
-    add_bench_subparsers(sub)
+    for add in more_subcommands:
+        add(sub)
     return parser
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
-    args = make_parser().parse_args(argv)
-    try:
-        return args.func(args)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return run_command(make_parser, argv)
 
 
 if __name__ == "__main__":

@@ -14,22 +14,6 @@ class Executor(ABC):
         self.config = config
         self._init_executor()
 
-    @staticmethod
-    def get_class(config: KVServeConfig) -> type["Executor"]:
-        backend = config.parallel_config.distributed_executor_backend
-        if backend is None:
-            backend = "mp" if config.parallel_config.world_size > 1 else "uni"
-        if backend == "uni":
-            from kvserve.executor.uniproc import UniProcExecutor
-            return UniProcExecutor
-        if backend == "mp":
-            from kvserve.executor.multiproc import MultiprocExecutor
-            return MultiprocExecutor
-        if backend == "ray":
-            from kvserve.executor.ray_executor import RayDistributedExecutor
-            return RayDistributedExecutor
-        raise ValueError(f"Unknown distributed_executor_backend {backend!r}; supported: uni, mp, ray.")
-
     @abstractmethod
     def _init_executor(self) -> None: ...
 

@@ -47,9 +47,11 @@ from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
 from typing import Any, Callable, Optional, Union
 
+from kvserve import envs
 from kvserve.config import KVServeConfig
 from kvserve.distributed.shm_broadcast import Handle, MessageQueue, MessageQueueCancelled
 from kvserve.executor.base import Executor
+from kvserve.utils.memory import configure_process_memory
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +59,6 @@ SUCCESS, FAILURE = 0, 1
 READY_STR, FAILED_STR = "READY", "FAILED"
 
 # How long the executor waits for every worker to load its model and report READY.
-WORKER_READY_TIMEOUT_S = float(os.environ.get("KVSERVE_WORKER_READY_TIMEOUT_S", "600"))
 # The queues' ready handshake runs right after READY; it only waits for sockets to connect.
 _HANDSHAKE_TIMEOUT_S = 60.0
 # How often an idle or blocked worker checks that its parent is still alive.
@@ -311,13 +312,14 @@ class MultiprocExecutor(Executor):
         or death raises with the worker's own traceback."""
         pending = {w.ready_pipe: w for w in workers}
         by_sentinel = {w.proc.sentinel: w for w in workers}
-        deadline = time.monotonic() + WORKER_READY_TIMEOUT_S
+        ready_timeout = float(envs.get("KVSERVE_WORKER_READY_TIMEOUT_S"))
+        deadline = time.monotonic() + ready_timeout
         while pending:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(
                     f"Workers of ranks {sorted(w.rank for w in pending.values())} did not "
-                    f"report READY within {WORKER_READY_TIMEOUT_S:.0f} s "
+                    f"report READY within {ready_timeout:.0f} s "
                     f"(KVSERVE_WORKER_READY_TIMEOUT_S).")
             ready = multiprocessing.connection.wait(
                 list(pending) + [s for s, w in by_sentinel.items() if w.ready_pipe in pending],
@@ -528,6 +530,7 @@ class WorkerProc:
         """Process entry point: start up, report READY (or the error), serve until told to stop."""
         rank = kwargs["rank"]
         _set_process_name(f"KVSWorker_TP{rank}")
+        configure_process_memory(f"Worker TP{rank}")
         shutdown_requested = False
 
         def on_sigterm(signum: int, frame: Any) -> None:

@@ -20,13 +20,13 @@ import os
 import socket
 from typing import Any, Optional
 
+from kvserve import envs
 from kvserve.config import KVServeConfig
 from kvserve.executor.base import Executor
 from kvserve.executor.multiproc import WorkerDeadError, WorkerRPCError
 
 logger = logging.getLogger(__name__)
 
-PLACEMENT_GROUP_TIMEOUT_S = float(os.environ.get("KVSERVE_RAY_PG_TIMEOUT_S", "120"))
 
 
 def _import_ray() -> Any:
@@ -84,11 +84,12 @@ class RayDistributedExecutor(Executor):
         self._remove_pg = remove_placement_group
         self.workers: list[Any] = []
         try:
-            ready, _ = ray.wait([self._pg.ready()], timeout=PLACEMENT_GROUP_TIMEOUT_S)
+            pg_timeout = float(envs.get("KVSERVE_RAY_PG_TIMEOUT_S"))
+            ready, _ = ray.wait([self._pg.ready()], timeout=pg_timeout)
             if not ready:
                 raise RuntimeError(
                     f"Ray could not place {self.world_size} bundles of 1 {device} within "
-                    f"{PLACEMENT_GROUP_TIMEOUT_S:.0f} s: the cluster has "
+                    f"{pg_timeout:.0f} s (KVSERVE_RAY_PG_TIMEOUT_S): the cluster has "
                     f"{ray.cluster_resources().get(device, 0):g} {device}s.")
             actor_cls = ray.remote(num_cpus=1 if device == "CPU" else 0,
                                    num_gpus=1 if device == "GPU" else 0)(RayWorkerWrapper)

@@ -1,11 +1,11 @@
-"""The scheduler's bookkeeping for KV transfers, kept out of Scheduler itself.
+"""The scheduler's hook for KV transfers (a SchedulerHook: the Scheduler knows none of this).
 
 Decode side: a request whose prompt KV can be loaded from outside leaves the waiting queue
-with its blocks allocated (not yet registered in the prefix cache: their KV is not there yet)
-and waits in WAITING_FOR_REMOTE_KVS while the worker loads; others keep stepping. When the
-worker reports the load done, it rejoins the waiting queue with those tokens computed; when
-the load failed, its blocks are freed and it is computed locally (counted in
-`num_local_fallbacks`).
+(`admit`) with its blocks allocated (not yet registered in the prefix cache: their KV is not
+there yet) and waits in WAITING_FOR_REMOTE_KVS while the worker loads; others keep stepping.
+When the worker reports the load done, it rejoins the front of the waiting queue
+(`take_ready`) with those tokens computed; when the load failed, its blocks are freed and it
+is computed locally (counted in `num_local_fallbacks`).
 
 Prefill side: a finished request whose KV a decode instance will read keeps its blocks
 (`request_finished` said so) until the worker reports it in finished_sending (read, or its
@@ -16,19 +16,22 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, Optional
 
+from kvserve.core.request import RequestStatus
+from kvserve.core.sched_hooks import SchedulerHook
 from kvserve.kv_transfer.base import KVConnectorBase, KVConnectorOutput
 
 if TYPE_CHECKING:
-    from kvserve.core.kv_cache_manager import KVCacheManager
     from kvserve.core.request import Request
+    from kvserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
 
-class KVTransferScheduling:
-    def __init__(self, connector: KVConnectorBase, kv_cache_manager: "KVCacheManager") -> None:
+class KVTransferScheduling(SchedulerHook):
+    ready_to_front = True   # loaded requests were admitted once already
+
+    def __init__(self, connector: KVConnectorBase) -> None:
         self.connector = connector
-        self.kv_cache_manager = kv_cache_manager
         # request id -> (request, tokens being loaded) while its load runs.
         self.loading: dict[str, tuple["Request", int]] = {}
         # Aborted while loading: their blocks are freed once the worker is done with them.
@@ -54,7 +57,28 @@ class KVTransferScheduling:
         return bool(self.delayed_free or self.loading_aborted)
 
     # ------------------------------------------------------------------ decode side
-    def num_external_tokens(self, request: "Request", num_computed_tokens: int) -> int:
+    def admit(self, request: "Request", computed_blocks: list, num_computed: int) -> bool:
+        """Ask the connector for the request's tokens beyond its local prefix hit; if it has
+        some, allocate the blocks and let the request wait for the load. False: no load (also
+        when blocks are short: the request then stays at the head of the queue)."""
+        num_external = self._num_external_tokens(request, num_computed)
+        if num_external <= 0:
+            return False
+        blocks = self.kv_cache_manager.allocate_slots(
+            request, num_external, num_new_computed_tokens=num_computed,
+            new_computed_blocks=computed_blocks, delay_cache_blocks=True)
+        if blocks is None:
+            return False
+        request.num_computed_tokens = num_computed
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_computed + num_external
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
+        self.connector.update_state_after_alloc(request, block_ids, num_external)
+        self.loading[request.request_id] = (request, num_external)
+        return True
+
+    def _num_external_tokens(self, request: "Request", num_computed_tokens: int) -> int:
         if request.request_id in self.local_only:
             return 0
         num, _load_async = self.connector.get_num_new_matched_tokens(request, num_computed_tokens)
@@ -63,15 +87,10 @@ class KVTransferScheduling:
         self.external_prefix_cache_hits += num
         return num
 
-    def start_loading(self, request: "Request", num_external_tokens: int) -> None:
-        block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
-        self.connector.update_state_after_alloc(request, block_ids, num_external_tokens)
-        self.loading[request.request_id] = (request, num_external_tokens)
-
-    def take_finished_loads(self) -> list[tuple["Request", bool]]:
-        """Requests whose load ended since the last call: (request, loaded?). Their
-        num_computed_tokens is set; failed ones have had their blocks freed."""
-        ready: list[tuple["Request", bool]] = []
+    def take_ready(self) -> list["Request"]:
+        """Requests whose load ended since the last call, back to WAITING: with the loaded
+        tokens computed, or (failed load: blocks freed) to be computed locally."""
+        ready: list["Request"] = []
         for rid in self.done_recving | self.failed_recving:
             entry = self.loading.pop(rid, None)
             if entry is None:
@@ -83,33 +102,37 @@ class KVTransferScheduling:
                 request.num_computed_tokens = 0
                 self.local_only.add(rid)
                 self.num_local_fallbacks += 1
-                ready.append((request, False))
             else:
                 # At least the last token is computed here: its logits give the next token.
                 request.num_computed_tokens = min(request.num_computed_tokens + num_external,
                                                   request.num_tokens - 1)
-                ready.append((request, True))
+            request.status = RequestStatus.WAITING
+            ready.append(request)
         self.done_recving.clear()
         self.failed_recving.clear()
         return ready
 
-    def abort_loading(self, request: "Request") -> None:
-        """Aborted while WAITING_FOR_REMOTE_KVS: the worker may still write its blocks."""
-        self.loading.pop(request.request_id, None)
-        self.loading_aborted[request.request_id] = request
-        self.local_only.discard(request.request_id)
-        self.connector.request_finished(request, [])   # its per-request state goes
-
     # ------------------------------------------------------------------ both sides
     def request_finished(self, request: "Request") -> tuple[bool, Optional[dict[str, Any]]]:
-        self.local_only.discard(request.request_id)
-        block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
+        rid = request.request_id
+        self.local_only.discard(rid)
+        if self.loading.pop(rid, None) is not None:
+            # Aborted while loading: the worker may still write its blocks.
+            self.loading_aborted[rid] = request
+            self.connector.request_finished(request, [])   # its per-request state goes
+            return True, None
+        block_ids = self.kv_cache_manager.get_block_ids(rid)
         delay, params = self.connector.request_finished(request, block_ids)
         if delay:
-            self.delayed_free[request.request_id] = request
+            self.delayed_free[rid] = request
         return delay, params
 
-    def update_from_output(self, out: Optional[KVConnectorOutput]) -> None:
+    def on_scheduled(self, output: "SchedulerOutput", requests: dict[str, "Request"]) -> None:
+        output.kv_connector_metadata = self.connector.build_connector_meta(output)
+
+    def update_from_output(self, scheduler_output: "SchedulerOutput",
+                           runner_output: "ModelRunnerOutput") -> None:
+        out: Optional[KVConnectorOutput] = runner_output.kv_connector_output
         if out is None:
             self.num_kv_transfers_in_flight = 0
             return

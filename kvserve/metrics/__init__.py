@@ -1,7 +1,5 @@
-"""Engine metrics: Prometheus exposition (`prometheus.py`) and the periodic log line
-(`loggers.py`). Both are stat loggers: callables `(scheduler_stats, iteration_stats)` that
-AsyncLLM calls once per batch of engine outputs."""
-from kvserve.metrics.loggers import LoggingStatLogger, StatLoggerBase
-from kvserve.metrics.prometheus import PrometheusStatLogger
-
-__all__ = ["LoggingStatLogger", "PrometheusStatLogger", "StatLoggerBase"]
+"""Engine metrics: Prometheus exposition (`prometheus.py`), the periodic log line
+(`loggers.py`) and the speculative-decoding counters (`spec_decode.py`). The stat loggers are
+callables `(scheduler_stats, iteration_stats)` that AsyncLLM calls once per batch of engine
+outputs. Nothing is imported here: the engine core imports the counters without
+prometheus_client."""

@@ -12,7 +12,7 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
-from kvserve.spec_decode.metrics import SpecDecodingLogging
+from kvserve.metrics.spec_decode import SpecDecodingLogging
 
 logger = logging.getLogger("kvserve.metrics")
 

@@ -15,6 +15,8 @@ import json
 import os
 from typing import Any, Optional
 
+from kvserve.envs import cache_dir
+
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
 UNK_ID, BOS_ID, EOS_ID, IM_START_ID, IM_END_ID = range(5)
 
@@ -196,14 +198,6 @@ DEMO_CONFIG: dict[str, Any] = dict(
     tie_word_embeddings=False, dtype="float32", seed=0)
 
 
-def cache_dir() -> str:
-    """$KVSERVE_CACHE_DIR, else $XDG_CACHE_HOME/kvserve, else ~/.cache/kvserve."""
-    if os.environ.get("KVSERVE_CACHE_DIR"):
-        return os.path.expanduser(os.environ["KVSERVE_CACHE_DIR"])
-    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(xdg, "kvserve")
-
-
 def demo_model_path() -> str:
     """Where the random demo checkpoint lives; the name changes whenever its recipe does."""
     import hashlib
@@ -324,7 +318,7 @@ def _demo() -> str:
 def resolve_model_path(model: str, load_format: str = "auto") -> str:
     """'demo' -> the demo GGUF (fetched on first use), 'demo-random' -> the random demo
     checkpoint (built on first use); a directory or GGUF file -> its absolute path."""
-    from kvserve.model.gguf import is_gguf
+    from kvserve.config import is_gguf
 
     if model == "demo":
         return _demo()

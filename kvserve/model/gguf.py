@@ -24,9 +24,9 @@ from typing import Any, Iterator, Optional
 import numpy as np
 import torch
 
-logger = logging.getLogger(__name__)
+from kvserve.config import is_gguf
 
-GGUF_EXTENSION = ".gguf"
+logger = logging.getLogger(__name__)
 
 # GGUF `general.architecture` -> (HF `architectures` entry, `model_type`). Mistral files say
 # "llama": llama.cpp converts them as Llama, and they are the same network here.
@@ -63,11 +63,6 @@ _LAYER_NAMES = {
 }
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _GLOBAL_RE = re.compile(r"^(\w+)\.(weight|bias)$")
-
-
-def is_gguf(model: str, load_format: str = "auto") -> bool:
-    """Whether `model` is to be loaded as GGUF: --load-format gguf, or a path ending in .gguf."""
-    return load_format == "gguf" or (load_format == "auto" and model.endswith(GGUF_EXTENSION))
 
 
 def hf_tensor_name(gguf_name: str) -> Optional[str]:
@@ -148,7 +143,7 @@ def _read_gguf_metadata(path: str, size: int, mtime_ns: int) -> GGUFMetadata:
     import hashlib
     import json
 
-    from kvserve.model.demo import cache_dir
+    from kvserve.envs import cache_dir
 
     key = hashlib.sha256(f"{_METADATA_CACHE_VERSION}|{path}|{size}|{mtime_ns}".encode()).hexdigest()
     cached = os.path.join(cache_dir(), "gguf-metadata", key[:24] + ".json")
@@ -216,6 +211,20 @@ def check_gguf_supported(meta: GGUFMetadata, use_hf_config: bool = False) -> Non
                              f"kvserve's {arch} model.")
 
 
+def read_gguf_config(path: str, load_format: str = "auto",
+                     hf_config_path: Optional[str] = None) -> Optional[dict[str, Any]]:
+    """The HF-style config of a GGUF `path`, as plain data for ModelConfig.from_path /
+    load_hf_config (`gguf_config`). None when `path` is not GGUF, or when `hf_config_path`
+    supplies the config (the file is still checked as loadable)."""
+    if not is_gguf(path, load_format):
+        return None
+    if not os.path.isfile(path):
+        raise ValueError(f"GGUF model {path!r} is not a file.")
+    meta = read_gguf_metadata(path)
+    check_gguf_supported(meta, use_hf_config=hf_config_path is not None)
+    return None if hf_config_path else gguf_hf_config(meta)
+
+
 def _rope_scaling(meta: GGUFMetadata) -> Optional[dict]:
     kind = meta.get("rope.scaling.type")
     if kind in (None, "none"):
@@ -264,6 +273,7 @@ def gguf_hf_config(meta: GGUFMetadata) -> dict[str, Any]:
         "attention_bias": "blk.0.attn_q.bias" in names,
         "torch_dtype": _torch_dtype_name(meta),
     }
+    check_gguf_shapes(meta, config)
     if model_type == "llama":
         config["mlp_bias"] = "blk.0.ffn_up.bias" in names
     else:
@@ -273,6 +283,43 @@ def gguf_hf_config(meta: GGUFMetadata) -> dict[str, Any]:
         if value is not None:
             config[key] = int(value)
     return config
+
+
+def check_gguf_shapes(meta: GGUFMetadata, config: dict[str, Any]) -> None:
+    """The hyper-parameters the metadata states agree with the tensors the file holds, so
+    that an absurd value (a corrupt or hostile file) is a clear error here instead of a huge
+    allocation when the model is built."""
+    def bad(why: str) -> ValueError:
+        return ValueError(f"GGUF file {meta.path} is inconsistent: {why}.")
+
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings"):
+        if not config[key] > 0:
+            raise bad(f"{key} is {config[key]}")
+    if config["num_attention_heads"] % config["num_key_value_heads"]:
+        raise bad(f"{config['num_attention_heads']} attention heads are not a multiple of "
+                  f"{config['num_key_value_heads']} KV heads")
+    shapes = {t.name: t.shape for t in meta.tensors}
+    layers = {int(m.group(1)) for m in map(_LAYER_RE.match, shapes) if m}
+    if layers != set(range(config["num_hidden_layers"])):
+        raise bad(f"block_count is {config['num_hidden_layers']} but the file has tensors for "
+                  f"{len(layers)} layers")
+    hidden, head_dim = config["hidden_size"], config["head_dim"]
+    expected = {
+        "token_embd.weight": (config["vocab_size"], hidden),
+        "blk.0.attn_q.weight": (config["num_attention_heads"] * head_dim, hidden),
+        "blk.0.attn_k.weight": (config["num_key_value_heads"] * head_dim, hidden),
+        "blk.0.ffn_up.weight": (config["intermediate_size"], hidden),
+    }
+    for name, shape in expected.items():
+        if name not in shapes:
+            raise bad(f"tensor {name} is missing")
+        # The vocabulary may be padded past the tokenizer's tokens (rows >= the stated size).
+        if name == "token_embd.weight" and shapes[name][1:] == shape[1:] \
+                and shapes[name][0] >= shape[0]:
+            continue
+        if tuple(shapes[name]) != shape:
+            raise bad(f"tensor {name} has shape {tuple(shapes[name])}, the metadata says {shape}")
 
 
 def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:

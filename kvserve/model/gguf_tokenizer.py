@@ -1,4 +1,5 @@
-"""The tokenizer a GGUF file describes in its metadata, as a kvserve `Tokenizer`.
+"""The tokenizer a GGUF file describes in its metadata, as the parts of a kvserve `Tokenizer`
+(kvserve/tokenizer.py builds it from them: model/ does not import the tokenizer above it).
 
 vLLM gets it through transformers' GGUF tokenizer conversion; kvserve does the same conversion
 itself with `tokenizers` (transformers is not a dependency of kvserve), for llama.cpp's byte-level
@@ -12,10 +13,9 @@ model's Hugging Face tokenizer: `--tokenizer DIR`.
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Any
+from typing import Any, Optional
 
 from kvserve.model.gguf import GGUFMetadata, read_gguf_metadata
-from kvserve.tokenizer import Tokenizer
 
 _CONTROL, _USER_DEFINED = 3, 4       # llama.cpp token types
 
@@ -105,8 +105,9 @@ def _post_processor(f: dict[str, Any], tokens: list[str]) -> Any:
                                          special_tokens=list(dict.fromkeys(bos + eos)))
 
 
-def tokenizer_from_gguf(path: str) -> Tokenizer:
-    """The kvserve Tokenizer of a GGUF file, built from its metadata."""
+def tokenizer_parts_from_gguf(path: str) -> tuple[Any, dict[str, Any], Optional[str]]:
+    """(`tokenizers` backend, tokenizer_config-style dict, chat template) of a GGUF file, built
+    from its metadata: what kvserve's Tokenizer is made of."""
     meta = read_gguf_metadata(path)
     model = meta.fields.get("tokenizer.ggml.model")
     if model != "gpt2":
@@ -124,5 +125,4 @@ def tokenizer_from_gguf(path: str) -> Tokenizer:
     context = meta.get("context_length")
     if context:
         config["model_max_length"] = int(context)
-    return Tokenizer(_backend(meta), config,
-                     chat_template=meta.fields.get("tokenizer.chat_template"), name_or_path=path)
+    return _backend(meta), config, meta.fields.get("tokenizer.chat_template")

@@ -16,12 +16,13 @@ from typing import Iterable, Optional, Union
 import torch
 from torch import nn
 
+from kvserve.attention.backends.cpu import AttentionMetadata
 from kvserve.config import ModelConfig
 from kvserve.distributed.parallel_state import (get_pp_rank, get_pp_world_size,
                                                 is_first_pp_rank, is_last_pp_rank)
 from kvserve.distributed.pp_utils import (IntermediateTensors, PPMissingLayer, get_pp_indices,
                                           missing_prefixes)
-from kvserve.model.layers.attention import Attention, AttentionMetadata
+from kvserve.model.layers.attention import Attention
 from kvserve.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from kvserve.model.layers.fused_decode import FusedDecodeStack
 from kvserve.model.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
@@ -82,12 +83,15 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, flags: DecoderFlags) -> None:
+    # Whether ops.decode_layers (fused_decode.py) can run this layer: a dense LlamaMLP only.
+    supports_fused_decode = True
+
+    def __init__(self, config: ModelConfig, flags: DecoderFlags, layer_idx: int = 0) -> None:
         super().__init__()
         hf = config.hf_config
         eps = float(hf.get("rms_norm_eps", 1e-6))
         self.self_attn = LlamaAttention(config, flags)
-        self.mlp = LlamaMLP(config.hidden_size, int(hf["intermediate_size"]), flags.mlp_bias)
+        self.mlp = self.build_mlp(config, flags, layer_idx)
         self.input_layernorm = RMSNorm(config.hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
 
@@ -104,13 +108,19 @@ class LlamaDecoderLayer(nn.Module):
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
 
+    def build_mlp(self, config: ModelConfig, flags: DecoderFlags, layer_idx: int) -> nn.Module:
+        """The feed-forward block; mixture-of-experts layers (moe.py) override it."""
+        return LlamaMLP(config.hidden_size, int(config.hf_config["intermediate_size"]),
+                        flags.mlp_bias)
+
 
 class LlamaModel(nn.Module):
     """The decoder stack, or this pipeline stage's slice of it: layers [start_layer,
     end_layer); the embedding on the first stage, the final norm on the last. Layers of other
     stages are PPMissingLayer, so parameter names keep their checkpoint indices."""
 
-    def __init__(self, config: ModelConfig, flags: DecoderFlags) -> None:
+    def __init__(self, config: ModelConfig, flags: DecoderFlags,
+                 layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer) -> None:
         super().__init__()
         self.start_layer, self.end_layer = get_pp_indices(config.num_layers, get_pp_rank(),
                                                           get_pp_world_size())
@@ -118,7 +128,7 @@ class LlamaModel(nn.Module):
         self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size)
                              if self.is_first else PPMissingLayer())
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, flags) if self.start_layer <= i < self.end_layer
+            layer_cls(config, flags, i) if self.start_layer <= i < self.end_layer
             else PPMissingLayer() for i in range(config.num_layers))
         self.norm = (RMSNorm(config.hidden_size, float(config.hf_config.get("rms_norm_eps", 1e-6)))
                      if self.is_last else PPMissingLayer())
@@ -127,7 +137,9 @@ class LlamaModel(nn.Module):
         # Small decode steps on CPU: all layers in one C++ call (fused_decode.py). Decided on
         # the first such step, when the weights are final and the attention backend is bound.
         self._fused_decode: Optional[FusedDecodeStack] = None
-        self._fused_decode_decided = False     # tests set True for the layer-by-layer path
+        # Layers the fused op cannot run (MoE) never take it; tests set True for the
+        # layer-by-layer path.
+        self._fused_decode_decided = not layer_cls.supports_fused_decode
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], attn_metadata: AttentionMetadata,
@@ -178,6 +190,7 @@ class LlamaForCausalLM(nn.Module):
         "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
+    decoder_layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
 
     @staticmethod
     def decoder_flags(hf_config: dict) -> DecoderFlags:
@@ -197,7 +210,7 @@ class LlamaForCausalLM(nn.Module):
                 f"{type(self).__name__} uses sliding-window attention (window {window}), which "
                 f"kvserve does not implement; set max_model_len <= {window} to run it exactly.")
         self.config = config
-        self.model = LlamaModel(config, self.decoder_flags(hf))
+        self.model = LlamaModel(config, self.decoder_flags(hf), self.decoder_layer_cls)
         self.tie_word_embeddings = bool(hf.get("tie_word_embeddings", False))
         if self.model.is_last:
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)

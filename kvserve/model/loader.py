@@ -18,6 +18,7 @@ from safetensors import safe_open
 from torch import nn
 
 from kvserve.config import ModelConfig
+from kvserve.model.file_checks import check_safetensors_files
 from kvserve.model.huge_pages import move_weights_to_huge_pages
 from kvserve.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from kvserve.model.layers.linear import LinearBase
@@ -81,7 +82,7 @@ def checkpoint_weights(model_config: ModelConfig,
     if model_config.is_gguf:
         from kvserve.model.gguf import iterate_gguf_weights
         return iterate_gguf_weights(model_config.model, model_config.hf_config, packed)
-    safetensors_files(model_config.model)           # fail before allocating anything
+    check_safetensors_files(safetensors_files(model_config.model))   # fail before allocating
     return iterate_weights(model_config.model)
 
 
@@ -139,6 +140,8 @@ def apply_weight_plan(model: nn.Module, act_dtype: torch.dtype, device: torch.de
     for m in [*embeds, *matmuls]:
         if id(m.weight) in packed:
             m.linear_weight = packed[id(m.weight)].linear_weight   # a tied head shares it
+            if isinstance(m, ParallelLMHead):
+                m.linear_weight.precise = True      # the logits: see PackedWeight.precise
     embeds = [m for m in embeds if id(m.weight) not in packed]
     matmuls = [m for m in matmuls if id(m.weight) not in packed]
     for param in model.parameters():

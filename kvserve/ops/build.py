@@ -65,17 +65,10 @@ def _warn_unavailable_once(why: str) -> None:
 
 
 def build_dir(name: str) -> str:
-    """$TORCH_EXTENSIONS_DIR/<name> if set, else the kvserve cache dir (as for the demo model:
-    $KVSERVE_CACHE_DIR, else $XDG_CACHE_HOME/kvserve, else ~/.cache/kvserve)/torch_extensions."""
-    root = os.environ.get("TORCH_EXTENSIONS_DIR")
-    if not root:
-        cache = envs.get("KVSERVE_CACHE_DIR")
-        if cache:
-            cache = os.path.expanduser(cache)
-        else:
-            home_cache = os.path.join(os.path.expanduser("~"), ".cache")
-            cache = os.path.join(os.environ.get("XDG_CACHE_HOME") or home_cache, "kvserve")
-        root = os.path.join(cache, "torch_extensions")
+    """$TORCH_EXTENSIONS_DIR/<name> if set, else kvserve's cache dir (envs.cache_dir(), as
+    for the demo model)/torch_extensions/<name>."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(envs.cache_dir(),
+                                                                 "torch_extensions")
     path = os.path.join(root, name)
     os.makedirs(path, exist_ok=True)
     return path

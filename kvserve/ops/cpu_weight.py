@@ -148,6 +148,9 @@ class PackedWeight(CpuLinearWeight):
     def __init__(self, weight: torch.Tensor, act_dtype: torch.dtype, parts: list) -> None:
         super().__init__(weight, act_dtype)
         self.parts = parts
+        # The LM head's (set by the loader): logits from ~15-bit activations (a residual int8
+        # row, PackedQuantWeight.matmul(precise=True)), so near-ties fall where float32's do.
+        self.precise = False
 
     def matmul(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         if len(self.parts) == 1:
@@ -155,11 +158,11 @@ class PackedWeight(CpuLinearWeight):
         y = torch.cat([self._part_matmul(p, x) for p in self.parts], dim=-1)
         return y if bias is None else y + bias
 
-    @staticmethod
-    def _part_matmul(part, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def _part_matmul(self, part, x: torch.Tensor,
+                     bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         if isinstance(part, torch.Tensor):
             return F.linear(x, part.to(x.dtype), bias)
-        return part.matmul(x, bias)
+        return part.matmul(x, bias, precise=self.precise)
 
     def streamed(self) -> Optional[torch.Tensor]:
         return None

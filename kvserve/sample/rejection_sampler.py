@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+import numpy as np
 import torch
 import torch.nn as nn
 
@@ -32,6 +33,36 @@ from kvserve.sample.sampler import apply_sampling_transforms, gather_logprobs, p
 
 _SAMPLING_EPS = 1e-5
 PLACEHOLDER_TOKEN_ID = -1
+
+
+@dataclass
+class SampleLayout:
+    """A step's scored logits rows: sampling request s owns rows [row_starts[s],
+    row_starts[s] + num_drafts[s]] (its drafts' positions, then the bonus one). Without
+    drafts, k = 0 everywhere: one row per request, the plain Sampler's layout."""
+    logits_indices: np.ndarray      # token index of every scored row
+    num_drafts: list[int]           # per sampling request
+    draft_token_ids: list[int]      # flattened, request-major
+    row_starts: np.ndarray          # per sampling request
+
+    @staticmethod
+    def make(req_ids: list[str], sample_idx: np.ndarray, query_ends: np.ndarray,
+             spec_tokens: dict[str, list[int]]) -> "SampleLayout":
+        """Request sample_idx[s] (of req_ids) ends its query at token query_ends[sample_idx[s]]
+        and verifies spec_tokens.get(its id, []) there."""
+        ends = query_ends[sample_idx]
+        if not spec_tokens:
+            return SampleLayout(logits_indices=ends - 1, num_drafts=[0] * len(sample_idx),
+                                draft_token_ids=[], row_starts=np.arange(len(sample_idx)))
+        drafts = [spec_tokens.get(req_ids[i], []) for i in sample_idx]
+        k = np.fromiter((len(d) for d in drafts), np.int64, len(drafts))
+        rows_per_req = k + 1
+        row_starts = np.cumsum(rows_per_req) - rows_per_req
+        owner = np.repeat(np.arange(len(k)), rows_per_req)
+        offset = np.arange(int(rows_per_req.sum())) - row_starts[owner]
+        logits_indices = (ends - 1 - k)[owner] + offset
+        return SampleLayout(logits_indices=logits_indices, num_drafts=k.tolist(),
+                            draft_token_ids=[t for d in drafts for t in d], row_starts=row_starts)
 
 
 @dataclass

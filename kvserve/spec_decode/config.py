@@ -26,7 +26,7 @@ class SpeculativeConfig:
     prompt_lookup_min: Optional[int] = None
     prompt_lookup_max: Optional[int] = None
     # draft_model: a checkpoint directory sharing the target's tokenizer and vocabulary;
-    # eagle: an EAGLE-Llama head checkpoint (kvserve/spec_decode/eagle.py).
+    # eagle: an EAGLE-Llama head checkpoint (kvserve/model/eagle.py).
     model: Optional[str] = None
     draft_tensor_parallel_size: Optional[int] = None
     # Adaptive speculation ("never slower", see kvserve/spec_decode/adaptive.py):
@@ -132,7 +132,7 @@ class SpeculativeConfig:
                       max_model_len: int) -> None:
         """An EAGLE head reads the target's hidden states and (unless it has its own)
         embedding and LM head: the hidden size must match, and its own ones the vocabulary."""
-        from kvserve.spec_decode.eagle import eagle_weight_shapes
+        from kvserve.model.eagle import eagle_weight_shapes
         hidden = int(target_hf_config["hidden_size"])
         if int(cfg.get("hidden_size", -1)) != hidden:
             raise ValueError(f"EAGLE head hidden_size ({cfg.get('hidden_size')}) differs from "

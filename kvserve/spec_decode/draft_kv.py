@@ -11,8 +11,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvserve.attention.backends.cpu import AttentionMetadata, CpuAttentionBackend
 from kvserve.config import KVServeConfig, ModelConfig
-from kvserve.model.layers.attention import AttentionMetadata
+from kvserve.model.layers.attention import bind_attention_backend
 from kvserve.model.loader import get_kv_cache_shape
 
 
@@ -54,6 +55,11 @@ class OwnKVProposer:
         self.tp_size = config.parallel_config.tensor_parallel_size
         self.model_config = proposer_model_config(config)
         self.kv_caches: list[torch.Tensor] = []
+
+    def bind_attention(self, model: torch.nn.Module) -> None:
+        """The proposer's layers run CPU_ATTN (its kernels fall back to torch off CPU): the
+        metadata make_draft_batch builds is CPU_ATTN's."""
+        bind_attention_backend(model, CpuAttentionBackend(self.device))
 
     def kv_cache_bytes_per_block(self) -> int:
         return kv_cache_bytes_per_block(self.model_config, self.block_size, self.tp_size)

@@ -19,14 +19,16 @@ it missed, in the same batched forward as the other requests' new tokens.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 import torch
 
 from kvserve.config import KVServeConfig
 from kvserve.spec_decode.draft_kv import OwnKVProposer, make_draft_batch
-from kvserve.worker.input_batch import InputBatch
+
+if TYPE_CHECKING:
+    from kvserve.worker.input_batch import InputBatch   # annotations only: worker is above
 
 
 class DraftModelProposer(OwnKVProposer):
@@ -39,6 +41,7 @@ class DraftModelProposer(OwnKVProposer):
     def load_model(self) -> None:
         from kvserve.model.loader import load_model
         self.model = load_model(self.model_config, self.device)
+        self.bind_attention(self.model)
 
     def drop(self, req_ids: set[str]) -> None:
         for rid in req_ids:

@@ -1,12 +1,10 @@
 """SpecDecodeRunner: the model runner's side of speculative decoding.
 
-The ModelRunner calls it at four points of a step:
+The ModelRunner calls it at two points of a step (it scores and samples the drafts itself:
+plain sampling is the case without drafts, see sample.rejection_sampler.SampleLayout):
 
     update states:   write_drafts()      drafts go after each request's last token in the
                                          persistent batch (not counted in num_tokens)
-    prepare inputs:  layout()            which hidden states to score: each sampling request's
-                                         k drafts + 1 bonus position (k = 0 without drafts)
-    sample:          sample()            the RejectionSampler over those rows
     after the step:  propose()           next step's drafts, from the proposer, for the
                                          requests the scheduler's adaptive rule
                                          (adaptive.py) chose
@@ -16,27 +14,17 @@ positions num_tokens - 1 .. num_tokens - 1 + k, in the slots the scheduler alloc
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 import torch
 
-from kvserve.core.sched_output import LogprobsLists, SchedulerOutput
-from kvserve.sample.rejection_sampler import RejectionSampler, SpecDecodeMetadata
+from kvserve.core.sched_output import SchedulerOutput
 from kvserve.spec_decode.base import Proposer, TargetHiddenStates
 from kvserve.spec_decode.config import SpeculativeConfig
-from kvserve.worker.input_batch import InputBatch
 
-
-@dataclass
-class SpecLayout:
-    """The step's scored rows: sampling request s owns logits rows
-    [row_starts[s], row_starts[s] + num_drafts[s]]."""
-    logits_indices: np.ndarray      # token index of every scored row
-    num_drafts: list[int]           # per sampling request
-    draft_token_ids: list[int]      # flattened, request-major
-    row_starts: np.ndarray          # per sampling request
+if TYPE_CHECKING:
+    from kvserve.worker.input_batch import InputBatch   # annotations only: worker is above
 
 
 class SpecDecodeRunner:
@@ -46,7 +34,6 @@ class SpecDecodeRunner:
         self.max_model_len = max_model_len
         self.device = device
         self.proposer = proposer
-        self.rejection_sampler = RejectionSampler()
 
     # ------------------------------------------------------------------ states
     def write_drafts(self, ib: InputBatch, so: SchedulerOutput) -> None:
@@ -78,54 +65,6 @@ class SpecDecodeRunner:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         if hasattr(self.proposer, "initialize_kv_cache"):
             self.proposer.initialize_kv_cache(num_blocks)
-
-    # ------------------------------------------------------------------ layout
-    @staticmethod
-    def layout(req_ids: list[str], sample_mask: np.ndarray, query_ends: np.ndarray,
-               so: SchedulerOutput) -> SpecLayout:
-        sample_idx = np.nonzero(sample_mask)[0]
-        spec = so.scheduled_spec_decode_tokens
-        drafts = [spec.get(req_ids[i], []) for i in sample_idx]
-        k = np.fromiter((len(d) for d in drafts), np.int64, len(drafts))
-        ends = query_ends[sample_idx]
-        rows_per_req = k + 1
-        row_starts = np.cumsum(rows_per_req) - rows_per_req
-        owner = np.repeat(np.arange(len(k)), rows_per_req)
-        offset = np.arange(int(rows_per_req.sum())) - row_starts[owner]
-        logits_indices = (ends - 1 - k)[owner] + offset
-        return SpecLayout(logits_indices=logits_indices, num_drafts=k.tolist(),
-                          draft_token_ids=[t for d in drafts for t in d], row_starts=row_starts)
-
-    # ------------------------------------------------------------------ sample
-    def sample(self, logits: torch.Tensor, layout: SpecLayout, ib: InputBatch,
-               sample_rows: np.ndarray) -> tuple[list[list[int]], list[Optional[LogprobsLists]]]:
-        """Tokens per sampling request (accepted drafts + 1) and their logprobs (if asked)."""
-        k = layout.num_drafts
-        rows = np.repeat(sample_rows, np.asarray(k) + 1)
-        drafts_of = np.split(np.asarray(layout.draft_token_ids, dtype=np.int64),
-                             np.cumsum(k)[:-1]) if k else []
-        prefixes = [d[:j].tolist() for d in drafts_of for j in range(len(d) + 1)]
-        metadata = ib.make_sampling_metadata(rows, prefixes)
-        generators = ib.seeded_generators(sample_rows)
-        spec_meta = SpecDecodeMetadata.make(k, layout.draft_token_ids, logits.device)
-        out = self.rejection_sampler(logits, metadata, spec_meta, generators)
-        tokens = out.output_token_ids.tolist()
-        counts = out.num_sampled.tolist()
-        sampled = [tokens[s][:counts[s]] for s in range(len(k))]
-        logprobs: list[Optional[LogprobsLists]] = [None] * len(k)
-        if out.logprobs is not None:
-            lp_ids, lp_vals = out.logprob_token_ids.tolist(), out.logprobs.tolist()
-            ranks = out.sampled_token_ranks.tolist()
-            for s, row in enumerate(sample_rows):
-                want = ib.params[row].logprobs
-                if want is None:
-                    continue
-                a = int(layout.row_starts[s])
-                b = a + counts[s]
-                width = len(lp_ids[a]) if want == -1 else want + 1
-                logprobs[s] = LogprobsLists([r[:width] for r in lp_ids[a:b]],
-                                            [r[:width] for r in lp_vals[a:b]], ranks[a:b])
-        return sampled, logprobs
 
     # ------------------------------------------------------------------ propose
     def propose(self, ib: InputBatch, sample_rows: np.ndarray,

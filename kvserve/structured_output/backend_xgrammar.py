@@ -61,12 +61,62 @@ def _json_schema_text(spec: Any) -> str:
     return spec if isinstance(spec, str) else json.dumps(spec)
 
 
+# xgrammar (0.2.x) writes the characters of a string with minLength / maxLength as this class,
+# which admits raw control characters (U+0000-U+001F but CR and LF): strict JSON parsers refuse
+# them. Its plain string rule already excludes them; the bounded one is made to match.
+_LOOSE_STRING_CHARS = r'[^\"\\\r\n]'
+_JSON_STRING_CHARS = r'[^\0-\x1f\"\\]'
+
+
+def json_schema_grammar(xgr: Any, schema_text: str, any_whitespace: bool) -> Any:
+    """The xgrammar Grammar of a JSON schema whose every output parses with a strict JSON
+    parser. Without any_whitespace (`disable_any_whitespace`) the output has no whitespace
+    at all outside strings: "," and ":" separators, as json.dumps(separators=(",", ":"))."""
+    kwargs = {} if any_whitespace else {"separators": (",", ":")}
+    grammar = xgr.Grammar.from_json_schema(schema_text, any_whitespace=any_whitespace, **kwargs)
+    ebnf = str(grammar)
+    fixed = ebnf.replace(_LOOSE_STRING_CHARS, _JSON_STRING_CHARS)
+    return grammar if fixed == ebnf else xgr.Grammar.from_ebnf(fixed)
+
+
+# Bounds on a constraint, checked before it is parsed: the frontend parses on the API server's
+# event loop and the engine compiles with memory that grows with the spec; a schema nested 200
+# deep takes seconds just to parse. Real schemas (tool definitions included) are far smaller.
+MAX_SPEC_CHARS = 256 * 1024
+MAX_SCHEMA_DEPTH = 48
+
+
+def _depth(value: Any, limit: int) -> int:
+    """Nesting depth of a JSON value, counted up to `limit` + 1 (no deeper walk)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, (dict, list)):
+            deepest = max(deepest, d)
+            if deepest > limit:
+                return deepest
+            stack.extend((c, d + 1) for c in (v.values() if isinstance(v, dict) else v))
+    return deepest
+
+
+def check_spec_size(kind: str, spec: Any) -> None:
+    text = spec if isinstance(spec, str) else json.dumps(spec)
+    if len(text) > MAX_SPEC_CHARS:
+        raise ValueError(f"structured_outputs.{kind} is {len(text)} characters long; at most "
+                         f"{MAX_SPEC_CHARS} are accepted.")
+    if kind == "json" and not isinstance(spec, str) and _depth(spec, MAX_SCHEMA_DEPTH) > MAX_SCHEMA_DEPTH:
+        raise ValueError(f"structured_outputs.json is nested deeper than {MAX_SCHEMA_DEPTH} "
+                         f"levels.")
+
+
 def validate_xgrammar_params(params: Any) -> None:
     """Cheap checks the frontend runs before a request is accepted (no token masks built):
-    parse the schema / regex / EBNF into an xgrammar Grammar. Raises ValueError naming the
-    problem."""
-    xgr = import_xgrammar()
+    bound the spec's size, then parse the schema / regex / EBNF into an xgrammar Grammar.
+    Raises ValueError naming the problem."""
     kind = params.kind
+    if kind in ("json", "regex", "grammar", "structural_tag", "choice"):
+        check_spec_size(kind, getattr(params, kind))
+    xgr = import_xgrammar()
     try:
         if kind == "json":
             schema = params.json
@@ -77,8 +127,8 @@ def validate_xgrammar_params(params: Any) -> None:
                     raise ValueError(f"the JSON schema is not valid JSON: {e}") from None
             if not isinstance(schema, (dict, bool)):
                 raise ValueError(f"a JSON schema must be an object, got {type(schema).__name__}")
-            xgr.Grammar.from_json_schema(json.dumps(schema),
-                                         any_whitespace=not params.disable_any_whitespace)
+            check_spec_size(kind, schema)
+            json_schema_grammar(xgr, json.dumps(schema), not params.disable_any_whitespace)
         elif kind == "regex":
             xgr.Grammar.from_regex(params.regex)
         elif kind == "grammar":
@@ -146,10 +196,10 @@ class XgrammarBackend(StructuredOutputBackend):
         try:
             if kind == "json":
                 text, any_ws = spec
-                return c.compile_json_schema(text, any_whitespace=any_ws)
+                return c.compile_grammar(json_schema_grammar(self.xgr, text, any_ws))
             if kind == "json_object":
                 # OpenAI's json_object is an object (xgrammar's builtin JSON allows any value).
-                return c.compile_json_schema('{"type": "object"}', any_whitespace=spec)
+                return c.compile_grammar(json_schema_grammar(self.xgr, '{"type": "object"}', spec))
             if kind == "regex":
                 return c.compile_regex(spec)
             if kind == "grammar":

@@ -7,6 +7,10 @@
                    that sample this step, shipped to the workers with the SchedulerOutput
     update      ─► accept_tokens per sampled token; a terminated matcher ends the request
 
+A request that reasons first (`reasoning_end_token_id` set by a server with
+--reasoning-parser) keeps its matcher aside until that token is generated: until then it
+has no grammar, so no bitmask row, draft check or jump-forward applies to the reasoning.
+
 The backend (xgrammar) and its tokenizer info are built once, on the first structured request,
 inside the pool as well.
 """
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any, Iterable, Optional
 
@@ -43,6 +48,8 @@ class StructuredOutputManager:
         self._compiled: dict[tuple[str, Any], Future] = {}
         self._bitmask: Optional[np.ndarray] = None
         self._num_active = 0
+        # request id -> when it started waiting for its grammar (the compile time limit).
+        self._waiting_since: dict[str, float] = {}
 
     # ------------------------------------------------------------------ compile
     @property
@@ -77,6 +84,7 @@ class StructuredOutputManager:
             self._compiled[key] = future
         so_req.future = future
         request.structured_output_request = so_req
+        self._waiting_since[request.request_id] = time.monotonic()
 
     def _compile(self, key: tuple[str, Any]) -> Any:
         return self.backend.compile_grammar(*key)
@@ -87,14 +95,21 @@ class StructuredOutputManager:
         so_req = request.structured_output_request
         assert so_req is not None
         if not so_req.is_ready():
-            return False
-        if so_req.grammar is None and so_req.error is None:
+            limit = self.so_config.grammar_compile_timeout_s
+            if time.monotonic() - self._waiting_since.get(request.request_id, time.monotonic()) <= limit:
+                return False
+            so_req.error = (f"the grammar did not compile within {limit:g} s "
+                            f"(structured_outputs_config.grammar_compile_timeout_s)")
+        self._waiting_since.pop(request.request_id, None)
+        if so_req.grammar is None and so_req.waiting_grammar is None and so_req.error is None:
             assert so_req.future is not None
             exc = so_req.future.exception()
             if exc is not None:
                 self._compiled.pop(so_req.key, None)
                 so_req.error = f"{type(exc).__name__}: {exc}" if not isinstance(
                     exc, ValueError) else str(exc)
+            elif so_req.params.reasoning_end_token_id is not None:
+                so_req.waiting_grammar = self.backend.make_grammar(so_req.future.result())
             else:
                 so_req.grammar = self.backend.make_grammar(so_req.future.result())
                 self._num_active += 1
@@ -106,12 +121,14 @@ class StructuredOutputManager:
         so_req = request.structured_output_request
         if so_req is None:
             return
+        self._waiting_since.pop(request.request_id, None)
         if so_req.future is not None and not so_req.future.done():
             if self._compiled.get(so_req.key) is so_req.future and so_req.future.cancel():
                 self._compiled.pop(so_req.key, None)
         if so_req.grammar is not None:
             self._num_active -= 1
             so_req.grammar = None
+        so_req.waiting_grammar = None
 
     @property
     def num_active(self) -> int:
@@ -190,8 +207,39 @@ class StructuredOutputManager:
 
     def accept_tokens(self, request: "Request", tokens: list[int]) -> bool:
         so_req = request.structured_output_request
-        assert so_req is not None and so_req.grammar is not None
+        assert so_req is not None
+        if so_req.grammar is None:
+            tokens = self._end_reasoning(so_req, tokens)
+            if so_req.grammar is None or not tokens:
+                return True
         return so_req.grammar.accept_tokens(request.request_id, tokens)
+
+    def _end_reasoning(self, so_req: StructuredOutputRequest, tokens: list[int]) -> list[int]:
+        """A reasoning request: its grammar starts once the reasoning-end token is among the
+        new tokens. Returns the tokens after it, for the grammar."""
+        end = so_req.params.reasoning_end_token_id
+        if so_req.waiting_grammar is None or end not in tokens:
+            return []
+        so_req.grammar, so_req.waiting_grammar = so_req.waiting_grammar, None
+        self._num_active += 1
+        rest = tokens[tokens.index(end) + 1:]
+        # Tokens after it in the same step (speculative decoding) were sampled free: the
+        # grammar takes them only if it accepts them all, else it starts after them (vLLM's).
+        if rest and len(so_req.grammar.validate_tokens(rest)) != len(rest):
+            return []
+        return rest
+
+    def refusal_reason(self, request: "Request") -> str:
+        """Why a sampled token could be refused: the bitmask left nothing to sample when the
+        grammar allows only the end while min_tokens forbids it (a contradiction in the request,
+        reported as such rather than forced either way)."""
+        min_tokens = request.sampling_params.min_tokens
+        so_req = request.structured_output_request
+        accepted = so_req.grammar.num_processed_tokens if so_req and so_req.grammar else 0
+        if accepted < min_tokens:
+            return (f"the constraint allows only the end of the output after {accepted} tokens, "
+                    f"but min_tokens={min_tokens}: lower min_tokens or loosen the constraint")
+        return "a sampled token was refused by the grammar"
 
     def is_terminated(self, request: "Request") -> bool:
         so_req = request.structured_output_request

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from kvserve.sampling_params import StructuredOutputsParams
@@ -35,9 +35,11 @@ class StructuredOutputRequest:
     future: Optional["Future[Any]"] = None
     grammar: Optional[StructuredOutputGrammar] = None
     error: Optional[str] = None
-    # Jump-forward tokens appended by the engine core that the workers have not seen yet.
-    pending_tokens: list[int] = field(default_factory=list)
+    # The matcher while the request still reasons (`params.reasoning_end_token_id` not yet
+    # generated): `grammar` stays None until then, so nothing constrains the reasoning.
+    waiting_grammar: Optional[StructuredOutputGrammar] = None
 
     def is_ready(self) -> bool:
-        return self.grammar is not None or self.error is not None or (
+        return (self.grammar is not None or self.waiting_grammar is not None
+                or self.error is not None) or (
             self.future is not None and self.future.done())

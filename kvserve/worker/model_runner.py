@@ -21,6 +21,7 @@ from kvserve.attention import CommonAttentionMetadata, get_attn_backend
 from kvserve.distributed.parallel_state import (is_first_pp_rank, is_last_pp_rank, pp_recv,
                                                 pp_send)
 from kvserve.distributed.pp_utils import IntermediateTensors
+from kvserve.sample.rejection_sampler import RejectionSampler, SampleLayout, SpecDecodeMetadata
 from kvserve.sample.sampler import Sampler
 from kvserve.spec_decode import make_spec_decode_runner
 from kvserve.spec_decode.base import TargetHiddenStates
@@ -48,7 +49,6 @@ class StepInputs:
     attn_metadata: Any            # the attention backend's metadata for this step
     common_attn_metadata: CommonAttentionMetadata
     sample_mask: np.ndarray       # [num_reqs] bool: this request samples a token this step
-    logits_indices: torch.Tensor  # [num_sampling] token index of each sampling request's last token
 
 
 class ModelRunner:
@@ -65,6 +65,7 @@ class ModelRunner:
         self.model: Optional[torch.nn.Module] = None
         self.kv_caches: list[torch.Tensor] = []
         self.sampler = Sampler()
+        self.rejection_sampler = RejectionSampler()
         self.spec_decode = make_spec_decode_runner(config, device)
         self.attn_backend = get_attn_backend(config.attention_backend, device)
         self.cuda_graphs: Optional["CUDAGraphRunner"] = None   # set by capture_cuda_graphs
@@ -151,67 +152,79 @@ class ModelRunner:
             self.input_batch.num_computed_tokens[step.rows] += step.query_lens
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
 
-        ib = self.input_batch
-        sample_rows = step.rows[step.sample_mask]
+        sample_idx = np.flatnonzero(step.sample_mask)
         sampled_lists: list[list[int]] = [[] for _ in step.req_ids]
         logprobs: dict[str, LogprobsLists] = {}
-        if len(sample_rows) and scheduler_output.scheduled_spec_decode_tokens:
-            self._sample_spec_step(scheduler_output, step, hidden, sampled_lists, logprobs)
-        elif len(sample_rows):
-            logits = self.model.compute_logits(hidden[step.logits_indices])
-            if scheduler_output.grammar_bitmask is not None:
-                sampling_ids = [step.req_ids[i] for i in np.nonzero(step.sample_mask)[0]]
-                logits = self._apply_grammar_bitmask(
-                    scheduler_output, {rid: j for j, rid in enumerate(sampling_ids)}, logits)
-            metadata = ib.make_sampling_metadata(sample_rows)
-            out = self.sampler(logits, metadata)
-            tokens = out.sampled_token_ids.tolist()
-            sample_idx = np.nonzero(step.sample_mask)[0]
-            lp_ids = lp_vals = ranks = None
-            if out.logprobs is not None:
-                lp_ids, lp_vals = out.logprob_token_ids.tolist(), out.logprobs.tolist()
-                ranks = out.sampled_token_ranks.tolist()
-            for j, (i, row, tok) in enumerate(zip(sample_idx, sample_rows, tokens)):
-                if self.append_sampled_tokens:
-                    ib.append_token(int(row), tok)
-                sampled_lists[i] = [tok]
-                k = ib.params[row].logprobs
-                if k is not None and lp_ids is not None:
-                    width = len(lp_ids[j]) if k == -1 else k + 1
-                    logprobs[step.req_ids[i]] = LogprobsLists(
-                        [lp_ids[j][:width]], [lp_vals[j][:width]], [ranks[j]])
-        ib.num_computed_tokens[step.rows] += step.query_lens
+        if len(sample_idx):
+            self._sample(scheduler_output, step, hidden, sample_idx, sampled_lists, logprobs)
+        self.input_batch.num_computed_tokens[step.rows] += step.query_lens
         prompt_logprobs = self._prompt_logprobs(step, hidden)
         start = time.perf_counter()
-        drafts = self._propose_drafts(scheduler_output, step, sample_rows, hidden)
+        drafts = self._propose_drafts(scheduler_output, step, step.rows[sample_idx], hidden)
         return ModelRunnerOutput(
             req_ids=step.req_ids, sampled_token_ids=sampled_lists,
             logprobs=logprobs or None, prompt_logprobs=prompt_logprobs or None,
             spec_token_ids=drafts, spec_propose_time=time.perf_counter() - start)
 
-    def _sample_spec_step(self, so: SchedulerOutput, step: StepInputs, hidden: torch.Tensor,
-                          sampled_lists: list[list[int]],
-                          logprobs: dict[str, LogprobsLists]) -> None:
-        """A step with draft tokens: score every draft + bonus position, rejection-sample."""
-        assert self.spec_decode is not None and self.model is not None
-        ib = self.input_batch
-        layout = self.spec_decode.layout(step.req_ids, step.sample_mask,
-                                         step.query_starts + step.query_lens, so)
+    def _sample(self, so: SchedulerOutput, step: StepInputs, hidden: torch.Tensor,
+                sample_idx: np.ndarray, sampled_lists: list[list[int]],
+                logprobs: dict[str, LogprobsLists]) -> None:
+        """Score each sampling request's k drafts + its bonus position (k = 0 without
+        speculation), mask the rows of constrained requests, sample, append the tokens."""
+        assert self.model is not None
+        layout = SampleLayout.make(step.req_ids, sample_idx, step.query_starts + step.query_lens,
+                                   so.scheduled_spec_decode_tokens)
         logits = self.model.compute_logits(
             hidden[torch.from_numpy(layout.logits_indices).to(self.device)])
-        sample_idx = np.nonzero(step.sample_mask)[0]
         if so.grammar_bitmask is not None:   # one bitmask row per draft + the bonus row
             first_row = {step.req_ids[i]: int(layout.row_starts[s])
                          for s, i in enumerate(sample_idx)}
             logits = self._apply_grammar_bitmask(so, first_row, logits)
         sample_rows = step.rows[sample_idx]
-        tokens, lps = self.spec_decode.sample(logits, layout, ib, sample_rows)
+        tokens, lps = self._sample_tokens(logits, layout, sample_rows)
         for s, (i, row) in enumerate(zip(sample_idx, sample_rows)):
-            for tok in tokens[s]:
-                ib.append_token(int(row), tok)
+            if self.append_sampled_tokens:
+                for tok in tokens[s]:
+                    self.input_batch.append_token(int(row), tok)
             sampled_lists[i] = tokens[s]
             if lps[s] is not None:
                 logprobs[step.req_ids[i]] = lps[s]
+
+    def _sample_tokens(self, logits: torch.Tensor, layout: SampleLayout, sample_rows: np.ndarray
+                       ) -> tuple[list[list[int]], list[Optional[LogprobsLists]]]:
+        """Tokens per sampling request (accepted drafts + 1) and their logprobs (if asked).
+        With no drafts in the step the RejectionSampler reduces to the plain Sampler (the
+        bonus row alone, drawn the same way), which is called directly: it is cheaper."""
+        ib = self.input_batch
+        k = layout.num_drafts
+        if layout.draft_token_ids:
+            rows = np.repeat(sample_rows, np.asarray(k) + 1)
+            drafts_of = np.split(np.asarray(layout.draft_token_ids, dtype=np.int64),
+                                 np.cumsum(k)[:-1])
+            prefixes = [d[:j].tolist() for d in drafts_of for j in range(len(d) + 1)]
+            spec_meta = SpecDecodeMetadata.make(k, layout.draft_token_ids, logits.device)
+            out: Any = self.rejection_sampler(logits, ib.make_sampling_metadata(rows, prefixes),
+                                              spec_meta, ib.seeded_generators(sample_rows))
+            counts = out.num_sampled.tolist()
+            tokens = [t[:c] for t, c in zip(out.output_token_ids.tolist(), counts)]
+        else:
+            out = self.sampler(logits, ib.make_sampling_metadata(sample_rows))
+            tokens = [[t] for t in out.sampled_token_ids.tolist()]
+            counts = [1] * len(tokens)
+        lps: list[Optional[LogprobsLists]] = [None] * len(k)
+        if out.logprobs is not None:
+            lp_ids, lp_vals = out.logprob_token_ids.tolist(), out.logprobs.tolist()
+            ranks = out.sampled_token_ranks.tolist()
+            for s, row in enumerate(sample_rows):
+                want = ib.params[row].logprobs
+                if want is None:
+                    continue
+                a = int(layout.row_starts[s])
+                b = a + counts[s]
+                width = len(lp_ids[a]) if want == -1 else want + 1
+                lps[s] = LogprobsLists([r[:width] for r in lp_ids[a:b]],
+                                       [r[:width] for r in lp_vals[a:b]], ranks[a:b])
+        return tokens, lps
 
     def _propose_drafts(self, so: SchedulerOutput, step: StepInputs, sample_rows: np.ndarray,
                         hidden: torch.Tensor) -> Optional[list[list[int]]]:
@@ -300,8 +313,7 @@ class ModelRunner:
             req_ids=req_ids, rows=rows, query_lens=qlens, query_starts=starts,
             input_ids=torch.from_numpy(input_ids).to(dev),
             positions=torch.from_numpy(positions).to(dev),
-            attn_metadata=meta, common_attn_metadata=common, sample_mask=sample_mask,
-            logits_indices=torch.from_numpy(ends[sample_mask] - 1).to(dev))
+            attn_metadata=meta, common_attn_metadata=common, sample_mask=sample_mask)
 
     def _prompt_logprobs(self, step: StepInputs, hidden: torch.Tensor) -> dict[str, LogprobsLists]:
         """Logprobs of prompt tokens 1..P-1 computed in this step's chunk (for requests that

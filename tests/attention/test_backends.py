@@ -70,3 +70,19 @@ def test_triton_prefix_hits_match_plain_run(tiny_llama: str) -> None:
     got = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert all(o.num_cached_tokens >= 32 for o in got), [o.num_cached_tokens for o in got]
     assert_same_outputs(got, want, "TRITON_ATTN with prefix hits vs CPU_ATTN")
+
+
+def test_attention_layer_has_no_default_backend() -> None:
+    """A layer runs only through the backend bound to it: unbound is an error, not CPU_ATTN."""
+    import torch
+
+    from kvserve.attention.backends.cpu import CpuAttentionBackend
+    from kvserve.model.layers.attention import Attention, bind_attention_backend
+
+    layer = Attention(num_heads=2, head_dim=8, num_kv_heads=1)
+    q, kv = torch.zeros(1, 16), torch.zeros(1, 8)
+    with pytest.raises(RuntimeError, match="no backend"):
+        layer(q, kv, kv, torch.zeros(2, 1, 4, 1, 8), None)
+    backend = CpuAttentionBackend(torch.device("cpu"))
+    bind_attention_backend(torch.nn.Sequential(layer), backend)
+    assert layer.backend is backend

@@ -23,9 +23,9 @@ import torch
 import zmq
 
 from kvserve import LLM, EngineArgs, SamplingParams
+from kvserve.core.messages import EngineCoreOutputs
 from kvserve.engine.async_llm import AsyncLLM
 from kvserve.engine.exceptions import EngineDeadError
-from kvserve.engine.messages import EngineCoreOutputs
 from kvserve.engine.mp_client import SyncMPClient
 from kvserve.engine.serial_utils import MsgpackDecoder, MsgpackEncoder
 from tests.utils import random_prompts
@@ -231,11 +231,13 @@ def test_load_failure_raises_quickly(tiny_llama: str, tmp_path, private_tmpdir: 
         f.write(b"not a safetensors file" * 10)
     before = child_pids()
     start = time.monotonic()
-    with pytest.raises(RuntimeError) as info:
+    # A malformed file is caught by the header check before loading (model/file_checks.py):
+    # a ValueError naming the file, raised from the engine's start-up as itself.
+    with pytest.raises(ValueError) as info:
         LLM(bad, multiprocessing=True, **ENGINE_KW)
     assert time.monotonic() - start < 60
     msg = str(info.value)
-    assert "Engine core initialization failed" in msg and "SafetensorError" in msg
+    assert "Engine core initialization failed" in msg and "corrupt or truncated" in msg
     assert "Traceback" in msg and "load" in msg      # the engine's own traceback
     assert child_pids() <= before
     assert os.listdir(private_tmpdir) == []

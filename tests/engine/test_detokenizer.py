@@ -6,9 +6,9 @@ import random
 
 import pytest
 
+from kvserve.core.messages import EngineCoreRequest
 from kvserve.engine.detokenizer import (FastIncrementalDetokenizer, IncrementalDetokenizer,
                                         check_stop_strings)
-from kvserve.engine.messages import EngineCoreRequest
 from kvserve.sampling_params import SamplingParams
 from kvserve.tokenizer import Tokenizer
 

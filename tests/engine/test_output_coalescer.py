@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 
 from kvserve import LLM, SamplingParams
-from kvserve.engine.messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest,
-                                     FinishReason)
+from kvserve.core.messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest,
+                                   FinishReason)
 from kvserve.engine.mp_client import SyncMPClient
 from kvserve.engine.output_coalescer import OutputCoalescer
 from kvserve.sampling_params import RequestOutputKind

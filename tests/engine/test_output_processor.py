@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from kvserve.engine.messages import EngineCoreOutput, EngineCoreRequest, FinishReason
+from kvserve.core.messages import EngineCoreOutput, EngineCoreRequest, FinishReason
 from kvserve.engine.output_processor import (OutputProcessor, ParentRequest,
                                              RequestOutputCollector)
 from kvserve.model.demo import EOS_ID

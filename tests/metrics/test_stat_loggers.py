@@ -8,7 +8,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvserve.engine.output_processor import FinishedRequestStats, IterationStats
-from kvserve.metrics import LoggingStatLogger, PrometheusStatLogger
+from kvserve.metrics.loggers import LoggingStatLogger
+from kvserve.metrics.prometheus import PrometheusStatLogger
 from kvserve.metrics.prometheus import build_1_2_5_buckets
 
 

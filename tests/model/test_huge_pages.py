@@ -68,8 +68,8 @@ def test_auto_follows_the_host_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(HUGE_PAGES_ENV, "auto")
     moved = huge_pages.move_weights_to_huge_pages(layer)
     assert (moved > 0) == (huge_pages.thp_mode() == "madvise")
-    monkeypatch.setenv(HUGE_PAGES_ENV, "0")      # the old spelling of "off"
+    monkeypatch.setenv(HUGE_PAGES_ENV, "off")
     assert huge_pages.move_weights_to_huge_pages(layer) == 0
-    monkeypatch.setenv(HUGE_PAGES_ENV, "yes")
+    monkeypatch.setenv(HUGE_PAGES_ENV, "0")      # the old spelling: an error that names the choices
     with pytest.raises(ValueError, match="KVSERVE_CPU_HUGE_PAGES must be one of auto, on, off"):
         huge_pages.move_weights_to_huge_pages(layer)

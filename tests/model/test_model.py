@@ -17,9 +17,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from kvserve.attention.backends.cpu import AttentionMetadata, CpuAttentionBackend
 from kvserve.config import ModelConfig
 from kvserve.model import demo
-from kvserve.model.layers.attention import AttentionMetadata
+from kvserve.model.layers.attention import bind_attention_backend
 from kvserve.model.loader import get_kv_cache_shape, load_model, num_kv_heads_per_rank
 from kvserve.model.registry import get_model_class
 from kvserve.ops import cpu_weight as cw
@@ -44,7 +45,9 @@ def load(path: str, dtype: str = "float32",
          plan: "cw.WeightPlan | None" = None) -> tuple[torch.nn.Module, ModelConfig]:
     """The model on CPU; `plan`: the weights' variant (None: the policy's choice)."""
     cfg = model_config(path, dtype)
-    return load_model(cfg, torch.device("cpu"), plan), cfg
+    model = load_model(cfg, torch.device("cpu"), plan)
+    bind_attention_backend(model, CpuAttentionBackend(torch.device("cpu")))
+    return model, cfg
 
 
 @torch.inference_mode()

@@ -249,7 +249,8 @@ def test_env_var_forces_torch_path(monkeypatch):
 def test_torch_fallback_matches_attention_layer(dtype):
     """The Attention layer (which writes the chunks' K/V and calls paged_prefill_attention)
     gives what the per-chunk SDPA fallback gives."""
-    from kvserve.model.layers.attention import Attention, AttentionMetadata
+    from kvserve.attention.backends.cpu import AttentionMetadata, CpuAttentionBackend
+    from kvserve.model.layers.attention import Attention
 
     chunks, bs, hkv, groups, d = [(0, 37), (20, 9), (0, 5), (33, 40)], 16, 2, 3, 64
     q, kv_cache, starts, lens, ctxs, tables = make_case(chunks, hkv, groups, d, bs, dtype)
@@ -264,6 +265,7 @@ def test_torch_fallback_matches_attention_layer(dtype):
                              prefill_query_starts=starts, prefill_query_lens=lens,
                              prefill_context_lens=ctxs, prefill_block_tables=tables)
     layer = Attention(hkv * groups, d, hkv)
+    layer.backend = CpuAttentionBackend(torch.device("cpu"))
     t = q.shape[0]
     expected = layer(q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1), kv_cache, meta)
     out = pf.paged_prefill_attention_torch(q, kv_cache, starts, lens, ctxs, tables, layer.scale)

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from kvserve import LLM, SamplingParams
 from kvserve.engine.arg_utils import EngineArgs
-from kvserve.spec_decode.eagle import eagle_weight_shapes
+from kvserve.model.eagle import eagle_weight_shapes
 from tests.spec_decode.conftest import BASE, GREEDY, prompts
 from tests.spec_decode.test_spec_decode import assert_all_blocks_free, assert_spec_metrics_add_up
 from tests.utils import random_prompts

@@ -27,8 +27,8 @@ ENGINE = dict(dtype="float32", max_model_len=512, kv_cache_memory=32 << 20, seed
 
 
 def load_json(text: str) -> Any:
-    # strict=False: xgrammar's JSON grammar lets raw control characters into strings.
-    return json.loads(text, strict=False)
+    # Strict (no raw control characters in strings): what a client's parser accepts.
+    return json.loads(text)
 
 
 def is_valid_json(text: str, schema: dict) -> bool:

@@ -13,13 +13,20 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 import torch
 
-if TYPE_CHECKING:
-    from kvserve.model.layers.attention import Attention
+
+
+class AttentionLayer(Protocol):
+    """What a backend reads from the layer it serves (model/layers/attention.py's Attention,
+    which imports this package, not the other way round)."""
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
 
 
 @dataclass
@@ -58,6 +65,6 @@ class AttentionBackend(ABC):
         """This backend's device-side metadata for one step (shared by every layer)."""
 
     @abstractmethod
-    def forward(self, layer: "Attention", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    def forward(self, layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, metadata: Any) -> torch.Tensor:
         """q [T, H, D], k/v [T, Hkv, D]: write k/v at the step's slots, return [T, H, D]."""

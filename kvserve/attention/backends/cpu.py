@@ -8,15 +8,13 @@ dtypes, a failed build, KVSERVE_DISABLE_CPU_KERNELS=1) those functions fall back
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import numpy as np
 import torch
 
-from kvserve.attention.backends.base import AttentionBackend, CommonAttentionMetadata
-
-if TYPE_CHECKING:
-    from kvserve.model.layers.attention import Attention
+from kvserve.attention.backends.base import (AttentionBackend, AttentionLayer,
+                                             CommonAttentionMetadata)
 
 
 @dataclass
@@ -84,7 +82,7 @@ class CpuAttentionBackend(AttentionBackend):
         from kvserve.ops.prefill_attention import paged_prefill_attention
         return paged_prefill_attention(q, kv_cache, starts, lens, ctxs, tables, scale)
 
-    def forward(self, layer: "Attention", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    def forward(self, layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         self._write_kv(k, v, kv_cache, meta.slot_mapping)
         if meta.prefill_query_starts is not None:

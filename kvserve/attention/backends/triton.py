@@ -9,15 +9,13 @@ On CPU the kernels run under Triton's interpreter (TRITON_INTERPRET=1): tests on
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import numpy as np
 import torch
 
-from kvserve.attention.backends.base import AttentionBackend, CommonAttentionMetadata
-
-if TYPE_CHECKING:
-    from kvserve.model.layers.attention import Attention
+from kvserve.attention.backends.base import (AttentionBackend, AttentionLayer,
+                                             CommonAttentionMetadata)
 
 
 @dataclass
@@ -78,7 +76,7 @@ class TritonAttentionBackend(AttentionBackend):
             seq_lens=dev[o[2]:o[3]], block_table=dev[o[3]:o[4]].view(R, width),
             num_reqs=R, decode_only=common.num_decodes == R)
 
-    def forward(self, layer: "Attention", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    def forward(self, layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, meta: TritonAttentionMetadata) -> torch.Tensor:
         write, unified, split_kv, num_splits = self._ops
         write(k, v, kv_cache, meta.slot_mapping)

@@ -2,7 +2,8 @@
 
     kvserve serve /path/to/model --port 8000 [--api-key KEY] [engine flags...]
 
-Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions, POST /tokenize,
+Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions, POST /v1/responses,
+GET /v1/responses/{id}, POST /tokenize,
 POST /detokenize, GET /health (503 once the engine is dead), GET|POST /ping, GET /version,
 GET /load, GET /metrics (Prometheus).
 
@@ -27,10 +28,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import logging
-import os
 import secrets
 import socket
+import threading
 from contextlib import asynccontextmanager
 from http import HTTPStatus
 from typing import Any, AsyncIterator, Awaitable, Callable, Optional
@@ -43,15 +45,18 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 import kvserve
+from kvserve import envs
 from kvserve.entrypoints.openai.openapi import install_openapi
 from kvserve.entrypoints.openai.protocol import (DEFAULT_SAMPLING_KEYS, ChatCompletionRequest,
                                                  CompletionRequest, DetokenizeRequest,
-                                                 TokenizeRequest)
+                                                 ResponsesRequest, TokenizeRequest)
 from kvserve.entrypoints.openai.serving_chat import OpenAIServingChat, load_chat_template
 from kvserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from kvserve.entrypoints.openai.serving_engine import (LoadTracker, ServingError, StreamingResult,
-                                                       create_error_response, is_engine_dead_error)
+from kvserve.entrypoints.openai.serving_engine import (LoadTracker, RequestLimits, ServingError,
+                                                       StreamingResult, create_error_response,
+                                                       is_engine_dead_error)
 from kvserve.entrypoints.openai.serving_models import OpenAIServingModels
+from kvserve.entrypoints.openai.serving_responses import OpenAIServingResponses
 from kvserve.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from kvserve.metrics.loggers import LoggingStatLogger
 from kvserve.metrics.prometheus import PrometheusStatLogger
@@ -65,6 +70,13 @@ TIMEOUT_GRACEFUL_SHUTDOWN = 10  # seconds
 # 499: nginx's "client closed request"; nobody reads it, but logs show what happened.
 STATUS_CLIENT_CLOSED = 499
 ENGINE_DEATH_POLL_S = 0.5
+# --max-request-body-bytes: a prompt of 128k token ids is under 1 MiB of JSON; the limit keeps
+# one request from parsing gigabytes into Python objects on the event loop.
+DEFAULT_MAX_REQUEST_BODY_BYTES = 16 << 20
+# --limit-concurrency (uvicorn's): off by default, because uvicorn counts idle connections too
+# and answers everyone 503 (/health included) past the limit; idle connections are closed by
+# _IdleTimeoutH11Protocol instead, and --max-num-queued-requests bounds the work.
+DEFAULT_LIMIT_CONCURRENCY = 0
 ENGINE_DEATH_GRACE_S = 1.0
 
 router = APIRouter()
@@ -234,6 +246,22 @@ async def create_chat_completion(request: ChatCompletionRequest, raw_request: Re
     return await _handle(raw_request, lambda: handler.create_chat_completion(request, raw_request))
 
 
+@router.post("/v1/responses")
+async def create_response(request: ResponsesRequest, raw_request: Request) -> Response:
+    handler: OpenAIServingResponses = _state(raw_request).serving_responses
+    _warn_ignored(request)
+    return await _handle(raw_request, lambda: handler.create_response(request, raw_request))
+
+
+@router.get("/v1/responses/{response_id}")
+async def retrieve_response(response_id: str, raw_request: Request) -> Response:
+    handler: OpenAIServingResponses = _state(raw_request).serving_responses
+
+    async def get() -> Any:
+        return handler.retrieve_json(response_id)
+    return await _handle(raw_request, get)
+
+
 @router.post("/tokenize")
 async def tokenize(request: TokenizeRequest, raw_request: Request) -> Response:
     handler: OpenAIServingTokenization = _state(raw_request).serving_tokenization
@@ -276,6 +304,86 @@ async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResp
 
 async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
     return error_json(str(exc.detail), exc.status_code)
+
+
+class _BodyTooLarge(StarletteHTTPException):
+    def __init__(self, limit: int) -> None:
+        super().__init__(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+                         f"The request body is larger than {limit} bytes "
+                         f"(--max-request-body-bytes).")
+
+
+class BodySizeLimitMiddleware:
+    """Request bodies over `limit` bytes are refused with 413 without being read into memory:
+    at once when Content-Length says so, else (chunked bodies) as soon as the bytes received
+    pass the limit. Pure ASGI, so streamed responses pass through untouched."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = Headers(scope=scope).get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.limit):
+            if not length.isdigit():
+                response = error_json(f"Invalid Content-Length {length[:32]!r}.",
+                                      HTTPStatus.BAD_REQUEST)
+            else:
+                response = error_json(_BodyTooLarge(self.limit).detail,
+                                      HTTPStatus.REQUEST_ENTITY_TOO_LARGE)
+            # Connection: close, so that the server does not read the body it refused.
+            response.headers["Connection"] = "close"
+            return await response(scope, receive, send)
+        received = 0
+
+        async def counting_receive() -> Any:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.limit:
+                    # FastAPI re-raises HTTPExceptions from reading the body: a 413 response.
+                    raise _BodyTooLarge(self.limit)
+            return message
+
+        await self.app(scope, counting_receive, send)
+
+
+def _idle_timeout_protocol() -> type:
+    """uvicorn's h11 protocol, plus: a connection that has not sent a complete request head
+    within `timeout_keep_alive` seconds of connecting (or of its last response) is closed.
+    uvicorn closes idle keep-alive connections only after a first request, so thousands of
+    connections that never send one (or send their head a byte at a time) would otherwise
+    hold a socket each forever."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class IdleTimeoutH11Protocol(H11Protocol):
+        _head_deadline: Optional[float] = None
+
+        def connection_made(self, transport: Any) -> None:   # type: ignore[override]
+            super().connection_made(transport)
+            self._arm_head_timeout()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self.transport.is_closing():
+                return
+            if self.conn.their_state is h11.IDLE and self.timeout_keep_alive_task is None:
+                self._arm_head_timeout()         # a partial head: the same deadline holds
+            elif self.conn.their_state is not h11.IDLE:
+                self._head_deadline = None       # a request is in: the next one gets a new one
+
+        def _arm_head_timeout(self) -> None:
+            now = self.loop.time()
+            if self._head_deadline is None:
+                self._head_deadline = now + self.timeout_keep_alive
+            self.timeout_keep_alive_task = self.loop.call_later(
+                max(0.0, self._head_deadline - now), self.timeout_keep_alive_handler)
+
+    return IdleTimeoutH11Protocol
 
 
 class AuthenticationMiddleware:
@@ -371,9 +479,14 @@ def build_app(args: argparse.Namespace) -> FastAPI:
     install_openapi(app)
     app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
     app.add_exception_handler(StarletteHTTPException, _http_error)  # type: ignore[arg-type]
-    api_key = getattr(args, "api_key", None) or os.environ.get("KVSERVE_API_KEY")
+    # `kvserve serve` defaults --api-key to KVSERVE_API_KEY; args made elsewhere may lack it.
+    api_key = getattr(args, "api_key", None) or envs.get("KVSERVE_API_KEY")
     if api_key:
         app.add_middleware(AuthenticationMiddleware, api_keys=[api_key])
+    # Added last, so it runs first: an oversized body is refused before anything reads it.
+    body_limit = getattr(args, "max_request_body_bytes", DEFAULT_MAX_REQUEST_BODY_BYTES)
+    if body_limit:
+        app.add_middleware(BodySizeLimitMiddleware, limit=body_limit)
     return app
 
 
@@ -425,9 +538,26 @@ def init_app_state(engine_client: Any, state: Any, args: argparse.Namespace) -> 
                                            chat_template=chat_template,
                                            response_role=getattr(args, "response_role", "assistant"),
                                            enable_auto_tools=getattr(args, "enable_auto_tool_choice", False),
-                                           tool_parser=getattr(args, "tool_call_parser", None))
+                                           tool_parser=getattr(args, "tool_call_parser", None),
+                                           reasoning_parser=getattr(args, "reasoning_parser", None))
+    state.serving_responses = OpenAIServingResponses(state.serving_chat)
     state.serving_tokenization = OpenAIServingTokenization(engine_client, models, load,
                                                            chat_template=chat_template)
+    # xgrammar takes seconds to import; the first structured request would import it on the
+    # event loop (the frontend parses constraints), so it is imported now, beside the loop.
+    threading.Thread(target=_import_quietly, args=("xgrammar",), daemon=True).start()
+    limits = RequestLimits(
+        max_n_sequences=getattr(args, "max_n_sequences", RequestLimits.max_n_sequences),
+        trust_request_chat_template=getattr(args, "trust_request_chat_template", False))
+    for handler in (state.serving_completion, state.serving_chat, state.serving_tokenization):
+        handler.limits = limits
+
+
+def _import_quietly(module: str) -> None:
+    try:
+        importlib.import_module(module)
+    except Exception:      # not installed: structured requests get the install hint later
+        pass
 
 
 def _bind_socket(host: Optional[str], port: int, reuse_port: bool = False) -> socket.socket:
@@ -458,9 +588,20 @@ async def run_server(args: argparse.Namespace) -> int:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (e.g. hermes).")
     if args.chat_template is not None:
         load_chat_template(args.chat_template)   # a bad path fails before the model loads
-    sock = _bind_socket(args.host, args.port)
     engine_args = EngineArgs.from_cli_args(args)
+    if getattr(args, "reasoning_parser", None):
+        _check_reasoning_parser(args.reasoning_parser, engine_args)
+    sock = _bind_socket(args.host, args.port)
     return await serve_http(args, sock, lambda: AsyncLLM.from_engine_args(engine_args))
+
+
+def _check_reasoning_parser(name: str, engine_args: Any) -> None:
+    """A reasoning parser the tokenizer has no tokens for fails before the model loads."""
+    from kvserve.entrypoints.openai.reasoning_parsers import get_reasoning_parser
+    from kvserve.tokenizer import Tokenizer
+
+    tokenizer_path = engine_args.create_engine_config().model_config.tokenizer
+    get_reasoning_parser(name)(Tokenizer.from_pretrained(tokenizer_path))
 
 
 async def serve_http(args: argparse.Namespace, sock: socket.socket,
@@ -477,8 +618,12 @@ async def serve_http(args: argparse.Namespace, sock: socket.socket,
         extra = {"log_config": log_config} if log_config is not None else {}
         config = uvicorn.Config(app, log_level=args.uvicorn_log_level,
                                 access_log=not args.disable_uvicorn_access_log,
-                                timeout_keep_alive=TIMEOUT_KEEP_ALIVE,
-                                timeout_graceful_shutdown=TIMEOUT_GRACEFUL_SHUTDOWN, **extra)
+                                timeout_keep_alive=getattr(args, "timeout_keep_alive",
+                                                           TIMEOUT_KEEP_ALIVE),
+                                limit_concurrency=getattr(args, "limit_concurrency",
+                                                          DEFAULT_LIMIT_CONCURRENCY) or None,
+                                timeout_graceful_shutdown=TIMEOUT_GRACEFUL_SHUTDOWN,
+                                http=_idle_timeout_protocol(), **extra)
         server = uvicorn.Server(config)
         app.state.server = server
         app.state.keep_alive_on_engine_death = getattr(args, "keep_alive_on_engine_death", False)

@@ -30,6 +30,7 @@ from kvserve.config import KVServeConfig
 from kvserve.engine.arg_utils import EngineArgs
 from kvserve.engine.launch import (ClientAddresses, client_addresses, launch_core_engines,
                                    make_engine_addresses, wait_for_processes)
+from kvserve.utils.memory import configure_process_memory
 
 logger = logging.getLogger("kvserve.entrypoints.openai.multi_server")
 
@@ -85,6 +86,7 @@ def run_api_server_worker(args: argparse.Namespace, sock: socket.socket, config:
     _set_process_name(f"KVSAPIServer{addresses.client_index}")
     logging.basicConfig(level=logging.INFO, format=f"%(levelname)s %(asctime)s "
                         f"[APIServer_{addresses.client_index}] %(name)s: %(message)s")
+    configure_process_memory(f"API server {addresses.client_index}")
     try:
         code = asyncio.run(serve_http(args, sock, lambda: AsyncLLM(config, None, addresses),
                                       log_config=_access_log_config()))

@@ -21,6 +21,7 @@ _ERROR_TEXT = {
            "length.",
     "401": "A valid API key is required (only when the server runs with --api-key).",
     "404": "The model named in the request is not served here.",
+    "413": "The request body is larger than --max-request-body-bytes.",
     "503": "The engine is dead, or the waiting queue is full (--max-num-queued-requests).",
 }
 
@@ -29,13 +30,15 @@ _ERROR_TEXT = {
 _ROUTE_ERRORS: dict[str, tuple[str, ...]] = {
     "/v1/completions": ("401", "404", "503"),
     "/v1/chat/completions": ("401", "404", "503"),
+    "/v1/responses": ("401", "404", "503"),
+    "/v1/responses/{response_id}": ("401", "404"),
     "/v1/models": ("401",),
     "/tokenize": ("404",),
     "/detokenize": ("404",),
 }
 
 # Responses whose media type is not JSON.
-_STREAMING = ("/v1/completions", "/v1/chat/completions")
+_STREAMING = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 _PLAIN_TEXT = ("/metrics",)
 _EMPTY_OK = ("/health", "/ping")
 
@@ -70,7 +73,7 @@ def _fix_operation(path: str, op: dict[str, Any]) -> None:
     responses.pop("422", None)
     codes = list(_ROUTE_ERRORS.get(path, ()))
     if "requestBody" in op:
-        codes.insert(0, "400")
+        codes[:0] = ["400", "413"]
     for code in codes:
         responses[code] = {"description": _ERROR_TEXT[code],
                            "content": {"application/json": {"schema": _ERROR_REF}}}

@@ -26,6 +26,14 @@ _OPENAI_DEFAULTS: dict[str, Any] = {"temperature": 1.0, "top_p": 1.0, "top_k": 0
                                     "repetition_penalty": 1.0}
 
 
+# Bounds on what one request may list (each entry is checked against the output every step).
+MAX_STOP_STRINGS = 256
+MAX_STOP_STRING_CHARS = 4096
+MAX_BAD_WORDS = 256
+# Integers travel to the engine as 64-bit (msgpack): larger ones are a 400, not a 500.
+_INT64 = dict(ge=-(2**63), le=2**63 - 1)
+
+
 def random_uuid() -> str:
     return uuid.uuid4().hex
 
@@ -125,13 +133,18 @@ class ResponseFormat(OpenAIBaseModel):
 class _SamplingRequest(OpenAIBaseModel):
     """The sampling fields completions and chat share (OpenAI's and vLLM's extras)."""
 
+    # NaN / Infinity (which Python's JSON parser accepts) are not sampling values.
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
     model: Optional[str] = None
     frequency_penalty: Optional[float] = 0.0
     presence_penalty: Optional[float] = 0.0
     logit_bias: Optional[dict[str, float]] = None
     n: int = 1
-    seed: Optional[int] = None
-    stop: Optional[Union[str, list[str]]] = None
+    seed: Optional[int] = Field(default=None, **_INT64)
+    stop: Optional[Union[Annotated[str, Field(max_length=MAX_STOP_STRING_CHARS)],
+                         Annotated[list[Annotated[str, Field(max_length=MAX_STOP_STRING_CHARS)]],
+                                   Field(max_length=MAX_STOP_STRINGS)]]] = None
     stream: Optional[bool] = False
     stream_options: Optional[StreamOptions] = None
     temperature: Optional[float] = None
@@ -149,10 +162,10 @@ class _SamplingRequest(OpenAIBaseModel):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     allowed_token_ids: Optional[list[int]] = None
-    bad_words: Optional[list[str]] = None
+    bad_words: Optional[Annotated[list[str], Field(max_length=MAX_BAD_WORDS)]] = None
     prompt_logprobs: Optional[int] = None
     truncate_prompt_tokens: Optional[int] = Field(default=None, ge=-1)
-    priority: int = 0
+    priority: int = Field(default=0, **_INT64)
     request_id: Optional[str] = None
     cache_salt: Optional[str] = None
     return_token_ids: Optional[bool] = None
@@ -458,6 +471,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
 class DeltaMessage(OpenAIBaseModel):
     role: Optional[str] = None
     content: Optional[str] = None
+    reasoning_content: Optional[str] = None
     tool_calls: Optional[list[dict[str, Any]]] = None
 
 
@@ -523,3 +537,38 @@ class DetokenizeRequest(OpenAIBaseModel):
 
 class DetokenizeResponse(OpenAIBaseModel):
     prompt: str
+
+
+# ---------------------------------------------------------------------- responses
+class ResponsesRequest(OpenAIBaseModel):
+    # https://platform.openai.com/docs/api-reference/responses/create
+    model: Optional[str] = None
+    input: Union[str, list[dict[str, Any]]]
+    instructions: Optional[str] = None
+    max_output_tokens: Optional[int] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Optional[Union[str, dict[str, Any]]] = "auto"
+    parallel_tool_calls: Optional[bool] = True
+    previous_response_id: Optional[str] = None
+    store: Optional[bool] = True
+    stream: Optional[bool] = False
+    text: Optional[dict[str, Any]] = None
+    metadata: Optional[dict[str, Any]] = None
+    user: Optional[str] = None
+    # vLLM's extras.
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    seed: Optional[int] = None
+    stop: Optional[Union[str, list[str]]] = None
+    priority: Optional[int] = None
+    request_id: Optional[str] = None
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _input_not_empty(cls, value: Any) -> Any:
+        if isinstance(value, (str, list)) and not value:
+            raise ValueError("input must not be empty.")
+        return value

@@ -4,6 +4,12 @@ The template is the request's `chat_template`, else the server's `--chat-templat
 tokenizer's. A stream sends, per choice, a role delta first, then content deltas, then a
 finish chunk (empty delta + finish_reason); with `stream_options.include_usage` a last chunk
 carries the usage and no choices. This is the order OpenAI's API uses.
+
+With `--reasoning-parser`, the text up to `</think>` is `reasoning_content` (a message field,
+a delta field in streams), and structured outputs (forced tool calls included) constrain only
+what follows it: the request's grammar waits in the engine for the `</think>` token id. Tool
+calls are parsed out of the content after the reasoning. A stream and a whole response go
+through the same parsers (`ChoiceParser`), so they say the same thing.
 """
 from __future__ import annotations
 
@@ -12,6 +18,8 @@ from dataclasses import dataclass
 from contextlib import aclosing
 from typing import Any, AsyncGenerator, Optional, Union
 
+from jinja2 import TemplateError
+
 from kvserve.entrypoints.openai.protocol import (ChatCompletionLogProb, ChatCompletionLogProbs,
                                                  ChatCompletionLogProbsContent,
                                                  ChatCompletionRequest, ChatCompletionResponse,
@@ -19,13 +27,18 @@ from kvserve.entrypoints.openai.protocol import (ChatCompletionLogProb, ChatComp
                                                  ChatCompletionResponseStreamChoice,
                                                  ChatCompletionStreamResponse, ChatMessage,
                                                  DeltaMessage, UsageInfo)
+from kvserve.entrypoints.openai.reasoning_parsers import (ReasoningParser, ReasoningStreamer,
+                                                          get_reasoning_parser)
 from kvserve.entrypoints.openai.serving_engine import (SSE_DONE, LoadTracker, OpenAIServing,
                                                        RequestTracker, ServingError,
                                                        StreamingResult, clamp_logprob,
-                                                       error_payload, now, sse, to_serving_error)
+                                                       error_payload, large_messages, now,
+                                                       raise_if_failed, sse, to_serving_error)
 from kvserve.entrypoints.openai.serving_models import OpenAIServingModels
-from kvserve.entrypoints.openai.tool_calls import (ToolCallStreamer, named_tool, parse_forced,
-                                                   parse_hermes)
+from kvserve.entrypoints.openai.tool_calls import named_tool
+from kvserve.entrypoints.openai.tool_parsers import (NamedToolParser, RequiredToolParser,
+                                                     ToolCallStreamer, ToolParser,
+                                                     collect_calls, get_tool_parser)
 from kvserve.outputs import Logprob, RequestOutput
 from kvserve.tokenizer import Tokenizer
 
@@ -74,8 +87,10 @@ def render_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]], *, chat_te
             messages, add_generation_prompt=add_generation_prompt, chat_template=chat_template,
             tokenize=False, continue_final_message=continue_final_message, tools=tools,
             documents=documents, **(chat_template_kwargs or {}))
-    except (ValueError, TypeError) as e:   # TypeError: kwargs that clash with ours
-        raise ServingError(str(e), param="messages") from e
+    # TypeError: kwargs that clash with ours; the others: a template that fails on this input
+    # (the Jinja sandbox raises OverflowError for ranges over its limit).
+    except (ValueError, TypeError, OverflowError, RecursionError, TemplateError) as e:
+        raise ServingError(str(e) or type(e).__name__, param="messages") from e
     assert isinstance(text, str)
     return text
 
@@ -86,15 +101,21 @@ class OpenAIServingChat(OpenAIServing):
     def __init__(self, engine_client: Any, models: OpenAIServingModels, load: LoadTracker,
                  default_sampling_params: Optional[dict[str, Any]] = None,
                  chat_template: Optional[str] = None, response_role: str = "assistant",
-                 enable_auto_tools: bool = False, tool_parser: Optional[str] = None) -> None:
+                 enable_auto_tools: bool = False, tool_parser: Optional[str] = None,
+                 reasoning_parser: Optional[str] = None) -> None:
         super().__init__(engine_client, models, load, default_sampling_params)
         self.chat_template = chat_template
         self.response_role = response_role
         self.enable_auto_tools = enable_auto_tools
         self.tool_parser = tool_parser
+        if tool_parser is not None:
+            get_tool_parser(tool_parser)         # an unknown name fails at start
+        # Raises (at start) when the tokenizer lacks the parser's <think> / </think> tokens.
+        self.reasoning_parser: Optional[ReasoningParser] = (
+            get_reasoning_parser(reasoning_parser)(self.tokenizer) if reasoning_parser else None)
 
     def _tool_mode(self, request: ChatCompletionRequest) -> Optional[str]:
-        """How this request's tool calls are produced: "named", "required", "hermes" or None."""
+        """How this request's tool calls are produced: "named", "required", "auto" or None."""
         choice = request.tool_choice
         if named_tool(choice) is not None:
             return "named"
@@ -104,26 +125,73 @@ class OpenAIServingChat(OpenAIServing):
             if not (self.enable_auto_tools and self.tool_parser):
                 raise ServingError('"auto" tool choice requires --enable-auto-tool-choice and '
                                    '--tool-call-parser to be set', param="tool_choice")
-            return self.tool_parser
+            return "auto"
         return None
+
+    def _tool_parser(self, request: ChatCompletionRequest, mode: Optional[str]) -> Optional[ToolParser]:
+        if mode == "named":
+            return NamedToolParser(str(named_tool(request.tool_choice)))
+        if mode == "required":
+            return RequiredToolParser()
+        if mode == "auto":
+            return get_tool_parser(str(self.tool_parser))(request.tools)
+        return None
+
+    def _reasons(self, request: ChatCompletionRequest, prompt_ids: list[int]) -> bool:
+        """Whether this request's output starts inside the reasoning (the template may have
+        closed it in the prompt, or the request turned thinking off)."""
+        parser = self.reasoning_parser
+        return (parser is not None and parser.thinks(request.chat_template_kwargs)
+                and not parser.is_reasoning_end(prompt_ids))
+
+    def choice_parser(self, ctx: "_ChatContext") -> "ChoiceParser":
+        request = ctx.request
+        tools = self._tool_parser(request, ctx.tool_mode)
+        return ChoiceParser(
+            ReasoningStreamer(self.reasoning_parser)
+            if ctx.reasons and self.reasoning_parser is not None else None,
+            ToolCallStreamer(tools.parse, tools.make_id,
+                             max_calls=1 if request.parallel_tool_calls is False else None)
+            if tools is not None else None, ctx.tool_mode)
 
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Any = None
                                      ) -> Union[ChatCompletionResponse, StreamingResult]:
+        ctx, generator, tracker = await self.start_chat(request, raw_request)
+        if request.stream:
+            return StreamingResult(self._stream(ctx, generator, tracker, raw_request), tracker)
+        final = await self.final_output(ctx, generator, tracker)
+        return self._full_response(ctx, final)
+
+    async def start_chat(self, request: ChatCompletionRequest, raw_request: Any = None
+                   ) -> tuple["_ChatContext", Any, RequestTracker]:
+        """Render, check and submit a chat request: its context, the engine's output stream
+        and the tracker that aborts it (the Responses API starts its requests here too)."""
         self.check_model(request.model)
         self.check_engine()
         request_id = self.make_request_id(request, raw_request)
         tool_mode = self._tool_mode(request)
+        self.check_num_sequences(request.n, 1)
+        self.check_request_chat_template(request.chat_template)
         messages = normalize_messages(request.messages)
-        text = render_chat(
+        text = await self.run_maybe_in_thread(
+            large_messages(messages), render_chat,
             self.tokenizer, messages, chat_template=request.chat_template or self.chat_template,
             add_generation_prompt=request.add_generation_prompt,
             continue_final_message=request.continue_final_message, tools=request.tools,
             documents=request.documents, chat_template_kwargs=request.chat_template_kwargs)
         # The template writes BOS itself: no special tokens unless asked for.
-        ids = self.truncate(self.encode(text, request.add_special_tokens),
-                            request.truncate_prompt_tokens)
+        truncating = request.truncate_prompt_tokens is not None
+        ids = self.truncate(await self.encode(text, request.add_special_tokens, "messages",
+                                              truncating), request.truncate_prompt_tokens)
         default_max_tokens = self.check_length(len(ids), request.requested_max_tokens(), "messages")
         params = self.sampling_params(request, default_max_tokens)
+        reasons = self._reasons(request, ids)
+        if reasons and params.structured_outputs is not None:
+            assert self.reasoning_parser is not None
+            # The grammar starts after the reasoning (the engine waits for this token).
+            params.structured_outputs.reasoning_end_token_id = self.reasoning_parser.end_token_id
+        if tool_mode == "auto" and get_tool_parser(str(self.tool_parser)).needs_special_tokens:
+            params.skip_special_tokens = False   # its markers are special tokens
 
         role = self.response_role if request.add_generation_prompt else messages[-1]["role"]
         echo_text = ""
@@ -134,22 +202,26 @@ class OpenAIServingChat(OpenAIServing):
             {"prompt_token_ids": ids, "prompt": text}, params, request_id,
             priority=request.priority, cache_salt=request.cache_salt)
         ctx = _ChatContext(request, request_id, self.models.response_model_name(request.model),
-                           now(), role, echo_text, ids, tool_mode)
-        if request.stream:
-            return StreamingResult(self._stream(ctx, generator, tracker, raw_request), tracker)
+                           now(), role, echo_text, ids, tool_mode, reasons)
+        return ctx, generator, tracker
+
+    @staticmethod
+    async def final_output(ctx: "_ChatContext", generator: Any, tracker: RequestTracker
+                           ) -> RequestOutput:
         final: Optional[RequestOutput] = None
         try:
             async with aclosing(generator) as stream:
                 async for res in stream:
                     final = res
             if final is not None and final.finished:
-                tracker.finished(request_id)
+                tracker.finished(ctx.request_id)
         except Exception as e:
             raise to_serving_error(e) from e
         finally:
             tracker.close()
         assert final is not None, "the request finished without output"
-        return self._full_response(ctx, final)
+        raise_if_failed(final.outputs)
+        return final
 
     # ------------------------------------------------------------------ whole response
     def _full_response(self, ctx: "_ChatContext", res: RequestOutput) -> ChatCompletionResponse:
@@ -161,14 +233,14 @@ class OpenAIServingChat(OpenAIServing):
             logprobs = None
             if request.logprobs and out.logprobs is not None:
                 logprobs = self._logprobs(out.token_ids, out.logprobs, request.top_logprobs or 0)
-            message = ChatMessage(role=ctx.role, content=ctx.echo_text + out.text)
-            finish_reason = out.finish_reason
-            if ctx.tool_mode is not None:
-                parsed = (parse_hermes(out.text) if ctx.tool_mode == "hermes"
-                          else parse_forced(out.text, request.tool_choice))
-                message.content, message.tool_calls = parsed.content, parsed.tool_calls
-                if parsed.tool_calls and ctx.tool_mode != "named" and finish_reason == "stop":
-                    finish_reason = "tool_calls"   # vLLM's: a named call finishes with "stop"
+            parser = self.choice_parser(ctx)
+            delta, finish_reason = parser.feed(out.text, out.finish_reason, final=True)
+            content: Optional[str] = ctx.echo_text + (delta.content or "")
+            if parser.parses and not content:
+                content = None                      # the reasoning or the calls are all
+            message = ChatMessage(role=ctx.role, content=content,
+                                  reasoning_content=delta.reasoning_content,
+                                  tool_calls=collect_calls(delta.tool_calls or []))
             choices.append(ChatCompletionResponseChoice(
                 index=out.index, message=message,
                 logprobs=logprobs, finish_reason=finish_reason, stop_reason=out.stop_reason,
@@ -206,8 +278,7 @@ class OpenAIServingChat(OpenAIServing):
                 resp.usage = UsageInfo.of(num_prompt, sum(num_tokens))
             return sse(resp.model_dump_json(exclude_unset=True))
 
-        streamers = [ToolCallStreamer(request.tool_choice, ctx.tool_mode) if ctx.tool_mode else None
-                     for _ in range(n)]
+        parsers = [self.choice_parser(ctx) for _ in range(n)]
         try:
             for j in range(n):
                 yield chunk(j, DeltaMessage(role=ctx.role, content=""))
@@ -226,11 +297,9 @@ class OpenAIServingChat(OpenAIServing):
                         if request.logprobs and out.logprobs:
                             logprobs = self._logprobs(out.token_ids, out.logprobs,
                                                       request.top_logprobs or 0)
-                        delta, finish_reason = DeltaMessage(content=out.text), out.finish_reason
-                        if streamers[j] is not None:
-                            delta, finish_reason = _tool_delta(streamers[j], out.text,
-                                                               finish_reason)
-                        if delta.content or delta.tool_calls or logprobs is not None:
+                        delta, finish_reason = parsers[j].feed(out.text, out.finish_reason)
+                        if (delta.content or delta.reasoning_content or delta.tool_calls
+                                or logprobs is not None):
                             yield chunk(j, delta, logprobs,
                                         token_ids=out.token_ids if request.return_token_ids else None)
                         if finish_reason is not None:
@@ -272,13 +341,33 @@ class OpenAIServingChat(OpenAIServing):
         return ChatCompletionLogProbs(content=content)
 
 
-def _tool_delta(streamer: ToolCallStreamer, text: str,
-                finish_reason: Optional[str]) -> tuple[DeltaMessage, Optional[str]]:
-    content, calls = streamer.feed(text, finished=finish_reason is not None)
-    delta = DeltaMessage(content=content or None, tool_calls=calls or None)
-    if finish_reason == "stop" and streamer.num_calls and streamer.mode != "named":
-        finish_reason = "tool_calls"
-    return delta, finish_reason
+class ChoiceParser:
+    """One choice's text, delta by delta: reasoning first, then tool calls in the content.
+    The whole response feeds its text once; a stream feeds each delta."""
+
+    def __init__(self, reasoning: Optional[ReasoningStreamer], tools: Optional[ToolCallStreamer],
+                 tool_mode: Optional[str]) -> None:
+        self.reasoning = reasoning
+        self.tools = tools
+        self.tool_mode = tool_mode
+
+    @property
+    def parses(self) -> bool:
+        return self.reasoning is not None or self.tools is not None
+
+    def feed(self, text: str, finish_reason: Optional[str], final: bool = False
+             ) -> tuple[DeltaMessage, Optional[str]]:
+        final = final or finish_reason is not None
+        reasoning, content, calls = "", text, []
+        if self.reasoning is not None:
+            reasoning, content = self.reasoning.feed(text, final)
+        if self.tools is not None:
+            content, calls = self.tools.feed(content, final)
+            # vLLM's: parsed calls finish with "tool_calls", a named call with "stop".
+            if finish_reason == "stop" and self.tools.num_calls and self.tool_mode != "named":
+                finish_reason = "tool_calls"
+        return DeltaMessage(content=content or None, reasoning_content=reasoning or None,
+                            tool_calls=calls or None), finish_reason
 
 
 @dataclass
@@ -291,3 +380,4 @@ class _ChatContext:
     echo_text: str
     prompt_ids: list[int]
     tool_mode: Optional[str] = None
+    reasons: bool = False         # the output starts inside the reasoning

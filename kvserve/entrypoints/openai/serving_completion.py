@@ -16,7 +16,7 @@ from kvserve.entrypoints.openai.protocol import (CompletionLogProbs, CompletionR
 from kvserve.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIServing, RequestTracker,
                                                        StreamingResult, clamp_logprob,
                                                        error_payload, merge_async_iterators, now,
-                                                       sse, to_serving_error)
+                                                       raise_if_failed, sse, to_serving_error)
 from kvserve.outputs import CompletionOutput, Logprob, RequestOutput
 
 
@@ -33,9 +33,13 @@ class OpenAIServingCompletion(OpenAIServing):
         prompt_texts: list[Optional[str]] = []
         prompt_ids: list[list[int]] = []
         params = []
-        for p in request.prompts():
+        prompts = request.prompts()
+        self.check_num_sequences(request.n, len(prompts))
+        for p in prompts:
             if isinstance(p, str):
-                ids, text = self.encode(p, request.add_special_tokens), p
+                ids = await self.encode(p, request.add_special_tokens,
+                                        truncating=request.truncate_prompt_tokens is not None)
+                text = p
             else:
                 ids, text = list(p), None
                 self.check_token_ids(ids, "prompt")
@@ -70,6 +74,8 @@ class OpenAIServingCompletion(OpenAIServing):
             raise to_serving_error(e) from e
         finally:
             tracker.close()
+        for res in final:
+            raise_if_failed(res.outputs if res is not None else ())
         return self._full_response(ctx, final)
 
     # ------------------------------------------------------------------ whole response

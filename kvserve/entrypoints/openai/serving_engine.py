@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any, AsyncGenerator, AsyncIterator, Callable, Iterable, Optional, TypeVar, Union
 
@@ -232,11 +233,46 @@ def sse(payload: str) -> str:
 SSE_DONE = "data: [DONE]\n\n"
 
 
+# ---------------------------------------------------------------------- limits
+@dataclass
+class RequestLimits:
+    """What one request may ask for (the server's flags; vLLM's names where it has them)."""
+    max_n_sequences: int = 1024               # n x prompts (vLLM: VLLM_MAX_N_SEQUENCES)
+    trust_request_chat_template: bool = False   # vLLM's --trust-request-chat-template
+
+
+# Texts longer than this are tokenized in a thread (the tokenizer releases the GIL), so that
+# a long prompt does not stall the event loop (and /health) while it is encoded.
+_ENCODE_IN_THREAD_CHARS = 1 << 16
+# A text this many times longer than max_model_len (in characters) cannot fit in the context
+# with any real tokenizer; it is refused before the CPU is spent tokenizing it.
+MAX_CHARS_PER_TOKEN = 64
+
+
+def check_unicode(text: str, param: str) -> None:
+    """JSON lets a request carry lone UTF-16 surrogates ("\\ud800"), which are not text: the
+    tokenizer would fail on them with a TypeError."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ServingError(f"{param} is not valid Unicode: a lone surrogate "
+                           f"{text[e.start]!r} at position {e.start}.", param=param) from None
+
+
+def large_messages(messages: list[dict[str, Any]]) -> bool:
+    """Whether rendering these chat messages may take long enough to stall the event loop."""
+    if len(messages) > 64:
+        return True
+    return sum(len(m["content"]) for m in messages
+               if isinstance(m.get("content"), str)) > _ENCODE_IN_THREAD_CHARS
+
+
 # ---------------------------------------------------------------------- handler base
 class OpenAIServing:
     """Base of the completion and chat handlers: the checks every generation request gets."""
 
     request_id_prefix = "cmpl"
+    limits = RequestLimits()      # the server replaces it with its flags' values
 
     def __init__(self, engine_client: Any, models: OpenAIServingModels, load: LoadTracker,
                  default_sampling_params: Optional[dict[str, Any]] = None) -> None:
@@ -270,8 +306,42 @@ class OpenAIServing:
             rid = raw_request.headers.get("X-Request-Id")
         return f"{self.request_id_prefix}-{rid or random_uuid()}"
 
-    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+    async def encode(self, text: str, add_special_tokens: bool, param: str = "prompt",
+                     truncating: bool = False) -> list[int]:
+        """Tokenize; `truncating`: the request cuts the prompt to fit (truncate_prompt_tokens),
+        so its length is not checked here."""
+        check_unicode(text, param)
+        limit = self.max_model_len * MAX_CHARS_PER_TOKEN
+        if not truncating and len(text) > limit:
+            raise ServingError(f"This model's maximum context length is {self.max_model_len} "
+                               f"tokens. However, your request has {len(text)} characters of "
+                               f"input, more than that context can hold (at most {limit}). "
+                               f"Please reduce the length of the {param}.", param=param)
+        if len(text) > _ENCODE_IN_THREAD_CHARS:
+            return await asyncio.to_thread(self.tokenizer.encode, text,
+                                           add_special_tokens=add_special_tokens)
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def check_request_chat_template(self, chat_template: Optional[str]) -> None:
+        if chat_template is not None and not self.limits.trust_request_chat_template:
+            raise ServingError("Chat template is passed with request, but "
+                               "--trust-request-chat-template is not set. Refused request with "
+                               "untrusted chat template.", param="chat_template")
+
+    @staticmethod
+    async def run_maybe_in_thread(large: bool, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """fn(*args, **kwargs), in a thread when the input is large (the event loop keeps
+        answering meanwhile), inline otherwise (a thread hop costs more than a small call)."""
+        if large:
+            return await asyncio.to_thread(fn, *args, **kwargs)
+        return fn(*args, **kwargs)
+
+    def check_num_sequences(self, n: int, num_prompts: int) -> None:
+        limit = self.limits.max_n_sequences
+        if n * num_prompts > limit:
+            what = f"n={n}" if num_prompts == 1 else f"n={n} x {num_prompts} prompts"
+            raise ServingError(f"The request asks for {what} = {n * num_prompts} sequences; "
+                               f"at most {limit} are allowed (--max-n-sequences).", param="n")
 
     def check_token_ids(self, ids: list[int], param: str) -> None:
         if not ids:
@@ -317,6 +387,19 @@ class OpenAIServing:
         if logprob is not None and logprob.decoded_token is not None:
             return logprob.decoded_token
         return self.tokenizer.decode_tokens([token_id])[0]
+
+
+def raise_if_failed(outputs: Iterable[Any]) -> None:
+    """A request the engine ended with finish_reason "error" gets an error response, not a 200
+    with a half answer: 400 when its constraint could not be compiled (the request's fault),
+    500 otherwise."""
+    for out in outputs:
+        if out.finish_reason == "error":
+            reason = str(out.stop_reason or "The request failed in the engine.")
+            bad_input = reason.startswith(("grammar compilation failed", "the constraint "))
+            raise ServingError(reason, HTTPStatus.BAD_REQUEST if bad_input
+                               else HTTPStatus.INTERNAL_SERVER_ERROR,
+                               param="structured_outputs" if bad_input else None)
 
 
 def clamp_logprob(value: float) -> float:

@@ -7,7 +7,7 @@ from kvserve.entrypoints.openai.protocol import (DetokenizeRequest, DetokenizeRe
                                                  TokenizeChatRequest, TokenizeRequest,
                                                  TokenizeResponse)
 from kvserve.entrypoints.openai.serving_chat import normalize_messages, render_chat
-from kvserve.entrypoints.openai.serving_engine import LoadTracker, OpenAIServing
+from kvserve.entrypoints.openai.serving_engine import LoadTracker, OpenAIServing, large_messages
 from kvserve.entrypoints.openai.serving_models import OpenAIServingModels
 
 
@@ -20,15 +20,17 @@ class OpenAIServingTokenization(OpenAIServing):
     async def create_tokenize(self, request: TokenizeRequest, raw_request: Any = None) -> TokenizeResponse:
         self.check_model(request.model)
         if isinstance(request, TokenizeChatRequest):
-            text = render_chat(
-                self.tokenizer, normalize_messages(request.messages),
+            self.check_request_chat_template(request.chat_template)
+            messages = normalize_messages(request.messages)
+            text = await self.run_maybe_in_thread(
+                large_messages(messages), render_chat, self.tokenizer, messages,
                 chat_template=request.chat_template or self.chat_template,
                 add_generation_prompt=request.add_generation_prompt,
                 continue_final_message=request.continue_final_message, tools=request.tools,
                 chat_template_kwargs=request.chat_template_kwargs)
         else:
             text = request.prompt
-        ids = self.encode(text, request.add_special_tokens)
+        ids = await self.encode(text, request.add_special_tokens)
         return TokenizeResponse(
             count=len(ids), max_model_len=self.max_model_len, tokens=ids,
             token_strs=self.tokenizer.convert_ids_to_tokens(ids) if request.return_token_strs else None)

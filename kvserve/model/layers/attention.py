@@ -1,28 +1,21 @@
 """The Attention layer: q/k/v of one decoder layer in, through the chosen attention backend
 (kvserve.attention), attention output out.
 
-The model runner binds its backend to every Attention layer after loading the model
-(`bind_attention_backend`); a layer with none bound (a model built by hand, in tests) uses
-CPU_ATTN, whose kernels fall back to torch off CPU. AttentionMetadata (CPU_ATTN's and
-TORCH_SDPA's per-step metadata) is re-exported here for the callers that build it directly.
+Whoever runs a model binds a backend to every Attention layer after loading it
+(`bind_attention_backend`): the model runner the one the selector chose, a proposer CPU_ATTN
+(whose metadata it builds), a test the one it tests. There is no default: an unbound layer is
+an error, never a silent CPU_ATTN on another device.
 """
 from __future__ import annotations
 
-import functools
 from typing import Any, Optional
 
 import torch
 from torch import nn
 
 from kvserve.attention.backends.base import AttentionBackend
-from kvserve.attention.backends.cpu import AttentionMetadata, CpuAttentionBackend
 
-__all__ = ["Attention", "AttentionMetadata", "bind_attention_backend"]
-
-
-@functools.lru_cache(maxsize=1)
-def _default_backend() -> AttentionBackend:
-    return CpuAttentionBackend(torch.device("cpu"))
+__all__ = ["Attention", "bind_attention_backend"]
 
 
 class Attention(nn.Module):
@@ -47,7 +40,10 @@ class Attention(nn.Module):
         """q [T, H*D], k/v [T, Hkv*D] -> [T, H*D]."""
         T = q.shape[0]
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
-        backend = self.backend if self.backend is not None else _default_backend()
+        backend = self.backend
+        if backend is None:
+            raise RuntimeError("Attention layer has no backend: bind one after loading the model "
+                               "(kvserve.model.layers.attention.bind_attention_backend).")
         connector = self.kv_connector
         if connector is not None:   # vLLM's per-layer connector hooks, around the attention
             connector.wait_for_layer_load(self.layer_name)

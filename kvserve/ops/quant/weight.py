@@ -3,20 +3,20 @@
     w = PackedQuantWeight.from_gguf("Q4_K", raw, (N, K))   # raw: GGUFReader's uint8 blocks
     y = w.matmul(x)                                        # x [..., K] -> [..., N]
 
-matmul on CPU with the kernel built runs the int8 kernel for every batch size up to
-INT8_MAX_ROWS (x quantized per block to int8, integer dot products; as llama.cpp does for all
-batch sizes on CPU). At M = 1..8 it is a stream over the packed bytes (0.56 - 1.06 bytes a weight
-instead of float32's 4). For larger batches the alternative is the weight dequantized
-CHUNK_ELEMS floats at a time into a float32 temporary for torch's GEMM
-(_dequantized_matmul); measured on the SmolLM2 shapes (benchmarks/quant_kernels.py, 1 thread,
-AVX2 EPYC) the int8 kernel is faster at every M tried: 5-10x at M = 16, 2.7-4x at 64, 1.9-2.4x
-at 256, 1.24-1.38x at 1024, and faster than the float32 weight prepacked for oneDNN as well
-(1.1x at 1024). Why: maddubs + madd make 32 int8 multiply-adds in two instructions where an
-FMA makes 8 float32 ones; a group of 8 packed rows stays in L1 while every x row passes over
-it; and the float path pays a dequantization per call on top of a GEMM. So the float path serves
-only batches above INT8_MAX_ROWS (None: none, on this evidence), x on another device, and
-builds without the kernel (not x86-64, no compiler, KVSERVE_DISABLE_CPU_KERNELS=1), where the
-chunks are dequantized with torch ops.
+matmul on CPU with the kernel built runs the int8 kernel up to INT8_MAX_ROWS rows of x (decode,
+speculative verification: x quantized per block to int8 exactly as llama.cpp quantizes it for
+this weight type, integer dot products): a stream over the packed bytes (0.56 - 1.06 bytes a
+weight instead of float32's 4). Larger batches (prefill) take the weight dequantized
+CHUNK_ELEMS floats at a time into a float32 temporary for torch's GEMM (_dequantized_matmul),
+x unquantized, so a prompt's hidden states are those of the dequantized float32 model. Why,
+measured: the int8 activations of the prompt's layers moved the demo's first answer token by
+0.2 nats on a near-tie ("L'Etoile" for "The capital of France is Paris."), and the logits by
+0.05 more (hence `precise` for the LM head). The price: at M = 256 the float path takes
+1.4 - 2.3x the int8 kernel's time per linear (benchmarks/quant_kernels.py --large-rows 256,
+1 thread, AVX2 EPYC: maddubs + madd make 32 int8 multiply-adds in two instructions where an
+FMA makes 8 float32 ones, and the dequantization is paid per call). The float path also serves
+x on another device and builds without the kernel (not x86-64, no compiler,
+KVSERVE_DISABLE_CPU_KERNELS=1), where the chunks are dequantized with torch ops.
 
 It is shaped to become a variant of the CPU weight object (ops/cpu_weight.py): `matmul(x)`, the
 bytes a step streams (`streamable`, `nbytes`), and `shard` for tensor parallelism.
@@ -29,11 +29,16 @@ from typing import Optional, Union
 import numpy as np
 import torch
 
+from kvserve.ops.linear import SMALL_BATCH_MAX_ROWS
 from kvserve.ops.quant import kernel, packing
 from kvserve.ops.quant.formats import ROW_GROUP, BlockFormat, block_format
 
-# Largest row count of x that takes the int8 kernel; None: every batch (see the module doc).
-INT8_MAX_ROWS: Optional[int] = None
+# Largest row count of x that takes the int8 kernel (the small-batch threshold of the float
+# weights, ops.linear); None: every batch (see the module doc).
+INT8_MAX_ROWS: Optional[int] = SMALL_BATCH_MAX_ROWS
+# Rows of x up to which `precise` matmuls (the LM head) add the residual row (a decode step's
+# sampled positions; more rows are prompt logprobs, where 8 bits are as llama.cpp's).
+PRECISE_MAX_ROWS = 8
 # Floats per dequantized chunk of the weight (4 MiB): bounds the large-batch temporary.
 CHUNK_ELEMS = 1 << 20
 
@@ -83,8 +88,11 @@ class PackedQuantWeight:
         return packing.unpack_blocks(self.packed, self.shape[0], self.fmt)
 
     # ------------------------------------------------------------------ math
-    def matmul(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """x [..., K] @ W^T (+ bias) -> [..., N] in x's dtype (the math in float32)."""
+    def matmul(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None,
+               precise: bool = False) -> torch.Tensor:
+        """x [..., K] @ W^T (+ bias) -> [..., N] in x's dtype (the math in float32).
+        `precise` (the LM head): on the int8 path, x's quantization residual is a second int8
+        row (_precise_linear), so the logits carry ~15-bit activations, not 8."""
         n, k = self.shape
         if x.shape[-1] != k:
             raise ValueError(f"x has {x.shape[-1]} features, the weight {k}")
@@ -94,12 +102,25 @@ class PackedQuantWeight:
         ops = kernel.ops() if x.device.type == "cpu" else None
         rows = xf.shape[0]
         if ops is not None and 0 < rows and (INT8_MAX_ROWS is None or rows <= INT8_MAX_ROWS):
-            y = ops.linear(xf.contiguous(), self.packed, self.fmt.ggml_type, n)
+            y = (self._precise_linear(ops, xf.contiguous()) if precise and rows <= PRECISE_MAX_ROWS
+                 else ops.linear(xf.contiguous(), self.packed, self.fmt.ggml_type, n))
         else:
             y = self._dequantized_matmul(xf)
         if bias is not None:
             y = y + bias.float()
         return y.to(x.dtype).reshape(*lead, n)
+
+    def _precise_linear(self, ops, x: torch.Tensor) -> torch.Tensor:
+        """W (x_q + r_q): x_q is x's int8 blocks (the kernel's own quantization of x), r_q the
+        int8 blocks of the residual r = x - x_q, quantized with their own, ~254x finer scales.
+        One kernel call on the 2M rows [x; r]: the weight is streamed once, so at decode sizes
+        (memory-bound) it costs little; the logits' near-ties then fall where float32's do."""
+        m, k = x.shape
+        q, d, _, _ = ops.quantize_x(x, self.fmt.ggml_type)
+        blk = self.fmt.act_block
+        xq = (q.view(m, k // blk, blk).float() * d.unsqueeze(-1)).view(m, k)
+        y = ops.linear(torch.cat((x, x - xq)), self.packed, self.fmt.ggml_type, self.shape[0])
+        return y[:m] + y[m:]
 
     def _dequantized_matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x @ W^T with W dequantized CHUNK_ELEMS floats at a time into float32."""

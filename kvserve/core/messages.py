@@ -1,7 +1,9 @@
 """Messages between the frontend (LLM / AsyncLLM) and the engine core, as msgspec structs.
 
 They are msgpack-encoded when the engine core runs in its own process; in-process they are
-passed as they are. Field order is the wire order (array_like), so keep it stable.
+passed as they are. Field order is the wire order (array_like), so keep it stable. They live in
+core/ because the scheduler builds the outputs: the engine above imports them, core does not
+import the engine.
 """
 from __future__ import annotations
 

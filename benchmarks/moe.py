@@ -1,0 +1,168 @@
+"""A random Mixtral-style mixture-of-experts model: kvserve `LLM.generate` against Hugging Face
+`generate`, alternating rounds; offline throughput and batch-1 decode tokens/s; the weight bytes
+a batch-1 decode step must read (the ACTIVE parameters: attention, router, top-k experts, LM
+head; not the other experts) against the total, and the bandwidth each decode rate implies.
+
+Sizes (--size): "full" is issue 30's ~1B total / ~200M active (hidden 1024, 16 layers, 16
+experts of intermediate 1024, top-2, vocab 32000); "small" (the default: a loaded 2-core
+machine builds and runs it in minutes) is hidden 512, 8 layers, 8 experts of 512, top-2.
+
+    python benchmarks/moe.py [--size small|full] [--dtype float32|bfloat16] [--rounds 2]
+        [--num-prompts 16] [--output-len 32] [--hf-batch-size 8] [--output-json out.json]
+
+Bytes per token at batch 1 cannot be counted directly here; "implied GB/s" = active weight
+bytes x decode tok/s is what a step that streams only the routed experts would need, to be
+read against the machine's measured read bandwidth (printed).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+from typing import Any, Optional
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from offline_vs_hf import hf_batch1_decode, make_requests  # noqa: E402
+from roofline import (DEFAULT_MODEL_DIR, kv_cache_bytes_for, machine_description,  # noqa: E402
+                      measure_memory_bandwidth)
+
+from kvserve.benchmarks.throughput import load_hf_model, run_hf, run_kvserve  # noqa: E402
+
+SIZES: dict[str, dict[str, int]] = {
+    "small": dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8,
+                  num_key_value_heads=4, intermediate_size=512, num_local_experts=8,
+                  num_experts_per_tok=2, vocab_size=32000),
+    "full": dict(hidden_size=1024, num_hidden_layers=16, num_attention_heads=16,
+                 num_key_value_heads=4, intermediate_size=1024, num_local_experts=16,
+                 num_experts_per_tok=2, vocab_size=32000),
+}
+
+
+def ensure_moe_checkpoint(size: str, dtype: str, model_dir: str) -> str:
+    """A random MixtralForCausalLM written by transformers (+ the demo tokenizer), built once."""
+    from transformers import AutoModelForCausalLM, MixtralConfig
+
+    from kvserve.model.demo import train_demo_tokenizer
+
+    path = os.path.join(model_dir, f"mixtral-{size}-random-{dtype}-v1")
+    if os.path.isfile(os.path.join(path, "model.safetensors")) or \
+            os.path.isfile(os.path.join(path, "model.safetensors.index.json")):
+        return path
+    tmp = path + f".tmp-{os.getpid()}"
+    config = MixtralConfig(**SIZES[size], max_position_embeddings=2048, bos_token_id=1,
+                           eos_token_id=2, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).to(getattr(torch, dtype))
+    model.save_pretrained(tmp)
+    train_demo_tokenizer(tmp, model_max_length=2048)
+    os.replace(tmp, path)
+    return path
+
+
+def param_bytes(size: str, dtype: str) -> dict[str, int]:
+    """Total weight bytes, and those a batch-1 decode step reads (one embedding row aside)."""
+    c = SIZES[size]
+    h, layers, inter = c["hidden_size"], c["num_hidden_layers"], c["intermediate_size"]
+    head = h // c["num_attention_heads"]
+    attn = h * head * (2 * c["num_attention_heads"] + 2 * c["num_key_value_heads"])
+    expert = 3 * h * inter
+    router = h * c["num_local_experts"]
+    lm_head = embed = c["vocab_size"] * h
+    per_el = torch.finfo(getattr(torch, dtype)).bits // 8
+    total = layers * (attn + router + c["num_local_experts"] * expert) + embed + lm_head
+    active = layers * (attn + router + c["num_experts_per_tok"] * expert) + lm_head
+    return {"total_params": total, "active_params": active,
+            "total_bytes": total * per_el, "active_bytes": active * per_el}
+
+
+def kvserve_round(path: str, dtype: str, requests: list, args: argparse.Namespace) -> dict:
+    from kvserve import LLM
+    from kvserve.benchmarks.latency import measure_decode_throughput
+
+    lens = [r.prompt_len + r.expected_output_len for r in requests]
+    llm = LLM(path, dtype=dtype, max_model_len=max(lens) + 80, max_num_seqs=len(requests),
+              kv_cache_memory=kv_cache_bytes_for(path, dtype, lens + [96]), seed=0)
+    try:
+        elapsed, out = run_kvserve(requests, llm, temperature=0.0)
+        b1 = measure_decode_throughput(llm, 1, 32, args.batch1_tokens, num_iters=2)
+    finally:
+        llm.shutdown()
+        del llm
+        gc.collect()
+    return {"output_tok_s": sum(out) / elapsed, "batch1_tok_s": b1["decode_tokens_per_second"]}
+
+
+def hf_round(path: str, dtype: str, requests: list, args: argparse.Namespace) -> dict:
+    hf = load_hf_model(path, getattr(torch, dtype), "cpu")
+    try:
+        elapsed, out = run_hf(requests, hf, args.hf_batch_size)
+        b1 = hf_batch1_decode(hf, 32, args.batch1_tokens, SIZES[args.size]["vocab_size"], 2)
+    finally:
+        del hf
+        gc.collect()
+    return {"output_tok_s": sum(out) / elapsed, "batch1_tok_s": b1}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    path = ensure_moe_checkpoint(args.size, args.dtype, args.model_dir)
+    requests = make_requests(args.num_prompts, 16, 128, args.output_len,
+                             SIZES[args.size]["vocab_size"], seed=0)
+    result: dict[str, Any] = {"machine": machine_description(), "size": args.size,
+                              "dtype": args.dtype, **param_bytes(args.size, args.dtype),
+                              "read_gb_s": measure_memory_bandwidth(256)["read_gb_s"],
+                              "rounds": []}
+    for r in range(args.rounds):      # alternating: drift on a shared host hits both sides
+        k = kvserve_round(path, args.dtype, requests, args)
+        h = hf_round(path, args.dtype, requests, args)
+        result["rounds"].append({"kvserve": k, "hf": h})
+        print(f"round {r}: kvserve {k['output_tok_s']:.1f} tok/s, batch-1 {k['batch1_tok_s']:.1f}"
+              f" | HF {h['output_tok_s']:.1f} tok/s, batch-1 {h['batch1_tok_s']:.1f}", flush=True)
+    best = {side: {m: max(rd[side][m] for rd in result["rounds"])
+                   for m in ("output_tok_s", "batch1_tok_s")} for side in ("kvserve", "hf")}
+    result["best"] = best
+    result["throughput_ratio"] = best["kvserve"]["output_tok_s"] / best["hf"]["output_tok_s"]
+    result["batch1_ratio"] = best["kvserve"]["batch1_tok_s"] / best["hf"]["batch1_tok_s"]
+    result["kvserve_batch1_implied_gb_s"] = best["kvserve"]["batch1_tok_s"] * result["active_bytes"] / 1e9
+    return result
+
+
+def make_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--size", choices=sorted(SIZES), default="small")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--model-dir", default=DEFAULT_MODEL_DIR)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--hf-batch-size", type=int, default=8)
+    p.add_argument("--batch1-tokens", type=int, default=32)
+    p.add_argument("--output-json", default=None)
+    return p
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = make_parser().parse_args(argv)
+    start = time.perf_counter()
+    result = run(args)
+    print(f"{args.size} MoE ({result['total_params'] / 1e6:.0f}M total, "
+          f"{result['active_params'] / 1e6:.0f}M active, {args.dtype}) on {result['machine']}")
+    print(f"  offline throughput: kvserve / HF = {result['throughput_ratio']:.2f}x; batch-1 decode "
+          f"kvserve / HF = {result['batch1_ratio']:.2f}x")
+    print(f"  batch-1: active weights {result['active_bytes'] / 2**20:.0f} MiB of "
+          f"{result['total_bytes'] / 2**20:.0f} MiB per token -> "
+          f"{result['kvserve_batch1_implied_gb_s']:.1f} GB/s implied "
+          f"(measured read bandwidth {result['read_gb_s']:.1f} GB/s); "
+          f"{time.perf_counter() - start:.0f} s")
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
