@@ -1,8 +1,11 @@
 """GGUF quantized tensors kept packed on CPU (issue 29 part 1), end to end on the real demo
 model (SmolLM2-135M-Instruct, Q4_1) and on files requantized from it with `gguf`'s own
 quantizers (no llama.cpp): Q8_0 everywhere, and a mix of Q5_0 / Q5_1 / Q4_0 / Q8_0 whose fused
-q|k|v holds two types. `gguf` has no K-quant quantizer, so K types are covered by the kernel
-tests (tests/ops/test_quant_linear.py) only.
+q|k|v holds two types. `gguf` has no K-quant quantizer: the Q4_K_M file (Q4_K, Q6_K and the
+Q5_0 that llama.cpp stores SmolLM2's 576-wide rows in) and a Q8_0 one are made by llama.cpp's
+own quantizer through llama-cpp-python, cached under KVSERVE_CACHE_DIR; those tests skip where
+it is not installed (CI), and the K types are then covered by the kernel tests
+(tests/ops/test_quant_linear.py) only.
 
 The packed path quantizes activations to int8 per block (as llama.cpp does), so it is compared
 with the dequantized float32 path of the same file (--quantization gguf-dequantized) by
@@ -75,6 +78,34 @@ def _requantize(src: str, out: str, type_of) -> str:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    return out
+
+
+def llamacpp_file(src: str, ftype: str) -> str:
+    """The demo model requantized by llama.cpp's quantizer (llama_model_quantize from a float32
+    GGUF of the same weights) as LLAMA_FTYPE_MOSTLY_<ftype>, made once into the cache."""
+    llama_cpp = pytest.importorskip(
+        "llama_cpp", reason="llama-cpp-python is not installed (CI does not install it): the "
+        "llama.cpp-quantized files cannot be made; pip install llama-cpp-python")
+    import ctypes
+
+    from kvserve import envs
+
+    cache = os.path.join(envs.cache_dir(), "gguf-llamacpp")
+    os.makedirs(cache, exist_ok=True)
+    out = os.path.join(cache, f"SmolLM2-135M-Instruct.{ftype}.gguf")
+    if not os.path.exists(out):
+        f32 = os.path.join(cache, "SmolLM2-135M-Instruct.F32.gguf")
+        if not os.path.exists(f32):
+            _requantize(src, f32 + ".part", lambda n: "F32")
+            os.replace(f32 + ".part", f32)
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
+        params.nthread = 2
+        rc = llama_cpp.llama_model_quantize(f32.encode(), (out + ".part").encode(),
+                                            ctypes.byref(params))
+        assert rc == 0, f"llama_model_quantize -> {rc}"
+        os.replace(out + ".part", out)
     return out
 
 
@@ -179,6 +210,24 @@ def test_greedy_chat_says_paris(files, name) -> None:
     with LLM(files[name], **ENGINE) as llm:
         out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                        SamplingParams(max_tokens=48, temperature=0), use_tqdm=False)
+    assert "Paris" in out[0].outputs[0].text, out[0].outputs[0].text
+
+
+@pytest.mark.parametrize("ftype", ["Q4_K_M", "Q8_0"])
+def test_llamacpp_quantized_files(smollm2_gguf: str, ftype: str) -> None:
+    """Files made by llama.cpp's quantizer: the K-quants (and Q5_0) stay packed, perplexity within
+    1% of the same file dequantized to float32, greedy Paris."""
+    from kvserve.model.gguf import read_gguf_metadata
+
+    path = llamacpp_file(smollm2_gguf, ftype)
+    types = {t.type_name for t in read_gguf_metadata(path).tensors}
+    if ftype == "Q4_K_M":
+        assert {"Q4_K", "Q6_K", "Q5_0"} <= types, types
+    packed, float32 = _perplexity(path, "gguf"), _perplexity(path, "gguf-dequantized")
+    assert abs(packed / float32 - 1) < 0.01, (ftype, packed, float32)
+    with LLM(path, **ENGINE) as llm:
+        out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                       SamplingParams(max_tokens=16, temperature=0), use_tqdm=False)
     assert "Paris" in out[0].outputs[0].text, out[0].outputs[0].text
 
 
