@@ -36,9 +36,6 @@ from kvserve.ops.quant.formats import ROW_GROUP, BlockFormat, block_format
 # Largest row count of x that takes the int8 kernel (the small-batch threshold of the float
 # weights, ops.linear); None: every batch (see the module doc).
 INT8_MAX_ROWS: Optional[int] = SMALL_BATCH_MAX_ROWS
-# Rows of x up to which `precise` matmuls (the LM head) add the residual row (a decode step's
-# sampled positions; more rows are prompt logprobs, where 8 bits are as llama.cpp's).
-PRECISE_MAX_ROWS = 8
 # Floats per dequantized chunk of the weight (4 MiB): bounds the large-batch temporary.
 CHUNK_ELEMS = 1 << 20
 
@@ -102,7 +99,7 @@ class PackedQuantWeight:
         ops = kernel.ops() if x.device.type == "cpu" else None
         rows = xf.shape[0]
         if ops is not None and 0 < rows and (INT8_MAX_ROWS is None or rows <= INT8_MAX_ROWS):
-            y = (self._precise_linear(ops, xf.contiguous()) if precise and rows <= PRECISE_MAX_ROWS
+            y = (self._precise_linear(ops, xf.contiguous()) if precise
                  else ops.linear(xf.contiguous(), self.packed, self.fmt.ggml_type, n))
         else:
             y = self._dequantized_matmul(xf)
