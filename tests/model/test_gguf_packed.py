@@ -142,8 +142,11 @@ def test_perplexity_within_one_percent_of_float32(files, name) -> None:
 
 
 def _load(path: str, quantization: str = "gguf") -> torch.nn.Module:
+    from kvserve.model.gguf import read_gguf_config
+
     cfg = ModelConfig.from_path(path, tokenizer=None, served_model_name=None, dtype="float32",
                                 max_model_len=None, seed=0, max_logprobs=20, device="cpu",
+                                gguf_config=read_gguf_config(path, "auto", None),
                                 quantization=quantization)
     return load_model(cfg, torch.device("cpu"))
 
