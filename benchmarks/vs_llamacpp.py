@@ -22,6 +22,14 @@ kvserve's offline throughput; `--kvserve-only` skips llama.cpp. Needs
 `pip install gguf llama-cpp-python` (llama-cpp-python builds from source: about 6 minutes on
 2 cores); without them the script says so and exits 0. `--export-only` writes and checks the
 GGUF files without llama-cpp-python.
+
+`--quantized-files demo a.gguf b.gguf` (issue 29) runs both engines on the same quantized
+files instead (kvserve keeping them packed, its default for a .gguf): batch-1 decode tok/s and
+prompt processing of --prompt-len tokens (alternating rounds), the resident memory each engine
+adds by loading (RSS after load and warm-up, both in this process: kvserve with
+multiprocessing=False), and the perplexity of each over a fixed text (the same token ids).
+`--kvserve-only` there adds kvserve's dequantized float32 path (--quantization
+gguf-dequantized) as the reference instead of llama.cpp.
 """
 from __future__ import annotations
 
@@ -306,7 +314,9 @@ def bench_dtype(model: str, dtype: str, gguf_path: str, args: argparse.Namespace
     threads = torch.get_num_threads()
     ctx = max(args.prompt_len + 1,
               args.decode_prompt_len + max(args.decode_tokens + 1, args.check_tokens)) + 16
-    entry: dict[str, Any] = {"gguf": gguf_path, "threads": threads, "rounds": args.num_iters}
+    entry: dict[str, Any] = {"gguf": gguf_path, "threads": threads, "rounds": args.num_iters,
+                             "kvserve_weights": weights_label(model, dtype),
+                             "llamacpp_weights": weights_label(gguf_path, dtype)}
     if args.offline_requests:
         entry.update(measure_offline(model, dtype, args))
     llm = _open_kvserve(model, dtype, ctx, entry)
@@ -357,27 +367,189 @@ def bench_dtype(model: str, dtype: str, gguf_path: str, args: argparse.Namespace
     return entry
 
 
+def weights_label(model: str, dtype: str) -> str:
+    """The quantization type of the weights an engine runs: a GGUF file's most common 2-D
+    tensor type (kvserve keeps those packed), else the dtype."""
+    if not model.endswith(".gguf"):
+        return dtype
+    from collections import Counter
+
+    from kvserve.model.gguf import read_gguf_metadata
+    types = Counter(t.type_name for t in read_gguf_metadata(model).tensors if len(t.shape) == 2)
+    return types.most_common(1)[0][0] if types else dtype
+
+
 def format_report(result: dict[str, Any]) -> str:
     lines = [f"Machine: {result['machine']}", f"Model: {result['model']}", "",
-             "| dtype | kvserve decode tok/s | llama.cpp decode tok/s | ratio (median of rounds) | "
-             "kvserve prefill tok/s | llama.cpp prefill tok/s | ratio | greedy agreement |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| dtype | weights (kvserve / llama.cpp) | kvserve decode tok/s | llama.cpp decode tok/s "
+             "| ratio (median of rounds) | kvserve prefill tok/s | llama.cpp prefill tok/s | ratio | "
+             "greedy agreement |",
+             "|---|---|---|---|---|---|---|---|---|"]
     if any("llamacpp_decode_tok_s" not in e for e in result["dtypes"].values()):
-        lines[2:] = ["| dtype | kvserve decode tok/s | kvserve prefill tok/s | kvserve offline tok/s |",
-                     "|---|---|---|---|"]
+        lines[2:] = ["| dtype | weights | kvserve decode tok/s | kvserve prefill tok/s | "
+                     "kvserve offline tok/s |", "|---|---|---|---|---|"]
         for dtype, e in result["dtypes"].items():
-            lines.append(f"| {dtype} | {e['kvserve_decode_tok_s']:.1f} | "
+            lines.append(f"| {dtype} | {e.get('kvserve_weights', dtype)} | "
+                         f"{e['kvserve_decode_tok_s']:.1f} | "
                          f"{e['kvserve_prefill_tok_s']:.0f} | {e.get('kvserve_offline_tok_s', 0):.1f} |")
         return "\n".join(lines)
     for dtype, e in result["dtypes"].items():
         lines.append(
-            f"| {dtype} | {e['kvserve_decode_tok_s']:.1f} | {e['llamacpp_decode_tok_s']:.1f} | "
+            f"| {dtype} | {e.get('kvserve_weights', dtype)} / {e.get('llamacpp_weights', dtype)} | "
+            f"{e['kvserve_decode_tok_s']:.1f} | {e['llamacpp_decode_tok_s']:.1f} | "
             f"{e['decode_ratio']:.2f}x | {e['kvserve_prefill_tok_s']:.0f} | "
             f"{e['llamacpp_prefill_tok_s']:.0f} | {e['prefill_ratio']:.2f}x | "
             f"{e['greedy_tokens_agreeing']}/{e['greedy_tokens_checked']} |"
             + (f" kvserve offline {e['kvserve_offline_tok_s']:.1f} tok/s |"
                if "kvserve_offline_tok_s" in e else ""))
     return "\n".join(lines)
+
+
+# ------------------------------------------------------------------ quantized files (issue 29)
+
+PPL_TEXT = (
+    "The history of the city begins with a small fishing village on the banks of a wide river. "
+    "Over the centuries, merchants arrived from distant lands, bringing spices, silk and new "
+    "ideas. The village grew into a town, and the town into a city, with stone bridges, busy "
+    "markets and a great cathedral whose bells could be heard for miles. In the spring, farmers "
+    "from the surrounding valleys brought their goods to the market square, where they sold "
+    "bread, cheese, fruit and wine. Children played by the fountains while their parents "
+    "bargained over prices. Scholars founded a university, and students came from every corner "
+    "of the continent to study law, medicine and philosophy.")
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _kvserve_perplexity(llm: Any) -> tuple[float, list[int]]:
+    from kvserve import SamplingParams
+
+    out = llm.generate([PPL_TEXT], SamplingParams(max_tokens=1, prompt_logprobs=0),
+                       use_tqdm=False)[0]
+    ids, lps = list(out.prompt_token_ids), out.prompt_logprobs
+    nll = [-lps[i][t].logprob for i, t in enumerate(ids) if i > 0]
+    return float(np.exp(np.mean(nll))), ids
+
+
+def _llamacpp_perplexity(path: str, ids: list[int], threads: int) -> float:
+    import llama_cpp
+
+    llm = llama_cpp.Llama(model_path=path, n_ctx=len(ids) + 16, n_batch=len(ids) + 16,
+                          n_ubatch=len(ids) + 16, n_threads=threads, n_threads_batch=threads,
+                          logits_all=True, verbose=False)
+    try:
+        llm.eval(ids)
+        logits = np.asarray(llm.scores[:len(ids)], dtype=np.float64)
+    finally:
+        llm.close()
+    logp = logits - logits.max(-1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+    return float(np.exp(-np.mean([logp[i - 1, t] for i, t in enumerate(ids) if i > 0])))
+
+
+def bench_quantized(path: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One quantized file, both engines loaded, alternating rounds (see bench_dtype)."""
+    from kvserve import LLM
+    from kvserve.benchmarks.latency import (measure_decode_throughput,
+                                            measure_prefill_throughput, random_token_prompts)
+
+    threads = torch.get_num_threads()
+    ctx = max(args.prompt_len, args.decode_prompt_len + args.decode_tokens) + 32
+    entry: dict[str, Any] = {"file": path, "weights": weights_label(path, "gguf"),
+                             "file_bytes": os.path.getsize(path), "threads": threads}
+    peer = "dequantized" if args.kvserve_only else "llamacpp"
+    rss0 = _rss_bytes()
+    llm = LLM(path, max_model_len=ctx, max_num_seqs=1, enable_prefix_caching=False,
+              multiprocessing=False)
+    other = None
+    try:
+        entry["kvserve_ppl"], ids = _kvserve_perplexity(llm)
+        measure_prefill_throughput(llm, args.prompt_len, 1)                   # warm-up
+        entry["kvserve_rss_bytes"] = _rss_bytes() - rss0
+        rss1 = _rss_bytes()
+        if args.kvserve_only:
+            other = LLM(path, quantization="gguf-dequantized", max_model_len=ctx, max_num_seqs=1,
+                        enable_prefix_caching=False, multiprocessing=False)
+            entry["dequantized_ppl"] = _kvserve_perplexity(other)[0]
+            measure_prefill_throughput(other, args.prompt_len, 1)
+            sides = {"dequantized_decode": lambda i: measure_decode_throughput(
+                        other, 1, args.decode_prompt_len, args.decode_tokens, 1,
+                        seed=1000 + 10 * i)["decode_tokens_per_second"],
+                     "dequantized_prefill": lambda i: measure_prefill_throughput(
+                        other, args.prompt_len, 1, seed=2000 + 10 * i)["prefill_tokens_per_second"]}
+        else:
+            entry["llamacpp_ppl"] = _llamacpp_perplexity(path, ids, threads)
+            other = LlamaCppRunner(path, ctx, threads)
+            pp = [p["prompt_token_ids"] for p in
+                  random_token_prompts(llm, args.num_iters + 1, args.prompt_len, seed=11)]
+            dec = [p["prompt_token_ids"] for p in
+                   random_token_prompts(llm, args.num_iters, args.decode_prompt_len, seed=13)]
+            other.prefill(pp[-1])                                            # warm-up
+            sides = {"llamacpp_decode": lambda i: args.decode_tokens / other.greedy(
+                        dec[i], args.decode_tokens + 1)[1],
+                     "llamacpp_prefill": lambda i: args.prompt_len / other.prefill(pp[i])}
+        entry[f"{peer}_rss_bytes"] = _rss_bytes() - rss1
+        sides.update({
+            "kvserve_decode": lambda i: measure_decode_throughput(
+                llm, 1, args.decode_prompt_len, args.decode_tokens, 1,
+                seed=1000 + 10 * i)["decode_tokens_per_second"],
+            "kvserve_prefill": lambda i: measure_prefill_throughput(
+                llm, args.prompt_len, 1, seed=2000 + 10 * i)["prefill_tokens_per_second"]})
+        rounds: dict[str, list[float]] = {name: [] for name in sides}
+        for i in range(args.num_iters):
+            for what in ("decode", "prefill"):
+                order = [n for n in sides if n.endswith(what)]
+                for name in (order if i % 2 else order[::-1]):
+                    rounds[name].append(sides[name](i))
+    finally:
+        llm.shutdown()
+        if other is not None:
+            other.shutdown() if args.kvserve_only else other.close()
+    for name, values in rounds.items():
+        entry[f"{name}_tok_s"] = max(values)
+        entry[f"{name}_rounds"] = values
+    for what in ("decode", "prefill"):
+        entry[f"{what}_ratio"] = float(np.median(
+            [a / b for a, b in zip(rounds[f"kvserve_{what}"], rounds[f"{peer}_{what}"])]))
+    entry["peer"] = peer
+    return entry
+
+
+def format_quantized(result: dict[str, Any]) -> str:
+    peer = next(iter(result["files"].values()))["peer"] if result["files"] else "llamacpp"
+    name = "llama.cpp" if peer == "llamacpp" else "kvserve dequantized f32"
+    lines = [f"Machine: {result['machine']}", f"Load average at start: {result['loadavg']}", "",
+             f"| file (type) | MB | decode tok/s kvserve / {name} | ratio | prompt {result['prompt_len']} "
+             f"tok/s kvserve / {name} | ratio | RSS MB kvserve / {name} | perplexity kvserve / "
+             f"{name} |", "|---|---|---|---|---|---|---|---|"]
+    for path, e in result["files"].items():
+        mb = 2 ** 20
+        lines.append(
+            f"| {os.path.basename(path)} ({e['weights']}) | {e['file_bytes'] / mb:.0f} | "
+            f"{e['kvserve_decode_tok_s']:.1f} / {e[peer + '_decode_tok_s']:.1f} | "
+            f"{e['decode_ratio']:.2f}x | {e['kvserve_prefill_tok_s']:.0f} / "
+            f"{e[peer + '_prefill_tok_s']:.0f} | {e['prefill_ratio']:.2f}x | "
+            f"{e['kvserve_rss_bytes'] / mb:.0f} / {e[peer + '_rss_bytes'] / mb:.0f} | "
+            f"{e['kvserve_ppl']:.3f} / {e[peer + '_ppl']:.3f} |")
+    return "\n".join(lines)
+
+
+def main_quantized(args: argparse.Namespace) -> int:
+    from kvserve.model.demo import fetch_demo_gguf
+
+    result: dict[str, Any] = {"machine": machine_description(), "prompt_len": args.prompt_len,
+                              "loadavg": " ".join(open("/proc/loadavg").read().split()[:3]),
+                              "files": {}}
+    for f in args.quantized_files:
+        path = os.path.abspath(fetch_demo_gguf() if f == "demo" else f)
+        result["files"][path] = bench_quantized(path, args)
+        print(f"[{os.path.basename(path)}] done", flush=True)
+    print(format_quantized(result))
+    if args.output_json:
+        write_json(args.output_json, result)
+    return 0
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -402,6 +574,9 @@ def make_parser() -> argparse.ArgumentParser:
                    help="Measure kvserve only (no llama-cpp-python needed).")
     p.add_argument("--export-only", action="store_true",
                    help="Write and verify the GGUF files; no llama-cpp-python needed.")
+    p.add_argument("--quantized-files", nargs="+", default=None,
+                   help="Quantized GGUF files ('demo': the demo's Q4_1): both engines on each "
+                        "file itself (kvserve keeping it packed); see the module doc.")
     p.add_argument("--output-json", default=None)
     return p
 
@@ -417,6 +592,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             what="llama-cpp-python", pkg="llama-cpp-python",
             extra="(it compiles llama.cpp from source: about 6 minutes on 2 cores), "))
         return 0
+    if args.quantized_files:
+        return main_quantized(args)
     model = args.model or ensure_bench_model(args.model_dir)
     kvserve_model = model
     if model == "demo" or model.endswith(".gguf"):

@@ -115,6 +115,9 @@ class ModelConfig:
     runner_type: str = "generate"
     convert_type: str = "none"
     pooler_config: Optional["PoolerConfig"] = None
+    # vLLM's --quantization, resolved: "gguf" (a GGUF file: quantized tensors stay packed on
+    # CPU), "gguf-dequantized" (dequantized at load: the float path), or None.
+    quantization: Optional[str] = None
 
     def __post_init__(self) -> None:
         if not self.served_model_names:
@@ -166,13 +169,15 @@ class ModelConfig:
                   device: str, load_format: str = "auto",
                   hf_config_path: Optional[str] = None,
                   gguf_config: Optional[dict] = None,
-                  cpu_isa: Optional[str] = None) -> "ModelConfig":
+                  cpu_isa: Optional[str] = None,
+                  quantization: Optional[str] = None) -> "ModelConfig":
         """`gguf_config`: a GGUF file's HF-style config, as plain data from the GGUF reader
         (kvserve.model.gguf.read_gguf_config); config.py reads no GGUF itself."""
         if load_format not in LOAD_FORMATS:
             raise ValueError(f"Unknown load_format {load_format!r}; supported: "
                              f"{', '.join(LOAD_FORMATS)}.")
         gguf = is_gguf(path, load_format)
+        quantization = resolve_quantization(quantization, gguf, device)
         hf_config, gen_cfg = load_hf_config(path, hf_config_path, gguf, gguf_config)
         derived_max = int(hf_config.get("max_position_embeddings") or 2048)
         if max_model_len is None:
@@ -192,10 +197,31 @@ class ModelConfig:
             hf_config=hf_config,
             dtype=torch.float32 if weight_dtype else resolve_dtype(dtype, hf_config, device),
             max_model_len=max_model_len, seed=seed, max_logprobs=max_logprobs,
-            generation_config=gen_cfg, load_format="gguf" if gguf else "safetensors")
+            generation_config=gen_cfg, load_format="gguf" if gguf else "safetensors",
+            quantization=quantization)
 
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf")
+QUANTIZATIONS = ("gguf", "gguf-dequantized")
+
+
+def resolve_quantization(quantization: Optional[str], gguf: bool, device: str) -> Optional[str]:
+    """vLLM's --quantization: "gguf" is implied by a GGUF file (its block-quantized tensors
+    stay packed on CPU); "gguf-dequantized" (kvserve's) dequantizes them at load instead.
+    Checkpoint formats other than GGUF are not quantized here."""
+    if quantization in (None, "", "none"):
+        return "gguf" if gguf else None
+    if quantization not in QUANTIZATIONS:
+        where = "on CPU " if device == "cpu" else ""
+        raise ValueError(f"quantization={quantization!r} is not supported {where}by kvserve; "
+                         f"supported: {', '.join(QUANTIZATIONS)} (GGUF files; 'gguf' is implied "
+                         f"by a .gguf path).")
+    if not gguf:
+        raise ValueError(f"quantization={quantization!r} needs a GGUF model (a .gguf file or "
+                         f"--load-format gguf).")
+    return quantization
+
+
 GGUF_EXTENSION = ".gguf"
 
 

@@ -30,6 +30,9 @@ _HELP = {
                       "metadata is not enough).",
     "served_model_name": "Model name(s) the API accepts; the first is the one reported "
                          "(defaults to the model argument).",
+    "quantization": "gguf (implied by a .gguf model: its Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/"
+                    "Q6_K tensors stay packed on CPU, int8 kernels) or gguf-dequantized "
+                    "(dequantize them at load: the float path).",
     "dtype": "Weight and activation dtype: auto, float32, bfloat16, float16.",
     "max_model_len": "Context length (prompt + output). Defaults to the model's max_position_embeddings.",
     "block_size": "Tokens per KV cache block.",
@@ -114,6 +117,7 @@ class EngineArgs:
     tokenizer: Optional[str] = None
     load_format: str = "auto"
     hf_config_path: Optional[str] = None
+    quantization: Optional[str] = None
     served_model_name: Optional[Union[str, list[str]]] = None
     dtype: str = "auto"
     max_model_len: Optional[int] = None
@@ -222,7 +226,7 @@ class EngineArgs:
             max_logprobs=self.max_logprobs, device=device, load_format=self.load_format,
             hf_config_path=hf_config_path,
             gguf_config=read_gguf_config(path, self.load_format, hf_config_path),
-            cpu_isa=cpu_config.cpu_isa)
+            cpu_isa=cpu_config.cpu_isa, quantization=self.quantization)
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}.")
         if self.scheduling_policy not in ("fcfs", "priority"):

@@ -13,8 +13,10 @@ loading undoes that. Qwen2 / Qwen3 files are stored in Hugging Face's layout alr
 """
 from __future__ import annotations
 
+import logging
 import os
 import re
+from collections import Counter
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Iterator, Optional
@@ -23,6 +25,8 @@ import numpy as np
 import torch
 
 from kvserve.config import is_gguf
+
+logger = logging.getLogger(__name__)
 
 # GGUF `general.architecture` -> (HF `architectures` entry, `model_type`). Mistral files say
 # "llama": llama.cpp converts them as Llama, and they are the same network here.
@@ -35,7 +39,8 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
 _PERMUTED_ARCHITECTURES = {"llama"}
 
 # Tensor types dequantized at load (by `gguf.quants.dequantize`).
-SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K",
+                          "Q5_K", "Q6_K")
 
 # llama.cpp tensor name -> HF name; "{i}" is the layer index.
 _GLOBAL_NAMES = {
@@ -324,18 +329,27 @@ def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
             .swapaxes(1, 2).reshape(w.shape))
 
 
-def iterate_gguf_weights(path: str, hf_config: dict) -> Iterator[tuple[str, torch.Tensor]]:
+def iterate_gguf_weights(path: str, hf_config: dict,
+                         packed: bool = False) -> Iterator[tuple[str, Any]]:
     """Yield (HF name, float32 tensor) for every tensor of the file, dequantized one at a time
-    (the caller copies each into its parameter before the next is made). The data is read
-    through a memory map at the offsets the reader found (see `read_gguf_metadata`)."""
+    (the caller copies each into its parameter before the next is made). `packed`: 2-D
+    tensors of a type ops.quant packs come as ops.quant.QuantizedRows (their raw blocks, a
+    view of the file; kept packed by the layers) instead. The data is read through a memory
+    map at the offsets the reader found (see `read_gguf_metadata`). Logs in one line what
+    stays packed and what does not."""
     import gguf
     from gguf.quants import dequantize
+
+    from kvserve.ops.quant import PACKED_TYPES
+    from kvserve.ops.quant.weight import QuantizedRows
 
     meta = read_gguf_metadata(path)
     permuted = meta.architecture in _PERMUTED_ARCHITECTURES
     n_head = int(hf_config["num_attention_heads"])
     n_kv = int(hf_config.get("num_key_value_heads") or n_head)
     mapped = np.memmap(meta.path, mode="r")
+    kept: Counter = Counter()
+    floats: Counter = Counter()
     for t in meta.tensors:
         name = hf_tensor_name(t.name)
         if name is None:
@@ -343,14 +357,29 @@ def iterate_gguf_weights(path: str, hf_config: dict) -> Iterator[tuple[str, torc
         dtype = np.dtype(t.data_dtype)
         nbytes = int(np.prod(t.data_shape)) * dtype.itemsize
         raw = mapped[t.data_offset:t.data_offset + nbytes].view(dtype).reshape(t.data_shape)
-        data = dequantize(raw, gguf.GGMLQuantizationType[t.type_name])
-        if data.dtype != np.float32 or not data.flags.writeable:   # F32 / F16: file views
-            data = data.astype(np.float32)
-        data = data.reshape(t.shape)
-        tensor = torch.from_numpy(data)
+        keep = packed and t.type_name in PACKED_TYPES and len(t.shape) == 2
+        (kept if keep else floats)[t.type_name] += 1
+        if keep:
+            data = raw.view(np.uint8).reshape(t.shape[0], -1)   # rows of blocks
+        else:
+            data = dequantize(raw, gguf.GGMLQuantizationType[t.type_name])
+            if data.dtype != np.float32 or not data.flags.writeable:   # F32 / F16: file views
+                data = data.astype(np.float32)
+            data = torch.from_numpy(data.reshape(t.shape))
+        # The permutation moves whole rows: the same on raw blocks (numpy) as on floats.
         if permuted and ".q_proj." in name:
-            tensor = unpermute_qk(tensor, n_head)
+            data = unpermute_qk(data, n_head)
         elif permuted and ".k_proj." in name:
-            tensor = unpermute_qk(tensor, n_kv)
-        yield name, tensor
+            data = unpermute_qk(data, n_kv)
+        yield name, (QuantizedRows(t.type_name, data, t.shape) if keep else data)
     del mapped
+    _log_packing(meta.path, kept, floats)
+
+
+def _log_packing(path: str, kept: Counter, floats: Counter) -> None:
+    def counts(c: Counter) -> str:
+        return ", ".join(f"{n} {k}" for k, n in sorted(c.items())) or "none"
+
+    logger.info("GGUF %s: %d tensors stay packed (%s); %d loaded as float (%s).",
+                os.path.basename(path), sum(kept.values()), counts(kept), sum(floats.values()),
+                counts(floats))

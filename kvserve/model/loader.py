@@ -24,7 +24,9 @@ from kvserve.model.layers.embedding import ParallelLMHead, VocabParallelEmbeddin
 from kvserve.model.layers.linear import LinearBase
 from kvserve.model.registry import get_model_class
 from kvserve.ops import cpu_isa, linear
-from kvserve.ops.cpu_weight import CpuLinearWeight, WeightPlan, choose_weight_plan, make_weight
+from kvserve.ops.cpu_weight import (CpuLinearWeight, WeightPlan, choose_weight_plan, keep_packed,
+                                   make_packed_weight, make_weight)
+from kvserve.ops.quant import kernel as quant_kernel
 
 logger = logging.getLogger(__name__)
 
@@ -73,11 +75,13 @@ def iterate_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def checkpoint_weights(model_config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """The checkpoint's (HF name, tensor) stream: safetensors, or a GGUF file dequantized."""
+def checkpoint_weights(model_config: ModelConfig,
+                       packed: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's (HF name, tensor) stream: safetensors, or a GGUF file dequantized
+    (`packed`: its block-quantized tensors as raw blocks, kept packed by the layers)."""
     if model_config.is_gguf:
         from kvserve.model.gguf import iterate_gguf_weights
-        return iterate_gguf_weights(model_config.model, model_config.hf_config)
+        return iterate_gguf_weights(model_config.model, model_config.hf_config, packed)
     check_safetensors_files(safetensors_files(model_config.model))   # fail before allocating
     return iterate_weights(model_config.model)
 
@@ -87,7 +91,10 @@ def load_model(model_config: ModelConfig, device: torch.device,
     """Build the model for `model_config` on `device` and load this TP rank's weights
     (`plan`: the weights' variant; None: choose_weight_plan's choice)."""
     model_cls = get_model_class(model_config.architecture)
-    weights = checkpoint_weights(model_config)     # fails before allocating anything
+    packed = model_config.is_gguf and keep_packed(
+        model_config.quantization, device=device.type,
+        quant_kernel=device.type == "cpu" and quant_kernel.ops() is not None)
+    weights = checkpoint_weights(model_config, packed)    # fails before allocating anything
     return build_and_load(lambda: model_cls(model_config), weights, model_config, device, plan)
 
 
@@ -126,6 +133,17 @@ def apply_weight_plan(model: nn.Module, act_dtype: torch.dtype, device: torch.de
     embeds = [m for m in model.modules() if type(m) is VocabParallelEmbedding]
     matmuls = [m for m in model.modules() if isinstance(m, (LinearBase, ParallelLMHead))]
     kept = {id(m.weight) for m in [*embeds, *matmuls]}
+    # GGUF blocks kept packed (the layers' loaders recorded them): the packed variant.
+    packed = {id(m.weight): m for m in [*embeds, *matmuls] if hasattr(m.weight, "quant_parts")}
+    for m in packed.values():
+        m.linear_weight = make_packed_weight(m.weight, act_dtype)
+    for m in [*embeds, *matmuls]:
+        if id(m.weight) in packed:
+            m.linear_weight = packed[id(m.weight)].linear_weight   # a tied head shares it
+            if isinstance(m, ParallelLMHead):
+                m.linear_weight.precise = True      # the logits: see PackedWeight.precise
+    embeds = [m for m in embeds if id(m.weight) not in packed]
+    matmuls = [m for m in matmuls if id(m.weight) not in packed]
     for param in model.parameters():
         if id(param) not in kept and param.is_floating_point() and param.dtype != act_dtype:
             param.data = param.data.to(act_dtype)

@@ -7,6 +7,8 @@
     widened         16-bit [N, K] or tiled, float32 math     kernel (widens in    prepacked float32
                     (+ optional prepacked float32 copy)      registers)           copy, else widened
                                                                                   per call
+    quantized       GGUF blocks (ops.quant), 8 rows          int8 kernel          int8 kernel
+                    interleaved; float parts beside
 
 "tiled": the kernel's layout of the weight it streams (ops.linear.tile_weight; same bits, a
 faster stream), taken wherever the kernel has it. `choose_weight_plan` is the one policy (one
@@ -14,7 +16,8 @@ plan per model); `make_weight` applies it to a weight. On CUDA every weight is p
 
 Layers call `matmul(x, bias)`; the fused small-step op asks `streamed()` for the weight the
 kernel reads (None: prepacked only); embeddings call `rows(ids)` (a tied LM head and its
-embedding share one object). Quantized GGUF formats are meant to be more subclasses.
+embedding share one object). GGUF block-quantized tensors stay packed (`keep_packed`, the
+policy's branch for them; `make_packed_weight`): the other weights of the model follow the plan.
 """
 from __future__ import annotations
 
@@ -29,6 +32,10 @@ from kvserve.ops.linear import (SMALL_BATCH_MAX_ROWS, TILE_ROWS, is_tiled, linea
 
 PLAIN, PREPACKED, PREPACKED_WITH_COPY, WIDENED = "plain", "prepacked", "prepacked+copy", "widened"
 VARIANTS = (PLAIN, PREPACKED, PREPACKED_WITH_COPY, WIDENED)
+QUANTIZED = "quantized"
+# --quantization values: "gguf" (vLLM's; implied by a .gguf file) keeps the file's quantized
+# tensors packed on CPU; "gguf-dequantized" (kvserve's) dequantizes them at load (float path).
+GGUF, GGUF_DEQUANTIZED = "gguf", "gguf-dequantized"
 
 # Tiers (per weight dtype) where a plain copy beside the prepacked weight pays: small steps then
 # run every decoder layer in one C++ call (a prepacked-only weight cannot). Batch-1 decode, 110M
@@ -70,6 +77,15 @@ def choose_weight_plan(weight_dtype: torch.dtype, act_dtype: torch.dtype, *, dev
     copy = (kernel and tier in SMALL_BATCH_COPY_TIERS.get(weight_dtype, ())
             and copy_bytes <= budget)
     return WeightPlan(PREPACKED_WITH_COPY if copy else PREPACKED)
+
+
+def keep_packed(quantization: Optional[str], *, device: str, quant_kernel: bool) -> bool:
+    """Whether a GGUF file's block-quantized tensors (ops.quant.PACKED_TYPES) stay packed: on
+    CPU with the int8 kernel built (a decode step then streams 0.56-1.06 bytes a weight instead
+    of float32's 4; benchmarks/quant_kernels.py), unless --quantization gguf-dequantized. The
+    kernel-less fallback dequantizes per call, slower than dequantizing once at load. CUDA has
+    no packed kernels yet (issue 29 part 3): dequantized there."""
+    return quantization == GGUF and device == "cpu" and quant_kernel
 
 
 class CpuLinearWeight:
@@ -120,6 +136,77 @@ class PrepackedWithCopy(CpuLinearWeight):
 
 class WidenedWeight(CpuLinearWeight):
     variant = WIDENED                  # 16-bit, float32 x; `packed`: a float32 copy or None
+
+
+class PackedWeight(CpuLinearWeight):
+    """GGUF blocks kept packed: `parts`, stacked along the output rows, each a
+    PackedQuantWeight (one GGUF type) or a float [rows, K] tensor (fused projections whose
+    checkpoint tensors differ in type, e.g. Q4_K_M's Q6_K attn_v beside Q4_K q, k). The
+    Parameter is emptied. No fused small-step op: that op streams float weights only."""
+    variant = QUANTIZED
+
+    def __init__(self, weight: torch.Tensor, act_dtype: torch.dtype, parts: list) -> None:
+        super().__init__(weight, act_dtype)
+        self.parts = parts
+        # The LM head's (set by the loader): logits from ~15-bit activations (a residual int8
+        # row, PackedQuantWeight.matmul(precise=True)), so near-ties fall where float32's do.
+        self.precise = False
+
+    def matmul(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if len(self.parts) == 1:
+            return self._part_matmul(self.parts[0], x, bias)
+        y = torch.cat([self._part_matmul(p, x) for p in self.parts], dim=-1)
+        return y if bias is None else y + bias
+
+    def _part_matmul(self, part, x: torch.Tensor,
+                     bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if isinstance(part, torch.Tensor):
+            return F.linear(x, part.to(x.dtype), bias)
+        return part.matmul(x, bias, precise=self.precise)
+
+    def streamed(self) -> Optional[torch.Tensor]:
+        return None
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Only the gathered rows are dequantized (an embedding is one part)."""
+        (part,) = self.parts
+        if isinstance(part, torch.Tensor):
+            return F.embedding(ids, part)
+        return part.dequantize_rows(ids).reshape(*ids.shape, -1).to(self.act_dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+
+def make_packed_weight(weight: torch.nn.Parameter, act_dtype: torch.dtype) -> PackedWeight:
+    """The packed object of a Parameter whose weight loader kept GGUF blocks in
+    `weight.quant_parts` ({first row: ops.quant.QuantizedRows}); rows no part covers were
+    loaded as floats into the Parameter. Runs of one type become one PackedQuantWeight."""
+    from kvserve.ops.quant.weight import QuantizedRows
+
+    quant = sorted(weight.quant_parts.items())
+    del weight.quant_parts
+    n, pieces, row, run = weight.shape[0], [], 0, []
+
+    def flush() -> None:
+        if run:
+            pieces.append(QuantizedRows.pack(run))
+            run.clear()
+
+    for start, part in quant:
+        if start > row:
+            flush()
+            pieces.append(weight.data[row:start].to(act_dtype).clone())
+        if run and run[0].qtype != part.qtype:
+            flush()
+        run.append(part)
+        row = start + part.shape[0]
+    flush()
+    if row < n:
+        pieces.append(weight.data[row:n].to(act_dtype).clone())
+    weight.data = torch.empty(0, dtype=weight.dtype)    # never read again
+    return PackedWeight(weight, act_dtype, pieces)
 
 
 def make_weight(weight: torch.nn.Parameter, plan: WeightPlan, act_dtype: torch.dtype,

@@ -175,20 +175,28 @@ def test_bad_inputs_are_clear_errors() -> None:
 # ------------------------------------------------------------------ activations
 
 @needs_kernel
-@pytest.mark.parametrize("name", ["Q8_0", "Q4_K"])
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_1", "Q4_K"])
 def test_activation_blocks_match_reference_exactly(ops, name: str) -> None:
-    """The kernel's int8 blocks, scales and sums are the reference's, bit for bit (the float64
-    reference of the kernels relies on it). Zero blocks and ties included."""
+    """The kernel's int8 blocks, scales and sums are the reference's (llama.cpp's Q8_0, Q8_1,
+    Q8_K), bit for bit (the float64 reference of the kernels relies on it). Zero blocks, ties
+    and a negative largest value (Q8_K's signed scale) included."""
     fmt = FORMATS[name]
     x = activations(5, 1536, seed=3)
     x[1, :256] = 0.0
     x[2, :32] = np.arange(32, dtype=np.float32) - 15.5     # many exact halves
     x[3, :8] = [127.0, 0.5, 1.5, -0.5, -2.5, 63.5, -127.0, 3.0]
-    q, d, s = ops.quantize_x(torch.from_numpy(x), fmt.ggml_type)
+    x[4, 256:512] *= 0.01
+    x[4, 300] = -50.0                                         # the block's largest is negative
+    q, d, s, sd = ops.quantize_x(torch.from_numpy(x), fmt.ggml_type)
     ref = quantize_activations(x, fmt)
     assert np.array_equal(q.numpy(), ref.q)
     assert np.array_equal(d.numpy(), ref.d)
     assert np.array_equal(s.numpy(), ref.sums)
+    assert np.array_equal(sd.numpy(), ref.sd)
+    if fmt.act_block == 256:
+        assert d[4, 1] > 0 and q[4, 300] == -127          # d = 1 / iscale, iscale = -127 / max
+    else:
+        assert np.array_equal(d.numpy(), d.numpy().astype(np.float16).astype(np.float32))
 
 
 # ------------------------------------------------------------------ kernels
@@ -205,7 +213,8 @@ def test_kernel_matches_float64_reference(ops, name: str, shape: tuple[int, int]
                                           source: str) -> None:
     """The tier's int8 path (ops.linear) and the portable one (linear_generic) at M = 1..8 and
     13 (passes of 4 x rows and a remainder), with the padding rows poisoned with NaN scales and
-    x a slice of a NaN-filled buffer."""
+    x a slice of a NaN-filled buffer; matmul's choice (int8 up to INT8_MAX_ROWS, then the
+    dequantized float path) too."""
     n, k = shape
     raw = make_raw(name, n, k, source=source)
     w = PackedQuantWeight.from_gguf(name, raw, shape)
@@ -219,7 +228,11 @@ def test_kernel_matches_float64_reference(ops, name: str, shape: tuple[int, int]
         check_close(ops.linear(x, w.packed, fmt.ggml_type, n), ref, bound, f"tier path M={m}")
         check_close(ops.linear_generic(x, w.packed, fmt.ggml_type, n), ref, bound,
                     f"portable path M={m}")
-        check_close(w.matmul(x), ref, bound, f"matmul M={m}")
+        if m <= qweight.INT8_MAX_ROWS:
+            check_close(w.matmul(x), ref, bound, f"matmul M={m}")
+        else:                       # prefill-sized: the float path, x unquantized
+            check_close(w.matmul(x), *float_reference(x.numpy(), raw, name, shape),
+                        f"matmul M={m}")
 
 
 def float_reference(x: np.ndarray, raw: np.ndarray, name: str,
@@ -227,6 +240,23 @@ def float_reference(x: np.ndarray, raw: np.ndarray, name: str,
     wf = dequantize_gguf(raw, FORMATS[name], shape).astype(np.float64)
     x64 = x.astype(np.float64)
     return x64 @ wf.T, np.abs(x64) @ np.abs(wf).T
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_1", "Q6_K"])
+def test_precise_matmul_is_float_accurate(ops, name: str) -> None:
+    """matmul(precise=True) (the LM head): x's int8 blocks plus its residual's, against the
+    unquantized x @ W^T in float64: within 5e-5 of |x| @ |W|^T, where the plain int8 path is
+    off by more (so the residual is what makes it)."""
+    shape = (37, 512)
+    raw = make_raw(name, *shape)
+    w = PackedQuantWeight.from_gguf(name, raw, shape)
+    x = activations(3, shape[1], seed=7)
+    ref, bound = float_reference(x, raw, name, shape)
+    xt = torch.from_numpy(x)
+    check_close(w.matmul(xt, precise=True), ref, bound / TOL * 5e-5, "precise")
+    plain = np.abs(w.matmul(xt).double().numpy() - ref) / bound
+    assert plain.max() > 5e-5, plain.max()
 
 
 @pytest.mark.parametrize("name", PACKED_TYPES)
@@ -273,7 +303,7 @@ def test_shards_recombine_to_the_whole(name: str, world: int) -> None:
     shape = (8 * world, k)
     raw = make_raw(name, *shape)
     w = PackedQuantWeight.from_gguf(name, raw, shape)
-    xn = activations(12, k, seed=1)
+    xn = activations(qweight.INT8_MAX_ROWS or 8, k, seed=1)
     x = torch.from_numpy(xn)
     # The int8 kernel where built (shards cut on x's int8 blocks too, so the same blocks).
     ref, bound = (reference_matmul(xn, raw, FORMATS[name], shape) if kernel.ops() is not None

@@ -14,8 +14,9 @@ from torch import nn
 from kvserve.distributed.parallel_state import (get_tp_rank, get_tp_world_size,
                                                 tensor_model_parallel_all_gather,
                                                 tensor_model_parallel_all_reduce)
-from kvserve.model.layers.linear import copy_checked
+from kvserve.model.layers.linear import copy_checked, copy_rows
 from kvserve.ops.cpu_weight import CpuLinearWeight
+from kvserve.ops.quant.weight import QuantizedRows
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -40,6 +41,10 @@ class VocabParallelEmbedding(nn.Module):
             raise ValueError(f"Checkpoint embedding has {loaded_weight.shape[0]} rows; the config "
                              f"says vocab_size={self.num_embeddings}.")
         n = self.vocab_end - self.vocab_start
+        if isinstance(loaded_weight, QuantizedRows):    # kept packed: ops.cpu_weight
+            rows = loaded_weight.narrow(0, self.vocab_start, n).zero_padded(self.shard_size)
+            copy_rows(param, rows)
+            return
         copy_checked(param.data[:n], loaded_weight[self.vocab_start:self.vocab_end])
         param.data[n:].zero_()
 

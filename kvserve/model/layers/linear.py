@@ -22,6 +22,7 @@ from kvserve.distributed.parallel_state import (get_tp_rank, get_tp_world_size,
                                                 tensor_model_parallel_all_gather,
                                                 tensor_model_parallel_all_reduce)
 from kvserve.ops.cpu_weight import CpuLinearWeight
+from kvserve.ops.quant.weight import QuantizedRows
 
 
 def divide(numerator: int, denominator: int) -> int:
@@ -47,11 +48,30 @@ def shard(loaded_weight: torch.Tensor, dim: int, full_size: int, index: int,
     return loaded_weight.narrow(dim, index * size, size)
 
 
+def copy_rows(param: nn.Parameter, src: object, offset: int = 0) -> None:
+    """Rows [offset, offset + len(src)) of `param` from `src`: a tensor is copied; GGUF blocks
+    kept packed (ops.quant.QuantizedRows) are only recorded in `param.quant_parts`, for the
+    loader to pack (ops.cpu_weight.make_packed_weight); the Parameter is never written."""
+    if isinstance(src, QuantizedRows):
+        want = (src.shape[0], param.shape[1])
+        if offset + src.shape[0] > param.shape[0] or tuple(src.shape) != want:
+            raise ValueError(f"Checkpoint tensor shape {tuple(src.shape)} does not match the "
+                             f"parameter (shard) rows [{offset}, {offset + src.shape[0]}) of "
+                             f"{tuple(param.shape)}.")
+        if not hasattr(param, "quant_parts"):
+            param.quant_parts = {}
+        param.quant_parts[offset] = src
+        return
+    whole = offset == 0 and src.shape[0] == param.shape[0]
+    copy_checked(param.data if whole else param.data.narrow(0, offset, src.shape[0]), src)
+
+
 def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor,
                           shard_id: Optional[Union[int, str]] = None) -> None:
     """Replicated parameter: copy the whole tensor (casting to the parameter's dtype/device)."""
     assert shard_id is None, shard_id
-    copy_checked(param.data, loaded_weight)
+    copy_rows(param, loaded_weight) if isinstance(loaded_weight, QuantizedRows) \
+        else copy_checked(param.data, loaded_weight)
 
 
 def _param(*shape: int) -> nn.Parameter:
@@ -114,11 +134,19 @@ class ColumnParallelLinear(LinearBase):
                       shard_id: Optional[Union[int, str]] = None) -> None:
         assert shard_id is None, shard_id
         size = param.shape[0]
-        copy_checked(param.data, shard(loaded_weight, 0, size * self.tp_size, self.tp_rank, size))
+        src = shard(loaded_weight, 0, size * self.tp_size, self.tp_rank, size)
+        copy_rows(param, src) if param is self.weight else copy_checked(param.data, src)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.apply_linear(x)
         return tensor_model_parallel_all_gather(y, dim=-1) if self.gather_output else y
+
+    def _copy_part(self, param: nn.Parameter, offset: int, size: int, src: object) -> None:
+        """One fused part's rows (a bias's too)."""
+        if param is self.weight:
+            copy_rows(param, src, offset)
+        else:
+            copy_checked(param.data.narrow(0, offset, size), src)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -141,8 +169,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
                              f"[0, {len(self.output_sizes)}), got {shard_id!r}.")
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
         size = self.output_sizes[shard_id] // self.tp_size
-        copy_checked(param.data.narrow(0, offset, size),
-                     shard(loaded_weight, 0, self.output_sizes[shard_id], self.tp_rank, size))
+        self._copy_part(param, offset, size,
+                        shard(loaded_weight, 0, self.output_sizes[shard_id], self.tp_rank, size))
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -182,8 +210,8 @@ class QKVParallelLinear(ColumnParallelLinear):
             shard_rank = self.tp_rank // self.num_kv_head_replicas
         else:
             raise ValueError(f"QKVParallelLinear needs shard_id 'q', 'k' or 'v', got {shard_id!r}.")
-        copy_checked(param.data.narrow(0, offset, size),
-                     shard(loaded_weight, 0, total_heads * self.head_size, shard_rank, size))
+        self._copy_part(param, offset, size,
+                        shard(loaded_weight, 0, total_heads * self.head_size, shard_rank, size))
 
 
 class RowParallelLinear(LinearBase):
@@ -199,7 +227,7 @@ class RowParallelLinear(LinearBase):
             copy_checked(param.data, loaded_weight)
             return
         size = param.shape[1]
-        copy_checked(param.data, shard(loaded_weight, 1, size * self.tp_size, self.tp_rank, size))
+        copy_rows(param, shard(loaded_weight, 1, size * self.tp_size, self.tp_rank, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:

@@ -7,9 +7,9 @@
 //   qtype   the GGML type id: Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7, Q8_0 8, Q4_K 12, Q5_K 13, Q6_K 14
 //   -> y    [M, N] float32
 //
-// As llama.cpp does, x is first quantized per block to int8 (quantize_x: d = amax / 127 per
-// block of 32, or 256 for the K-quants, q = round-half-even(x / d), plus the sums of q per 32
-// or 16 that the weights' minimums / offsets multiply); each weight block is then an integer
+// As llama.cpp does, x is first quantized per block to int8, exactly as llama.cpp's Q8_0 / Q8_1
+// / Q8_K blocks (quantize_x below: a scale per 32 or 256 values, plus the sums of q per 32 or 16
+// that the weights' minimums / offsets multiply); each weight block is then an integer
 // dot product of its unpacked 4/5/6/8-bit values with the x block, times float scales. The
 // integer parts are exact, so the result differs from float64 math on the same quantized
 // values only by float32 rounding of the per-block terms (tests: 1e-5 of |x_q| @ |W|^T).
@@ -18,8 +18,8 @@
 // int8 blocks stay in L1. Work items are groups of 8 output rows (at::parallel_for over them);
 // a group's blocks are one sequential stream, and lane r of every vector is row r, so there are
 // no per-row scalar scale conversions and no horizontal sums. x rows are taken 4 at a time while
-// the group is in L1, so large batches (prefill) run here too: measured faster than
-// dequantizing into a float32 GEMM at every M up to 1024 (ops/quant/weight.py).
+// the group is in L1, so larger batches run fast here too (1.4-2.3x a dequantized float32
+// GEMM at M = 256); ops/quant/weight.py sends prompts to the float GEMM all the same (why: there).
 //
 // Paths: AVX2 (avx2 tier and above): maddubs (u8 x s8 -> s16 pairs) and madd (-> s32), signed
 // weights through the sign trick (|w| x sign(x, w)); the portable path: each row-block decoded,
@@ -29,6 +29,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
@@ -83,80 +84,123 @@ QL_INLINE float f16(const uint8_t* p) {
 #endif
 }
 
-// The quantized activations: q [M, K] int8, d [M, K / act_block], s [M, K / sum_group].
+// The quantized activations: q [M, K] int8, d [M, K / act_block], s [M, K / sum_group];
+// sd [M, K / 32]: Q8_1's block term fp16(d * sum q), which Q4_1 / Q5_1's minimum multiplies.
 struct XQ {
   const int8_t* q;
   const float* d;
   const int32_t* s;
-  int64_t K, nd, ns;     // row strides of q, d, s
+  const float* sd;
+  int64_t K, nd, ns;     // row strides of q, d, s (sd: nd)
 };
 
 // ------------------------------------------------------------------ activation quantization
+// Exactly llama.cpp's activation blocks ("vec_dot_type") for each weight type, on x86 (AVX2):
+//   Q8_0  (Q4_0, Q5_0, Q8_0 weights)  32 values: amax; d = fp16(amax / 127);
+//         q = round-half-even(x * (127 / amax))             (quantize_row_q8_0, AVX2 path)
+//   Q8_1  (Q4_1, Q5_1)  as Q8_0, plus s = fp16(d * sum q) with d before its fp16 rounding
+//   Q8_K  (Q4_K, Q5_K, Q6_K)  256 values: max = the first value of largest |x| (signed);
+//         iscale = -127 / max; q = min(127, round-half-even(iscale * x)); d = 1 / iscale
+//         (float32, signed); sums of each 16               (quantize_row_q8_K_ref)
+// so that near-ties between logits fall where llama.cpp's do on the same file.
 
-// One block of n (32 or 256) values: scale, int8 values, sums of each `group` (16 or 32).
-void quantize_block(const float* x, int64_t n, int64_t group, int8_t* q, float* d,
-                    int32_t* s) {
+QL_INLINE float round_f16(float v) {
+  return static_cast<float>(c10::Half(v));
+}
+
+// Q8_0 / Q8_1: one block of 32 values.
+void quantize_block32(const float* x, bool q8_1, int8_t* q, float* d, int32_t* s, float* sd) {
   float amax = 0.f;
 #if defined(KVS_AVX2)
   const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   __m256 mx = _mm256_setzero_ps();
-  for (int64_t i = 0; i < n; i += 8)
+  for (int64_t i = 0; i < 32; i += 8)
     mx = _mm256_max_ps(mx, _mm256_and_ps(_mm256_loadu_ps(x + i), absmask));
   amax = kvs_avx2::hmax8(mx);
 #else
-  for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(x[i]));
+  for (int64_t i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(x[i]));
 #endif
   const float dd = amax / 127.f;
-  const float inv = dd > 0.f ? 1.f / dd : 0.f;
-  *d = dd;
+  const float inv = amax != 0.f ? 127.f / amax : 0.f;
+  *d = round_f16(dd);
+  int32_t sum = 0;
 #if defined(KVS_AVX2)
   const __m256 iv = _mm256_set1_ps(inv);
   const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
   const __m256i ones = _mm256_set1_epi16(1);
-  for (int64_t c = 0; c < n; c += 32) {
-    __m256i v[4];
-    for (int i = 0; i < 4; ++i) {
-      const __m256 r = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + c + 8 * i), iv),
-                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-      v[i] = _mm256_min_epi32(_mm256_max_epi32(_mm256_cvtps_epi32(r), lo), hi);
-    }
-    const __m256i p01 = _mm256_packs_epi32(v[0], v[1]);   // values 0-15 (lane-shuffled)
-    const __m256i p23 = _mm256_packs_epi32(v[2], v[3]);   // values 16-31
-    const __m256i b = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p01, p23),
-                                                  _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + c), b);
-    const __m256i s01 = _mm256_madd_epi16(p01, ones), s23 = _mm256_madd_epi16(p23, ones);
-    const int32_t a = static_cast<int32_t>(kvs_avx2::hsum8(_mm256_cvtepi32_ps(s01)));
-    const int32_t e = static_cast<int32_t>(kvs_avx2::hsum8(_mm256_cvtepi32_ps(s23)));
-    if (group == 16) {
-      s[c / 16] = a;
-      s[c / 16 + 1] = e;
-    } else {
-      s[c / 32] = a + e;
+  __m256i v[4];
+  for (int i = 0; i < 4; ++i) {
+    const __m256 r = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + 8 * i), iv),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    v[i] = _mm256_min_epi32(_mm256_max_epi32(_mm256_cvtps_epi32(r), lo), hi);
+  }
+  const __m256i p01 = _mm256_packs_epi32(v[0], v[1]);   // values 0-15 (lane-shuffled)
+  const __m256i p23 = _mm256_packs_epi32(v[2], v[3]);   // values 16-31
+  const __m256i b = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p01, p23),
+                                                _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), b);
+  const __m256i s4 = _mm256_add_epi32(_mm256_madd_epi16(p01, ones), _mm256_madd_epi16(p23, ones));
+  sum = static_cast<int32_t>(kvs_avx2::hsum8(_mm256_cvtepi32_ps(s4)));
+#else
+  for (int64_t i = 0; i < 32; ++i) {
+    const float r = std::nearbyint(x[i] * inv);
+    const int vi = static_cast<int>(std::min(127.f, std::max(-127.f, r)));
+    q[i] = static_cast<int8_t>(vi);
+    sum += vi;
+  }
+#endif
+  *s = sum;
+  if (q8_1) *sd = round_f16(dd * static_cast<float>(sum));
+}
+
+// llama.cpp's nearest_int: round half to even through the float32 mantissa.
+QL_INLINE int nearest_int(float v) {
+  float f = v + 12582912.f;
+  int32_t i;
+  std::memcpy(&i, &f, 4);
+  return (i & 0x007fffff) - 0x00400000;
+}
+
+// Q8_K: one block of 256 values, sums of each 16.
+void quantize_block_k(const float* x, int8_t* q, float* d, int32_t* s) {
+  float mx = 0.f, amax = 0.f;
+  for (int i = 0; i < 256; ++i) {
+    const float ax = std::fabs(x[i]);
+    if (ax > amax) {
+      amax = ax;
+      mx = x[i];
     }
   }
-#else
-  for (int64_t g = 0; g < n / group; ++g) {
+  if (amax == 0.f) {
+    *d = 0.f;
+    std::memset(q, 0, 256);
+    for (int g = 0; g < 16; ++g) s[g] = 0;
+    return;
+  }
+  const float iscale = -127.f / mx;
+  for (int g = 0; g < 16; ++g) {
     int32_t sum = 0;
-    for (int64_t i = g * group; i < (g + 1) * group; ++i) {
-      const float r = std::nearbyint(x[i] * inv);
-      const int v = static_cast<int>(std::min(127.f, std::max(-127.f, r)));
-      q[i] = static_cast<int8_t>(v);
-      sum += v;
+    for (int i = 16 * g; i < 16 * g + 16; ++i) {
+      const int vi = std::min(127, nearest_int(iscale * x[i]));
+      q[i] = static_cast<int8_t>(vi);
+      sum += vi;
     }
     s[g] = sum;
   }
-#endif
+  *d = 1.f / iscale;
 }
 
-void quantize_x(const float* x, int64_t M, int64_t K, const Format& f, int8_t* q, float* d,
-                int32_t* s) {
+void quantize_x(const float* x, int64_t M, int64_t K, const Format& f, bool q8_1, int8_t* q,
+                float* d, int32_t* s, float* sd) {
   const int64_t nd = K / f.act_block, ns = K / f.sum_group;
   for (int64_t m = 0; m < M; ++m)
-    for (int64_t b = 0; b < nd; ++b)
-      quantize_block(x + m * K + b * f.act_block, f.act_block, f.sum_group,
-                     q + m * K + b * f.act_block, d + m * nd + b,
-                     s + m * ns + b * (f.act_block / f.sum_group));
+    for (int64_t b = 0; b < nd; ++b) {
+      const int64_t o = m * K + b * f.act_block;
+      if (f.act_block == 256)
+        quantize_block_k(x + o, q + o, d + m * nd + b, s + m * ns + b * 16);
+      else
+        quantize_block32(x + o, q8_1, q + o, d + m * nd + b, s + m * ns + b, sd + m * nd + b);
+    }
 }
 
 // ------------------------------------------------------------------ the packed layout
@@ -249,7 +293,7 @@ float dot_decoded(int64_t qt, const Decoded& w, const XQ& x, int64_t m, int64_t 
     int32_t sumi = 0;
     for (int i = 0; i < 32; ++i) sumi += w.q[i] * xb[i];
     float r = w.d * xd * static_cast<float>(sumi);
-    if (qt == kQ4_1 || qt == kQ5_1) r += w.m * xd * static_cast<float>(xs[b]);
+    if (qt == kQ4_1 || qt == kQ5_1) r += w.m * x.sd[m * x.nd + b];
     return r;
   }
   const int8_t* xb = x.q + m * x.K + b * 256;
@@ -384,8 +428,7 @@ QL_INLINE void group_block_legacy(const uint8_t* gb, const XQ& x, int64_t m0, in
     acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(xd)), _mm256_cvtepi32_ps(sumi[m]),
                              acc[m]);
     if constexpr (kMin)
-      acc[m] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xd * static_cast<float>(x.s[(m0 + m) * x.ns + b])),
-                               acc[m]);
+      acc[m] = _mm256_fmadd_ps(mv, _mm256_set1_ps(x.sd[(m0 + m) * x.nd + b]), acc[m]);
   }
 }
 
@@ -591,7 +634,9 @@ void check_packed(const at::Tensor& packed, const Format& f, int64_t N, int64_t 
               ", K = ", K);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_x_op(const at::Tensor& x,
+QL_INLINE bool is_q8_1(int64_t qt) { return qt == kQ4_1 || qt == kQ5_1; }
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_x_op(const at::Tensor& x,
                                                              int64_t qtype) {
   const Format f = format_of(qtype);
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 &&
@@ -602,9 +647,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_x_op(const at::Tensor& x
   at::Tensor q = at::empty({M, K}, x.options().dtype(at::kChar));
   at::Tensor d = at::empty({M, K / f.act_block}, x.options());
   at::Tensor s = at::empty({M, K / f.sum_group}, x.options().dtype(at::kInt));
-  quantize_x(x.data_ptr<float>(), M, K, f, q.data_ptr<int8_t>(), d.data_ptr<float>(),
-             s.data_ptr<int32_t>());
-  return {q, d, s};
+  at::Tensor sd = at::zeros({M, K / f.act_block}, x.options());
+  quantize_x(x.data_ptr<float>(), M, K, f, is_q8_1(qtype), q.data_ptr<int8_t>(),
+             d.data_ptr<float>(), s.data_ptr<int32_t>(), sd.data_ptr<float>());
+  return {q, d, s, sd};
 }
 
 // y = x @ W^T: the tier's vector path, or the portable one (`portable`: tests compare the two
@@ -621,8 +667,10 @@ at::Tensor linear_impl(const at::Tensor& x, const at::Tensor& packed, int64_t qt
   std::vector<int8_t> q(static_cast<size_t>(M * K));
   std::vector<float> d(static_cast<size_t>(M * (K / f.act_block)));
   std::vector<int32_t> s(static_cast<size_t>(M * (K / f.sum_group)));
-  quantize_x(x.data_ptr<float>(), M, K, f, q.data(), d.data(), s.data());
-  const XQ xq{q.data(), d.data(), s.data(), K, K / f.act_block, K / f.sum_group};
+  std::vector<float> sd(static_cast<size_t>(M * (K / f.act_block)));
+  quantize_x(x.data_ptr<float>(), M, K, f, is_q8_1(qtype), q.data(), d.data(), s.data(),
+             sd.data());
+  const XQ xq{q.data(), d.data(), s.data(), sd.data(), K, K / f.act_block, K / f.sum_group};
   const uint8_t* w = packed.data_ptr<uint8_t>();
   float* out = y.data_ptr<float>();
   const int64_t group_bytes = (K / f.block) * f.gbytes;
@@ -685,7 +733,7 @@ std::string isa() {
 TORCH_LIBRARY_FRAGMENT(kvserve, m) {
   m.def("quant_linear(Tensor x, Tensor packed, int qtype, int n) -> Tensor");
   m.def("quant_linear_generic(Tensor x, Tensor packed, int qtype, int n) -> Tensor");
-  m.def("quant_quantize_x(Tensor x, int qtype) -> (Tensor, Tensor, Tensor)");
+  m.def("quant_quantize_x(Tensor x, int qtype) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("quant_dequantize(Tensor packed, int qtype, int n, int row0, int row1) -> Tensor");
   m.def("quant_linear_isa() -> str", &isa);
 }

@@ -33,12 +33,12 @@ needed. The bytes are only moved, except Q5_0 / Q5_1's 32 high bits, which are r
 (bit 4c + i -> byte i, bit c) so that each 4-weight chunk's bits are one shift away. Packing
 is exactly invertible (unpack_blocks). Rows N..8*ceil(N/8)-1 are padding that no output reads.
 
-Activations are quantized per block to int8 as llama.cpp does for these weights ("the vec_dot
-type"): Q8_0-style 32-blocks for the 32-blocks (with each block's sum, which the Q4_1 / Q5_1
-minimum multiplies) and Q8_K-style 256-blocks for the K-quants (with sums of each 16, which
-the K-quants' minimums and Q6_K's -32 offset multiply). Here each block's scale is float32
-(d = amax / 127, q = round-half-even(x / d)) rather than llama.cpp's float16 / signed-max
-variants: one rule for both, and exactly reproducible (reference.quantize_activations).
+Activations are quantized per block to int8 exactly as llama.cpp's x86 code does for these
+weights (its "vec_dot_type"): Q8_0 blocks of 32 (float16 scale) for Q4_0 / Q5_0 / Q8_0, Q8_1
+(plus fp16(d * sum q), which the minimum multiplies) for Q4_1 / Q5_1, and Q8_K blocks of 256
+(float32 signed scale 1 / iscale, sums of each 16 for the K-quants' minimums and Q6_K's -32
+offset) for the K-quants; csrc/quant_linear.cpp and reference.quantize_activations have the
+rules. Near-ties between logits then fall where llama.cpp's do on the same file.
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ failed build), looked up once per process:
 
     linear(x [M, K] f32, packed, qtype, n) -> [M, N] f32          int8 dot products (tier's path)
     linear_generic(...)                                           the portable path, any build
-    quantize_x(x, qtype) -> (q int8 [M, K], d f32, sums int32)    the activations' int8 blocks
+    quantize_x(x, qtype) -> (q int8 [M, K], d f32, sums int32, sd f32)   llama.cpp's Q8_0/1/K blocks
     dequantize(packed, qtype, n, row0, row1) -> f32 [rows, K]     gguf-exact float32 rows
 """
 from __future__ import annotations

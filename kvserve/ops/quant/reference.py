@@ -1,7 +1,7 @@
 """References for the packed kernels (tests and benchmarks; nothing here is on a hot path).
 
-- quantize_activations: the activations' int8 blocks exactly as the C++ kernel makes them
-  (float32 operations in the same order: amax, d = amax / 127, id = 1 / d, q = rint(x * id)).
+- quantize_activations: the activations' int8 blocks exactly as the C++ kernel makes them,
+  which are llama.cpp's (Q8_0 / Q8_1 / Q8_K; float32 operations in the same order).
 - dequantize_gguf: gguf.quants.dequantize, the ground truth for the weights.
 - reference_matmul: y = W @ x^T in float64 from those two, i.e. what the integer kernel computes
   up to its float32 rounding.
@@ -18,10 +18,12 @@ from kvserve.ops.quant.formats import BlockFormat
 @dataclass
 class QuantizedActivations:
     """x [M, K] as int8 blocks: q [M, K] int8, d [M, K / act_block] float32 (one scale per
-    block), sums [M, K / act_sum_group] int32 (sums of q over each group)."""
+    block), sums [M, K / act_sum_group] int32 (sums of q over each group), sd [M, K / 32]
+    float32 (Q8_1's fp16(d * sum) for the _1 types' minimum; zeros otherwise)."""
     q: np.ndarray
     d: np.ndarray
     sums: np.ndarray
+    sd: np.ndarray
 
     def dequantized(self, fmt: BlockFormat) -> np.ndarray:
         """q * d in float64: the activations the integer kernel multiplies."""
@@ -30,18 +32,41 @@ class QuantizedActivations:
         return (q * self.d.astype(np.float64)[..., None]).reshape(m, k)
 
 
+def _f16(a: np.ndarray) -> np.ndarray:
+    return a.astype(np.float16).astype(np.float32)
+
+
 def quantize_activations(x: np.ndarray, fmt: BlockFormat) -> QuantizedActivations:
-    """x [M, K] float32 -> int8 blocks of fmt.act_block values with a float32 scale each."""
+    """x [M, K] float32 -> llama.cpp's activation blocks for fmt (its "vec_dot_type", as its
+    x86 code makes them; csrc/quant_linear.cpp has the rules): Q8_0 / Q8_1 for the 32-blocks,
+    Q8_K for the K-quants."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     m, k = x.shape
     blocks = x.reshape(m, k // fmt.act_block, fmt.act_block)
-    amax = np.abs(blocks).max(axis=-1)
-    d = (amax / np.float32(127)).astype(np.float32)
-    with np.errstate(divide="ignore"):
-        inv = np.where(d > 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
-    q = np.clip(np.rint(blocks * inv[..., None]), -127, 127).astype(np.int8).reshape(m, k)
+    f32 = np.float32
+    with np.errstate(divide="ignore", invalid="ignore"):
+        if fmt.act_block == 256:                               # Q8_K
+            pick = np.abs(blocks).argmax(axis=-1)[..., None]   # the first largest |x|
+            mx = np.take_along_axis(blocks, pick, axis=-1)[..., 0]
+            iscale = np.where(mx != 0, f32(-127) / mx, f32(0)).astype(f32)
+            q = np.minimum(np.rint(blocks * iscale[..., None]), 127)
+            d = np.where(mx != 0, f32(1) / iscale, f32(0)).astype(f32)
+        else:                                                  # Q8_0 / Q8_1
+            amax = np.abs(blocks).max(axis=-1)
+            inv = np.where(amax != 0, f32(127) / amax, f32(0)).astype(f32)
+            q = np.clip(np.rint(blocks * inv[..., None]), -127, 127)
+            d_full = (amax / f32(127)).astype(f32)
+            d = _f16(d_full)
+    q = q.astype(np.int8).reshape(m, k)
     sums = q.astype(np.int32).reshape(m, k // fmt.act_sum_group, fmt.act_sum_group).sum(-1)
-    return QuantizedActivations(q, d, sums.astype(np.int32))
+    sd = np.zeros_like(d)
+    if fmt.name in Q8_1_TYPES:
+        sd = _f16((d_full * sums.astype(f32)).astype(f32))
+    return QuantizedActivations(q, d.astype(f32), sums.astype(np.int32), sd)
+
+
+# Weight types whose activations are Q8_1 blocks (the block sum's scaled term, for the minimum).
+Q8_1_TYPES = ("Q4_1", "Q5_1")
 
 
 def dequantize_gguf(raw: np.ndarray, fmt: BlockFormat, shape: tuple[int, int]) -> np.ndarray:
@@ -56,8 +81,18 @@ def dequantize_gguf(raw: np.ndarray, fmt: BlockFormat, shape: tuple[int, int]) -
 def reference_matmul(x: np.ndarray, raw: np.ndarray, fmt: BlockFormat,
                      shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
     """(y [M, N], bound [M, N]) in float64: y = x_q @ W^T with W dequantized by gguf and x
-    quantized by quantize_activations; bound = |x_q| @ |W|^T, the scale that the kernel's
+    quantized by quantize_activations (the _1 types' minimum times Q8_1's rounded block term,
+    as llama.cpp's dot product has it); bound = |x_q| @ |W|^T, the scale that the kernel's
     float32 rounding error is relative to."""
     w = dequantize_gguf(raw, fmt, shape).astype(np.float64)
-    xq = quantize_activations(x, fmt).dequantized(fmt)
-    return xq @ w.T, np.abs(xq) @ np.abs(w).T
+    xa = quantize_activations(x, fmt)
+    xq = xa.dequantized(fmt)
+    bound = np.abs(xq) @ np.abs(w).T
+    if fmt.name not in Q8_1_TYPES:
+        return xq @ w.T, bound
+    n, k = shape
+    nb = k // fmt.block_size
+    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, nb, fmt.type_size)
+    mins = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float64)   # [N, nb]
+    w_no_min = w - np.repeat(mins, fmt.block_size, axis=1)
+    return xq @ w_no_min.T + xa.sd.astype(np.float64) @ mins.T, bound

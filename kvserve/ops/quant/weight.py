@@ -3,20 +3,20 @@
     w = PackedQuantWeight.from_gguf("Q4_K", raw, (N, K))   # raw: GGUFReader's uint8 blocks
     y = w.matmul(x)                                        # x [..., K] -> [..., N]
 
-matmul on CPU with the kernel built runs the int8 kernel for every batch size up to
-INT8_MAX_ROWS (x quantized per block to int8, integer dot products; as llama.cpp does for all
-batch sizes on CPU). At M = 1..8 it is a stream over the packed bytes (0.56 - 1.06 bytes a weight
-instead of float32's 4). For larger batches the alternative is the weight dequantized
-CHUNK_ELEMS floats at a time into a float32 temporary for torch's GEMM
-(_dequantized_matmul); measured on the SmolLM2 shapes (benchmarks/quant_kernels.py, 1 thread,
-AVX2 EPYC) the int8 kernel is faster at every M tried: 5-10x at M = 16, 2.7-4x at 64, 1.9-2.4x
-at 256, 1.24-1.38x at 1024, and faster than the float32 weight prepacked for oneDNN as well
-(1.1x at 1024). Why: maddubs + madd make 32 int8 multiply-adds in two instructions where an
-FMA makes 8 float32 ones; a group of 8 packed rows stays in L1 while every x row passes over
-it; and the float path pays a dequantization per call on top of a GEMM. So the float path serves
-only batches above INT8_MAX_ROWS (None: none, on this evidence), x on another device, and
-builds without the kernel (not x86-64, no compiler, KVSERVE_DISABLE_CPU_KERNELS=1), where the
-chunks are dequantized with torch ops.
+matmul on CPU with the kernel built runs the int8 kernel up to INT8_MAX_ROWS rows of x (decode,
+speculative verification: x quantized per block to int8 exactly as llama.cpp quantizes it for
+this weight type, integer dot products): a stream over the packed bytes (0.56 - 1.06 bytes a
+weight instead of float32's 4). Larger batches (prefill) take the weight dequantized
+CHUNK_ELEMS floats at a time into a float32 temporary for torch's GEMM (_dequantized_matmul),
+x unquantized, so a prompt's hidden states are those of the dequantized float32 model. Why,
+measured: the int8 activations of the prompt's layers moved the demo's first answer token by
+0.2 nats on a near-tie ("L'Etoile" for "The capital of France is Paris."), and the logits by
+0.05 more (hence `precise` for the LM head). The price: at M = 256 the float path takes
+1.4 - 2.3x the int8 kernel's time per linear (benchmarks/quant_kernels.py --large-rows 256,
+1 thread, AVX2 EPYC: maddubs + madd make 32 int8 multiply-adds in two instructions where an
+FMA makes 8 float32 ones, and the dequantization is paid per call). The float path also serves
+x on another device and builds without the kernel (not x86-64, no compiler,
+KVSERVE_DISABLE_CPU_KERNELS=1), where the chunks are dequantized with torch ops.
 
 It is shaped to become a variant of the CPU weight object (ops/cpu_weight.py): `matmul(x)`, the
 bytes a step streams (`streamable`, `nbytes`), and `shard` for tensor parallelism.
@@ -29,11 +29,13 @@ from typing import Optional, Union
 import numpy as np
 import torch
 
+from kvserve.ops.linear import SMALL_BATCH_MAX_ROWS
 from kvserve.ops.quant import kernel, packing
 from kvserve.ops.quant.formats import ROW_GROUP, BlockFormat, block_format
 
-# Largest row count of x that takes the int8 kernel; None: every batch (see the module doc).
-INT8_MAX_ROWS: Optional[int] = None
+# Largest row count of x that takes the int8 kernel (the small-batch threshold of the float
+# weights, ops.linear); None: every batch (see the module doc).
+INT8_MAX_ROWS: Optional[int] = SMALL_BATCH_MAX_ROWS
 # Floats per dequantized chunk of the weight (4 MiB): bounds the large-batch temporary.
 CHUNK_ELEMS = 1 << 20
 
@@ -83,8 +85,11 @@ class PackedQuantWeight:
         return packing.unpack_blocks(self.packed, self.shape[0], self.fmt)
 
     # ------------------------------------------------------------------ math
-    def matmul(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """x [..., K] @ W^T (+ bias) -> [..., N] in x's dtype (the math in float32)."""
+    def matmul(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None,
+               precise: bool = False) -> torch.Tensor:
+        """x [..., K] @ W^T (+ bias) -> [..., N] in x's dtype (the math in float32).
+        `precise` (the LM head): on the int8 path, x's quantization residual is a second int8
+        row (_precise_linear), so the logits carry ~15-bit activations, not 8."""
         n, k = self.shape
         if x.shape[-1] != k:
             raise ValueError(f"x has {x.shape[-1]} features, the weight {k}")
@@ -94,12 +99,25 @@ class PackedQuantWeight:
         ops = kernel.ops() if x.device.type == "cpu" else None
         rows = xf.shape[0]
         if ops is not None and 0 < rows and (INT8_MAX_ROWS is None or rows <= INT8_MAX_ROWS):
-            y = ops.linear(xf.contiguous(), self.packed, self.fmt.ggml_type, n)
+            y = (self._precise_linear(ops, xf.contiguous()) if precise
+                 else ops.linear(xf.contiguous(), self.packed, self.fmt.ggml_type, n))
         else:
             y = self._dequantized_matmul(xf)
         if bias is not None:
             y = y + bias.float()
         return y.to(x.dtype).reshape(*lead, n)
+
+    def _precise_linear(self, ops, x: torch.Tensor) -> torch.Tensor:
+        """W (x_q + r_q): x_q is x's int8 blocks (the kernel's own quantization of x), r_q the
+        int8 blocks of the residual r = x - x_q, quantized with their own, ~254x finer scales.
+        One kernel call on the 2M rows [x; r]: the weight is streamed once, so at decode sizes
+        (memory-bound) it costs little; the logits' near-ties then fall where float32's do."""
+        m, k = x.shape
+        q, d, _, _ = ops.quantize_x(x, self.fmt.ggml_type)
+        blk = self.fmt.act_block
+        xq = (q.view(m, k // blk, blk).float() * d.unsqueeze(-1)).view(m, k)
+        y = ops.linear(torch.cat((x, x - xq)), self.packed, self.fmt.ggml_type, self.shape[0])
+        return y[:m] + y[m:]
 
     def _dequantized_matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x @ W^T with W dequantized CHUNK_ELEMS floats at a time into float32."""
@@ -166,3 +184,47 @@ class PackedQuantWeight:
     def __repr__(self) -> str:
         return (f"PackedQuantWeight({self.qtype}, shape={list(self.shape)}, "
                 f"{self.nbytes / 2**20:.2f} MiB)")
+
+
+@dataclass
+class QuantizedRows:
+    """A GGUF tensor's raw blocks on their way into a packed weight: [N, row_bytes] uint8
+    (a file view or a copy) holding an [N, K] weight of type `qtype`. The layers' weight
+    loaders cut TP shards of it as of a tensor: `narrow` on rows, or on whole blocks of K."""
+    qtype: str
+    raw: Union[np.ndarray, torch.Tensor]
+    shape: tuple[int, int]
+
+    def dim(self) -> int:
+        return 2
+
+    def narrow(self, dim: int, start: int, length: int) -> "QuantizedRows":
+        n, k = self.shape
+        if dim == 0:
+            return QuantizedRows(self.qtype, self.raw[start:start + length], (length, k))
+        fmt = block_format(self.qtype)
+        if dim != 1 or start % fmt.block_size or length % fmt.block_size:
+            raise ValueError(f"{self.qtype} weight [{n}, {k}]: a shard of input features "
+                             f"[{start}, {start + length}) is not whole {fmt.block_size}-weight "
+                             f"blocks; this tensor parallel split needs the weight dequantized "
+                             f"(--quantization gguf-dequantized) or another tensor_parallel_size")
+        b0, b1 = start // fmt.block_size * fmt.type_size, (start + length) // fmt.block_size
+        return QuantizedRows(self.qtype, self.raw[:, b0:b1 * fmt.type_size], (n, length))
+
+    def zero_padded(self, rows: int) -> "QuantizedRows":
+        """`rows` rows, the added ones zero bytes (scales 0: they dequantize to 0)."""
+        n, k = self.shape
+        if rows == n:
+            return self
+        raw = np.zeros((rows, np.asarray(self.raw).shape[1]), dtype=np.uint8)
+        raw[:n] = np.asarray(self.raw)
+        return QuantizedRows(self.qtype, raw, (rows, k))
+
+    @staticmethod
+    def pack(parts: list["QuantizedRows"]) -> PackedQuantWeight:
+        """One packed weight from row-wise parts of one type (a fused q|k|v, gate|up)."""
+        raws = [np.asarray(p.raw) for p in parts]
+        raw = raws[0] if len(raws) == 1 else np.concatenate(raws)
+        rows = sum(p.shape[0] for p in parts)
+        return PackedQuantWeight.from_gguf(parts[0].qtype, np.ascontiguousarray(raw),
+                                           (rows, parts[0].shape[1]))
