@@ -105,6 +105,9 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
     _var("KVSERVE_SOAK_REQUESTS", "int", 0,
          "Requests of tests/entrypoints/test_soak.py (0: the small CI pass; 10000: the full "
          "soak)."),
+    _var("KVSERVE_TEST_FULL", "bool", False,
+         "Also run the long variants of tests that CI runs in a shorter form (e.g. the packed "
+         "GGUF perplexity of the mixed-type file)."),
     _var("KVSERVE_KILL_TESTS_EXPENSIVE", "bool", False,
          "Also run the expensive kill tests of tests/reliability/ (Ray worker actor, P/D "
          "prefill, decode and proxy with NIXL)."),

@@ -12,6 +12,23 @@ from kvserve.outputs import RequestOutput
 LOGPROB_ATOL = 2e-3
 
 
+def peaked_copy(src: str, out: str, scale: float = 5.0) -> str:
+    """Copy checkpoint `src` into `out` with its LM head scaled by `scale`: next-token
+    distributions become peaked (a few likely tokens), so a wrong sampling or search rule
+    shows (a random model's near-uniform distribution would hide it)."""
+    import os
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    for name in os.listdir(src):
+        shutil.copy(os.path.join(src, name), out)
+    path = os.path.join(out, "model.safetensors")
+    tensors = load_file(path)
+    tensors["lm_head.weight"] = tensors["lm_head.weight"] * scale
+    save_file(tensors, path, metadata={"format": "pt"})
+    return out
+
+
 def kernel_isa_prefix() -> str:
     """How the compiled kernels' `*_isa()` strings start for the selected ISA tier."""
     from kvserve.ops import cpu_isa

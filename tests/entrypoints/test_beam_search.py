@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import threading
 from typing import Callable, Iterator
 
@@ -26,11 +25,11 @@ import httpx
 import openai
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from kvserve import LLM, BeamSearchParams, SamplingParams
 from kvserve.entrypoints.beam_search import get_beam_search_score
 from tests.entrypoints.conftest import SERVER_ENGINE_ARGS, RemoteServer
+from tests.utils import peaked_copy
 
 PROMPT_A = [17, 230, 411, 95, 6, 800, 33, 12, 99, 5, 71, 300, 44, 8, 19, 21, 600, 3, 14, 15]
 PROMPT_B = [5, 9, 101, 77, 8]
@@ -43,14 +42,7 @@ TOL = 1e-4      # float32 engine vs float64 reference, on cumulative logprobs
 @pytest.fixture(scope="module")
 def ckpt(make_checkpoint: Callable[..., str],
          tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[int]]:
-    src = make_checkpoint("llama")
-    out = str(tmp_path_factory.mktemp("beam_llama"))
-    for name in os.listdir(src):
-        shutil.copy(os.path.join(src, name), out)
-    path = os.path.join(out, "model.safetensors")
-    tensors = load_file(path)
-    tensors["lm_head.weight"] = tensors["lm_head.weight"] * 5.0
-    save_file(tensors, path, metadata={"format": "pt"})
+    out = peaked_copy(make_checkpoint("llama"), str(tmp_path_factory.mktemp("beam_llama")))
     first = _logprobs(_hf_model(out), [PROMPT_B])[0]
     extra_eos = int(torch.topk(first, 2).indices[1])
     with open(os.path.join(out, "generation_config.json")) as f:

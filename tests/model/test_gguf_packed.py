@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvserve import LLM, SamplingParams
+from kvserve import LLM, SamplingParams, envs
 from kvserve.config import ModelConfig
 from kvserve.model.loader import load_model
 from kvserve.ops import cpu_weight as cw
@@ -134,7 +134,12 @@ def _perplexity(path: str, quantization: str) -> float:
     return math.exp(sum(nll) / len(nll))
 
 
-@pytest.mark.parametrize("name", ["Q4_1", "mixed"])
+@pytest.mark.parametrize("name", [
+    "Q4_1",
+    # CI's time: the mixed file's formats are checked per kernel against float64 and by the
+    # greedy chat below; its perplexity runs with KVSERVE_TEST_FULL=1.
+    pytest.param("mixed", marks=pytest.mark.skipif(not envs.get("KVSERVE_TEST_FULL"),
+                                                   reason="long variant: KVSERVE_TEST_FULL=1"))])
 def test_perplexity_within_one_percent_of_float32(files, name) -> None:
     packed, float32 = _perplexity(files[name], "gguf"), _perplexity(files[name], "gguf-dequantized")
     assert math.isfinite(packed) and 1.0 < float32 < 100.0
@@ -214,7 +219,7 @@ def test_greedy_chat_says_paris(files) -> None:
     """The mixed file (Q8_0 mostly, Q4_0 / Q5_0 / Q5_1 beside): greedy Paris."""
     with LLM(files["mixed"], **ENGINE) as llm:
         out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
-                       SamplingParams(max_tokens=48, temperature=0), use_tqdm=False)
+                       SamplingParams(max_tokens=12, temperature=0), use_tqdm=False)
     assert "Paris" in out[0].outputs[0].text, out[0].outputs[0].text
 
 
