@@ -205,59 +205,14 @@ class EngineArgs:
 
     # ------------------------------------------------------------------
     def create_engine_config(self) -> KVServeConfig:
-        from kvserve.model.demo import resolve_model_path
-        from kvserve.model.gguf import read_gguf_config
-
-        device = self.device
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
-            raise ValueError(f"Unknown device {device!r}; supported: auto, cpu, cuda.")
+        """Validate the arguments and resolve them into the engine configuration. Each
+        feature's checks are one `_verify_*` / `_build_*` below, run in this order."""
+        device = self._resolve_device()
         cpu_config = CpuConfig(cpu_isa=self.cpu_isa, disable_cpu_kernels=self.disable_cpu_kernels,
                                cpu_huge_pages=self.cpu_huge_pages)
-        path = resolve_model_path(self.model, self.load_format)
-        tok_path = resolve_model_path(self.tokenizer) if self.tokenizer else path
-        hf_config_path = (os.path.abspath(os.path.expanduser(self.hf_config_path))
-                          if self.hf_config_path else None)
-        model_config = ModelConfig.from_path(
-            path, tokenizer=tok_path,
-            served_model_name=self.served_model_name or self.model,
-            dtype=self.dtype, max_model_len=self.max_model_len, seed=self.seed,
-            max_logprobs=self.max_logprobs, device=device, load_format=self.load_format,
-            hf_config_path=hf_config_path,
-            gguf_config=read_gguf_config(path, self.load_format, hf_config_path),
-            cpu_isa=cpu_config.cpu_isa, quantization=self.quantization)
-        if self.block_size < 1 or self.block_size & (self.block_size - 1):
-            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}.")
-        if self.scheduling_policy not in ("fcfs", "priority"):
-            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}.")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}.")
-        max_len = model_config.max_model_len
-        batched = self.max_num_batched_tokens
-        if batched is None:
-            # On CPU, big steps are slower per token: their >32 MB temporaries are mmapped and
-            # page-faulted afresh every op (measured 2.5x slower at 8192 than 2048 here).
-            batched = 8192 if device.startswith("cuda") else 2048
-            if not self.enable_chunked_prefill:
-                batched = max(batched, max_len)
-        if not self.enable_chunked_prefill and batched < max_len:
-            raise ValueError(
-                f"max_num_batched_tokens ({batched}) is smaller than max_model_len ({max_len}) "
-                f"with chunked prefill disabled: long prompts could never be scheduled.")
-        if batched < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, got {batched}.")
-        parallel = ParallelConfig(
-            tensor_parallel_size=self.tensor_parallel_size,
-            pipeline_parallel_size=self.pipeline_parallel_size,
-            data_parallel_size=self.data_parallel_size,
-            data_parallel_size_local=self.data_parallel_size_local,
-            data_parallel_start_rank=self.data_parallel_start_rank,
-            data_parallel_address=self.data_parallel_address,
-            data_parallel_rpc_port=self.data_parallel_rpc_port,
-            distributed_executor_backend=self.distributed_executor_backend)
-        _verify_parallel(model_config, parallel)
-        _verify_device_count(device, parallel)
+        model_config = self._build_model_config(device, cpu_config)
+        scheduler_config = self._build_scheduler_config(device, model_config.max_model_len)
+        parallel = self._build_parallel_config(model_config, device)
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got "
                              f"{self.gpu_memory_utilization}.")
@@ -265,26 +220,13 @@ class EngineArgs:
                                                  self.block_size, model_config.head_dim)
         spec_config = SpeculativeConfig.parse(self.speculative_config)
         enable_prefix_caching = self._resolve_runner(model_config, spec_config)
-        if spec_config is not None and parallel.pipeline_parallel_size > 1:
-            raise ValueError("Speculative decoding with pipeline parallelism "
-                             "(pipeline_parallel_size > 1) is not supported yet.")
-        if spec_config is not None:
-            spec_config.verify_with_target(model_config.hf_config, model_config.tokenizer,
-                                           parallel.tensor_parallel_size,
-                                           model_config.max_model_len)
+        _verify_speculative(spec_config, model_config, parallel)
         _verify_async_scheduling(self.async_scheduling, spec_config, parallel)
-        from kvserve.kv_transfer.config import KVTransferConfig
-        kv_transfer_config = KVTransferConfig.parse(self.kv_transfer_config)
-        if kv_transfer_config is not None and self.async_scheduling:
-            raise ValueError("async_scheduling does not support kv_transfer_config yet (the KV "
-                             "connector's hooks expect each step's output before the next).")
-        if kv_transfer_config is not None and parallel.world_size > 1:
-            raise ValueError("kv_transfer_config needs tensor_parallel_size=1 and "
-                             "pipeline_parallel_size=1 here.")
+        kv_transfer_config = self._build_kv_transfer_config(parallel)
         kv_cache_groups = _kv_cache_groups(model_config, parallel, spec_config,
                                            kv_transfer_config,
                                            self.disable_hybrid_kv_cache_manager)
-        lora_config = self._lora_config(parallel, spec_config, kv_transfer_config)
+        lora_config = self._build_lora_config(parallel, spec_config, kv_transfer_config)
         return KVServeConfig(
             model_config=model_config,
             cache_config=CacheConfig(
@@ -294,13 +236,7 @@ class EngineArgs:
                 enable_prefix_caching=enable_prefix_caching,
                 gpu_memory_utilization=self.gpu_memory_utilization,
                 kv_cache_groups=kv_cache_groups),
-            scheduler_config=SchedulerConfig(
-                max_num_seqs=self.max_num_seqs, max_num_batched_tokens=batched,
-                max_model_len=max_len, enable_chunked_prefill=self.enable_chunked_prefill,
-                long_prefill_token_threshold=self.long_prefill_token_threshold,
-                policy=self.scheduling_policy,
-                max_num_queued_requests=self.max_num_queued_requests,
-                async_scheduling=self.async_scheduling),
+            scheduler_config=scheduler_config,
             parallel_config=parallel,
             device_config=DeviceConfig(device=device),
             # KVSERVE_ENABLE_MULTIPROCESSING=0 runs the engine core in-process (no extra process).
@@ -315,8 +251,84 @@ class EngineArgs:
             lora_config=lora_config,
         )
 
-    def _lora_config(self, parallel: ParallelConfig, spec_config: Any,
-                     kv_transfer_config: Any) -> Any:
+    def _resolve_device(self) -> str:
+        device = self.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+            raise ValueError(f"Unknown device {device!r}; supported: auto, cpu, cuda.")
+        return device
+
+    def _build_model_config(self, device: str, cpu_config: CpuConfig) -> ModelConfig:
+        from kvserve.model.demo import resolve_model_path
+        from kvserve.model.gguf import read_gguf_config
+        path = resolve_model_path(self.model, self.load_format)
+        tok_path = resolve_model_path(self.tokenizer) if self.tokenizer else path
+        hf_config_path = (os.path.abspath(os.path.expanduser(self.hf_config_path))
+                          if self.hf_config_path else None)
+        return ModelConfig.from_path(
+            path, tokenizer=tok_path,
+            served_model_name=self.served_model_name or self.model,
+            dtype=self.dtype, max_model_len=self.max_model_len, seed=self.seed,
+            max_logprobs=self.max_logprobs, device=device, load_format=self.load_format,
+            hf_config_path=hf_config_path,
+            gguf_config=read_gguf_config(path, self.load_format, hf_config_path),
+            cpu_isa=cpu_config.cpu_isa, quantization=self.quantization)
+
+    def _build_scheduler_config(self, device: str, max_len: int) -> SchedulerConfig:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}.")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}.")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}.")
+        batched = self.max_num_batched_tokens
+        if batched is None:
+            # On CPU, big steps are slower per token: their >32 MB temporaries are mmapped and
+            # page-faulted afresh every op (measured 2.5x slower at 8192 than 2048 here).
+            batched = 8192 if device.startswith("cuda") else 2048
+            if not self.enable_chunked_prefill:
+                batched = max(batched, max_len)
+        if not self.enable_chunked_prefill and batched < max_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({batched}) is smaller than max_model_len ({max_len}) "
+                f"with chunked prefill disabled: long prompts could never be scheduled.")
+        if batched < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {batched}.")
+        return SchedulerConfig(
+            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=batched,
+            max_model_len=max_len, enable_chunked_prefill=self.enable_chunked_prefill,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
+            policy=self.scheduling_policy, max_num_queued_requests=self.max_num_queued_requests,
+            async_scheduling=self.async_scheduling)
+
+    def _build_parallel_config(self, model_config: ModelConfig, device: str) -> ParallelConfig:
+        parallel = ParallelConfig(
+            tensor_parallel_size=self.tensor_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size,
+            data_parallel_size=self.data_parallel_size,
+            data_parallel_size_local=self.data_parallel_size_local,
+            data_parallel_start_rank=self.data_parallel_start_rank,
+            data_parallel_address=self.data_parallel_address,
+            data_parallel_rpc_port=self.data_parallel_rpc_port,
+            distributed_executor_backend=self.distributed_executor_backend)
+        _verify_parallel(model_config, parallel)
+        _verify_device_count(device, parallel)
+        return parallel
+
+    def _build_kv_transfer_config(self, parallel: ParallelConfig) -> Any:
+        from kvserve.kv_transfer.config import KVTransferConfig
+        kv_transfer_config = KVTransferConfig.parse(self.kv_transfer_config)
+        if kv_transfer_config is not None and self.async_scheduling:
+            raise ValueError("async_scheduling does not support kv_transfer_config yet (the KV "
+                             "connector's hooks expect each step's output before the next).")
+        if kv_transfer_config is not None and parallel.world_size > 1:
+            raise ValueError("kv_transfer_config needs tensor_parallel_size=1 and "
+                             "pipeline_parallel_size=1 here.")
+        return kv_transfer_config
+
+    def _build_lora_config(self, parallel: ParallelConfig, spec_config: Any,
+                           kv_transfer_config: Any) -> Any:
         """LoRAConfig with --enable-lora; the combinations not built yet are an error now."""
         if not self.enable_lora:
             return None
@@ -328,7 +340,6 @@ class EngineArgs:
                 raise ValueError(f"--enable-lora with {what} is not supported yet.")
         return LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
                           max_cpu_loras=self.max_cpu_loras)
-
 
     def _resolve_runner(self, model_config: ModelConfig, spec_config: Any) -> bool:
         """Set the model's runner (and a pooling runner's pooler); returns whether prefix
@@ -366,6 +377,17 @@ def _kv_cache_groups(model_config: ModelConfig, parallel: ParallelConfig, spec: 
                                  "them yet. Set max_model_len <= the window to run it with "
                                  "full attention.")
     return get_kv_cache_groups(windows, disable_hybrid)
+
+
+def _verify_speculative(spec_config: Optional[SpeculativeConfig], model_config: ModelConfig,
+                        parallel: ParallelConfig) -> None:
+    if spec_config is None:
+        return
+    if parallel.pipeline_parallel_size > 1:
+        raise ValueError("Speculative decoding with pipeline parallelism "
+                         "(pipeline_parallel_size > 1) is not supported yet.")
+    spec_config.verify_with_target(model_config.hf_config, model_config.tokenizer,
+                                   parallel.tensor_parallel_size, model_config.max_model_len)
 
 
 def _verify_async_scheduling(async_scheduling: bool, spec_config: Optional[SpeculativeConfig],
