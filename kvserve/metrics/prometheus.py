@@ -37,12 +37,26 @@ REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 2
                            50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
 ITERATION_TOKEN_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 
-# Cumulative scheduler counters -> our counter names.
-_SCHEDULER_COUNTERS = {
-    "prefix_cache_queries": "prefix_cache_queries",
-    "prefix_cache_hits": "prefix_cache_hits",
-    "num_preemptions": "num_preemptions",
-}
+# The engine's cumulative totals (scheduler stats key, metric name, doc) -> counters.
+_ENGINE_COUNTERS = (
+    ("prefix_cache_queries", "prefix_cache_queries",
+     "Prefix cache queries, in terms of number of queried tokens."),
+    ("prefix_cache_hits", "prefix_cache_hits",
+     "Prefix cache hits, in terms of number of cached tokens."),
+    ("num_preemptions", "num_preemptions", "Cumulative number of preemptions."),
+    # KV connector (disaggregated prefill/decode, shared storage); 0 without one.
+    ("external_prefix_cache_queries", "external_prefix_cache_queries",
+     "External prefix cache queries from KV connector, in terms of queried tokens."),
+    ("external_prefix_cache_hits", "external_prefix_cache_hits",
+     "External prefix cache hits from KV connector, in terms of loadable tokens."),
+    ("kv_local_fallbacks", "kv_transfer_local_fallbacks",
+     "Requests computed locally because loading their KV failed or timed out."),
+    ("kv_transfers", "kv_transfers", "Completed KV loads (one per request)."),
+    ("kv_transfers_started", "kv_transfers_started",
+     "KV loads posted (completed, failed or in flight)."),
+    ("kv_transfer_bytes", "kv_transfer_bytes", "Bytes of KV loaded."),
+    ("kv_transfer_time_s", "kv_transfer_time_seconds", "Seconds spent in completed KV loads."),
+)
 
 
 def build_1_2_5_buckets(max_value: int) -> list[int]:
@@ -69,105 +83,91 @@ class PrometheusStatLogger(StatLoggerBase):
         self._label_values = (model_name, str(engine_index))
         self._lock = threading.Lock()
         self._last_totals: dict[str, int] = {}
-        labels = ["model_name", "engine"]
-        reg = self.registry
+        self._init_engine_metrics()
+        self._init_request_metrics(max_model_len)
+        self._init_spec_and_step_metrics(max_num_batched_tokens)
 
-        def shared(cls: Any, name: str, doc: str, labelnames: list, **kw: Any) -> Any:
-            # One collector per metric in a registry; each engine (data parallelism) logs
-            # through its own `engine` label of it.
-            existing = getattr(reg, "_names_to_collectors", {}).get(PREFIX + name)
-            return existing if existing is not None else cls(PREFIX + name, doc, labelnames,
-                                                             registry=reg, **kw)
+    def _shared(self, cls: Any, name: str, doc: str, *extra_labels: str, **kw: Any) -> Any:
+        # One collector per metric in a registry; each engine (data parallelism) logs
+        # through its own `engine` label of it.
+        existing = getattr(self.registry, "_names_to_collectors", {}).get(PREFIX + name)
+        return existing if existing is not None else cls(
+            PREFIX + name, doc, ["model_name", "engine", *extra_labels], registry=self.registry,
+            **kw)
 
-        def gauge(name: str, doc: str) -> Any:
-            return shared(Gauge, name, doc, labels,
-                          multiprocess_mode="mostrecent").labels(*self._label_values)
+    def _gauge(self, name: str, doc: str) -> Any:
+        return self._shared(Gauge, name, doc,
+                            multiprocess_mode="mostrecent").labels(*self._label_values)
 
-        def counter(name: str, doc: str) -> Any:
-            return shared(Counter, name, doc, labels).labels(*self._label_values)
+    def _counter(self, name: str, doc: str) -> Any:
+        return self._shared(Counter, name, doc).labels(*self._label_values)
 
-        def histogram(name: str, doc: str, buckets: list) -> Any:
-            return shared(Histogram, name, doc, labels, buckets=buckets).labels(*self._label_values)
+    def _histogram(self, name: str, doc: str, buckets: list) -> Any:
+        return self._shared(Histogram, name, doc, buckets=buckets).labels(*self._label_values)
 
-        # Scheduler state.
-        self.gauge_running = gauge("num_requests_running", "Number of requests in model execution batches.")
-        self.gauge_waiting = gauge("num_requests_waiting", "Number of requests waiting to be processed.")
-        self.gauge_kv_cache_usage = gauge("kv_cache_usage_perc",
-                                          "KV-cache usage. 1 means 100 percent usage.")
-        self.gauge_kv_transfers_in_flight = gauge(
+    def _init_engine_metrics(self) -> None:
+        """Scheduler state (gauges) and the engine's cumulative totals (counters)."""
+        self.gauge_running = self._gauge("num_requests_running",
+                                         "Number of requests in model execution batches.")
+        self.gauge_waiting = self._gauge("num_requests_waiting",
+                                         "Number of requests waiting to be processed.")
+        self.gauge_kv_cache_usage = self._gauge("kv_cache_usage_perc",
+                                                "KV-cache usage. 1 means 100 percent usage.")
+        self.gauge_kv_transfers_in_flight = self._gauge(
             "kv_transfers_in_flight", "KV loads posted and not yet done or failed.")
-        self.counters = {
-            "prefix_cache_queries": counter(
-                "prefix_cache_queries",
-                "Prefix cache queries, in terms of number of queried tokens."),
-            "prefix_cache_hits": counter(
-                "prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."),
-            "num_preemptions": counter("num_preemptions", "Cumulative number of preemptions."),
-            # KV connector (disaggregated prefill/decode, shared storage); 0 without one.
-            "external_prefix_cache_queries": counter(
-                "external_prefix_cache_queries",
-                "External prefix cache queries from KV connector, in terms of queried tokens."),
-            "external_prefix_cache_hits": counter(
-                "external_prefix_cache_hits",
-                "External prefix cache hits from KV connector, in terms of loadable tokens."),
-            "kv_local_fallbacks": counter(
-                "kv_transfer_local_fallbacks",
-                "Requests computed locally because loading their KV failed or timed out."),
-            "kv_transfers": counter("kv_transfers", "Completed KV loads (one per request)."),
-            "kv_transfers_started": counter("kv_transfers_started",
-                                            "KV loads posted (completed, failed or in flight)."),
-            "kv_transfer_bytes": counter("kv_transfer_bytes", "Bytes of KV loaded."),
-            "kv_transfer_time_s": counter("kv_transfer_time_seconds",
-                                          "Seconds spent in completed KV loads."),
-        }
-        # Tokens and requests.
-        self.counter_prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.")
-        self.counter_generation_tokens = counter("generation_tokens",
-                                                 "Number of generation tokens processed.")
-        self._request_success = shared(Counter, "request_success",
-                                       "Count of successfully processed requests.",
-                                       labels + ["finished_reason"])
+        self.counters = {key: self._counter(name, doc) for key, name, doc in _ENGINE_COUNTERS}
+
+    def _init_request_metrics(self, max_model_len: int) -> None:
+        """Tokens, finished requests, latencies, a request's phases and sizes."""
+        self.counter_prompt_tokens = self._counter("prompt_tokens",
+                                                   "Number of prefill tokens processed.")
+        self.counter_generation_tokens = self._counter("generation_tokens",
+                                                       "Number of generation tokens processed.")
+        self._request_success = self._shared(Counter, "request_success",
+                                             "Count of successfully processed requests.",
+                                             "finished_reason")
         for reason in ("stop", "length", "abort"):   # present (at 0) before the first request
             self._request_success.labels(*self._label_values, reason)
-        # Latencies.
-        self.hist_ttft = histogram("time_to_first_token_seconds",
-                                   "Histogram of time to first token in seconds.", TTFT_BUCKETS)
-        self.hist_itl = histogram("inter_token_latency_seconds",
-                                  "Histogram of inter-token latency in seconds.", ITL_BUCKETS)
-        self.hist_tpot = histogram("request_time_per_output_token_seconds",
-                                   "Histogram of time_per_output_token_seconds per request.",
-                                   ITL_BUCKETS)
-        self.hist_e2e = histogram("e2e_request_latency_seconds",
-                                  "Histogram of e2e request latency in seconds.",
-                                  REQUEST_LATENCY_BUCKETS)
+        self.hist_ttft = self._histogram("time_to_first_token_seconds",
+                                         "Histogram of time to first token in seconds.",
+                                         TTFT_BUCKETS)
+        self.hist_itl = self._histogram("inter_token_latency_seconds",
+                                        "Histogram of inter-token latency in seconds.",
+                                        ITL_BUCKETS)
+        self.hist_tpot = self._histogram("request_time_per_output_token_seconds",
+                                         "Histogram of time_per_output_token_seconds per request.",
+                                         ITL_BUCKETS)
+        self.hist_e2e = self._histogram("e2e_request_latency_seconds",
+                                        "Histogram of e2e request latency in seconds.",
+                                        REQUEST_LATENCY_BUCKETS)
         # A request's phases (FinishedRequestStats.<phase>_time, from the engine's events).
         self.hist_phases = {
-            phase: histogram(f"request_{name}_time_seconds",
-                             f"Histogram of time spent in {label} phase for request.",
-                             REQUEST_LATENCY_BUCKETS)
+            phase: self._histogram(f"request_{name}_time_seconds",
+                                   f"Histogram of time spent in {label} phase for request.",
+                                   REQUEST_LATENCY_BUCKETS)
             for phase, name, label in (("queued", "queue", "WAITING"),
                                        ("prefill", "prefill", "PREFILL"),
                                        ("decode", "decode", "DECODE"),
                                        ("inference", "inference", "RUNNING"))}
-        # Sizes.
         token_buckets = build_1_2_5_buckets(max_model_len)
-        self.hist_prompt_tokens = histogram("request_prompt_tokens",
-                                            "Number of prefill tokens processed.", token_buckets)
-        self.hist_generation_tokens = histogram("request_generation_tokens",
-                                                "Number of generation tokens processed.",
-                                                token_buckets)
+        self.hist_prompt_tokens = self._histogram(
+            "request_prompt_tokens", "Number of prefill tokens processed.", token_buckets)
+        self.hist_generation_tokens = self._histogram(
+            "request_generation_tokens", "Number of generation tokens processed.", token_buckets)
+
+    def _init_spec_and_step_metrics(self, max_num_batched_tokens: Optional[int]) -> None:
         self._spec_counters = {
-            key: counter(f"spec_decode_{key}", doc) for key, doc in (
+            key: self._counter(f"spec_decode_{key}", doc) for key, doc in (
                 ("num_drafts", "Number of spec decoding drafts."),
                 ("num_draft_tokens", "Number of draft tokens."),
                 ("num_accepted_tokens", "Number of accepted tokens."))}
-        self._spec_per_pos = shared(Counter, "spec_decode_num_accepted_tokens_per_pos",
-                                    "Accepted tokens per draft position.", labels + ["position"])
+        self._spec_per_pos = self._shared(Counter, "spec_decode_num_accepted_tokens_per_pos",
+                                          "Accepted tokens per draft position.", "position")
         iteration_buckets = [b for b in ITERATION_TOKEN_BUCKETS
                              if max_num_batched_tokens is None or b <= max_num_batched_tokens]
-        self.hist_iteration_tokens = histogram("iteration_tokens_total",
-                                               "Histogram of number of tokens per engine_step.",
-                                               iteration_buckets)
+        self.hist_iteration_tokens = self._histogram(
+            "iteration_tokens_total", "Histogram of number of tokens per engine_step.",
+            iteration_buckets)
 
     # ------------------------------------------------------------------ recording
     def record(self, scheduler_stats: Optional[dict], iteration_stats: Any) -> None:
