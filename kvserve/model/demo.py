@@ -114,7 +114,6 @@ def build_random_checkpoint(out_dir: str, arch: str = "llama", *, hidden_size: i
 
     from kvserve.config import resolve_dtype
     from kvserve.model.registry import get_model_class
-
     if arch not in _ARCHITECTURES:
         raise ValueError(f"Unknown arch {arch!r}; choose one of {', '.join(_ARCHITECTURES)}.")
     torch_dtype = resolve_dtype(dtype, {}, device="cuda")    # validates the name
@@ -123,55 +122,14 @@ def build_random_checkpoint(out_dir: str, arch: str = "llama", *, hidden_size: i
     if vocab_size is None:
         vocab_size = Tokenizer.from_file(os.path.join(out_dir, "tokenizer.json")).get_vocab_size()
 
-    architecture, model_type = _ARCHITECTURES[arch]
-    config: dict[str, Any] = {
-        "architectures": [architecture], "model_type": model_type,
-        "hidden_size": hidden_size, "intermediate_size": intermediate_size,
-        "num_hidden_layers": num_layers, "num_attention_heads": num_heads,
-        "num_key_value_heads": num_kv_heads, "head_dim": hidden_size // num_heads,
-        "hidden_act": "silu", "max_position_embeddings": max_position_embeddings,
-        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "rope_scaling": None,
-        "attention_bias": False, "tie_word_embeddings": tie_word_embeddings,
-        "vocab_size": vocab_size, "bos_token_id": BOS_ID, "eos_token_id": EOS_ID,
-        "initializer_range": 0.02, "use_cache": True,
-        "torch_dtype": str(torch_dtype).removeprefix("torch."),
-    }
-    if arch == "llama":
-        config["mlp_bias"] = False
-    else:
-        config["sliding_window"] = None
-        if arch.startswith("qwen"):
-            config["use_sliding_window"] = False
-    config.update(extra_config or {})
-
+    base = _checkpoint_config(arch, hidden_size, num_layers, num_heads, num_kv_heads,
+                              intermediate_size, vocab_size, max_position_embeddings,
+                              tie_word_embeddings, str(torch_dtype).removeprefix("torch."))
+    config = {**base, **(extra_config or {})}
     # Which projections carry biases etc. comes from the model class, so this stays in step.
-    flags = get_model_class(architecture).decoder_flags(config)
-    hd, nh, nkv = int(config["head_dim"]), num_heads, num_kv_heads
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab_size, hidden_size)}
-    for i in range(num_layers):
-        p = f"model.layers.{i}."
-        shapes[p + "input_layernorm.weight"] = (hidden_size,)
-        shapes[p + "post_attention_layernorm.weight"] = (hidden_size,)
-        for name, rows in (("q_proj", nh * hd), ("k_proj", nkv * hd), ("v_proj", nkv * hd)):
-            shapes[p + f"self_attn.{name}.weight"] = (rows, hidden_size)
-            if flags.qkv_bias:
-                shapes[p + f"self_attn.{name}.bias"] = (rows,)
-        shapes[p + "self_attn.o_proj.weight"] = (hidden_size, nh * hd)
-        if flags.o_proj_bias:
-            shapes[p + "self_attn.o_proj.bias"] = (hidden_size,)
-        if flags.qk_norm:
-            shapes[p + "self_attn.q_norm.weight"] = (hd,)
-            shapes[p + "self_attn.k_norm.weight"] = (hd,)
-        for name, (rows, cols) in (("gate_proj", (intermediate_size, hidden_size)),
-                                   ("up_proj", (intermediate_size, hidden_size)),
-                                   ("down_proj", (hidden_size, intermediate_size))):
-            shapes[p + f"mlp.{name}.weight"] = (rows, cols)
-            if flags.mlp_bias:
-                shapes[p + f"mlp.{name}.bias"] = (rows,)
-    shapes["model.norm.weight"] = (hidden_size,)
-    if not tie_word_embeddings:
-        shapes["lm_head.weight"] = (vocab_size, hidden_size)
-
+    flags = get_model_class(config["architectures"][0]).decoder_flags(config)
+    # The sizes are the arguments' (extra_config may change head_dim, no other size).
+    shapes = _checkpoint_shapes({**base, "head_dim": config["head_dim"]}, flags)
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
     for name, shape in shapes.items():
@@ -186,6 +144,64 @@ def build_random_checkpoint(out_dir: str, arch: str = "llama", *, hidden_size: i
     with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
         json.dump({"bos_token_id": BOS_ID, "eos_token_id": EOS_ID}, f, indent=2)
     return out_dir
+
+
+def _checkpoint_config(arch: str, hidden_size: int, num_layers: int, num_heads: int,
+                       num_kv_heads: int, intermediate_size: int, vocab_size: int,
+                       max_position_embeddings: int, tie_word_embeddings: bool,
+                       torch_dtype: str) -> dict[str, Any]:
+    """config.json of build_random_checkpoint, before its `extra_config`."""
+    architecture, model_type = _ARCHITECTURES[arch]
+    config: dict[str, Any] = {
+        "architectures": [architecture], "model_type": model_type,
+        "hidden_size": hidden_size, "intermediate_size": intermediate_size,
+        "num_hidden_layers": num_layers, "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads, "head_dim": hidden_size // num_heads,
+        "hidden_act": "silu", "max_position_embeddings": max_position_embeddings,
+        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "rope_scaling": None,
+        "attention_bias": False, "tie_word_embeddings": tie_word_embeddings,
+        "vocab_size": vocab_size, "bos_token_id": BOS_ID, "eos_token_id": EOS_ID,
+        "initializer_range": 0.02, "use_cache": True, "torch_dtype": torch_dtype,
+    }
+    if arch == "llama":
+        config["mlp_bias"] = False
+    else:
+        config["sliding_window"] = None
+        if arch.startswith("qwen"):
+            config["use_sliding_window"] = False
+    return config
+
+
+def _checkpoint_shapes(config: dict[str, Any], flags: Any) -> dict[str, tuple[int, ...]]:
+    """HF tensor name -> shape, in the order build_random_checkpoint draws them."""
+    hidden, inter, vocab = (int(config[k]) for k in ("hidden_size", "intermediate_size",
+                                                      "vocab_size"))
+    hd, nh, nkv = (int(config[k]) for k in ("head_dim", "num_attention_heads",
+                                             "num_key_value_heads"))
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden)}
+    for i in range(int(config["num_hidden_layers"])):
+        p = f"model.layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (hidden,)
+        shapes[p + "post_attention_layernorm.weight"] = (hidden,)
+        for name, rows in (("q_proj", nh * hd), ("k_proj", nkv * hd), ("v_proj", nkv * hd)):
+            shapes[p + f"self_attn.{name}.weight"] = (rows, hidden)
+            if flags.qkv_bias:
+                shapes[p + f"self_attn.{name}.bias"] = (rows,)
+        shapes[p + "self_attn.o_proj.weight"] = (hidden, nh * hd)
+        if flags.o_proj_bias:
+            shapes[p + "self_attn.o_proj.bias"] = (hidden,)
+        if flags.qk_norm:
+            shapes[p + "self_attn.q_norm.weight"] = (hd,)
+            shapes[p + "self_attn.k_norm.weight"] = (hd,)
+        for name, (rows, cols) in (("gate_proj", (inter, hidden)), ("up_proj", (inter, hidden)),
+                                   ("down_proj", (hidden, inter))):
+            shapes[p + f"mlp.{name}.weight"] = (rows, cols)
+            if flags.mlp_bias:
+                shapes[p + f"mlp.{name}.bias"] = (rows,)
+    shapes["model.norm.weight"] = (hidden,)
+    if not config["tie_word_embeddings"]:
+        shapes["lm_head.weight"] = (vocab, hidden)
+    return shapes
 
 
 # ---------------------------------------------------------------------------------------------
