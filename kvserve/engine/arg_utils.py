@@ -208,8 +208,7 @@ class EngineArgs:
         """Validate the arguments and resolve them into the engine configuration. Each
         feature's checks are one `_verify_*` / `_build_*` below, run in this order."""
         device = self._resolve_device()
-        cpu_config = CpuConfig(cpu_isa=self.cpu_isa, disable_cpu_kernels=self.disable_cpu_kernels,
-                               cpu_huge_pages=self.cpu_huge_pages)
+        cpu_config = self._make(CpuConfig)
         model_config = self._build_model_config(device, cpu_config)
         scheduler_config = self._build_scheduler_config(device, model_config.max_model_len)
         parallel = self._build_parallel_config(model_config, device)
@@ -229,12 +228,9 @@ class EngineArgs:
         lora_config = self._build_lora_config(parallel, spec_config, kv_transfer_config)
         return KVServeConfig(
             model_config=model_config,
-            cache_config=CacheConfig(
-                block_size=self.block_size, kv_cache_memory=self.kv_cache_memory,
+            cache_config=self._make(
+                CacheConfig, enable_prefix_caching=enable_prefix_caching,
                 kv_cache_dtype=resolve_kv_cache_dtype(self.kv_cache_dtype, model_config, device),
-                num_gpu_blocks_override=self.num_gpu_blocks_override,
-                enable_prefix_caching=enable_prefix_caching,
-                gpu_memory_utilization=self.gpu_memory_utilization,
                 kv_cache_groups=kv_cache_groups),
             scheduler_config=scheduler_config,
             parallel_config=parallel,
@@ -250,6 +246,13 @@ class EngineArgs:
             cpu_config=cpu_config,
             lora_config=lora_config,
         )
+
+    def _make(self, cls: Any, **resolved: Any) -> Any:
+        """cls(...) from the fields it shares with EngineArgs (vLLM's names on both sides),
+        `resolved` in place of the values worked out here."""
+        own = {f.name for f in fields(EngineArgs)}
+        return cls(**{**{f.name: getattr(self, f.name) for f in fields(cls) if f.name in own},
+                      **resolved})
 
     def _resolve_device(self) -> str:
         device = self.device
@@ -295,23 +298,11 @@ class EngineArgs:
                 f"with chunked prefill disabled: long prompts could never be scheduled.")
         if batched < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {batched}.")
-        return SchedulerConfig(
-            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=batched,
-            max_model_len=max_len, enable_chunked_prefill=self.enable_chunked_prefill,
-            long_prefill_token_threshold=self.long_prefill_token_threshold,
-            policy=self.scheduling_policy, max_num_queued_requests=self.max_num_queued_requests,
-            async_scheduling=self.async_scheduling)
+        return self._make(SchedulerConfig, max_num_batched_tokens=batched, max_model_len=max_len,
+                          policy=self.scheduling_policy)
 
     def _build_parallel_config(self, model_config: ModelConfig, device: str) -> ParallelConfig:
-        parallel = ParallelConfig(
-            tensor_parallel_size=self.tensor_parallel_size,
-            pipeline_parallel_size=self.pipeline_parallel_size,
-            data_parallel_size=self.data_parallel_size,
-            data_parallel_size_local=self.data_parallel_size_local,
-            data_parallel_start_rank=self.data_parallel_start_rank,
-            data_parallel_address=self.data_parallel_address,
-            data_parallel_rpc_port=self.data_parallel_rpc_port,
-            distributed_executor_backend=self.distributed_executor_backend)
+        parallel = self._make(ParallelConfig)
         _verify_parallel(model_config, parallel)
         _verify_device_count(device, parallel)
         return parallel
@@ -338,8 +329,7 @@ class EngineArgs:
                          (kv_transfer_config is not None, "a KV connector (P/D disaggregation)")):
             if on:
                 raise ValueError(f"--enable-lora with {what} is not supported yet.")
-        return LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
-                          max_cpu_loras=self.max_cpu_loras)
+        return self._make(LoRAConfig)
 
     def _resolve_runner(self, model_config: ModelConfig, spec_config: Any) -> bool:
         """Set the model's runner (and a pooling runner's pooler); returns whether prefix
