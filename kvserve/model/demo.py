@@ -122,14 +122,37 @@ def build_random_checkpoint(out_dir: str, arch: str = "llama", *, hidden_size: i
     if vocab_size is None:
         vocab_size = Tokenizer.from_file(os.path.join(out_dir, "tokenizer.json")).get_vocab_size()
 
-    base = _checkpoint_config(arch, hidden_size, num_layers, num_heads, num_kv_heads,
-                              intermediate_size, vocab_size, max_position_embeddings,
-                              tie_word_embeddings, str(torch_dtype).removeprefix("torch."))
-    config = {**base, **(extra_config or {})}
+    config = _checkpoint_config(arch, hidden_size, num_layers, num_heads, num_kv_heads,
+                                intermediate_size, vocab_size, max_position_embeddings,
+                                tie_word_embeddings, str(torch_dtype).removeprefix("torch."))
+    config.update(extra_config or {})
     # Which projections carry biases etc. comes from the model class, so this stays in step.
     flags = get_model_class(config["architectures"][0]).decoder_flags(config)
-    # The sizes are the arguments' (extra_config may change head_dim, no other size).
-    shapes = _checkpoint_shapes({**base, "head_dim": config["head_dim"]}, flags)
+    hd, nh, nkv = int(config["head_dim"]), num_heads, num_kv_heads
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab_size, hidden_size)}
+    for i in range(num_layers):
+        p = f"model.layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (hidden_size,)
+        shapes[p + "post_attention_layernorm.weight"] = (hidden_size,)
+        for name, rows in (("q_proj", nh * hd), ("k_proj", nkv * hd), ("v_proj", nkv * hd)):
+            shapes[p + f"self_attn.{name}.weight"] = (rows, hidden_size)
+            if flags.qkv_bias:
+                shapes[p + f"self_attn.{name}.bias"] = (rows,)
+        shapes[p + "self_attn.o_proj.weight"] = (hidden_size, nh * hd)
+        if flags.o_proj_bias:
+            shapes[p + "self_attn.o_proj.bias"] = (hidden_size,)
+        if flags.qk_norm:
+            shapes[p + "self_attn.q_norm.weight"] = (hd,)
+            shapes[p + "self_attn.k_norm.weight"] = (hd,)
+        for name, (rows, cols) in (("gate_proj", (intermediate_size, hidden_size)),
+                                   ("up_proj", (intermediate_size, hidden_size)),
+                                   ("down_proj", (hidden_size, intermediate_size))):
+            shapes[p + f"mlp.{name}.weight"] = (rows, cols)
+            if flags.mlp_bias:
+                shapes[p + f"mlp.{name}.bias"] = (rows,)
+    shapes["model.norm.weight"] = (hidden_size,)
+    if not tie_word_embeddings:
+        shapes["lm_head.weight"] = (vocab_size, hidden_size)
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
     for name, shape in shapes.items():
@@ -170,38 +193,6 @@ def _checkpoint_config(arch: str, hidden_size: int, num_layers: int, num_heads: 
         if arch.startswith("qwen"):
             config["use_sliding_window"] = False
     return config
-
-
-def _checkpoint_shapes(config: dict[str, Any], flags: Any) -> dict[str, tuple[int, ...]]:
-    """HF tensor name -> shape, in the order build_random_checkpoint draws them."""
-    hidden, inter, vocab = (int(config[k]) for k in ("hidden_size", "intermediate_size",
-                                                      "vocab_size"))
-    hd, nh, nkv = (int(config[k]) for k in ("head_dim", "num_attention_heads",
-                                             "num_key_value_heads"))
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden)}
-    for i in range(int(config["num_hidden_layers"])):
-        p = f"model.layers.{i}."
-        shapes[p + "input_layernorm.weight"] = (hidden,)
-        shapes[p + "post_attention_layernorm.weight"] = (hidden,)
-        for name, rows in (("q_proj", nh * hd), ("k_proj", nkv * hd), ("v_proj", nkv * hd)):
-            shapes[p + f"self_attn.{name}.weight"] = (rows, hidden)
-            if flags.qkv_bias:
-                shapes[p + f"self_attn.{name}.bias"] = (rows,)
-        shapes[p + "self_attn.o_proj.weight"] = (hidden, nh * hd)
-        if flags.o_proj_bias:
-            shapes[p + "self_attn.o_proj.bias"] = (hidden,)
-        if flags.qk_norm:
-            shapes[p + "self_attn.q_norm.weight"] = (hd,)
-            shapes[p + "self_attn.k_norm.weight"] = (hd,)
-        for name, (rows, cols) in (("gate_proj", (inter, hidden)), ("up_proj", (inter, hidden)),
-                                   ("down_proj", (hidden, inter))):
-            shapes[p + f"mlp.{name}.weight"] = (rows, cols)
-            if flags.mlp_bias:
-                shapes[p + f"mlp.{name}.bias"] = (rows,)
-    shapes["model.norm.weight"] = (hidden,)
-    if not config["tie_word_embeddings"]:
-        shapes["lm_head.weight"] = (vocab, hidden)
-    return shapes
 
 
 # ---------------------------------------------------------------------------------------------
