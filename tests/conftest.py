@@ -154,3 +154,18 @@ def _cpu_settings_from_the_environment() -> None:
     from kvserve.ops import cpu_isa
     if cpu_isa._configured is not None:
         cpu_isa.configure(None)
+
+
+# A module that runs a server (a `server` fixture yielding tests.utils.RemoteServer) gets the
+# official client on it and the name it serves.
+@pytest.fixture(scope="module")
+def client(server: Any) -> Any:
+    """The official client on the module's `server`. No retries: a 503 must reach the test,
+    not be retried away."""
+    import openai
+    return openai.OpenAI(base_url=server.url_v1, api_key="EMPTY", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def model_name(client: Any) -> str:
+    return client.models.list().data[0].id

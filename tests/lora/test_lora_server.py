@@ -11,14 +11,14 @@ import httpx
 import openai
 import pytest
 
-from tests.entrypoints.conftest import SERVER_ENGINE_ARGS, RemoteServer
+from tests.utils import SERVER_ENGINE_ARGS, RemoteServer
 from tests.lora.conftest import peft_greedy
 
 PROMPT = [1, 17, 240, 93, 5, 77, 310, 41, 8, 600, 12]
 
 
 @pytest.fixture(scope="module")
-def lora_server(tiny_llama: str, lora_adapters: dict[str, str]) -> Iterator[RemoteServer]:
+def server(tiny_llama: str, lora_adapters: dict[str, str]) -> Iterator[RemoteServer]:
     os.environ["KVSERVE_ALLOW_RUNTIME_LORA_UPDATING"] = "1"     # read by the server process
     try:
         srv = RemoteServer(tiny_llama, [
@@ -33,11 +33,6 @@ def lora_server(tiny_llama: str, lora_adapters: dict[str, str]) -> Iterator[Remo
         yield srv
     finally:
         srv.close()
-
-
-@pytest.fixture(scope="module")
-def client(lora_server: RemoteServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=lora_server.url_v1, api_key="EMPTY", max_retries=0, timeout=60)
 
 
 def _complete(client: openai.OpenAI, model: str) -> list[int]:
@@ -67,9 +62,9 @@ def test_model_field_selects_the_adapter(client: openai.OpenAI, tiny_llama: str,
         client.completions.create(model="no-such-adapter", prompt="hi", max_tokens=2)
 
 
-def test_runtime_load_and_unload(client: openai.OpenAI, lora_server: RemoteServer,
+def test_runtime_load_and_unload(client: openai.OpenAI, server: RemoteServer,
                                  tiny_llama: str, lora_adapters, tmp_path) -> None:
-    url = lora_server.url_for
+    url = server.url_for
     r = httpx.post(url("/v1/load_lora_adapter"),
                    json={"lora_name": "kogu", "lora_path": lora_adapters["kogu"]}, timeout=60)
     assert r.status_code == 200, r.text

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from kvserve.tokenizer import Tokenizer
-from tests.entrypoints.conftest import SERVER_ENGINE_ARGS, RemoteServer
+from tests.utils import SERVER_ENGINE_ARGS, RemoteServer
 from tests.pooling.conftest import hf_pooled
 
 pytestmark = pytest.mark.timeout(300)
@@ -40,11 +40,6 @@ def server(model_dir: str) -> Iterator[RemoteServer]:
         yield srv
     finally:
         srv.close()
-
-
-@pytest.fixture(scope="module")
-def client(server: RemoteServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url_v1, api_key="EMPTY", max_retries=0, timeout=60)
 
 
 @pytest.fixture(scope="module")
