@@ -107,14 +107,12 @@ class PrometheusStatLogger(StatLoggerBase):
 
     def _init_engine_metrics(self) -> None:
         """Scheduler state (gauges) and the engine's cumulative totals (counters)."""
-        self.gauge_running = self._gauge("num_requests_running",
-                                         "Number of requests in model execution batches.")
-        self.gauge_waiting = self._gauge("num_requests_waiting",
-                                         "Number of requests waiting to be processed.")
-        self.gauge_kv_cache_usage = self._gauge("kv_cache_usage_perc",
-                                                "KV-cache usage. 1 means 100 percent usage.")
-        self.gauge_kv_transfers_in_flight = self._gauge(
-            "kv_transfers_in_flight", "KV loads posted and not yet done or failed.")
+        (self.gauge_running, self.gauge_waiting, self.gauge_kv_cache_usage,
+         self.gauge_kv_transfers_in_flight) = (self._gauge(name, doc) for name, doc in (
+            ("num_requests_running", "Number of requests in model execution batches."),
+            ("num_requests_waiting", "Number of requests waiting to be processed."),
+            ("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."),
+            ("kv_transfers_in_flight", "KV loads posted and not yet done or failed.")))
         self.counters = {key: self._counter(name, doc) for key, name, doc in _ENGINE_COUNTERS}
 
     def _init_request_metrics(self, max_model_len: int) -> None:
@@ -128,18 +126,14 @@ class PrometheusStatLogger(StatLoggerBase):
                                              "finished_reason")
         for reason in ("stop", "length", "abort"):   # present (at 0) before the first request
             self._request_success.labels(*self._label_values, reason)
-        self.hist_ttft = self._histogram("time_to_first_token_seconds",
-                                         "Histogram of time to first token in seconds.",
-                                         TTFT_BUCKETS)
-        self.hist_itl = self._histogram("inter_token_latency_seconds",
-                                        "Histogram of inter-token latency in seconds.",
-                                        ITL_BUCKETS)
-        self.hist_tpot = self._histogram("request_time_per_output_token_seconds",
-                                         "Histogram of time_per_output_token_seconds per request.",
-                                         ITL_BUCKETS)
-        self.hist_e2e = self._histogram("e2e_request_latency_seconds",
-                                        "Histogram of e2e request latency in seconds.",
-                                        REQUEST_LATENCY_BUCKETS)
+        self.hist_ttft, self.hist_itl, self.hist_tpot, self.hist_e2e = (
+            self._histogram(name, f"Histogram of {what}.", buckets) for name, what, buckets in (
+                ("time_to_first_token_seconds", "time to first token in seconds", TTFT_BUCKETS),
+                ("inter_token_latency_seconds", "inter-token latency in seconds", ITL_BUCKETS),
+                ("request_time_per_output_token_seconds",
+                 "time_per_output_token_seconds per request", ITL_BUCKETS),
+                ("e2e_request_latency_seconds", "e2e request latency in seconds",
+                 REQUEST_LATENCY_BUCKETS)))
         # A request's phases (FinishedRequestStats.<phase>_time, from the engine's events).
         self.hist_phases = {
             phase: self._histogram(f"request_{name}_time_seconds",
@@ -185,34 +179,28 @@ class PrometheusStatLogger(StatLoggerBase):
             return
         with self._lock:
             for key, counter in self.counters.items():
-                if key not in stats:
-                    continue
-                total = stats[key]   # int counts; kv_transfer_time_s is float seconds
-                last = self._last_totals.get(key, 0)
-                # A smaller total is an older report arriving late (a /metrics refresh can
-                # overtake a batch's report): it has nothing new.
-                if total > last:
-                    self._last_totals[key] = total
-                    counter.inc(total - last)
+                if key in stats:   # int counts; kv_transfer_time_s is float seconds
+                    self._advance(key, stats[key], counter)
             if stats.get("spec_decoding"):
                 self._update_spec_decoding(stats["spec_decoding"])
 
     def _update_spec_decoding(self, spec: dict) -> None:
         """Cumulative speculative decoding totals -> counters (caller holds the lock)."""
-        totals = {key: int(spec[key]) for key in self._spec_counters}
-        totals.update({f"pos{i}": int(v)
-                       for i, v in enumerate(spec["num_accepted_tokens_per_pos"])})
-        for key, total in totals.items():
-            last = self._last_totals.get("spec_" + key, 0)
-            if key.startswith("pos"):   # every position exported, at 0 until one is accepted
-                self._spec_per_pos.labels(*self._label_values, key[3:])
-            if total <= last:
-                continue
-            self._last_totals["spec_" + key] = total
-            if key.startswith("pos"):
-                self._spec_per_pos.labels(*self._label_values, key[3:]).inc(total - last)
-            else:
-                self._spec_counters[key].inc(total - last)
+        for key, counter in self._spec_counters.items():
+            self._advance("spec_" + key, int(spec[key]), counter)
+        for i, total in enumerate(spec["num_accepted_tokens_per_pos"]):
+            # Every position is exported, at 0 until one is accepted.
+            self._advance(f"spec_pos{i}", int(total),
+                          self._spec_per_pos.labels(*self._label_values, str(i)))
+
+    def _advance(self, key: str, total: float, counter: Any) -> None:
+        """Advance `counter` by what cumulative `total` adds (caller holds the lock). A smaller
+        total is an older report arriving late (a /metrics refresh can overtake a batch's
+        report): it has nothing new."""
+        last = self._last_totals.get(key, 0)
+        if total > last:
+            self._last_totals[key] = total
+            counter.inc(total - last)
 
     def _record_iteration(self, it: Any) -> None:
         if it.num_prompt_tokens:
