@@ -7,8 +7,9 @@ dtypes, a failed build, KVSERVE_DISABLE_CPU_KERNELS=1) those functions fall back
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -31,6 +32,16 @@ class AttentionMetadata:
     prefill_query_lens: Optional[torch.Tensor] = None     # [P] int64
     prefill_context_lens: Optional[torch.Tensor] = None   # [P] int64, tokens already cached
     prefill_block_tables: Optional[torch.Tensor] = None   # [P, max_blocks] int64, padded
+
+
+@functools.cache
+def _ops(suffix: str) -> tuple[Callable[..., Any], ...]:
+    """kvserve.ops' KV write, prefill and decode attention (`suffix` "_torch": their pure-torch
+    twins), imported on first use."""
+    from kvserve.ops import fused, paged_attention, prefill_attention
+    return (getattr(fused, "reshape_and_cache" + suffix),
+            getattr(prefill_attention, "paged_prefill_attention" + suffix),
+            getattr(paged_attention, "paged_decode_attention" + suffix))
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -66,25 +77,12 @@ class CpuAttentionBackend(AttentionBackend):
     def build_metadata(self, common: CommonAttentionMetadata) -> AttentionMetadata:
         return build_split_metadata(common, self.device)
 
-    # The three ops, overridden by TORCH_SDPA with the pure-torch versions.
-    @staticmethod
-    def _write_kv(k, v, kv_cache, slot_mapping) -> None:
-        from kvserve.ops.fused import reshape_and_cache
-        reshape_and_cache(k, v, kv_cache, slot_mapping)
-
-    @staticmethod
-    def _decode(q, kv_cache, block_tables, seq_lens, scale) -> torch.Tensor:
-        from kvserve.ops.paged_attention import paged_decode_attention
-        return paged_decode_attention(q, kv_cache, block_tables, seq_lens, scale)
-
-    @staticmethod
-    def _prefill(q, kv_cache, starts, lens, ctxs, tables, scale) -> torch.Tensor:
-        from kvserve.ops.prefill_attention import paged_prefill_attention
-        return paged_prefill_attention(q, kv_cache, starts, lens, ctxs, tables, scale)
+    op_suffix = ""    # of the three ops (_ops): TORCH_SDPA takes their pure-torch twins
 
     def forward(self, layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        self._write_kv(k, v, kv_cache, meta.slot_mapping)
+        write_kv, prefill, decode = _ops(self.op_suffix)
+        write_kv(k, v, kv_cache, meta.slot_mapping)
         window = getattr(layer, "sliding_window", None)
         softcap = getattr(layer, "logits_soft_cap", None)
         if window or softcap:   # the C++ kernels take neither: the torch path
@@ -94,16 +92,15 @@ class CpuAttentionBackend(AttentionBackend):
             # written); the decode rows come back as zeros and are filled below.
             assert (meta.prefill_query_lens is not None and meta.prefill_context_lens is not None
                     and meta.prefill_block_tables is not None)
-            out = self._prefill(q, kv_cache, meta.prefill_query_starts, meta.prefill_query_lens,
-                                meta.prefill_context_lens, meta.prefill_block_tables,
-                                layer.scale)
+            out = prefill(q, kv_cache, meta.prefill_query_starts, meta.prefill_query_lens,
+                          meta.prefill_context_lens, meta.prefill_block_tables, layer.scale)
         else:
             out = torch.empty_like(q)
         nd = meta.num_decode_tokens
         if nd:
             assert meta.decode_block_tables is not None and meta.decode_seq_lens is not None
-            out[:nd] = self._decode(q[:nd], kv_cache, meta.decode_block_tables,
-                                    meta.decode_seq_lens, layer.scale)
+            out[:nd] = decode(q[:nd], kv_cache, meta.decode_block_tables, meta.decode_seq_lens,
+                              layer.scale)
         return out
 
 

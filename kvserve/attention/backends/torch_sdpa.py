@@ -6,25 +6,9 @@ CPU_ATTN. Slow on CUDA (the gathers, and SDPA's per-shape plans), but it runs ev
 """
 from __future__ import annotations
 
-import torch
-
 from kvserve.attention.backends.cpu import CpuAttentionBackend
 
 
 class TorchSDPABackend(CpuAttentionBackend):
     name = "TORCH_SDPA"
-
-    @staticmethod
-    def _write_kv(k, v, kv_cache, slot_mapping) -> None:
-        from kvserve.ops.fused import reshape_and_cache_torch
-        reshape_and_cache_torch(k, v, kv_cache, slot_mapping)
-
-    @staticmethod
-    def _decode(q, kv_cache, block_tables, seq_lens, scale) -> torch.Tensor:
-        from kvserve.ops.paged_attention import paged_decode_attention_torch
-        return paged_decode_attention_torch(q, kv_cache, block_tables, seq_lens, scale)
-
-    @staticmethod
-    def _prefill(q, kv_cache, starts, lens, ctxs, tables, scale) -> torch.Tensor:
-        from kvserve.ops.prefill_attention import paged_prefill_attention_torch
-        return paged_prefill_attention_torch(q, kv_cache, starts, lens, ctxs, tables, scale)
+    op_suffix = "_torch"    # ops.fused.reshape_and_cache_torch, ...
