@@ -19,7 +19,7 @@ import shutil
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -156,3 +156,18 @@ class CpuKernel:
     def isa(self) -> Optional[str]:
         """The compiled kernel's vector path; None without a kernel."""
         return getattr(torch.ops.kvserve, self.isa_op)() if self.get() is not None else None
+
+    def run_attention(self, q: torch.Tensor, kv_cache: torch.Tensor,
+                      *args: Any) -> Optional[torch.Tensor]:
+        """The attention op on (q in kv_cache's dtype, kv_cache, *args), in q's dtype; None
+        where it cannot run (not CPU, another dtype, no kernel): the caller's torch path."""
+        if not q.is_cpu or kv_cache.dtype not in KERNEL_DTYPES:
+            self._log_once(f"torch-{q.device.type}-{kv_cache.dtype}",
+                           "%s: torch implementation for %s %s tensors", self.what,
+                           q.device.type, kv_cache.dtype)
+            return None
+        op = self.get()
+        if op is None:
+            return None
+        qc = q if q.dtype == kv_cache.dtype else q.to(kv_cache.dtype)
+        return op(qc, kv_cache, *args).to(q.dtype)

@@ -17,34 +17,22 @@ Two implementations:
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
-
 import torch
 
-# DISABLE_ENV is re-exported for callers of this module.
-from kvserve.ops.build import DISABLE_ENV, KERNEL_DTYPES, CpuKernel  # noqa: F401
+from kvserve.ops.build import DISABLE_ENV, CpuKernel  # noqa: F401 (DISABLE_ENV: re-exported)
 
 _KERNEL = CpuKernel("paged_attention.cpp", op="paged_decode_attention",
                     isa_op="paged_attention_isa", what="paged decode attention",
                     fallback="the torch implementation")
-_load_cpu_kernel = _KERNEL.load     # the compiled op, whatever the environment says
-cpu_kernel: Callable[[], Optional[Callable[..., torch.Tensor]]] = _KERNEL.get
-cpu_kernel_isa: Callable[[], Optional[str]] = _KERNEL.isa
+cpu_kernel, cpu_kernel_isa, _load_cpu_kernel = _KERNEL.get, _KERNEL.isa, _KERNEL.load
 
 
 def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """Decode attention over a paged KV cache (see the module docstring for shapes)."""
-    if q.device.type == "cpu" and kv_cache.dtype in KERNEL_DTYPES:
-        op = cpu_kernel()
-        if op is not None:
-            qc = q if q.dtype == kv_cache.dtype else q.to(kv_cache.dtype)
-            return op(qc, kv_cache, block_tables, seq_lens, float(scale)).to(q.dtype)
-    else:
-        _KERNEL._log_once(f"torch-{q.device.type}-{kv_cache.dtype}",
-                          "paged decode attention: torch implementation for %s %s tensors",
-                          q.device.type, kv_cache.dtype)
-    return paged_decode_attention_torch(q, kv_cache, block_tables, seq_lens, scale)
+    out = _KERNEL.run_attention(q, kv_cache, block_tables, seq_lens, float(scale))
+    return out if out is not None else paged_decode_attention_torch(q, kv_cache, block_tables,
+                                                                    seq_lens, scale)
 
 
 def paged_decode_attention_torch(q: torch.Tensor, kv_cache: torch.Tensor,

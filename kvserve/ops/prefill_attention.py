@@ -22,37 +22,27 @@ Two implementations:
 """
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 
-from kvserve.ops.build import KERNEL_DTYPES, CpuKernel
+from kvserve.ops.build import CpuKernel
 
 _KERNEL = CpuKernel("prefill_attention.cpp", op="paged_prefill_attention",
                     isa_op="paged_prefill_attention_isa", what="paged prefill attention",
                     fallback="per-chunk F.scaled_dot_product_attention")
-_load_cpu_kernel = _KERNEL.load     # the compiled op, whatever the environment says
-cpu_kernel: Callable[[], Optional[Callable[..., torch.Tensor]]] = _KERNEL.get
-cpu_kernel_isa: Callable[[], Optional[str]] = _KERNEL.isa
+cpu_kernel, cpu_kernel_isa, _load_cpu_kernel = _KERNEL.get, _KERNEL.isa, _KERNEL.load
 
 
 def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_starts: torch.Tensor,
                             query_lens: torch.Tensor, context_lens: torch.Tensor,
                             block_tables: torch.Tensor, scale: float) -> torch.Tensor:
     """Prefill attention of every chunk over a paged KV cache (see the module docstring)."""
-    if q.device.type == "cpu" and kv_cache.dtype in KERNEL_DTYPES:
-        op = cpu_kernel()
-        if op is not None:
-            qc = q if q.dtype == kv_cache.dtype else q.to(kv_cache.dtype)
-            return op(qc, kv_cache, query_starts, query_lens, context_lens, block_tables,
-                      float(scale)).to(q.dtype)
-    else:
-        _KERNEL._log_once(f"torch-{q.device.type}-{kv_cache.dtype}",
-                          "paged prefill attention: torch implementation for %s %s tensors",
-                          q.device.type, kv_cache.dtype)
-    return paged_prefill_attention_torch(q, kv_cache, query_starts, query_lens, context_lens,
-                                         block_tables, scale)
+    out = _KERNEL.run_attention(q, kv_cache, query_starts, query_lens, context_lens,
+                                block_tables, float(scale))
+    return out if out is not None else paged_prefill_attention_torch(
+        q, kv_cache, query_starts, query_lens, context_lens, block_tables, scale)
 
 
 def paged_prefill_attention_torch(q: torch.Tensor, kv_cache: torch.Tensor,
