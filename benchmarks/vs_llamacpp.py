@@ -407,30 +407,9 @@ def format_report(result: dict[str, Any]) -> str:
 
 # ------------------------------------------------------------------ quantized files (issue 29)
 
-PPL_TEXT = (
-    "The history of the city begins with a small fishing village on the banks of a wide river. "
-    "Over the centuries, merchants arrived from distant lands, bringing spices, silk and new "
-    "ideas. The village grew into a town, and the town into a city, with stone bridges, busy "
-    "markets and a great cathedral whose bells could be heard for miles. In the spring, farmers "
-    "from the surrounding valleys brought their goods to the market square, where they sold "
-    "bread, cheese, fruit and wine. Children played by the fountains while their parents "
-    "bargained over prices. Scholars founded a university, and students came from every corner "
-    "of the continent to study law, medicine and philosophy.")
-
-
 def _rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _kvserve_perplexity(llm: Any) -> tuple[float, list[int]]:
-    from kvserve import SamplingParams
-
-    out = llm.generate([PPL_TEXT], SamplingParams(max_tokens=1, prompt_logprobs=0),
-                       use_tqdm=False)[0]
-    ids, lps = list(out.prompt_token_ids), out.prompt_logprobs
-    nll = [-lps[i][t].logprob for i, t in enumerate(ids) if i > 0]
-    return float(np.exp(np.mean(nll))), ids
 
 
 def _llamacpp_perplexity(path: str, ids: list[int], threads: int) -> float:
@@ -452,6 +431,7 @@ def _llamacpp_perplexity(path: str, ids: list[int], threads: int) -> float:
 def bench_quantized(path: str, args: argparse.Namespace) -> dict[str, Any]:
     """One quantized file, both engines loaded, alternating rounds (see bench_dtype)."""
     from kvserve import LLM
+    from kvserve.benchmarks.datasets import perplexity_text, prompt_perplexity
     from kvserve.benchmarks.latency import (measure_decode_throughput,
                                             measure_prefill_throughput, random_token_prompts)
 
@@ -465,14 +445,14 @@ def bench_quantized(path: str, args: argparse.Namespace) -> dict[str, Any]:
               multiprocessing=False)
     other = None
     try:
-        entry["kvserve_ppl"], ids = _kvserve_perplexity(llm)
+        entry["kvserve_ppl"], ids = prompt_perplexity(llm, perplexity_text(1))
         measure_prefill_throughput(llm, args.prompt_len, 1)                   # warm-up
         entry["kvserve_rss_bytes"] = _rss_bytes() - rss0
         rss1 = _rss_bytes()
         if args.kvserve_only:
             other = LLM(path, quantization="gguf-dequantized", max_model_len=ctx, max_num_seqs=1,
                         enable_prefix_caching=False, multiprocessing=False)
-            entry["dequantized_ppl"] = _kvserve_perplexity(other)[0]
+            entry["dequantized_ppl"] = prompt_perplexity(other, perplexity_text(1))[0]
             measure_prefill_throughput(other, args.prompt_len, 1)
             sides = {"dequantized_decode": lambda i: measure_decode_throughput(
                         other, 1, args.decode_prompt_len, args.decode_tokens, 1,

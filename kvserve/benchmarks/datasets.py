@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
+import os
 import random
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
@@ -204,3 +206,20 @@ def get_samples(args: argparse.Namespace, model_path: str, tokenizer: Any,
             raise ValueError(f"The longest request needs {longest} tokens (prompt + output), "
                              f"more than max_model_len {max_model_len}: shorten the lengths.")
     return requests
+
+
+def perplexity_text(paragraphs: int = 2) -> str:
+    """Plain English prose (perplexity.txt) for perplexity checks of a trained model (the
+    demo): the packed GGUF tests read both paragraphs, benchmarks/vs_llamacpp.py the first."""
+    with open(os.path.join(os.path.dirname(__file__), "perplexity.txt")) as f:
+        return " ".join(p.replace("\n", " ") for p in f.read().strip().split("\n\n")[:paragraphs])
+
+
+def prompt_perplexity(llm: Any, text: str) -> tuple[float, list[int]]:
+    """Perplexity of `text` under `llm` (an LLM) from its prompt logprobs, and its token ids."""
+    from kvserve.sampling_params import SamplingParams
+    out = llm.generate([text], SamplingParams(max_tokens=1, prompt_logprobs=0),
+                       use_tqdm=False)[0]
+    ids, lps = list(out.prompt_token_ids), out.prompt_logprobs
+    nll = [-lps[i][t].logprob for i, t in enumerate(ids) if i > 0]
+    return math.exp(sum(nll) / len(nll)), ids

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams, envs
+from kvserve.benchmarks.datasets import perplexity_text, prompt_perplexity
 from kvserve.config import ModelConfig
 from kvserve.model.loader import load_model
 from kvserve.ops import cpu_weight as cw
@@ -31,22 +32,6 @@ from kvserve.ops.quant.weight import QuantizedRows
 pytestmark = pytest.mark.skipif(quant_kernel.ops() is None,
                                 reason="the packed GGUF kernel is not built here")
 
-TEXT = (
-    "The history of the city begins with a small fishing village on the banks of a wide river. "
-    "Over the centuries, merchants arrived from distant lands, bringing spices, silk and new "
-    "ideas. The village grew into a town, and the town into a city, with stone bridges, busy "
-    "markets and a great cathedral whose bells could be heard for miles. In the spring, farmers "
-    "from the surrounding valleys brought their goods to the market square, where they sold "
-    "bread, cheese, fruit and wine. Children played by the fountains while their parents "
-    "bargained over prices. Scholars founded a university, and students came from every corner "
-    "of the continent to study law, medicine and philosophy. During the long winters, the river "
-    "froze, and people skated on the ice under the pale light of the northern sky. Wars and "
-    "plagues came and went, but the city endured. Today it is known for its museums, its "
-    "gardens and its libraries, which hold thousands of old books and maps. Visitors walk "
-    "along the narrow streets of the old quarter, admire the painted houses, and stop at small "
-    "cafes to drink coffee and watch the world go by. In the evening, the lights of the "
-    "bridges are reflected in the dark water, and music drifts from open windows into the "
-    "warm summer air. The people who live there say that the city has a soul of its own.")
 ENGINE = dict(dtype="float32", max_model_len=1024, kv_cache_memory=64 << 20,
               multiprocessing=False)
 # The requantized mixed file: llama.cpp tensor-name part -> type (the rest Q8_0).
@@ -126,12 +111,9 @@ def _perplexity(path: str, quantization: str) -> float:
     # Packed: 8-token steps, the int8 path (larger ones take the float GEMM: ops/quant/weight.py).
     chunks = dict(max_num_batched_tokens=8) if quantization == "gguf" else {}
     with LLM(path, quantization=quantization, **ENGINE, **chunks) as llm:
-        out = llm.generate([TEXT], SamplingParams(max_tokens=1, prompt_logprobs=0),
-                           use_tqdm=False)[0]
-    ids, lps = out.prompt_token_ids, out.prompt_logprobs
+        ppl, ids = prompt_perplexity(llm, perplexity_text())
     assert len(ids) >= 200
-    nll = [-lps[i][tok].logprob for i, tok in enumerate(ids) if i > 0]
-    return math.exp(sum(nll) / len(nll))
+    return ppl
 
 
 @pytest.mark.parametrize("name", [
