@@ -27,7 +27,8 @@ from typing import Any, Optional
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from roofline import DEFAULT_MODEL_DIR, ensure_bench_model, machine_description, write_json  # noqa: E402
+from roofline import (DEFAULT_MODEL_DIR, bench_main, ensure_bench_model,  # noqa: E402
+                      machine_description)
 
 from kvserve import LLM, LoRARequest, SamplingParams  # noqa: E402
 
@@ -144,7 +145,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default=None, help="checkpoint (default: the benchmark Llama)")
     p.add_argument("--model-dir", default=DEFAULT_MODEL_DIR)
@@ -154,11 +155,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--hf-batch-size", type=int, default=16)
     p.add_argument("--skip-peft", action="store_true")
     p.add_argument("--output-json", default=None)
-    args = p.parse_args(argv)
-    result = run(args)
-    if args.output_json:
-        write_json(args.output_json, result)
-    return 0
+    return p
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    return bench_main(make_parser, run, argv)
 
 
 if __name__ == "__main__":

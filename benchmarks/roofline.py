@@ -321,12 +321,19 @@ def write_json(path: str, result: dict[str, Any]) -> None:
         json.dump(result, f, indent=2)
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def bench_main(make_parser: Callable[[], argparse.ArgumentParser],
+               run: Callable[[argparse.Namespace], dict[str, Any]],
+               argv: Optional[list[str]] = None) -> int:
+    """A benchmark script's main: parse, run, write the result to --output-json if given."""
     args = make_parser().parse_args(argv)
     result = run(args)
     if args.output_json:
         write_json(args.output_json, result)
     return 0
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    return bench_main(make_parser, run, argv)
 
 
 if __name__ == "__main__":
