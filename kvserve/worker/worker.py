@@ -53,7 +53,8 @@ class Worker:
             backend = "nccl" if self.device.type == "cuda" else "gloo"
             assert self.distributed_init_method is not None
             init_distributed(self.rank, pc.world_size, self.distributed_init_method, backend,
-                             tensor_parallel_size=pc.tensor_parallel_size)
+                             tensor_parallel_size=pc.tensor_parallel_size,
+                             enable_expert_parallel=pc.enable_expert_parallel)
         torch.manual_seed(self.config.model_config.seed)
         if self.device.type == "cpu":
             # This process's CPU settings come from the config (the same in every worker);
