@@ -13,7 +13,7 @@ from typing import Callable
 import pytest
 import torch
 
-from kvserve import LLM
+from kvserve import LLM, envs
 from kvserve.distributed import parallel_state
 from kvserve.engine.arg_utils import EngineArgs
 from kvserve.model.layers.fused_moe import FusedMoE
@@ -109,7 +109,11 @@ def test_a_rank_reads_only_its_experts(moe_checkpoint, monkeypatch) -> None:
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("arch", [
+    "mixtral",
+    # One TP=2 engine is CI's share; Qwen3-MoE's runs with KVSERVE_TEST_FULL=1.
+    pytest.param("qwen3_moe", marks=pytest.mark.skipif(not envs.get("KVSERVE_TEST_FULL"),
+                                                       reason="long variant: KVSERVE_TEST_FULL=1"))])
 def test_tp2_expert_parallel_matches_transformers(arch: str, moe_checkpoint) -> None:
     """TP=2 with expert parallelism: rank 0 holds experts 0-3, rank 1 experts 4-7, whole."""
     refs = hf_greedy(moe_checkpoint(arch), _prompts(), 10)
