@@ -6,6 +6,10 @@ token and FusedMoE (layers/fused_moe) runs them. Qwen2-MoE adds an always-on sha
 scaled by sigmoid(shared_expert_gate(x)); Qwen configs may keep some layers dense
 (`mlp_only_layers`, `decoder_sparse_step`).
 
+With --enable-expert-parallel each TP rank holds E/N whole experts (layers/fused_moe/layer.py)
+and `checkpoint_skip` keeps the loader from reading the other ranks' expert tensors (GGUF
+files' stacked experts are split per expert by gguf.py, so the same skip applies).
+
 These layers run layer by layer: the all-layers C++ decode op (fused_decode.py) knows dense
 MLPs only, so `supports_fused_decode` is False and LlamaModel never builds it for them.
 """
