@@ -8,6 +8,8 @@ checks a rank never reads another rank's expert tensors.
 """
 from __future__ import annotations
 
+import json
+import shutil
 from typing import Callable
 
 import pytest
@@ -72,13 +74,16 @@ def test_ranks_sum_to_the_one_rank_layer(ep_size: int) -> None:
     torch.testing.assert_close(total, want, atol=1e-12, rtol=1e-12)
 
 
-def test_uneven_split_is_a_clear_error(make_checkpoint: Callable[..., str]) -> None:
+def test_uneven_split_is_a_clear_error(moe_checkpoint, tmp_path) -> None:
     with pytest.raises(ValueError, match="cannot be split evenly"):
         FusedMoE(6, 2, H, INTER, renormalize=True, ep_rank=0, ep_size=4)
-    six = make_checkpoint("mixtral", **MOE_CONFIG, num_local_experts=6)
+    six = tmp_path / "six"           # the check reads config.json only: no weights needed
+    shutil.copytree(moe_checkpoint("mixtral"), six)
+    cfg = json.loads((six / "config.json").read_text())
+    (six / "config.json").write_text(json.dumps({**cfg, "num_local_experts": 6}))
     with pytest.raises(ValueError, match="6 experts cannot be split evenly over "
                                          "tensor_parallel_size=4"):
-        EngineArgs(model=six, tensor_parallel_size=4, enable_expert_parallel=True,
+        EngineArgs(model=str(six), tensor_parallel_size=4, enable_expert_parallel=True,
                    device="cpu").create_engine_config()
 
 
