@@ -126,3 +126,11 @@ def test_tp2_expert_parallel_matches_transformers(arch: str, moe_checkpoint) -> 
              enable_expert_parallel=True, **ENGINE_KW) as llm:
         outs = _generate(llm)
     assert_matches_hf(refs, outs, f"{arch} tp2 ep")
+
+
+def test_flag_is_an_engine_argument() -> None:
+    import argparse
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    assert "--enable-expert-parallel" in parser.format_help()
+    args = EngineArgs.from_cli_args(parser.parse_args(["--enable-expert-parallel", "-tp", "2"]))
+    assert args.enable_expert_parallel and args.tensor_parallel_size == 2
