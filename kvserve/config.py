@@ -301,6 +301,9 @@ class ParallelConfig:
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
     distributed_executor_backend: Optional[str] = None   # None | "uni" | "mp" | "ray"
+    # MoE layers hold whole experts, E / tensor_parallel_size per TP rank, instead of a slice
+    # of every expert (vLLM's flag; the EP group is the TP group).
+    enable_expert_parallel: bool = False
     # Multi-node data parallelism (vLLM's flags): this node runs engines
     # [data_parallel_start_rank, + data_parallel_size_local); engines on other nodes reach the
     # front node at data_parallel_address:data_parallel_rpc_port (the start-up handshake).

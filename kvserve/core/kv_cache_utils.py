@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable, NamedTuple, Optional, Sequence
 
 if TYPE_CHECKING:
+    from kvserve.config import KVCacheGroupSpec
     from kvserve.core.request import Request
 
 # Parent hash of a request's first block. A fixed value (rather than hash(None), which is
@@ -260,3 +261,25 @@ class PrefixCacheStats:
     @property
     def hit_rate(self) -> float:
         return self.hits / self.queries if self.queries else 0.0
+
+
+def blocks_per_request(groups: Sequence["KVCacheGroupSpec"], max_model_len: int,
+                       block_size: int, max_num_batched_tokens: int) -> int:
+    """The most blocks one request of max_model_len tokens holds at once, summed over the KV
+    cache groups (vLLM's per-spec max_memory_usage_bytes), the hybrid pool's null block
+    included: a full-attention group every block of the request; a sliding-window group W
+    only the positions a step touches, the first query's window plus the step's other new
+    tokens: n = min(W - 1 + step, L) positions, on at most cdiv(n - 1, bs) + 1 blocks (a
+    misaligned run straddles one more block edge). No groups (one table, every layer full
+    attention): cdiv(L, bs)."""
+    full = -(-max_model_len // block_size)
+    if not groups:
+        return full
+    total = 1                                       # HybridKVCacheManager's null block
+    for group in groups:
+        if group.sliding_window is None:
+            total += full
+        else:
+            positions = min(group.sliding_window - 1 + max_num_batched_tokens, max_model_len)
+            total += min(full, -(-(positions - 1) // block_size) + 1)
+    return total

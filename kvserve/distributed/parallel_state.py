@@ -25,6 +25,9 @@ class _TensorParallelState:
     world_size: int = 1
     group: Optional[dist.ProcessGroup] = None   # None until init_distributed
     initialized: bool = False
+    # --enable-expert-parallel: the MoE layers' expert-parallel group is this TP group (each
+    # rank holds whole experts instead of a slice of every expert); off: EP rank 0 of 1.
+    expert_parallel: bool = False
 
 
 _TP_STATE = _TensorParallelState()
@@ -42,7 +45,8 @@ _PP_STATE = _PipelineParallelState()
 
 
 def init_distributed(rank: int, world_size: int, init_method: str, backend: str,
-                     tensor_parallel_size: Optional[int] = None) -> None:
+                     tensor_parallel_size: Optional[int] = None,
+                     enable_expert_parallel: bool = False) -> None:
     """Join the process group (`backend`: "gloo" on CPU, "nccl" on CUDA) and make the TP and
     PP groups: `tensor_parallel_size` ranks per stage (default: all of them, one stage).
 
@@ -77,6 +81,7 @@ def init_distributed(rank: int, world_size: int, init_method: str, backend: str,
     _TP_STATE.group, _TP_STATE.initialized = group, True
     _PP_STATE.rank, _PP_STATE.world_size = rank // tp, pp
     _PP_STATE.tp_size, _PP_STATE.global_rank = tp, rank
+    _TP_STATE.expert_parallel = enable_expert_parallel
 
 
 def destroy_distributed() -> None:
@@ -86,6 +91,7 @@ def destroy_distributed() -> None:
     _TP_STATE.rank, _TP_STATE.world_size = 0, 1
     _TP_STATE.group, _TP_STATE.initialized = None, False
     _PP_STATE.rank, _PP_STATE.world_size, _PP_STATE.tp_size, _PP_STATE.global_rank = 0, 1, 1, 0
+    _TP_STATE.expert_parallel = False
 
 
 def get_tp_rank() -> int:
@@ -94,6 +100,16 @@ def get_tp_rank() -> int:
 
 def get_tp_world_size() -> int:
     return _TP_STATE.world_size
+
+
+def get_ep_rank() -> int:
+    """This rank's place among the expert-parallel ranks (the TP group's ranks, with
+    --enable-expert-parallel); 0 without expert parallelism."""
+    return _TP_STATE.rank if _TP_STATE.expert_parallel else 0
+
+
+def get_ep_world_size() -> int:
+    return _TP_STATE.world_size if _TP_STATE.expert_parallel else 1
 
 
 def get_pp_rank() -> int:

@@ -56,6 +56,9 @@ _HELP = {
     "max_logprobs": "Largest logprobs / prompt_logprobs a request may ask for.",
     "tensor_parallel_size": "Number of tensor-parallel ranks (worker processes).",
     "pipeline_parallel_size": "Number of pipeline stages.",
+    "enable_expert_parallel": "Mixture-of-experts layers: each tensor-parallel rank holds "
+                              "whole experts (num_experts / tensor_parallel_size of them) "
+                              "instead of a slice of every expert.",
     "distributed_executor_backend": "uni, mp or ray.",
     "data_parallel_size": "Number of data-parallel engine cores behind the one frontend "
                           "(requests go to the least loaded: 4 x waiting + running).",
@@ -138,6 +141,7 @@ class EngineArgs:
     max_logprobs: int = 20
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    enable_expert_parallel: bool = False
     data_parallel_size: int = 1
     data_parallel_size_local: Optional[int] = None
     data_parallel_start_rank: int = 0
@@ -304,6 +308,7 @@ class EngineArgs:
     def _build_parallel_config(self, model_config: ModelConfig, device: str) -> ParallelConfig:
         parallel = self._make(ParallelConfig)
         _verify_parallel(model_config, parallel)
+        _verify_expert_parallel(model_config, parallel)
         _verify_device_count(device, parallel)
         return parallel
 
@@ -421,6 +426,23 @@ def _verify_parallel(model_config: ModelConfig, parallel: ParallelConfig) -> Non
     if backend == "uni" and parallel.world_size > 1:
         raise ValueError(f"distributed_executor_backend='uni' runs one worker; tensor_parallel_size "
                          f"x pipeline_parallel_size = {parallel.world_size} needs 'mp' or 'ray'.")
+
+
+def _verify_expert_parallel(model_config: ModelConfig, parallel: ParallelConfig) -> None:
+    """--enable-expert-parallel needs an MoE model whose experts split evenly over the TP
+    ranks (each rank holds num_experts / tensor_parallel_size whole experts)."""
+    if not parallel.enable_expert_parallel:
+        return
+    hf = model_config.hf_config
+    experts = hf.get("num_local_experts") or hf.get("num_experts") or 0
+    if not experts:
+        raise ValueError(f"enable_expert_parallel needs a mixture-of-experts model; "
+                         f"{model_config.architecture} has no experts.")
+    tp = parallel.tensor_parallel_size
+    if experts % tp:
+        raise ValueError(f"enable_expert_parallel: the model's {experts} experts cannot be split "
+                         f"evenly over tensor_parallel_size={tp} ranks (num_experts must be a "
+                         f"multiple of it).")
 
 
 def _verify_data_parallel(parallel: ParallelConfig) -> None:

@@ -87,16 +87,22 @@ class EngineCore:
         return hooks
 
     def _check_kv_cache_fits(self, num_blocks: int) -> None:
-        block_size = self.config.cache_config.block_size
-        tokens = num_blocks * block_size
+        """One max_model_len request must fit: with the hybrid KV cache, its full-attention
+        groups need every block, its sliding-window groups only their windows'."""
+        from kvserve.core.kv_cache_utils import blocks_per_request
+        cc = self.config.cache_config
         max_len = self.config.model_config.max_model_len
-        logger.info("KV cache: %d tokens; maximum concurrency for %d tokens per request: %.2fx",
-                    tokens, max_len, tokens / max_len)
-        if tokens < max_len:
+        need = blocks_per_request(cc.kv_cache_groups, max_len, cc.block_size,
+                                  self.config.scheduler_config.max_num_batched_tokens)
+        logger.info("KV cache: %d blocks of %d tokens; maximum concurrency for %d tokens per "
+                    "request: %.2fx", num_blocks, cc.block_size, max_len, num_blocks / need)
+        if num_blocks < need:
+            groups = (f" over {len(cc.kv_cache_groups)} KV cache groups"
+                      if cc.kv_cache_groups else "")
             raise ValueError(
-                f"The model's max_model_len ({max_len}) is larger than the number of tokens the "
-                f"KV cache can hold ({tokens} = {num_blocks} blocks x {block_size}). Increase "
-                f"kv_cache_memory or decrease max_model_len.")
+                f"The model's max_model_len ({max_len}) does not fit in the KV cache: one such "
+                f"request needs {need} blocks of {cc.block_size} tokens{groups}, the cache holds "
+                f"{num_blocks}. Increase kv_cache_memory or decrease max_model_len.")
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request: EngineCoreRequest) -> None:

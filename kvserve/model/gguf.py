@@ -10,6 +10,13 @@ peaks at about one model in the run dtype plus one float32 tensor. The tokenizer
 llama.cpp's converter reorders the rows of q_proj / k_proj for the "llama" architecture
 (Hugging Face's rotary layout rotates the two halves of a head, llama.cpp's adjacent pairs);
 loading undoes that. Qwen2 / Qwen3 files are stored in Hugging Face's layout already.
+
+Mixture-of-experts files (Mixtral: "llama" with `expert_count`; Qwen3-MoE: "qwen3moe") hold
+each layer's experts stacked, as llama.cpp's converter writes them: ffn_gate_exps /
+ffn_up_exps [E, I, H], ffn_down_exps [E, H, I], and the router ffn_gate_inp [E, H]. They are
+yielded one expert at a time under the checkpoint's per-expert names (so FusedMoE's loader and
+expert parallelism's skip list apply unchanged; a skipped expert's blocks are never read) and
+always dequantized: FusedMoE has no packed-weight path yet (a later step).
 """
 from __future__ import annotations
 
@@ -19,7 +26,7 @@ import re
 from collections import Counter
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -34,7 +41,10 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "llama": ("LlamaForCausalLM", "llama"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
 }
+# A "llama" file with experts (expert_count > 0) is Mixtral's.
+_MIXTRAL = ("MixtralForCausalLM", "mixtral")
 # Architectures whose q/k rows llama.cpp's converter permutes.
 _PERMUTED_ARCHITECTURES = {"llama"}
 
@@ -60,13 +70,36 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",           # the MoE router
+}
+# Stacked experts [E, ...] -> FusedMoE's shard ("w1" gate, "w3" up, "w2" down), and each
+# family's per-expert checkpoint name of that shard (MoEForCausalLM.expert_projections).
+_EXPERT_TENSORS = {"ffn_gate_exps": "w1", "ffn_up_exps": "w3", "ffn_down_exps": "w2"}
+_EXPERT_PROJECTIONS = {
+    "mixtral": {"w1": "w1", "w3": "w3", "w2": "w2"},
+    "qwen3_moe": {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"},
 }
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _GLOBAL_RE = re.compile(r"^(\w+)\.(weight|bias)$")
 
 
+def expert_tensor(gguf_name: str) -> Optional[tuple[int, str]]:
+    """(layer, "w1" | "w3" | "w2") for a stacked-experts tensor's name, else None."""
+    m = _LAYER_RE.match(gguf_name)
+    if m and m.group(3) == "weight" and m.group(2) in _EXPERT_TENSORS:
+        return int(m.group(1)), _EXPERT_TENSORS[m.group(2)]
+    return None
+
+
+def hf_expert_name(layer: int, expert: int, shard: str, model_type: str) -> str:
+    """The checkpoint name of one expert's matrix (Mixtral's block_sparse_moe is our mlp)."""
+    return f"model.layers.{layer}.mlp.experts.{expert}.{_EXPERT_PROJECTIONS[model_type][shard]}" \
+           f".weight"
+
+
 def hf_tensor_name(gguf_name: str) -> Optional[str]:
-    """The Hugging Face name of a llama.cpp tensor name (None when it has none)."""
+    """The Hugging Face name of a llama.cpp tensor name (None when it has none; stacked
+    experts: `expert_tensor`)."""
     m = _LAYER_RE.match(gguf_name)
     if m:
         layer, part, kind = m.groups()
@@ -206,7 +239,7 @@ def check_gguf_supported(meta: GGUFMetadata, use_hf_config: bool = False) -> Non
                              f"(rope_freqs.weight, Llama 3.1-style rope scaling) that its metadata "
                              f"does not describe: pass --hf-config-path with the model's "
                              f"config.json.")
-        if hf_tensor_name(t.name) is None:
+        if hf_tensor_name(t.name) is None and expert_tensor(t.name) is None:
             raise ValueError(f"GGUF tensor {t.name!r} in {meta.path} has no counterpart in "
                              f"kvserve's {arch} model.")
 
@@ -248,6 +281,8 @@ def gguf_hf_config(meta: GGUFMetadata) -> dict[str, Any]:
     """An HF-style config.json dict from the GGUF metadata."""
     check_gguf_supported(meta)
     architecture, model_type = GGUF_ARCHITECTURES[meta.architecture]
+    if meta.architecture == "llama" and meta.get("expert_count"):
+        architecture, model_type = _MIXTRAL
     names = {t.name for t in meta.tensors}
     n_heads = int(meta.get("attention.head_count"))
     hidden = int(meta.get("embedding_length"))
@@ -258,7 +293,8 @@ def gguf_hf_config(meta: GGUFMetadata) -> dict[str, Any]:
     config: dict[str, Any] = {
         "architectures": [architecture], "model_type": model_type,
         "hidden_size": hidden,
-        "intermediate_size": int(meta.get("feed_forward_length")),
+        "intermediate_size": int(meta.get("feed_forward_length")
+                                 or meta.get("expert_feed_forward_length") or 0),
         "num_hidden_layers": int(meta.get("block_count")),
         "num_attention_heads": n_heads,
         "num_key_value_heads": int(meta.get("attention.head_count_kv") or n_heads),
@@ -273,8 +309,10 @@ def gguf_hf_config(meta: GGUFMetadata) -> dict[str, Any]:
         "attention_bias": "blk.0.attn_q.bias" in names,
         "torch_dtype": _torch_dtype_name(meta),
     }
+    if model_type in _EXPERT_PROJECTIONS:
+        config.update(_moe_config(meta, model_type, config["intermediate_size"]))
     check_gguf_shapes(meta, config)
-    if model_type == "llama":
+    if model_type in ("llama", "mixtral"):
         config["mlp_bias"] = "blk.0.ffn_up.bias" in names
     else:
         config["use_sliding_window"] = False
@@ -283,6 +321,38 @@ def gguf_hf_config(meta: GGUFMetadata) -> dict[str, Any]:
         if value is not None:
             config[key] = int(value)
     return config
+
+
+def _moe_config(meta: GGUFMetadata, model_type: str, intermediate_size: int) -> dict[str, Any]:
+    """The MoE keys of the HF config (llama.cpp's expert_count / expert_used_count /
+    expert_feed_forward_length). llama.cpp renormalises the top-k weights of both families
+    (Qwen3-MoE's norm_topk_prob) unless expert_weights_norm says otherwise."""
+    experts, used = int(meta.get("expert_count") or 0), int(meta.get("expert_used_count") or 0)
+    if not 0 < used <= experts:
+        raise ValueError(f"GGUF file {meta.path} is inconsistent: expert_used_count {used} must be "
+                         f"in [1, expert_count={experts}].")
+    if model_type == "mixtral":
+        return {"num_local_experts": experts, "num_experts_per_tok": used}
+    return {"num_experts": experts, "num_experts_per_tok": used,
+            "moe_intermediate_size": int(meta.get("expert_feed_forward_length")
+                                         or intermediate_size),
+            "norm_topk_prob": bool(meta.get("expert_weights_norm", True)),
+            "decoder_sparse_step": 1, "mlp_only_layers": []}
+
+
+def _expected_moe_shapes(config: dict[str, Any], num_layers: int
+                         ) -> dict[str, tuple[int, ...]]:
+    """Every layer's router and stacked experts, as the config says they are."""
+    experts = config.get("num_local_experts") or config["num_experts"]
+    inter = config.get("moe_intermediate_size") or config["intermediate_size"]
+    hidden = config["hidden_size"]
+    shapes: dict[str, tuple[int, ...]] = {}
+    for i in range(num_layers):
+        shapes.update({f"blk.{i}.ffn_gate_inp.weight": (experts, hidden),
+                       f"blk.{i}.ffn_gate_exps.weight": (experts, inter, hidden),
+                       f"blk.{i}.ffn_up_exps.weight": (experts, inter, hidden),
+                       f"blk.{i}.ffn_down_exps.weight": (experts, hidden, inter)})
+    return shapes
 
 
 def check_gguf_shapes(meta: GGUFMetadata, config: dict[str, Any]) -> None:
@@ -309,8 +379,11 @@ def check_gguf_shapes(meta: GGUFMetadata, config: dict[str, Any]) -> None:
         "token_embd.weight": (config["vocab_size"], hidden),
         "blk.0.attn_q.weight": (config["num_attention_heads"] * head_dim, hidden),
         "blk.0.attn_k.weight": (config["num_key_value_heads"] * head_dim, hidden),
-        "blk.0.ffn_up.weight": (config["intermediate_size"], hidden),
     }
+    if config["model_type"] in _EXPERT_PROJECTIONS:
+        expected.update(_expected_moe_shapes(config, config["num_hidden_layers"]))
+    else:
+        expected["blk.0.ffn_up.weight"] = (config["intermediate_size"], hidden)
     for name, shape in expected.items():
         if name not in shapes:
             raise bad(f"tensor {name} is missing")
@@ -329,14 +402,16 @@ def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
             .swapaxes(1, 2).reshape(w.shape))
 
 
-def iterate_gguf_weights(path: str, hf_config: dict,
-                         packed: bool = False) -> Iterator[tuple[str, Any]]:
+def iterate_gguf_weights(path: str, hf_config: dict, packed: bool = False,
+                         skip: Optional[Callable[[str], bool]] = None
+                         ) -> Iterator[tuple[str, Any]]:
     """Yield (HF name, float32 tensor) for every tensor of the file, dequantized one at a time
     (the caller copies each into its parameter before the next is made). `packed`: 2-D
     tensors of a type ops.quant packs come as ops.quant.QuantizedRows (their raw blocks, a
     view of the file; kept packed by the layers) instead. The data is read through a memory
-    map at the offsets the reader found (see `read_gguf_metadata`). Logs in one line what
-    stays packed and what does not."""
+    map at the offsets the reader found (see `read_gguf_metadata`). Stacked experts come one
+    expert at a time, dequantized; the names `skip` gives (other expert-parallel ranks'
+    experts) are not read. Logs in one line what stays packed and what does not."""
     import gguf
     from gguf.quants import dequantize
 
@@ -352,11 +427,15 @@ def iterate_gguf_weights(path: str, hf_config: dict,
     floats: Counter = Counter()
     for t in meta.tensors:
         name = hf_tensor_name(t.name)
-        if name is None:
-            continue                 # rope_freqs: check_gguf_supported allowed it (HF config)
         dtype = np.dtype(t.data_dtype)
         nbytes = int(np.prod(t.data_shape)) * dtype.itemsize
         raw = mapped[t.data_offset:t.data_offset + nbytes].view(dtype).reshape(t.data_shape)
+        if expert_tensor(t.name) is not None:
+            yield from _expert_weights(t, raw, hf_config, skip)
+            floats[t.type_name] += 1
+            continue
+        if name is None or (skip is not None and skip(name)):
+            continue                 # rope_freqs: check_gguf_supported allowed it (HF config)
         keep = packed and t.type_name in PACKED_TYPES and len(t.shape) == 2
         (kept if keep else floats)[t.type_name] += 1
         if keep:
@@ -374,6 +453,23 @@ def iterate_gguf_weights(path: str, hf_config: dict,
         yield name, (QuantizedRows(t.type_name, data, t.shape) if keep else data)
     del mapped
     _log_packing(meta.path, kept, floats)
+
+
+def _expert_weights(t: GGUFTensorInfo, raw: np.ndarray, hf_config: dict,
+                    skip: Optional[Callable[[str], bool]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """One stacked-experts tensor as (per-expert HF name, float32 [rows, cols]) pairs: the
+    expert's rows of blocks are a contiguous slice of the tensor, dequantized alone."""
+    import gguf
+    from gguf.quants import dequantize
+
+    layer, shard = expert_tensor(t.name)
+    qtype = gguf.GGMLQuantizationType[t.type_name]
+    for expert in range(t.shape[0]):
+        name = hf_expert_name(layer, expert, shard, hf_config["model_type"])
+        if skip is not None and skip(name):
+            continue
+        data = np.array(dequantize(raw[expert], qtype), dtype=np.float32)   # a copy: the
+        yield name, torch.from_numpy(data.reshape(t.shape[1:]))             # map is read-only
 
 
 def _log_packing(path: str, kept: Counter, floats: Counter) -> None:

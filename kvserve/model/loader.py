@@ -67,23 +67,28 @@ def safetensors_files(model_dir: str) -> list[str]:
         f"(kvserve loads safetensors only; weight-like files present: {', '.join(present) or 'none'}).")
 
 
-def iterate_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) for every checkpoint tensor, one at a time, on the CPU."""
+def iterate_weights(model_dir: str, skip: Optional[Callable[[str], bool]] = None
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) for every checkpoint tensor, one at a time, on the CPU; the
+    tensors `skip` names are never read (expert parallelism: other ranks' experts)."""
     for path in safetensors_files(model_dir):
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                if skip is None or not skip(name):
+                    yield name, f.get_tensor(name)
 
 
-def checkpoint_weights(model_config: ModelConfig,
-                       packed: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+def checkpoint_weights(model_config: ModelConfig, packed: bool = False,
+                       skip: Optional[Callable[[str], bool]] = None
+                       ) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint's (HF name, tensor) stream: safetensors, or a GGUF file dequantized
-    (`packed`: its block-quantized tensors as raw blocks, kept packed by the layers)."""
+    (`packed`: its block-quantized tensors as raw blocks, kept packed by the layers); the
+    tensors `skip` names (by HF name) are left out unread."""
     if model_config.is_gguf:
         from kvserve.model.gguf import iterate_gguf_weights
-        return iterate_gguf_weights(model_config.model, model_config.hf_config, packed)
+        return iterate_gguf_weights(model_config.model, model_config.hf_config, packed, skip)
     check_safetensors_files(safetensors_files(model_config.model))   # fail before allocating
-    return iterate_weights(model_config.model)
+    return iterate_weights(model_config.model, skip)
 
 
 def load_model(model_config: ModelConfig, device: torch.device,
@@ -94,7 +99,9 @@ def load_model(model_config: ModelConfig, device: torch.device,
     packed = model_config.is_gguf and keep_packed(
         model_config.quantization, device=device.type,
         quant_kernel=device.type == "cpu" and quant_kernel.ops() is not None)
-    weights = checkpoint_weights(model_config, packed)    # fails before allocating anything
+    skip = getattr(model_cls, "checkpoint_skip", None)    # MoE: other EP ranks' experts
+    weights = checkpoint_weights(model_config, packed,     # fails before allocating anything
+                                 skip(model_config) if skip is not None else None)
     return build_and_load(lambda: model_cls(model_config), weights, model_config, device, plan)
 
 

@@ -6,6 +6,10 @@ token and FusedMoE (layers/fused_moe) runs them. Qwen2-MoE adds an always-on sha
 scaled by sigmoid(shared_expert_gate(x)); Qwen configs may keep some layers dense
 (`mlp_only_layers`, `decoder_sparse_step`).
 
+With --enable-expert-parallel each TP rank holds E/N whole experts (layers/fused_moe/layer.py)
+and `checkpoint_skip` keeps the loader from reading the other ranks' expert tensors (GGUF
+files' stacked experts are split per expert by gguf.py, so the same skip applies).
+
 These layers run layer by layer: the all-layers C++ decode op (fused_decode.py) knows dense
 MLPs only, so `supports_fused_decode` is False and LlamaModel never builds it for them.
 """
@@ -13,12 +17,13 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 from torch import nn
 
 from kvserve.config import ModelConfig
+from kvserve.distributed.parallel_state import get_ep_rank, get_ep_world_size
 from kvserve.model.layers.fused_moe import FusedMoE
 from kvserve.model.layers.linear import ReplicatedLinear
 from kvserve.model.llama import (DecoderFlags, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP,
@@ -135,10 +140,11 @@ class MoEForCausalLM(LlamaForCausalLM):
                                      f"{type(self).__name__} (is config.json right for this "
                                      f"checkpoint?).")
                 try:
-                    param.weight_loader(param, tensor, (int(expert), which))
+                    copied = param.weight_loader(param, tensor, (int(expert), which))
                 except ValueError as e:
                     raise ValueError(f"Loading checkpoint tensor {name!r}: {e}") from None
-                seen[param_name].add((int(expert), which))
+                if copied:           # False: another expert-parallel rank's expert
+                    seen[param_name].add((int(expert), which))
 
         loaded = super().load_weights(dense_weights())
         for name, got in seen.items():
@@ -146,6 +152,24 @@ class MoEForCausalLM(LlamaForCausalLM):
             if len(got) == experts * (1 if name.endswith("w2_weight") else 2):
                 loaded.add(name)
         return loaded
+
+    @classmethod
+    def checkpoint_skip(cls, model_config: ModelConfig) -> Optional[Callable[[str], bool]]:
+        """With expert parallelism: a predicate naming the checkpoint tensors of other ranks'
+        experts, which the loader then never reads (None: every tensor is needed)."""
+        ep_rank, ep_size = get_ep_rank(), get_ep_world_size()
+        hf = model_config.hf_config
+        num_experts = int(hf.get("num_local_experts") or hf.get("num_experts") or 0)
+        if ep_size == 1 or num_experts % ep_size:
+            return None              # FusedMoE raises the clear error for the latter
+        per_rank = num_experts // ep_size
+        start, end = ep_rank * per_rank, (ep_rank + 1) * per_rank
+
+        def skip(name: str) -> bool:
+            match = _EXPERT_TENSOR.match(name)
+            return match is not None and not start <= int(match.group(2)) < end
+
+        return skip
 
 
 class MixtralForCausalLM(MoEForCausalLM):

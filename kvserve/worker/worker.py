@@ -9,6 +9,7 @@ from typing import Any, Optional
 import torch
 
 from kvserve.config import KVServeConfig
+from kvserve.core.kv_cache_utils import blocks_per_request
 from kvserve.core.sched_output import ModelRunnerOutput, SchedulerOutput, resolve_runner_output
 from kvserve.worker.model_runner import ModelRunner
 
@@ -53,7 +54,8 @@ class Worker:
             backend = "nccl" if self.device.type == "cuda" else "gloo"
             assert self.distributed_init_method is not None
             init_distributed(self.rank, pc.world_size, self.distributed_init_method, backend,
-                             tensor_parallel_size=pc.tensor_parallel_size)
+                             tensor_parallel_size=pc.tensor_parallel_size,
+                             enable_expert_parallel=pc.enable_expert_parallel)
         torch.manual_seed(self.config.model_config.seed)
         if self.device.type == "cpu":
             # This process's CPU settings come from the config (the same in every worker);
@@ -75,12 +77,15 @@ class Worker:
             return cc.num_gpu_blocks_override
         memory = cc.kv_cache_memory
         per_block = self.model_runner.kv_cache_bytes_per_block()
-        useful = sc.max_num_seqs * self.model_runner.max_blocks_per_req
+        # Hybrid KV cache: a request holds blocks in every group (sliding ones: their window's).
+        per_request = blocks_per_request(cc.kv_cache_groups, self.model_runner.max_model_len,
+                                         cc.block_size, sc.max_num_batched_tokens)
+        useful = sc.max_num_seqs * per_request
         if memory is None and self.device.type == "cuda":
             # Profiled: weights + the largest step's activations, under gpu_memory_utilization.
             from kvserve.worker.gpu_memory import check_kv_cache_fits, profile_memory
             budget, profile = profile_memory(self.model_runner, cc.gpu_memory_utilization)
-            blocks = check_kv_cache_fits(budget, per_block, self.model_runner.max_blocks_per_req,
+            blocks = check_kv_cache_fits(budget, per_block, per_request,
                                          self.model_runner.max_model_len, profile,
                                          cc.gpu_memory_utilization)
             logger.info("Available KV cache memory: %.2f GiB (%s)", budget / 2**30, profile)

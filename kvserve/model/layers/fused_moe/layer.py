@@ -6,6 +6,16 @@ slice of EVERY expert's intermediate dimension (the way the dense MLP is split),
 partial sum of the down projection, and the ranks all-reduce it. Checkpoints name each expert's
 matrices separately (Mixtral w1 / w3 / w2, Qwen gate_proj / up_proj / down_proj); the weight
 loader takes shard_id = (expert, "w1" | "w3" | "w2") and copies this rank's slice.
+
+Expert parallelism (--enable-expert-parallel, ep_size = tp_size): rank r instead holds experts
+[r*E/N, (r+1)*E/N) whole (w13_weight [E/N, 2I, H]); the others' checkpoint tensors are never
+read (MoEForCausalLM.checkpoint_skip). Tokens reach their experts' ranks and come back by the
+collective TP already uses: every TP rank holds every token's hidden states (activations are
+replicated), so each rank runs its local experts for all tokens routed to them -- the router is
+replicated, `expert_map` turns global ids into local ones and other ranks' into -1, which the
+kernel skips -- and the all-reduce that sums TP's partial products sums the ranks' experts
+instead. vLLM's naive EP path does the same; its all-to-all dispatch pays off only with
+data-parallel attention, where each rank holds different tokens, which kvserve does not have.
 """
 from __future__ import annotations
 
@@ -14,7 +24,8 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
-from kvserve.distributed.parallel_state import (get_tp_rank, get_tp_world_size,
+from kvserve.distributed.parallel_state import (get_ep_rank, get_ep_world_size, get_tp_rank,
+                                                get_tp_world_size,
                                                 tensor_model_parallel_all_reduce)
 from kvserve.model.layers.fused_moe.routing import select_experts
 from kvserve.model.layers.fused_moe.torch_moe import fused_experts_torch
@@ -25,26 +36,52 @@ ExpertShard = tuple[int, str]       # (expert id, "w1" gate | "w3" up | "w2" dow
 
 class FusedMoE(nn.Module):
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
-                 renormalize: bool, reduce_results: bool = True) -> None:
+                 renormalize: bool, reduce_results: bool = True,
+                 ep_rank: Optional[int] = None, ep_size: Optional[int] = None) -> None:
+        """ep_rank / ep_size: this rank's expert-parallel place (default: parallel_state's,
+        rank 0 of 1 without --enable-expert-parallel)."""
         super().__init__()
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_world_size()
+        self.ep_rank = get_ep_rank() if ep_rank is None else ep_rank
+        self.ep_size = get_ep_world_size() if ep_size is None else ep_size
         self.num_experts, self.top_k = num_experts, top_k
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size                  # the full, per expert
-        self.shard_size = divide(intermediate_size, self.tp_size)  # this rank's
         self.renormalize = renormalize
         self.reduce_results = reduce_results
-        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * self.shard_size, hidden_size),
-                                       requires_grad=False)
-        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, self.shard_size),
-                                      requires_grad=False)
+        if self.ep_size > 1:
+            if num_experts % self.ep_size:
+                raise ValueError(f"Expert parallelism: {num_experts} experts cannot be split "
+                                 f"evenly over {self.ep_size} ranks.")
+            self.local_num_experts = num_experts // self.ep_size
+            self.expert_start = self.ep_rank * self.local_num_experts
+            self.shard_size, self.slice_rank = intermediate_size, 0        # whole experts
+        else:
+            self.local_num_experts, self.expert_start = num_experts, 0
+            self.shard_size = divide(intermediate_size, self.tp_size)     # this rank's slice
+            self.slice_rank = self.tp_rank
+        # Global expert id -> this rank's index, -1 for another rank's (vLLM's expert_map).
+        expert_map = torch.full((num_experts,), -1, dtype=torch.int64)
+        expert_map[self.expert_start:self.expert_start + self.local_num_experts] = \
+            torch.arange(self.local_num_experts)
+        self.register_buffer("expert_map", expert_map, persistent=False)
+        self.w13_weight = nn.Parameter(
+            torch.empty(self.local_num_experts, 2 * self.shard_size, hidden_size),
+            requires_grad=False)
+        self.w2_weight = nn.Parameter(
+            torch.empty(self.local_num_experts, hidden_size, self.shard_size),
+            requires_grad=False)
         self.w13_weight.weight_loader = self.weight_loader
         self.w2_weight.weight_loader = self.weight_loader
 
+    def is_local_expert(self, expert: int) -> bool:
+        return self.expert_start <= expert < self.expert_start + self.local_num_experts
+
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
-                      shard_id: Optional[Union[int, str, ExpertShard]] = None) -> None:
+                      shard_id: Optional[Union[int, str, ExpertShard]] = None) -> bool:
         """Copy this rank's slice of one expert's checkpoint matrix: w1 / w3 [I, H] into the
-        gate / up half of w13_weight[expert], w2 [H, I] into w2_weight[expert]."""
+        gate / up half of w13_weight[expert], w2 [H, I] into w2_weight[expert]. Returns False
+        (nothing copied) for another expert-parallel rank's expert."""
         if not (isinstance(shard_id, tuple) and len(shard_id) == 2
                 and shard_id[1] in ("w1", "w2", "w3")):
             raise ValueError(f"FusedMoE needs shard_id (expert, 'w1'|'w2'|'w3'), got {shard_id!r}.")
@@ -52,22 +89,28 @@ class FusedMoE(nn.Module):
         if not 0 <= expert < self.num_experts:
             raise ValueError(f"Expert {expert} is out of range: the config has "
                              f"{self.num_experts} experts.")
+        if not self.is_local_expert(expert):
+            return False
+        local = expert - self.expert_start
         n, full = self.shard_size, self.intermediate_size
         if which == "w2":
             if param is not self.w2_weight:
                 raise ValueError("a down projection (w2) goes into w2_weight")
-            copy_checked(param.data[expert], shard(loaded_weight, 1, full, self.tp_rank, n))
-            return
+            copy_checked(param.data[local], shard(loaded_weight, 1, full, self.slice_rank, n))
+            return True
         if param is not self.w13_weight:
             raise ValueError("gate / up projections (w1 / w3) go into w13_weight")
         offset = 0 if which == "w1" else n
-        copy_checked(param.data[expert].narrow(0, offset, n),
-                     shard(loaded_weight, 0, full, self.tp_rank, n))
+        copy_checked(param.data[local].narrow(0, offset, n),
+                     shard(loaded_weight, 0, full, self.slice_rank, n))
+        return True
 
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """hidden_states [T, H], router_logits [T, E] -> [T, H] (summed over the TP ranks
         unless reduce_results is False: then this rank's partial sum)."""
         topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
+        if self.ep_size > 1:
+            topk_ids = self.expert_map[topk_ids]     # local ids; -1: another rank's, skipped
         out = fused_experts_torch(hidden_states, self.w13_weight, self.w2_weight,
                                   topk_weights, topk_ids)
         if self.reduce_results and self.tp_size > 1:
@@ -77,4 +120,6 @@ class FusedMoE(nn.Module):
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, top_k={self.top_k}, hidden={self.hidden_size}, "
                 f"intermediate={self.intermediate_size} (this rank {self.shard_size}), "
-                f"renormalize={self.renormalize}, tp_size={self.tp_size}")
+                f"renormalize={self.renormalize}, tp_size={self.tp_size}, "
+                f"ep: experts [{self.expert_start}, "
+                f"{self.expert_start + self.local_num_experts}) of {self.ep_size} ranks")

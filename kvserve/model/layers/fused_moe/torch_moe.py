@@ -16,18 +16,22 @@ from kvserve.ops.fused import silu_and_mul
 
 def group_by_expert(topk_ids: torch.Tensor, num_experts: int
                     ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-    """topk_ids [T, k] -> (order [T*k]: the flat (token, slot) pairs sorted by expert,
-    token_of [T*k]: the token each sorted pair belongs to, counts [E]: pairs per expert)."""
+    """topk_ids [T, k] -> (order: the flat (token, slot) pairs sorted by expert, token_of:
+    the token each sorted pair belongs to, counts [E]: pairs per expert). Pairs with id -1
+    (an expert on another expert-parallel rank) sort first and are left out."""
     flat = topk_ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts).tolist()
-    return order, order // topk_ids.shape[1], counts
+    counts = torch.bincount(flat + 1, minlength=num_experts + 1).tolist()
+    if counts[0]:
+        order = order[counts[0]:]
+    return order, order // topk_ids.shape[1], counts[1:]
 
 
 def fused_experts_torch(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                         topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
     """hidden_states [T, H]; w13 [E, 2I, H] (gate | up), w2 [E, H, I]; topk_weights /
-    topk_ids [T, k] -> [T, H] = sum over k of weight * down(silu(gate x) * up x)."""
+    topk_ids [T, k] -> [T, H] = sum over k of weight * down(silu(gate x) * up x), the pairs
+    whose id is -1 left out (expert parallelism: another rank's expert)."""
     num_tokens, hidden = hidden_states.shape
     order, token_of, counts = group_by_expert(topk_ids, w13.shape[0])
     x = hidden_states.index_select(0, token_of)
