@@ -16,9 +16,10 @@ row is never touched, and a slot without tokens is never read (NaN there cannot 
 
 CUDA-graph safe: the grid depends only on shapes (T, the stack sizes), never on the slot
 values, and lora_meta is argsort / scatter_add / cumsum on the device, so nothing in the
-LoRA path reads device data on the host. A fused layer (q/k/v, gate/up) calls lora_expand
-once per slice with that slice's column offsets. Arithmetic: float32 accumulation; 16-bit
-operands multiply exactly in tl.dot, float32 ones with IEEE precision (no TF32).
+LoRA path reads device data on the host. A fused layer (q/k/v, gate/up) may call lora_expand
+once per slice with that slice's column offsets. Arithmetic: operands widened to float32 and
+multiplied with IEEE precision (no TF32): the rank is small, so the kernels are bound by
+reading A and B, not by the dot (and Triton's interpreter mis-multiplies bf16 dots).
 On CPU the kernels run under Triton's interpreter (tests); the model uses them on CUDA only.
 """
 from __future__ import annotations
@@ -67,8 +68,7 @@ def _block_m(num_tokens: int) -> int:
 @triton.jit
 def _shrink_kernel(x_ptr, a_ptr, s_ptr, tok_ptr, cnt_ptr, start_ptr, N, K,
                    sx_t, sx_k, sa_s, sa_n, sa_k, ss_t, ss_n,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   PREC: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid = tl.program_id(0)
     slot = tl.program_id(1)
     n_blocks = tl.cdiv(N, BLOCK_N)
@@ -92,7 +92,7 @@ def _shrink_kernel(x_ptr, a_ptr, s_ptr, tok_ptr, cnt_ptr, start_ptr, N, K,
                      mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         ab = tl.load(a_base + offs_n[None, :] * sa_n + offs_k[:, None] * sa_k,
                      mask=n_mask[None, :] & k_mask[:, None], other=0.0)       # [BK, BN] = A^T
-        acc = tl.dot(xb, ab.to(xb.dtype), acc=acc, input_precision=PREC)
+        acc = tl.dot(xb.to(tl.float32), ab.to(tl.float32), acc=acc, input_precision="ieee")
     tl.store(s_ptr + rows[:, None] * ss_t + offs_n[None, :] * ss_n, acc,
              mask=m_mask[:, None] & n_mask[None, :])
 
@@ -100,8 +100,7 @@ def _shrink_kernel(x_ptr, a_ptr, s_ptr, tok_ptr, cnt_ptr, start_ptr, N, K,
 @triton.jit
 def _expand_kernel(s_ptr, b_ptr, y_ptr, tok_ptr, cnt_ptr, start_ptr, N, R,
                    ss_t, ss_r, sb_s, sb_n, sb_r, sy_t, sy_n,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-                   PREC: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
     pid = tl.program_id(0)
     slot = tl.program_id(1)
     n_blocks = tl.cdiv(N, BLOCK_N)
@@ -125,15 +124,11 @@ def _expand_kernel(s_ptr, b_ptr, y_ptr, tok_ptr, cnt_ptr, start_ptr, N, R,
                      mask=m_mask[:, None] & r_mask[None, :], other=0.0)
         bb = tl.load(b_base + offs_n[None, :] * sb_n + offs_r[:, None] * sb_r,
                      mask=n_mask[None, :] & r_mask[:, None], other=0.0)       # [BR, BN] = B^T
-        acc = tl.dot(sb.to(bb.dtype), bb, acc=acc, input_precision=PREC)
+        acc = tl.dot(sb, bb.to(tl.float32), acc=acc, input_precision="ieee")
     y_ptrs = y_ptr + rows[:, None] * sy_t + offs_n[None, :] * sy_n
     mask = m_mask[:, None] & n_mask[None, :]
     y = tl.load(y_ptrs, mask=mask, other=0.0)
     tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y.dtype), mask=mask)
-
-
-def _prec(dtype: torch.dtype) -> str:
-    return "ieee" if dtype == torch.float32 else "tf32"   # tf32 is ignored for 16-bit inputs
 
 
 def _check(what: str, x: torch.Tensor, stack: torch.Tensor, meta: LoRAMeta) -> None:
@@ -162,7 +157,7 @@ def lora_shrink(x: torch.Tensor, a_stack: torch.Tensor, meta: LoRAMeta,
     _shrink_kernel[grid](x, a_stack, s, meta.sorted_tokens, meta.counts, meta.starts, N, K,
                          x.stride(0), x.stride(1), a_stack.stride(0), a_stack.stride(1),
                          a_stack.stride(2), s.stride(0), s.stride(1),
-                         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PREC=_prec(x.dtype))
+                         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
     return s
 
 
@@ -184,6 +179,5 @@ def lora_expand(y: torch.Tensor, s: torch.Tensor, b_stack: torch.Tensor, meta: L
     _expand_kernel[grid](s_view, b_stack, y_view, meta.sorted_tokens, meta.counts, meta.starts,
                          N, R, s_view.stride(0), s_view.stride(1), b_stack.stride(0),
                          b_stack.stride(1), b_stack.stride(2), y_view.stride(0),
-                         y_view.stride(1), BLOCK_M=bm, BLOCK_N=bn, BLOCK_R=br,
-                         PREC=_prec(b_stack.dtype))
+                         y_view.stride(1), BLOCK_M=bm, BLOCK_N=bn, BLOCK_R=br)
     return y
