@@ -20,6 +20,7 @@ computed by one of (add_lora picks; never a loop over requests):
 from __future__ import annotations
 
 import functools
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
@@ -31,21 +32,58 @@ from kvserve.ops import lora as cpu_lora
 Group = tuple[int, Union[slice, torch.Tensor]]
 
 
+class SlotGroup(tuple):
+    """One Group, (slot, slice | index tensor), that also knows the step's LoRAGroups: a
+    layer may pass add_lora a filtered plain list of them (the slots whose adapter targets
+    it) and the kernels still find the step's token -> slot tensor."""
+    owner: "Optional[weakref.ref[LoRAGroups]]" = None
+
+
 class LoRAGroups(list):
     """A step's groups (a list of Group, as before) that also carry the token -> slot tensor
-    the kernels read (token_slots [T] int64 on the model's device), and the Triton grouping
-    computed from it once per step."""
+    the kernels read (token_slots [T] int64 on the model's device), and what is derived from
+    it once per step (the slots of a subset of the groups, the Triton grouping)."""
 
-    def __init__(self, groups: list[Group], token_slots: Optional[torch.Tensor] = None) -> None:
-        super().__init__(groups)
+    def __init__(self, groups: list[Group], token_slots: torch.Tensor) -> None:
+        items = []
+        for group in groups:
+            item = SlotGroup(group)
+            item.owner = weakref.ref(self)
+            items.append(item)
+        super().__init__(items)
         self.token_slots = token_slots
-        self._meta: dict[int, Any] = {}
+        self._subsets: dict[tuple[int, ...], torch.Tensor] = {}
+        self._meta: dict[tuple[int, int], Any] = {}
 
-    def triton_meta(self, num_slots: int) -> Any:
-        meta = self._meta.get(num_slots)
+    def slots_for(self, groups: list[Group]) -> torch.Tensor:
+        """token_slots with the slots outside `groups` (a subset of this step's) set to -1.
+        On CUDA the full tensor: a slot a layer's adapter does not target has zero A and B
+        there, so its delta is an exact 0, and nothing is derived on the host mid-forward."""
+        if len(groups) == len(self) or self.token_slots.is_cuda:
+            return self.token_slots
+        key = tuple(sorted(int(g[0]) for g in groups))
+        slots = self._subsets.get(key)
+        if slots is None:
+            host = self.token_slots.numpy()
+            slots = torch.from_numpy(np.where(np.isin(host, key), host, -1))
+            self._subsets[key] = slots
+        return slots
+
+    def triton_meta(self, token_slots: torch.Tensor, num_slots: int) -> Any:
+        key = (token_slots.data_ptr(), num_slots)
+        meta = self._meta.get(key)
         if meta is None:
-            meta = self._meta[num_slots] = _triton().lora_meta(self.token_slots, num_slots)
+            meta = self._meta[key] = _triton().lora_meta(token_slots, num_slots)
         return meta
+
+
+def step_groups(groups: list[Group]) -> Optional[LoRAGroups]:
+    """The LoRAGroups that `groups` (it, or a list of some of its items) come from; None for
+    groups built some other way (then add_lora takes the torch path)."""
+    if isinstance(groups, LoRAGroups):
+        return groups
+    owner = getattr(groups[0], "owner", None) if groups else None
+    return owner() if owner is not None else None
 
 
 @dataclass
@@ -68,7 +106,7 @@ class LoRAMapping:
                 groups.append((int(slot), slice(int(idx[0]), int(idx[-1]) + 1)))
             else:
                 groups.append((int(slot), torch.from_numpy(idx).to(device)))
-        host = torch.from_numpy(np.ascontiguousarray(token_slots, dtype=np.int64))
+        host = torch.from_numpy(np.array(token_slots, dtype=np.int64))   # a copy: ours
         self.groups = LoRAGroups(groups, self._device_slots(host, torch.device(device)))
 
     def _device_slots(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -109,13 +147,14 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor, b_stack: t
     a_stack [S, n*R, in], b_stack [S, out, n*R]; groups from LoRAMapping."""
     if not groups:
         return
-    slots = getattr(groups, "token_slots", None)
-    if slots is not None and y.dim() == 2 and x.shape[0] == slots.shape[0] == y.shape[0]:
+    step = step_groups(groups)
+    if (step is not None and y.dim() == 2
+            and x.shape[0] == step.token_slots.shape[0] == y.shape[0]):
         if y.is_cuda:
             if _triton_available():
                 add_lora_triton(y, x, a_stack, b_stack, groups)
                 return
-        elif cpu_lora.fused_delta(y, x, a_stack, b_stack, slots):
+        elif cpu_lora.fused_delta(y, x, a_stack, b_stack, step.slots_for(groups)):
             return
     add_lora_torch(y, x, a_stack, b_stack, groups)
 
@@ -133,11 +172,15 @@ def add_lora_torch(y: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor,
 
 
 def add_lora_triton(y: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor,
-                    b_stack: torch.Tensor, groups: LoRAGroups) -> None:
+                    b_stack: torch.Tensor, groups: list[Group]) -> None:
     """add_lora with the Triton kernels (CUDA; on CPU tensors under TRITON_INTERPRET=1 in tests):
-    one shrink and one expand launch over every adapter group."""
+    one shrink and one expand launch over every adapter group. `groups` from LoRAMapping (or
+    some of its items)."""
     ops = _triton()
-    meta = groups.triton_meta(a_stack.shape[0])
+    step = step_groups(groups)
+    if step is None:
+        raise ValueError("add_lora_triton: groups must come from LoRAMapping.set")
+    meta = step.triton_meta(step.slots_for(groups), a_stack.shape[0])
     ops.lora_expand(y, ops.lora_shrink(x, a_stack, meta), b_stack, meta)
 
 

@@ -21,6 +21,7 @@ from typing import Callable, Optional
 
 import torch
 
+from kvserve.ops import cpu_isa
 from kvserve.ops.build import CpuKernel
 
 # Largest token count sent to the kernel; measured on the demo model's shapes (Zen 3,
@@ -67,7 +68,9 @@ def fused_delta(y: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor, b_stack
     """y += the LoRA delta with the C++ kernel; False (y untouched) where it does not apply."""
     if x.shape[0] > CPU_KERNEL_MAX_TOKENS or not kernel_takes(y, x, a_stack, b_stack):
         return False
-    op = _op()
+    # The switch is read per call (cheap): a worker's CPU settings may change it after the
+    # first lookup (cpu_isa.configure).
+    op = _op() if cpu_isa.kernels_enabled() else None
     if op is None:
         return False
     op(y, x, a_stack, b_stack, token_slots)

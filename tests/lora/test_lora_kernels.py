@@ -190,6 +190,24 @@ def test_add_lora_dispatch(cpu_op, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @needs_cpu_kernel
+def test_add_lora_on_some_of_the_groups(cpu_op) -> None:
+    """A layer passes only the groups whose adapter targets it (a plain list of some of
+    mapping.groups' items): the kernel still runs, on those slots only."""
+    T = 12
+    x, a, b, y = _case(T, 48, 16, 40, torch.float32, torch.float32, seed=3)
+    slots = _slots(T, seed=3)
+    mapping = LoRAMapping()
+    mapping.set(slots, torch.device("cpu"))
+    some = [gr for gr in mapping.groups if gr[0] != 2]
+    kept = np.where(np.isin(slots, [0, 1]), slots, -1)
+    got, want = y.clone(), y.clone()
+    punica.add_lora(got, x, a, b, some)
+    cpu_op(want, x, a, b, torch.from_numpy(kept))
+    assert torch.equal(got, want)
+    _check(got, add_lora_reference(y, x, a, b, torch.from_numpy(kept)), y, kept)
+
+
+@needs_cpu_kernel
 def test_cpu_kernel_rejects_bad_slots(cpu_op) -> None:
     x, a, b, y = _case(3, 16, 8, 8, torch.float32, torch.float32, seed=0)
     with pytest.raises(RuntimeError, match="slot 4"):
