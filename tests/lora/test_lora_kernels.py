@@ -107,6 +107,38 @@ def test_triton_add_lora_bf16(tri, T: int) -> None:
     _check(out, add_lora_reference(y, x, a, b, torch.from_numpy(slots)), y, slots)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_triton_path_in_a_cuda_graph(tri) -> None:
+    """add_lora captured in a CUDA graph with host syncs made errors; the next step's slots
+    (LoRAMapping.set refills the same buffer) are honoured by a replay."""
+    T = 8
+    x, a, b, y = _case(T, 64, 16, 48, torch.float32, torch.float32, seed=11)
+    xd, ad, bd, yd = x.cuda(), a.cuda(), b.cuda(), y.cuda()
+    out = torch.empty_like(yd)
+    mapping = LoRAMapping()
+    first, second = _slots(T, seed=1), _slots(T, seed=2)[::-1].copy()
+    mapping.set(first, DEVICE)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):         # warm-up (compiles the kernels) off the capture
+        out.copy_(yd)
+        punica.add_lora(out, xd, ad, bd, mapping.groups)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.cuda.graph(graph):
+            out.copy_(yd)
+            punica.add_lora(out, xd, ad, bd, mapping.groups)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for slots in (second, first):
+        mapping.set(slots, DEVICE)
+        graph.replay()
+        torch.cuda.synchronize()
+        _check(out, add_lora_reference(y, x, a, b, torch.from_numpy(slots)), y, slots)
+
+
 # ------------------------------------------------------------------------------------------
 # C++ CPU kernel
 
