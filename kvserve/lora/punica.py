@@ -3,21 +3,87 @@
 Each step the runner gives every token a slot (`token_slots`, -1 = the base model, no delta).
 `LoRAMapping` turns that into groups: per active slot, the tokens that use it — a slice when
 they are contiguous (a request's tokens are; so are a batch's of one adapter), else an index
-tensor. A layer's delta is then, per group (at most --max-loras of them, never per request):
+tensor — and keeps the slots themselves as a tensor for the kernels. A layer's delta is
 
     shrink:  s = x[g] @ A[slot]^T        [Tg, n*R]   (n = fused slices, R = max rank)
     expand:  y[g] += s @ B[slot]^T       [Tg, out]   (B block-diagonal over the slices,
                                                       the LoRA scaling folded in)
+
+computed by one of (add_lora picks; never a loop over requests):
+- CUDA: the Triton kernels (kvserve/ops/triton/lora.py), one shrink and one expand launch
+  for all adapters: static shapes, no host syncs, so a CUDA graph can capture them (the
+  slots live in a buffer that set() refills in place between replays);
+- CPU, up to ops.lora.CPU_KERNEL_MAX_TOKENS tokens: the C++ kernel (csrc/lora.cpp), one call;
+- otherwise (prefill-size batches on CPU, other dtypes, no kernels: KVSERVE_DISABLE_CPU_KERNELS
+  or a failed build, no Triton): two torch matmuls per group (at most --max-loras of them).
 """
 from __future__ import annotations
 
+import functools
+import weakref
 from dataclasses import dataclass, field
-from typing import Union
+from typing import Any, Optional, Union
 
 import numpy as np
 import torch
 
+from kvserve.ops import lora as cpu_lora
+
 Group = tuple[int, Union[slice, torch.Tensor]]
+
+
+class SlotGroup(tuple):
+    """One Group, (slot, slice | index tensor), that also knows the step's LoRAGroups: a
+    layer may pass add_lora a filtered plain list of them (the slots whose adapter targets
+    it) and the kernels still find the step's token -> slot tensor."""
+    owner: "Optional[weakref.ref[LoRAGroups]]" = None
+
+
+class LoRAGroups(list):
+    """A step's groups (a list of Group, as before) that also carry the token -> slot tensor
+    the kernels read (token_slots [T] int64 on the model's device), and what is derived from
+    it once per step (the slots of a subset of the groups, the Triton grouping)."""
+
+    def __init__(self, groups: list[Group], token_slots: torch.Tensor) -> None:
+        items = []
+        for group in groups:
+            item = SlotGroup(group)
+            item.owner = weakref.ref(self)
+            items.append(item)
+        super().__init__(items)
+        self.token_slots = token_slots
+        self._subsets: dict[tuple[int, ...], torch.Tensor] = {}
+        self._meta: dict[tuple[int, int], Any] = {}
+
+    def slots_for(self, groups: list[Group]) -> torch.Tensor:
+        """token_slots with the slots outside `groups` (a subset of this step's) set to -1.
+        On CUDA the full tensor: a slot a layer's adapter does not target has zero A and B
+        there, so its delta is an exact 0, and nothing is derived on the host mid-forward."""
+        if len(groups) == len(self) or self.token_slots.is_cuda:
+            return self.token_slots
+        key = tuple(sorted(int(g[0]) for g in groups))
+        slots = self._subsets.get(key)
+        if slots is None:
+            host = self.token_slots.numpy()
+            slots = torch.from_numpy(np.where(np.isin(host, key), host, -1))
+            self._subsets[key] = slots
+        return slots
+
+    def triton_meta(self, token_slots: torch.Tensor, num_slots: int) -> Any:
+        key = (token_slots.data_ptr(), num_slots)
+        meta = self._meta.get(key)
+        if meta is None:
+            meta = self._meta[key] = _triton().lora_meta(token_slots, num_slots)
+        return meta
+
+
+def step_groups(groups: list[Group]) -> Optional[LoRAGroups]:
+    """The LoRAGroups that `groups` (it, or a list of some of its items) come from; None for
+    groups built some other way (then add_lora takes the torch path)."""
+    if isinstance(groups, LoRAGroups):
+        return groups
+    owner = getattr(groups[0], "owner", None) if groups else None
+    return owner() if owner is not None else None
 
 
 @dataclass
@@ -25,6 +91,8 @@ class LoRAMapping:
     """This step's token -> slot grouping, shared by every LoRA layer of the model."""
     groups: list[Group] = field(default_factory=list)
     num_tokens: int = 0
+    # CUDA: the slots' device buffer, refilled in place each step (a captured graph reads it).
+    _slots_buf: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)
 
     def set(self, token_slots: np.ndarray, device: torch.device) -> None:
         """token_slots [T] int: the slot of each token of the flattened batch, -1 for base."""
@@ -38,10 +106,38 @@ class LoRAMapping:
                 groups.append((int(slot), slice(int(idx[0]), int(idx[-1]) + 1)))
             else:
                 groups.append((int(slot), torch.from_numpy(idx).to(device)))
-        self.groups = groups
+        host = torch.from_numpy(np.array(token_slots, dtype=np.int64))   # a copy: ours
+        self.groups = LoRAGroups(groups, self._device_slots(host, torch.device(device)))
+
+    def _device_slots(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
+        if device.type == "cpu":
+            return host
+        buf = self._slots_buf
+        if buf is None or buf.device != device or buf.shape[0] < host.shape[0]:
+            buf = self._slots_buf = torch.full((max(host.shape[0], 256),), -1,
+                                               dtype=torch.int64, device=device)
+        view = buf[:host.shape[0]]
+        view.copy_(host)
+        return view
 
     def clear(self) -> None:
         self.groups, self.num_tokens = [], 0
+
+
+@functools.lru_cache(maxsize=1)
+def _triton() -> Any:
+    """The Triton kernels (imported on first use: CPU runs never need Triton)."""
+    from kvserve.ops.triton import lora
+    return lora
+
+
+@functools.lru_cache(maxsize=1)
+def _triton_available() -> bool:
+    try:
+        _triton()
+        return True
+    except Exception:    # no Triton (or no working backend): the torch path
+        return False
 
 
 def add_lora(y: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor, b_stack: torch.Tensor,
@@ -49,6 +145,23 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor, b_stack: t
     """y[T, out] += per group: (x[g] @ a_stack[slot]^T) @ b_stack[slot]^T, in place.
 
     a_stack [S, n*R, in], b_stack [S, out, n*R]; groups from LoRAMapping."""
+    if not groups:
+        return
+    step = step_groups(groups)
+    if (step is not None and y.dim() == 2
+            and x.shape[0] == step.token_slots.shape[0] == y.shape[0]):
+        if y.is_cuda:
+            if _triton_available():
+                add_lora_triton(y, x, a_stack, b_stack, groups)
+                return
+        elif cpu_lora.fused_delta(y, x, a_stack, b_stack, step.slots_for(groups)):
+            return
+    add_lora_torch(y, x, a_stack, b_stack, groups)
+
+
+def add_lora_torch(y: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor,
+                   b_stack: torch.Tensor, groups: list[Group]) -> None:
+    """add_lora's torch path: two matmuls per group (the fallback everywhere)."""
     for slot, g in groups:
         shrunk = x[g] @ a_stack[slot].t()
         delta = shrunk @ b_stack[slot].t()
@@ -56,6 +169,19 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor, b_stack: t
             y[g] += delta
         else:
             y.index_add_(0, g, delta)
+
+
+def add_lora_triton(y: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor,
+                    b_stack: torch.Tensor, groups: list[Group]) -> None:
+    """add_lora with the Triton kernels (CUDA; on CPU tensors under TRITON_INTERPRET=1 in tests):
+    one shrink and one expand launch over every adapter group. `groups` from LoRAMapping (or
+    some of its items)."""
+    ops = _triton()
+    step = step_groups(groups)
+    if step is None:
+        raise ValueError("add_lora_triton: groups must come from LoRAMapping.set")
+    meta = step.triton_meta(step.slots_for(groups), a_stack.shape[0])
+    ops.lora_expand(y, ops.lora_shrink(x, a_stack, meta), b_stack, meta)
 
 
 def add_lora_reference(y: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor,
