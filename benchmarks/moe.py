@@ -64,6 +64,15 @@ def ensure_moe_checkpoint(size: str, dtype: str, model_dir: str) -> str:
     return path
 
 
+def uptime() -> str:
+    """The load average (the machine is shared: numbers are read beside it)."""
+    try:
+        with open("/proc/loadavg") as f:
+            return "load average " + " ".join(f.read().split()[:3])
+    except OSError:
+        return "unknown"
+
+
 def param_bytes(size: str, dtype: str) -> dict[str, int]:
     """Total weight bytes, and those a batch-1 decode step reads (one embedding row aside)."""
     c = SIZES[size]
@@ -131,6 +140,53 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def kernel_sweep(size: str, dtypes: list[str],
+                 pairs: tuple[int, ...] = (2, 4, 8, 16, 32, 64, 128, 256),
+                 layers: int = 8) -> list[dict]:
+    """One MoE layer's experts at the size's shapes: the C++ kernel against the grouped torch
+    GEMMs per step of T tokens (T * k pairs), weights of `layers` layers cycled so each call
+    reads its experts from memory, not cache. The crossover sets ops/moe.py's
+    MAX_DECODE_PAIRS. Also each kernel call's implied GB/s (routed experts' bytes / time)."""
+    from kvserve.model.layers.fused_moe import fused_experts_torch, select_experts
+    from kvserve.ops import moe as moe_ops
+
+    c = SIZES[size]
+    E, H, inter, k = (c["num_local_experts"], c["hidden_size"], c["intermediate_size"],
+                      c["num_experts_per_tok"])
+    rows = []
+    for dtype in dtypes:
+        wd = xd = getattr(torch, dtype)
+        gen = torch.Generator().manual_seed(0)
+        ws = [((torch.randn(E, 2 * inter, H, generator=gen) / H ** 0.5).to(wd),
+               (torch.randn(E, H, inter, generator=gen) / inter ** 0.5).to(wd))
+              for _ in range(layers)]
+        for p in pairs:
+            T = max(1, p // k)
+            x = torch.randn(T, H, generator=gen).to(xd)
+            weights, ids = select_experts(torch.randn(T, E, generator=gen), k, True)
+            routed = int(torch.unique(ids).numel())
+            times = {}
+            for name, fn in (("kernel", moe_ops.fused_moe_cpu), ("torch", fused_experts_torch)):
+                fn(x, *ws[0], weights, ids)                               # warm-up
+                best = float("inf")
+                for _ in range(3):
+                    t0 = time.perf_counter()
+                    for w13, w2 in ws:
+                        fn(x, w13, w2, weights, ids)
+                    best = min(best, (time.perf_counter() - t0) / layers)
+                times[name] = best
+            nbytes = routed * 3 * H * inter * torch.finfo(wd).bits // 8
+            rows.append({"dtype": dtype, "pairs": T * k, "tokens": T, "routed": routed,
+                         "kernel_ms": times["kernel"] * 1e3, "torch_ms": times["torch"] * 1e3,
+                         "speedup": times["torch"] / times["kernel"],
+                         "kernel_gb_s": nbytes / times["kernel"] / 1e9})
+            r = rows[-1]
+            print(f"  {dtype:9s} T={T:4d} pairs={T * k:4d} experts={routed:2d}: kernel "
+                  f"{r['kernel_ms']:.3f} ms ({r['kernel_gb_s']:.1f} GB/s), torch "
+                  f"{r['torch_ms']:.3f} ms -> {r['speedup']:.2f}x", flush=True)
+    return rows
+
+
 def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--size", choices=sorted(SIZES), default="small")
@@ -142,12 +198,21 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--hf-batch-size", type=int, default=8)
     p.add_argument("--batch1-tokens", type=int, default=32)
     p.add_argument("--output-json", default=None)
+    p.add_argument("--kernel-sweep", action="store_true",
+                   help="only time one layer's experts: C++ kernel vs grouped torch GEMMs")
     return p
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = make_parser().parse_args(argv)
     start = time.perf_counter()
+    if args.kernel_sweep:
+        print(f"{args.size} MoE layer on {machine_description()}; uptime: {uptime()}")
+        rows = kernel_sweep(args.size, ["float32", "bfloat16"])
+        if args.output_json:
+            with open(args.output_json, "w") as f:
+                json.dump(rows, f, indent=2)
+        return 0
     result = run(args)
     print(f"{args.size} MoE ({result['total_params'] / 1e6:.0f}M total, "
           f"{result['active_params'] / 1e6:.0f}M active, {args.dtype}) on {result['machine']}")

@@ -16,8 +16,8 @@ from torch import nn
 
 from kvserve.distributed.parallel_state import (get_tp_rank, get_tp_world_size,
                                                 tensor_model_parallel_all_reduce)
+from kvserve.model.layers.fused_moe.fused_moe import fused_experts
 from kvserve.model.layers.fused_moe.routing import select_experts
-from kvserve.model.layers.fused_moe.torch_moe import fused_experts_torch
 from kvserve.model.layers.linear import copy_checked, divide, shard
 
 ExpertShard = tuple[int, str]       # (expert id, "w1" gate | "w3" up | "w2" down)
@@ -68,8 +68,8 @@ class FusedMoE(nn.Module):
         """hidden_states [T, H], router_logits [T, E] -> [T, H] (summed over the TP ranks
         unless reduce_results is False: then this rank's partial sum)."""
         topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
-        out = fused_experts_torch(hidden_states, self.w13_weight, self.w2_weight,
-                                  topk_weights, topk_ids)
+        out = fused_experts(hidden_states, self.w13_weight, self.w2_weight, topk_weights,
+                            topk_ids)
         if self.reduce_results and self.tp_size > 1:
             out = tensor_model_parallel_all_reduce(out)
         return out
