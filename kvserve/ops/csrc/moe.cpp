@@ -286,7 +286,8 @@ std::string isa() {
 
 // A fragment: paged_attention.cpp owns TORCH_LIBRARY(kvserve).
 TORCH_LIBRARY_FRAGMENT(kvserve, m) {
-  m.def("fused_moe(Tensor x, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids) -> Tensor");
+  m.def("fused_moe(Tensor x, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids) "
+        "-> Tensor");
   m.def("fused_moe_isa() -> str", &isa);
 }
 
