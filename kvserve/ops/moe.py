@@ -19,9 +19,12 @@ import torch
 
 from kvserve.ops.build import CpuKernel
 
-# Largest T * k sent to the kernel. benchmarks/moe.py --kernel-sweep (2 threads, Zen 3 AVX2,
-# loaded; the "small" and "full" benchmark shapes): the kernel wins by 1.3-5x up to 32 pairs
-# and is still ahead at 64 (bf16); the grouped GEMMs of torch (oneDNN) win from ~128 pairs.
+# Largest T * k sent to the kernel. benchmarks/moe.py --kernel-sweep (the "small" shapes, 2
+# threads, Zen 3 AVX2, a heavily loaded host: load average 10-14 on 2 cores): the kernel was
+# ahead of the grouped torch GEMMs at every size tried, 2-256 pairs (3-8x f32; bf16 x, whose
+# torch GEMMs are emulated on AVX2, 5-40x, one outlier), so no crossover was seen; the GEMMs'
+# FLOP rate wins at prefill sizes, and 64 keeps every decode batch of <= 32 sequences (top-2)
+# on the kernel. To be re-measured on a quiet host (larger pairs).
 MAX_DECODE_PAIRS = 64
 
 _KERNEL = CpuKernel("moe.cpp", op="fused_moe", isa_op="fused_moe_isa",
