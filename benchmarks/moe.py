@@ -9,6 +9,8 @@ machine builds and runs it in minutes) is hidden 512, 8 layers, 8 experts of 512
 
     python benchmarks/moe.py [--size small|full] [--dtype float32|bfloat16] [--rounds 2]
         [--num-prompts 16] [--output-len 32] [--hf-batch-size 8] [--output-json out.json]
+        [--moe-path kernel|torch|both]      # kvserve's decode experts (default: both, in turn)
+    python benchmarks/moe.py --kernel-sweep [--size ...]   # one layer: kernel vs torch GEMMs
 
 Bytes per token at batch 1 cannot be counted directly here; "implied GB/s" = active weight
 bytes x decode tok/s is what a step that streams only the routed experts would need, to be
@@ -64,6 +66,15 @@ def ensure_moe_checkpoint(size: str, dtype: str, model_dir: str) -> str:
     return path
 
 
+def uptime() -> str:
+    """The load average (the machine is shared: numbers are read beside it)."""
+    try:
+        with open("/proc/loadavg") as f:
+            return "load average " + " ".join(f.read().split()[:3])
+    except OSError:
+        return "unknown"
+
+
 def param_bytes(size: str, dtype: str) -> dict[str, int]:
     """Total weight bytes, and those a batch-1 decode step reads (one embedding row aside)."""
     c = SIZES[size]
@@ -80,13 +91,20 @@ def param_bytes(size: str, dtype: str) -> dict[str, int]:
             "total_bytes": total * per_el, "active_bytes": active * per_el}
 
 
-def kvserve_round(path: str, dtype: str, requests: list, args: argparse.Namespace) -> dict:
+def kvserve_round(path: str, dtype: str, requests: list, args: argparse.Namespace,
+                  kernel: bool = True) -> dict:
+    """One kvserve run; `kernel`: the C++ fused-experts kernel for decode steps, else the
+    grouped torch GEMMs for every step (the engine core runs in this process, so the switch
+    reaches it; every other C++ kernel stays on)."""
     from kvserve import LLM
     from kvserve.benchmarks.latency import measure_decode_throughput
+    from kvserve.ops import moe as moe_ops
 
     lens = [r.prompt_len + r.expected_output_len for r in requests]
+    moe_ops.set_kernel_enabled(kernel)
     llm = LLM(path, dtype=dtype, max_model_len=max(lens) + 80, max_num_seqs=len(requests),
-              kv_cache_memory=kv_cache_bytes_for(path, dtype, lens + [96]), seed=0)
+              kv_cache_memory=kv_cache_bytes_for(path, dtype, lens + [96]), seed=0,
+              multiprocessing=False)
     try:
         elapsed, out = run_kvserve(requests, llm, temperature=0.0)
         b1 = measure_decode_throughput(llm, 1, 32, args.batch1_tokens, num_iters=2)
@@ -94,6 +112,7 @@ def kvserve_round(path: str, dtype: str, requests: list, args: argparse.Namespac
         llm.shutdown()
         del llm
         gc.collect()
+        moe_ops.set_kernel_enabled(True)
     return {"output_tok_s": sum(out) / elapsed, "batch1_tok_s": b1["decode_tokens_per_second"]}
 
 
@@ -116,19 +135,76 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                               "dtype": args.dtype, **param_bytes(args.size, args.dtype),
                               "read_gb_s": measure_memory_bandwidth(256)["read_gb_s"],
                               "rounds": []}
-    for r in range(args.rounds):      # alternating: drift on a shared host hits both sides
-        k = kvserve_round(path, args.dtype, requests, args)
-        h = hf_round(path, args.dtype, requests, args)
-        result["rounds"].append({"kvserve": k, "hf": h})
-        print(f"round {r}: kvserve {k['output_tok_s']:.1f} tok/s, batch-1 {k['batch1_tok_s']:.1f}"
-              f" | HF {h['output_tok_s']:.1f} tok/s, batch-1 {h['batch1_tok_s']:.1f}", flush=True)
+    sides = {"kernel": True, "torch": False}
+    sides = {name: flag for name, flag in sides.items() if args.moe_path in (name, "both")}
+    for r in range(args.rounds):      # alternating: drift on a shared host hits all sides
+        rd = {f"kvserve_{name}": kvserve_round(path, args.dtype, requests, args, flag)
+              for name, flag in sides.items()}
+        rd["hf"] = hf_round(path, args.dtype, requests, args)
+        rd["uptime"] = uptime()
+        result["rounds"].append(rd)
+        print(f"round {r} ({rd['uptime']}): " + " | ".join(
+            f"{side} {v['output_tok_s']:.1f} tok/s, batch-1 {v['batch1_tok_s']:.1f}"
+            for side, v in rd.items() if side != "uptime"), flush=True)
+    names = [k for k in result["rounds"][0] if k != "uptime"]
     best = {side: {m: max(rd[side][m] for rd in result["rounds"])
-                   for m in ("output_tok_s", "batch1_tok_s")} for side in ("kvserve", "hf")}
+                   for m in ("output_tok_s", "batch1_tok_s")} for side in names}
     result["best"] = best
-    result["throughput_ratio"] = best["kvserve"]["output_tok_s"] / best["hf"]["output_tok_s"]
-    result["batch1_ratio"] = best["kvserve"]["batch1_tok_s"] / best["hf"]["batch1_tok_s"]
-    result["kvserve_batch1_implied_gb_s"] = best["kvserve"]["batch1_tok_s"] * result["active_bytes"] / 1e9
+    for side in names:
+        if side == "hf":
+            continue
+        result[f"{side}_throughput_ratio"] = best[side]["output_tok_s"] / best["hf"]["output_tok_s"]
+        result[f"{side}_batch1_ratio"] = best[side]["batch1_tok_s"] / best["hf"]["batch1_tok_s"]
+        result[f"{side}_batch1_implied_gb_s"] = (best[side]["batch1_tok_s"]
+                                                 * result["active_bytes"] / 1e9)
     return result
+
+
+def kernel_sweep(size: str, dtypes: list[str],
+                 pairs: tuple[int, ...] = (2, 4, 8, 16, 32, 64, 128, 256),
+                 layers: int = 8) -> list[dict]:
+    """One MoE layer's experts at the size's shapes: the C++ kernel against the grouped torch
+    GEMMs per step of T tokens (T * k pairs), weights of `layers` layers cycled so each call
+    reads its experts from memory, not cache. The crossover sets ops/moe.py's
+    MAX_DECODE_PAIRS. Also each kernel call's implied GB/s (routed experts' bytes / time)."""
+    from kvserve.model.layers.fused_moe import fused_experts_torch, select_experts
+    from kvserve.ops import moe as moe_ops
+
+    c = SIZES[size]
+    E, H, inter, k = (c["num_local_experts"], c["hidden_size"], c["intermediate_size"],
+                      c["num_experts_per_tok"])
+    rows = []
+    for dtype in dtypes:
+        wd = xd = getattr(torch, dtype)
+        gen = torch.Generator().manual_seed(0)
+        ws = [((torch.randn(E, 2 * inter, H, generator=gen) / H ** 0.5).to(wd),
+               (torch.randn(E, H, inter, generator=gen) / inter ** 0.5).to(wd))
+              for _ in range(layers)]
+        for p in pairs:
+            T = max(1, p // k)
+            x = torch.randn(T, H, generator=gen).to(xd)
+            weights, ids = select_experts(torch.randn(T, E, generator=gen), k, True)
+            routed = int(torch.unique(ids).numel())
+            times = {}
+            for name, fn in (("kernel", moe_ops.fused_moe_cpu), ("torch", fused_experts_torch)):
+                fn(x, *ws[0], weights, ids)                               # warm-up
+                best = float("inf")
+                for _ in range(3):
+                    t0 = time.perf_counter()
+                    for w13, w2 in ws:
+                        fn(x, w13, w2, weights, ids)
+                    best = min(best, (time.perf_counter() - t0) / layers)
+                times[name] = best
+            nbytes = routed * 3 * H * inter * torch.finfo(wd).bits // 8
+            rows.append({"dtype": dtype, "pairs": T * k, "tokens": T, "routed": routed,
+                         "kernel_ms": times["kernel"] * 1e3, "torch_ms": times["torch"] * 1e3,
+                         "speedup": times["torch"] / times["kernel"],
+                         "kernel_gb_s": nbytes / times["kernel"] / 1e9})
+            r = rows[-1]
+            print(f"  {dtype:9s} T={T:4d} pairs={T * k:4d} experts={routed:2d}: kernel "
+                  f"{r['kernel_ms']:.3f} ms ({r['kernel_gb_s']:.1f} GB/s), torch "
+                  f"{r['torch_ms']:.3f} ms -> {r['speedup']:.2f}x", flush=True)
+    return rows
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -142,22 +218,37 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--hf-batch-size", type=int, default=8)
     p.add_argument("--batch1-tokens", type=int, default=32)
     p.add_argument("--output-json", default=None)
+    p.add_argument("--moe-path", choices=["kernel", "torch", "both"], default="both",
+                   help="kvserve's decode experts: the C++ kernel, the grouped torch GEMMs, "
+                        "or each in turn in every round")
+    p.add_argument("--kernel-sweep", action="store_true",
+                   help="only time one layer's experts: C++ kernel vs grouped torch GEMMs")
     return p
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = make_parser().parse_args(argv)
     start = time.perf_counter()
+    if args.kernel_sweep:
+        print(f"{args.size} MoE layer on {machine_description()}; uptime: {uptime()}")
+        rows = kernel_sweep(args.size, ["float32", "bfloat16"])
+        if args.output_json:
+            with open(args.output_json, "w") as f:
+                json.dump(rows, f, indent=2)
+        return 0
     result = run(args)
     print(f"{args.size} MoE ({result['total_params'] / 1e6:.0f}M total, "
-          f"{result['active_params'] / 1e6:.0f}M active, {args.dtype}) on {result['machine']}")
-    print(f"  offline throughput: kvserve / HF = {result['throughput_ratio']:.2f}x; batch-1 decode "
-          f"kvserve / HF = {result['batch1_ratio']:.2f}x")
-    print(f"  batch-1: active weights {result['active_bytes'] / 2**20:.0f} MiB of "
-          f"{result['total_bytes'] / 2**20:.0f} MiB per token -> "
-          f"{result['kvserve_batch1_implied_gb_s']:.1f} GB/s implied "
-          f"(measured read bandwidth {result['read_gb_s']:.1f} GB/s); "
-          f"{time.perf_counter() - start:.0f} s")
+          f"{result['active_params'] / 1e6:.0f}M active, {args.dtype}) on {result['machine']}; "
+          f"{uptime()}")
+    print(f"  batch-1 active weights {result['active_bytes'] / 2**20:.0f} MiB of "
+          f"{result['total_bytes'] / 2**20:.0f} MiB per token; measured read bandwidth "
+          f"{result['read_gb_s']:.1f} GB/s; {time.perf_counter() - start:.0f} s")
+    for side in (k for k in result["best"] if k != "hf"):
+        gb_s = result[f"{side}_batch1_implied_gb_s"]
+        print(f"  {side}: offline throughput / HF = {result[f'{side}_throughput_ratio']:.2f}x; "
+              f"batch-1 decode {result['best'][side]['batch1_tok_s']:.1f} tok/s "
+              f"({result[f'{side}_batch1_ratio']:.2f}x HF) -> {gb_s:.1f} GB/s implied = "
+              f"{100 * gb_s / result['read_gb_s']:.0f}% of the measured read bandwidth")
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(result, f, indent=2)

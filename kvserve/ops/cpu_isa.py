@@ -76,9 +76,10 @@ def configure(cpu_config: Any) -> None:
     if cpu_config is not None:
         resolve_tier(cpu_config.cpu_isa)     # a tier the CPU lacks fails here, at start-up
     _configured = cpu_config
-    from kvserve.ops import fused, linear    # they import this module
+    from kvserve.ops import fused, linear, moe    # they import this module
     linear.reset_dispatch()
     fused.reset_dispatch()
+    moe.reset_dispatch()
 
 
 def resolve_tier(isa: Optional[str] = "auto") -> Optional[str]:

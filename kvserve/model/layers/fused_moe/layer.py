@@ -27,6 +27,7 @@ from torch import nn
 from kvserve.distributed.parallel_state import (get_ep_rank, get_ep_world_size, get_tp_rank,
                                                 get_tp_world_size,
                                                 tensor_model_parallel_all_reduce)
+from kvserve.model.layers.fused_moe.fused_moe import fused_experts
 from kvserve.model.layers.fused_moe.routing import select_experts
 from kvserve.model.layers.fused_moe.torch_moe import fused_experts_torch
 from kvserve.model.layers.linear import copy_checked, divide, shard
@@ -110,9 +111,14 @@ class FusedMoE(nn.Module):
         unless reduce_results is False: then this rank's partial sum)."""
         topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
         if self.ep_size > 1:
-            topk_ids = self.expert_map[topk_ids]     # local ids; -1: another rank's, skipped
-        out = fused_experts_torch(hidden_states, self.w13_weight, self.w2_weight,
-                                  topk_weights, topk_ids)
+            # Local ids; -1 marks another rank's expert, which only the grouped torch path
+            # skips (the C++ and Triton kernels take ids in [0, E)).
+            topk_ids = self.expert_map[topk_ids]
+            out = fused_experts_torch(hidden_states, self.w13_weight, self.w2_weight,
+                                      topk_weights, topk_ids)
+        else:
+            out = fused_experts(hidden_states, self.w13_weight, self.w2_weight, topk_weights,
+                                topk_ids)
         if self.reduce_results and self.tp_size > 1:
             out = tensor_model_parallel_all_reduce(out)
         return out

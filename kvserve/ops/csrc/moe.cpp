@@ -1,0 +1,294 @@
+// Fused mixture-of-experts for CPU decode steps: only the routed experts' weights are read.
+//
+//   fused_moe(x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, k] float32,
+//             topk_ids [T, k] int64) -> out [T, H]
+//
+//   out[t] = sum_j topk_weights[t, j] * w2[e] @ (silu(w13[e, :I] @ x[t]) * (w13[e, I:] @ x[t])),
+//            e = topk_ids[t, j]
+//
+// dtypes: x float32 with float32 or bfloat16 weights (bf16 widened to float32 in registers),
+// or x bfloat16 with bfloat16 weights (x widened once); all math and the intermediate
+// activation in float32, the output rounded once to x's dtype.
+//
+// With few (token, expert) pairs the op is a stream over the routed experts' weights, so its
+// speed is the memory bandwidth. The pairs are grouped by expert (on the host: T * k is
+// small), so an expert chosen by several tokens is read once for all of them. Two passes, each
+// one at::parallel_for over OUTPUT ROWS, so the threads read disjoint bytes of every expert:
+//   1. act[p, i] = silu(gate_i . x) * (up_i . x) for i in [0, I): thread range of i, rows
+//      gate_i (w13[e, i]) and up_i (w13[e, I + i]) against the x rows of the expert's pairs;
+//   2. out[t, h] += weight_p * (w2[e, h] . act[p]) for h in [0, H): thread range of h.
+// Each output element is written by one thread only (no atomics, a fixed summation order: the
+// result does not depend on the thread count).
+//
+// Vector path: AVX2 + FMA (vec_avx2.h; 8 lanes, several weight rows per pass so the FMA
+// chains are independent); bf16 weights are widened with a shift. Other tiers: plain loops.
+// Larger batches (prefill) are better served by GEMMs: the Python side sends only small
+// steps here (kvserve/ops/moe.py).
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "vec_avx2.h"
+
+namespace {
+
+#define KVS_INLINE inline __attribute__((always_inline))
+// Vector code lives apart from the checking entry (errors never unwind through it; see
+// fused.cpp's KVS_NOINLINE).
+#define KVS_NOINLINE __attribute__((noinline))
+
+using bf16 = c10::BFloat16;
+
+// Minimum weight elements per parallel task: below it the fork / join costs more than the
+// second core gains.
+constexpr int64_t kMinElemsPerTask = 32768;
+// x rows (pairs of one expert) per pass over a weight row group.
+constexpr int kMaxRowsPerPass = 4;
+// Software prefetch distance along the row streams (bytes); rows of 1-2 KB are short enough
+// that the hardware prefetcher restarts at every row group (linear.cpp's kPairPrefetchBytes).
+constexpr int64_t kPrefetchBytes = 1024;
+
+inline float to_float(float v) { return v; }
+inline float to_float(bf16 v) { return static_cast<float>(v); }
+
+// res[m][r] = x[m] . w[r] over K: MB float32 x rows, R weight rows (any storage).
+template <typename TW, int MB, int R>
+KVS_INLINE void dots(const float* const* x, const TW* const* w, int64_t K, float (&res)[MB][R]) {
+#if defined(KVS_AVX2)
+  using namespace kvs_avx2;
+  static_assert(MB * R <= 8, "accumulators, weights and one x vector must fit 16 registers");
+  __m256 acc[MB * R];
+  for (int i = 0; i < MB * R; ++i) acc[i] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    if ((k * static_cast<int64_t>(sizeof(TW))) % 64 == 0)
+      for (int r = 0; r < R; ++r)
+        _mm_prefetch(reinterpret_cast<const char*>(w[r] + k) + kPrefetchBytes, _MM_HINT_T0);
+    __m256 wv[R];
+    for (int r = 0; r < R; ++r) wv[r] = load8(w[r] + k);
+    for (int m = 0; m < MB; ++m) {
+      const __m256 xv = _mm256_loadu_ps(x[m] + k);
+      for (int r = 0; r < R; ++r) acc[m * R + r] = _mm256_fmadd_ps(xv, wv[r], acc[m * R + r]);
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int r = 0; r < R; ++r) {
+      float t = hsum8(acc[m * R + r]);
+      for (int64_t j = k; j < K; ++j) t += x[m][j] * to_float(w[r][j]);
+      res[m][r] = t;
+    }
+#else
+  for (int m = 0; m < MB; ++m)
+    for (int r = 0; r < R; ++r) {
+      float t = 0.f;
+      for (int64_t j = 0; j < K; ++j) t += x[m][j] * to_float(w[r][j]);
+      res[m][r] = t;
+    }
+#endif
+}
+
+inline float silu(float g) { return g / (1.f + std::exp(-g)); }
+
+// The (token, expert) pairs grouped by expert: pairs [start[g], start[g + 1]) use expert[g].
+struct Groups {
+  std::vector<int64_t> expert, start, token;
+  std::vector<float> weight;
+};
+
+Groups group_pairs(const int64_t* ids, const float* weights, int64_t T, int64_t k, int64_t E) {
+  std::vector<int64_t> count(E, 0);
+  for (int64_t p = 0; p < T * k; ++p) ++count[ids[p]];
+  Groups g;
+  std::vector<int64_t> pos(E, 0);
+  int64_t at = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    pos[e] = at;
+    if (count[e] > 0) {
+      g.expert.push_back(e);
+      g.start.push_back(at);
+    }
+    at += count[e];
+  }
+  g.start.push_back(at);
+  g.token.resize(T * k);
+  g.weight.resize(T * k);
+  for (int64_t p = 0; p < T * k; ++p) {   // stable: a group keeps its tokens in order
+    const int64_t q = pos[ids[p]]++;
+    g.token[q] = p / k;
+    g.weight[q] = weights[p];
+  }
+  return g;
+}
+
+// Pass 1 for one expert's pairs [p0, p0 + MB) and rows [i0, i1): act[p, i].
+template <typename TW, int MB>
+KVS_INLINE void gate_up_rows(const float* const* x, const TW* w13e, float* const* act, int64_t i0,
+                             int64_t i1, int64_t I, int64_t H) {
+  constexpr int kPairsPerPass = MB == 1 ? 2 : 1;   // 4 weight rows for 1 x row, 2 for more
+  int64_t i = i0;
+  for (; i + kPairsPerPass <= i1; i += kPairsPerPass) {
+    const TW* w[2 * kPairsPerPass];
+    for (int j = 0; j < kPairsPerPass; ++j) {
+      w[2 * j] = w13e + (i + j) * H;
+      w[2 * j + 1] = w13e + (I + i + j) * H;
+    }
+    float res[MB][2 * kPairsPerPass];
+    dots<TW, MB, 2 * kPairsPerPass>(x, w, H, res);
+    for (int m = 0; m < MB; ++m)
+      for (int j = 0; j < kPairsPerPass; ++j)
+        act[m][i + j] = silu(res[m][2 * j]) * res[m][2 * j + 1];
+  }
+  for (; i < i1; ++i) {
+    const TW* w[2] = {w13e + i * H, w13e + (I + i) * H};
+    float res[MB][2];
+    dots<TW, MB, 2>(x, w, H, res);
+    for (int m = 0; m < MB; ++m) act[m][i] = silu(res[m][0]) * res[m][1];
+  }
+}
+
+// Pass 2 for one expert's pairs and rows [h0, h1): out[token, h] += weight * (w2 row . act).
+template <typename TW, int MB>
+KVS_INLINE void down_rows(const float* const* act, const TW* w2e, float* const* out,
+                          const float* wt, int64_t h0, int64_t h1, int64_t I) {
+  constexpr int R = MB == 1 ? 4 : 2;
+  int64_t h = h0;
+  for (; h + R <= h1; h += R) {
+    const TW* w[R];
+    for (int r = 0; r < R; ++r) w[r] = w2e + (h + r) * I;
+    float res[MB][R];
+    dots<TW, MB, R>(act, w, I, res);
+    for (int m = 0; m < MB; ++m)
+      for (int r = 0; r < R; ++r) out[m][h + r] += wt[m] * res[m][r];
+  }
+  for (; h < h1; ++h) {
+    const TW* w[1] = {w2e + h * I};
+    float res[MB][1];
+    dots<TW, MB, 1>(act, w, I, res);
+    for (int m = 0; m < MB; ++m) out[m][h] += wt[m] * res[m][0];
+  }
+}
+
+// Calls fn.template operator()<MB>(pairs offset) over a group's pairs in chunks of <= 4.
+template <typename Fn>
+KVS_INLINE void for_chunks(int64_t p0, int64_t p1, Fn&& fn) {
+  for (int64_t p = p0; p < p1;) {
+    const int64_t n = std::min<int64_t>(kMaxRowsPerPass, p1 - p);
+    if (n == 1) fn(std::integral_constant<int, 1>{}, p);
+    else if (n == 2) fn(std::integral_constant<int, 2>{}, p);
+    else if (n == 3) fn(std::integral_constant<int, 3>{}, p);
+    else fn(std::integral_constant<int, 4>{}, p);
+    p += n;
+  }
+}
+
+template <typename TW>
+KVS_NOINLINE void run(const float* xf, const TW* w13, const TW* w2, const Groups& g, float* act,
+                      float* outf, int64_t H, int64_t I) {
+  const int64_t G = static_cast<int64_t>(g.expert.size());
+  // Pass 1 over the intermediate rows: each row is 2 weight rows of H per routed expert.
+  const int64_t grain1 = std::max<int64_t>(4, kMinElemsPerTask / std::max<int64_t>(1, 2 * H * G));
+  at::parallel_for(0, I, grain1, [&](int64_t i0, int64_t i1) {
+    for (int64_t gi = 0; gi < G; ++gi) {
+      const TW* w13e = w13 + g.expert[gi] * 2 * I * H;
+      for_chunks(g.start[gi], g.start[gi + 1], [&](auto mb, int64_t p) {
+        constexpr int MB = decltype(mb)::value;
+        const float* x[MB];
+        float* a[MB];
+        for (int m = 0; m < MB; ++m) {
+          x[m] = xf + g.token[p + m] * H;
+          a[m] = act + (p + m) * I;
+        }
+        gate_up_rows<TW, MB>(x, w13e, a, i0, i1, I, H);
+      });
+    }
+  });
+  // Pass 2 over the hidden rows: each is one weight row of I per routed expert.
+  const int64_t grain2 = std::max<int64_t>(4, kMinElemsPerTask / std::max<int64_t>(1, I * G));
+  at::parallel_for(0, H, grain2, [&](int64_t h0, int64_t h1) {
+    for (int64_t gi = 0; gi < G; ++gi) {
+      const TW* w2e = w2 + g.expert[gi] * H * I;
+      for_chunks(g.start[gi], g.start[gi + 1], [&](auto mb, int64_t p) {
+        constexpr int MB = decltype(mb)::value;
+        const float* a[MB];
+        float* o[MB];
+        for (int m = 0; m < MB; ++m) {
+          a[m] = act + (p + m) * I;
+          o[m] = outf + g.token[p + m] * H;
+        }
+        down_rows<TW, MB>(a, w2e, o, g.weight.data() + p, h0, h1, I);
+      });
+    }
+  });
+}
+
+at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2,
+                     const at::Tensor& topk_weights, const at::Tensor& topk_ids) {
+  TORCH_CHECK(x.device().is_cpu() && w13.device().is_cpu() && w2.device().is_cpu() &&
+                  topk_weights.device().is_cpu() && topk_ids.device().is_cpu(),
+              "fused_moe (C++): CPU tensors only");
+  TORCH_CHECK(x.dim() == 2 && w13.dim() == 3 && w2.dim() == 3,
+              "fused_moe: x must be [T, H], w13 [E, 2I, H], w2 [E, H, I]");
+  const int64_t T = x.size(0), H = x.size(1), E = w13.size(0), I = w2.size(2);
+  TORCH_CHECK(w13.size(1) == 2 * I && w13.size(2) == H && w2.size(0) == E && w2.size(1) == H,
+              "fused_moe: shapes disagree: x ", x.sizes(), ", w13 ", w13.sizes(), ", w2 ",
+              w2.sizes());
+  TORCH_CHECK(topk_ids.dim() == 2 && topk_ids.size(0) == T &&
+                  topk_ids.scalar_type() == at::kLong && topk_weights.sizes() == topk_ids.sizes() &&
+                  topk_weights.scalar_type() == at::kFloat,
+              "fused_moe: topk_ids must be int64 [T, k] and topk_weights float32 [T, k]");
+  const at::ScalarType xt = x.scalar_type(), wt = w13.scalar_type();
+  TORCH_CHECK(wt == w2.scalar_type() &&
+                  ((xt == at::kFloat && (wt == at::kFloat || wt == at::kBFloat16)) ||
+                   (xt == at::kBFloat16 && wt == at::kBFloat16)),
+              "fused_moe: x / weight dtypes must be float32 / float32, float32 / bfloat16 or "
+              "bfloat16 / bfloat16, got ", xt, " / ", wt, " (w2 ", w2.scalar_type(), ")");
+  TORCH_CHECK(x.is_contiguous() && w13.is_contiguous() && w2.is_contiguous() &&
+                  topk_weights.is_contiguous() && topk_ids.is_contiguous(),
+              "fused_moe: every input must be contiguous");
+  const int64_t k = topk_ids.size(1);
+  const int64_t* ids = topk_ids.data_ptr<int64_t>();
+  for (int64_t p = 0; p < T * k; ++p)
+    TORCH_CHECK(ids[p] >= 0 && ids[p] < E, "fused_moe: expert id ", ids[p], " out of [0, ", E,
+                ")");
+  if (T == 0 || H == 0) return at::empty({T, H}, x.options());
+  const Groups g = group_pairs(ids, topk_weights.data_ptr<float>(), T, k, E);
+  const at::Tensor xf = xt == at::kFloat ? x : x.to(at::kFloat);
+  at::Tensor act = at::empty({T * k, I}, x.options().dtype(at::kFloat));
+  at::Tensor outf = at::zeros({T, H}, x.options().dtype(at::kFloat));
+  if (wt == at::kFloat)
+    run<float>(xf.data_ptr<float>(), w13.data_ptr<float>(), w2.data_ptr<float>(), g,
+               act.data_ptr<float>(), outf.data_ptr<float>(), H, I);
+  else
+    run<bf16>(xf.data_ptr<float>(), w13.data_ptr<bf16>(), w2.data_ptr<bf16>(), g,
+              act.data_ptr<float>(), outf.data_ptr<float>(), H, I);
+  return xt == at::kFloat ? outf : outf.to(xt);
+}
+
+std::string isa() {
+#if defined(KVS_AVX2)
+  return "avx2 (fma; bf16 weights widened to f32 in registers)";
+#else
+  return "generic";
+#endif
+}
+
+}  // namespace
+
+// A fragment: paged_attention.cpp owns TORCH_LIBRARY(kvserve).
+TORCH_LIBRARY_FRAGMENT(kvserve, m) {
+  m.def("fused_moe(Tensor x, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids) "
+        "-> Tensor");
+  m.def("fused_moe_isa() -> str", &isa);
+}
+
+TORCH_LIBRARY_IMPL(kvserve, CPU, m) { m.impl("fused_moe", &fused_moe); }

@@ -1,0 +1,74 @@
+"""The C++ fused-experts kernel for CPU decode steps (csrc/moe.cpp).
+
+    fused_moe_cpu(x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, k] float32,
+                  topk_ids [T, k] int64) -> [T, H] in x's dtype
+
+A decode step of a mixture-of-experts layer is a stream over the routed experts' weights: the
+kernel groups the T * k (token, expert) pairs by expert and reads each routed expert's rows
+once, gate_up GEMV -> SiLU * up -> down GEMV -> weighted sum in one call, the two cores on
+disjoint output rows. Larger steps (prefill) run the grouped torch GEMMs instead
+(model/layers/fused_moe/torch_moe.py): `kernel_takes` says which. dtypes: float32 x with
+float32 or bfloat16 weights, bfloat16 x with bfloat16 weights (float32 math inside).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable, Optional
+
+import torch
+
+from kvserve.ops.build import CpuKernel
+
+# Largest T * k sent to the kernel. benchmarks/moe.py --kernel-sweep (the "small" shapes, 2
+# threads, Zen 3 AVX2, a heavily loaded host: load average 10-14 on 2 cores): the kernel was
+# ahead of the grouped torch GEMMs at every size tried, 2-256 pairs (3-8x f32; bf16 x, whose
+# torch GEMMs are emulated on AVX2, 5-40x, one outlier), so no crossover was seen; the GEMMs'
+# FLOP rate wins at prefill sizes, and 64 keeps every decode batch of <= 32 sequences (top-2)
+# on the kernel. To be re-measured on a quiet host (larger pairs).
+MAX_DECODE_PAIRS = 64
+
+_KERNEL = CpuKernel("moe.cpp", op="fused_moe", isa_op="fused_moe_isa",
+                    what="fused MoE experts (decode)", fallback="grouped torch GEMMs")
+cpu_kernel_isa: Callable[[], Optional[str]] = _KERNEL.isa
+_enabled = True
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_kernel() -> Optional[Callable[..., torch.Tensor]]:
+    """The compiled op, or None (disabled, switched off, or the build failed). Looked up once
+    per process (reset_dispatch): a model calls it once per MoE layer per step."""
+    if not _enabled or _KERNEL.get() is None:
+        return None
+    return torch.ops.kvserve.fused_moe.default
+
+
+reset_dispatch = cpu_kernel.cache_clear       # the process's CPU settings changed
+
+
+def set_kernel_enabled(enabled: bool) -> None:
+    """Switch the kernel on or off in this process (benchmarks compare both paths in one run);
+    on still means "unless disable_cpu_kernels is set or the build failed"."""
+    global _enabled
+    _enabled = enabled
+    cpu_kernel.cache_clear()
+
+
+def kernel_takes(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, num_pairs: int) -> bool:
+    """Whether this step goes to the kernel: CPU, a decode-sized step (num_pairs = T * k up to
+    MAX_DECODE_PAIRS), dtypes it has, contiguous weights."""
+    wt = w13.dtype
+    dtypes_ok = (wt == w2.dtype and (
+        (x.dtype == torch.float32 and wt in (torch.float32, torch.bfloat16))
+        or (x.dtype == torch.bfloat16 and wt == torch.bfloat16)))
+    return (0 < num_pairs <= MAX_DECODE_PAIRS and x.device.type == "cpu" and dtypes_ok
+            and w13.is_contiguous() and w2.is_contiguous())
+
+
+def fused_moe_cpu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """The kernel's op (which must be built: check cpu_kernel() first)."""
+    op = cpu_kernel()
+    if op is None:
+        raise RuntimeError("the C++ fused MoE kernel is not available (disabled or not built)")
+    return op(x.contiguous(), w13, w2, topk_weights.float().contiguous(),
+              topk_ids.long().contiguous())
