@@ -4,16 +4,20 @@ base-only, the adapter load time, and PEFT's `generate` as the peer, same model 
 The model is the benchmark Llama (benchmarks/roofline.py, ~110M parameters, float32); the
 adapters are PEFT LoRA adapters (rank 16, lora_alpha 32, on q/k/v/o/gate/up/down, random
 non-zero A and B) saved by peft under --model-dir. The workload: --num-prompts requests,
-prompt lengths uniform in 64..256, --output-len tokens each, greedy, EOS ignored; request i
-uses adapter i mod N. kvserve runs with --max-loras N (all adapters in one batch) and an
+prompt lengths uniform in --prompt-len (min, max), --output-len tokens each, greedy, EOS
+ignored; request i uses adapter i mod N. kvserve runs with --max-loras N (all adapters in one batch) and an
 engine without LoRA gives the base-only number. The peer runs PEFT's model with the
 adapters loaded and `generate(adapter_names=...)` (PEFT's mixed-batch inference) in batches
-of --hf-batch-size.
+of --hf-batch-size (on the first --peft-prompts requests, default all).
 
 Issue 33's goals: >= 0.8x base-only with 4 adapters; >= 4x PEFT on CPU.
 
-    python benchmarks/lora.py [--num-prompts 32] [--output-len 64] [--adapters 1 4 16]
-        [--hf-batch-size 16] [--output-json out.json]
+The default (16 prompts of 32..128 tokens, 32 output tokens) finishes in about
+10 minutes on a loaded 2-core CPU; --full is the larger workload (32 prompts of 64..256
+tokens, 64 output tokens, PEFT on all 32).
+
+    python benchmarks/lora.py [--full] [--num-prompts N] [--output-len N] [--adapters 1 4 16]
+        [--hf-batch-size 16] [--peft-prompts N] [--skip-peft] [--output-json out.json]
 """
 from __future__ import annotations
 
@@ -57,9 +61,9 @@ def ensure_adapters(model_path: str, count: int, model_dir: str) -> list[str]:
     return paths
 
 
-def make_prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
+def make_prompts(n: int, vocab: int, lens: tuple[int, int], seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
-    return [[rng.randrange(5, vocab) for _ in range(rng.randint(64, 256))] for _ in range(n)]
+    return [[rng.randrange(5, vocab) for _ in range(rng.randint(*lens))] for _ in range(n)]
 
 
 def run_kvserve(llm: LLM, prompts: list[list[int]], output_len: int,
@@ -115,12 +119,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     paths = ensure_adapters(model, max(counts), args.model_dir)
     import json
     vocab = json.load(open(os.path.join(model, "config.json")))["vocab_size"]
-    prompts = make_prompts(args.num_prompts, vocab)
+    prompts = make_prompts(args.num_prompts, vocab, tuple(args.prompt_len))
     engine = dict(dtype="float32", max_model_len=512, multiprocessing=False)
     result: dict[str, Any] = _Results()
     result["machine"] = machine_description()
     result["load_average"] = os.getloadavg()
-    result.update(num_prompts=args.num_prompts, output_len=args.output_len, rank=RANK)
+    result.update(num_prompts=args.num_prompts, prompt_len=args.prompt_len,
+                  output_len=args.output_len, rank=RANK)
     with LLM(model, **engine) as llm:
         result["base_only_tok_s"] = run_kvserve(llm, prompts, args.output_len, None)
     with LLM(model, enable_lora=True, max_loras=max(counts), max_cpu_loras=max(counts),
@@ -137,8 +142,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             result[f"adapters_{n}_vs_base"] = result[f"adapters_{n}_tok_s"] / result["base_only_tok_s"]
     if not args.skip_peft:
         n = min(4, max(counts))
-        result[f"peft_{n}_adapters_tok_s"] = run_peft(model, paths[:n], prompts, args.output_len,
-                                                      args.hf_batch_size)
+        result[f"peft_{n}_adapters_tok_s"] = run_peft(
+            model, paths[:n], prompts[:args.peft_prompts], args.output_len, args.hf_batch_size)
         result["kvserve_vs_peft"] = result[f"adapters_{n}_tok_s"] / result[f"peft_{n}_adapters_tok_s"]
     result["load_average_end"] = os.getloadavg()
     return result
@@ -148,13 +153,27 @@ def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default=None, help="checkpoint (default: the benchmark Llama)")
     p.add_argument("--model-dir", default=DEFAULT_MODEL_DIR)
-    p.add_argument("--num-prompts", type=int, default=32)
-    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--full", action="store_true",
+                   help="the larger workload: 32 prompts of 64..256 tokens, 64 output tokens")
+    p.add_argument("--num-prompts", type=int, default=None, help="default 16 (--full: 32)")
+    p.add_argument("--prompt-len", type=int, nargs=2, default=None, metavar=("MIN", "MAX"),
+                   help="default 32 128 (--full: 64 256)")
+    p.add_argument("--output-len", type=int, default=None, help="default 32 (--full: 64)")
     p.add_argument("--adapters", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--hf-batch-size", type=int, default=16)
+    p.add_argument("--peft-prompts", type=int, default=None,
+                   help="requests the PEFT peer runs (default: all)")
     p.add_argument("--skip-peft", action="store_true")
     p.add_argument("--output-json", default=None)
     args = p.parse_args(argv)
+    full = args.full
+    defaults = dict(num_prompts=32 if full else 16, prompt_len=[64, 256] if full else [32, 128],
+                    output_len=64 if full else 32)
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.peft_prompts is None:
+        args.peft_prompts = args.num_prompts
     result = run(args)
     if args.output_json:
         write_json(args.output_json, result)

@@ -11,14 +11,26 @@ Sharded like the base layer, through the base layer's own weight_loader: a colum
 layer (qkv, gate_up) keeps A whole and loads its rows of B; a row-parallel one (o, down)
 loads its columns of A and keeps B whole — its partial delta is summed by the layer's
 all-reduce together with the partial matmul.
+
+LoRAEmbedding and LoRALogits do the same for the token embedding and the LM head (vLLM's
+VocabParallelEmbeddingWithLoRA / LogitsProcessorWithLoRA): the embedding's shrink is a
+lookup of the token ids in A^T [vocab, R] (whole on every rank: the base lookup is
+all-reduced first, so the delta is added to the full row), then the expand by B [H, R]; the
+LM head's delta is computed on the rows being scored only (this rank's vocab rows of B).
+
+Every layer skips the slots whose adapter does not target it (`has`), so an adapter on the
+attention projections only costs nothing in the MLP, embedding or LM head.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Optional, Union
 
+import numpy as np
 import torch
 
 from kvserve.lora.punica import LoRAMapping, add_lora
+from kvserve.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from kvserve.model.layers.linear import LinearBase, RowParallelLinear
 
 ShardId = Optional[Union[int, str]]
@@ -38,13 +50,14 @@ class LoRALinear:
                                    dtype=weight.dtype, device=weight.device)
         self.b_stack = torch.zeros(max_loras, base.output_size, n * max_rank,
                                    dtype=weight.dtype, device=weight.device)
+        self.has = [False] * max_loras          # slot -> its adapter targets this layer
 
     def set_slot(self, slot: int,
                  weights: list[Optional[tuple[torch.Tensor, torch.Tensor]]]) -> None:
         """Fill `slot` with one adapter: per module of `self.modules`, its full (A, scaled B)
         or None (not targeted)."""
-        self.a_stack[slot].zero_()
-        self.b_stack[slot].zero_()
+        self.clear_slot(slot)
+        self.has[slot] = any(ab is not None for ab in weights)
         for i, ((_, shard_id), ab) in enumerate(zip(self.modules, weights)):
             if ab is None:
                 continue
@@ -64,10 +77,140 @@ class LoRALinear:
     def clear_slot(self, slot: int) -> None:
         self.a_stack[slot].zero_()
         self.b_stack[slot].zero_()
+        self.has[slot] = False
 
     def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y (the base layer's x @ W^T, this rank's part) plus this step's LoRA deltas."""
-        groups = self.mapping.groups
+        groups = _targeting(self.mapping.groups, self.has)
         if groups and x.shape[0] == self.mapping.num_tokens:
             add_lora(y, x.reshape(-1, x.shape[-1]), self.a_stack, self.b_stack, groups)
         return y
+
+
+def _targeting(groups: list, has: list[bool]) -> list:
+    """The groups whose slot's adapter targets the layer."""
+    return [gr for gr in groups if has[gr[0]]] if groups else groups
+
+
+@dataclass
+class LogitsRows:
+    """Which of this step's tokens the next compute_logits call scores: the runner sets
+    `rows` (token indices into the step's flattened batch) before each call; LoRALogits
+    reads each row's slot from `token_slots` (the step's per-token slots, -1 = base)."""
+    token_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    rows: Optional[np.ndarray] = None
+
+    def take(self, num_rows: int) -> np.ndarray:
+        """The slots of the `num_rows` rows being scored (the rows are then used up)."""
+        rows, self.rows = self.rows, None
+        if rows is None:
+            if num_rows != len(self.token_slots):
+                raise RuntimeError(f"LoRA on lm_head: {num_rows} rows to score but no token "
+                                   f"indices were given for them (the model runner sets "
+                                   f"them before compute_logits).")
+            return self.token_slots
+        if len(rows) != num_rows:
+            raise RuntimeError(f"LoRA on lm_head: {num_rows} rows to score, {len(rows)} token "
+                               f"indices given.")
+        return self.token_slots[rows]
+
+
+class LoRAEmbedding:
+    """LoRA of the token embedding: A^T [S, vocab, R] read as a lookup table, B [S, H, R]."""
+    modules: list[tuple[str, ShardId]] = [("embed_tokens", None)]
+
+    def __init__(self, base: VocabParallelEmbedding, max_loras: int, max_rank: int,
+                 mapping: LoRAMapping, dtype: torch.dtype) -> None:
+        self.base = base
+        self.mapping = mapping
+        device = base.weight.device
+        self.a_stack = torch.zeros(max_loras, base.num_embeddings, max_rank, dtype=dtype,
+                                   device=device)
+        self.b_stack = torch.zeros(max_loras, base.embedding_dim, max_rank, dtype=dtype,
+                                   device=device)
+        self.has = [False] * max_loras
+
+    def set_slot(self, slot: int,
+                 weights: list[Optional[tuple[torch.Tensor, torch.Tensor]]]) -> None:
+        """weights: [(PEFT's lora_embedding_A [r, vocab], scaled lora_embedding_B [H, r])]
+        or [None]."""
+        self.clear_slot(slot)
+        if weights[0] is None:
+            return
+        a, b = weights[0]
+        r = a.shape[0]
+        self.a_stack[slot, :, :r].copy_(a.t())
+        self.b_stack[slot, :, :r].copy_(b)
+        self.has[slot] = True
+
+    def clear_slot(self, slot: int) -> None:
+        self.a_stack[slot].zero_()
+        self.b_stack[slot].zero_()
+        self.has[slot] = False
+
+    def apply(self, input_ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """out [T, H] (the base lookup, all ranks' rows) plus each token's adapter delta."""
+        groups = _targeting(self.mapping.groups, self.has)
+        if not groups or input_ids.shape[0] != self.mapping.num_tokens:
+            return out
+        for slot, g in groups:           # at most --max-loras groups, never per request
+            delta = (self.a_stack[slot][input_ids[g]] @ self.b_stack[slot].t()).to(out.dtype)
+            if isinstance(g, slice):
+                out[g] += delta
+            else:
+                out.index_add_(0, g, delta)
+        return out
+
+
+class LoRALogits:
+    """LoRA of the LM head: A [S, R, H] whole, B [S, vocab_shard, R] (this rank's vocab rows,
+    padding rows zero), applied to the scored rows before the logits' all-gather."""
+    modules: list[tuple[str, ShardId]] = [("lm_head", None)]
+
+    def __init__(self, base: ParallelLMHead, max_loras: int, max_rank: int,
+                 rows: LogitsRows, dtype: torch.dtype) -> None:
+        self.base = base
+        self.rows = rows
+        device = base.weight.device
+        self.a_stack = torch.zeros(max_loras, max_rank, base.embedding_dim, dtype=dtype,
+                                   device=device)
+        self.b_stack = torch.zeros(max_loras, base.shard_size, max_rank, dtype=dtype,
+                                   device=device)
+        self.has = [False] * max_loras
+
+    def set_slot(self, slot: int,
+                 weights: list[Optional[tuple[torch.Tensor, torch.Tensor]]]) -> None:
+        """weights: [(A [r, H], scaled B [vocab, r])] or [None]."""
+        self.clear_slot(slot)
+        if weights[0] is None:
+            return
+        a, b = weights[0]
+        r, start, end = a.shape[0], self.base.vocab_start, self.base.vocab_end
+        self.a_stack[slot, :r].copy_(a)
+        self.b_stack[slot, :end - start, :r].copy_(b[start:end])
+        self.has[slot] = True
+
+    def clear_slot(self, slot: int) -> None:
+        self.a_stack[slot].zero_()
+        self.b_stack[slot].zero_()
+        self.has[slot] = False
+
+    def apply(self, hidden: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """logits [N, vocab_shard] of hidden [N, H] plus each row's adapter delta."""
+        if not any(self.has):
+            self.rows.rows = None
+            return logits
+        slots = self.rows.take(hidden.shape[0])
+        if not (slots >= 0).any():
+            return logits
+        grouping = LoRAMapping()
+        grouping.set(slots, logits.device)
+        groups = _targeting(grouping.groups, self.has)
+        if not groups:
+            return logits
+        if logits.dtype == self.a_stack.dtype and hidden.dtype == logits.dtype:
+            add_lora(logits, hidden, self.a_stack, self.b_stack, groups)
+            return logits
+        delta = torch.zeros(logits.shape, dtype=self.a_stack.dtype, device=logits.device)
+        add_lora(delta, hidden.to(self.a_stack.dtype), self.a_stack, self.b_stack, groups)
+        return logits + delta.to(logits.dtype)

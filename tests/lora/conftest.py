@@ -30,9 +30,9 @@ def make_peft_adapter(base_dir: str, out_dir: str, rank: int, alpha: int, rslora
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "lora_A" in name:
+            if "lora_A" in name or "lora_embedding_A" in name:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
-            elif "lora_B" in name:
+            elif "lora_B" in name or "lora_embedding_B" in name:
                 p.copy_(torch.randn(p.shape, generator=gen) * b_std)
     model.save_pretrained(out_dir)
     return out_dir
