@@ -5,8 +5,8 @@ The model is the benchmark Llama (benchmarks/roofline.py, ~110M parameters, floa
 adapters are PEFT LoRA adapters (rank 16, lora_alpha 32, on q/k/v/o/gate/up/down, random
 non-zero A and B) saved by peft under --model-dir. The workload: --num-prompts requests,
 prompt lengths uniform in --prompt-len (min, max), --output-len tokens each, greedy, EOS
-ignored; request i uses adapter i mod N. kvserve runs with --max-loras N (all adapters in one batch) and an
-engine without LoRA gives the base-only number. The peer runs PEFT's model with the
+ignored; request i uses adapter i mod N. kvserve runs with --max-loras N (all adapters in
+one batch) and an engine without LoRA gives the base-only number. The peer runs PEFT's model with the
 adapters loaded and `generate(adapter_names=...)` (PEFT's mixed-batch inference) in batches
 of --hf-batch-size (on the first --peft-prompts requests, default all).
 
