@@ -165,19 +165,20 @@ def check_adapter(path: str, lora_config: LoRAConfig, hf_config: dict
                          f"across embed_tokens and lm_head) is not supported by kvserve.")
     out: dict[tuple[int, str], tuple[tuple[int, ...], tuple[int, ...]]] = {}
     for (layer, module), ab in sorted(pairs.items()):
+        where = module if layer == OUTSIDE_LAYERS else f"layer {layer} {module}"
         if set(ab) != {"A", "B"}:
-            raise ValueError(f"LoRA adapter {path!r}: layer {layer} {module} has lora_"
+            raise ValueError(f"LoRA adapter {path!r}: {where} has lora_"
                              f"{'A' if 'A' in ab else 'B'} but not the other.")
         a, b = ab["A"], ab["B"]
         fan_in, fan_out = expected[module]
         r = a[0] if len(a) == 2 else -1
         if len(a) != 2 or len(b) != 2 or a[1] != fan_in or b[0] != fan_out or b[1] != r:
             raise ValueError(
-                f"LoRA adapter {path!r}: layer {layer} {module} has lora_A {list(a)} and lora_B "
+                f"LoRA adapter {path!r}: {where} has lora_A {list(a)} and lora_B "
                 f"{list(b)}; the base model needs lora_A [r, {fan_in}] and lora_B [{fan_out}, r] "
                 f"(is the adapter for another base model?).")
         if r > lora_config.max_lora_rank:
-            raise ValueError(f"LoRA adapter {path!r} has rank {r} (layer {layer} {module}), "
+            raise ValueError(f"LoRA adapter {path!r} has rank {r} ({where}), "
                              f"more than --max-lora-rank {lora_config.max_lora_rank}.")
         out[(layer, module)] = (a, b)
     return out

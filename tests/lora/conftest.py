@@ -13,7 +13,9 @@ ADAPTERS: dict[str, tuple[int, int, bool, list[str], int]] = {
     "all7": (8, 16, False, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                             "down_proj"], 1),
     "qv_down_rs": (16, 8, True, ["q_proj", "v_proj", "down_proj"], 2),
-    "kogu": (4, 4, False, ["k_proj", "o_proj", "gate_proj", "up_proj"], 3),
+    # Also on the embedding and the LM head: the chunked / preempted / TP runs cover them.
+    "kogu": (4, 4, False, ["k_proj", "o_proj", "gate_proj", "up_proj", "embed_tokens",
+                           "lm_head"], 3),
 }
 
 
