@@ -36,10 +36,33 @@ from kvserve.model.layers.linear import LinearBase, RowParallelLinear
 ShardId = Optional[Union[int, str]]
 
 
+@dataclass
+class SortedTokens:
+    """This step's adapter tokens ordered slot by slot, set by the manager once per step when
+    some adapter's tokens are not contiguous (interleaved requests): a layer then gathers x
+    once, runs contiguous groups, and scatters once — not a gather and an index_add_ per
+    adapter (each a parallel region: costly on a busy CPU)."""
+    perm: Optional[torch.Tensor] = None          # adapter token indices, slot by slot
+    groups: list = field(default_factory=list)   # (slot, slice into perm)
+
+    def set(self, token_slots: np.ndarray, device: torch.device) -> None:
+        idx = np.flatnonzero(token_slots >= 0)
+        order = idx[np.argsort(token_slots[idx], kind="stable")]
+        slots, starts, counts = np.unique(token_slots[order], return_index=True,
+                                          return_counts=True)
+        self.perm = torch.from_numpy(order).to(device)
+        self.groups = [(int(s), slice(int(a), int(a + c))) for s, a, c in zip(slots, starts, counts)]
+
+    def clear(self) -> None:
+        self.perm, self.groups = None, []
+
+
 class LoRALinear:
     def __init__(self, base: LinearBase, modules: list[tuple[str, ShardId]], max_loras: int,
-                 max_rank: int, mapping: LoRAMapping) -> None:
+                 max_rank: int, mapping: LoRAMapping,
+                 sorted_tokens: Optional[SortedTokens] = None) -> None:
         self.base = base
+        self.sorted_tokens = sorted_tokens
         self.modules = modules                  # (PEFT module name, the base's shard id)
         self.max_rank = max_rank
         self.row_parallel = isinstance(base, RowParallelLinear)
@@ -82,9 +105,17 @@ class LoRALinear:
     def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y (the base layer's x @ W^T, this rank's part) plus this step's LoRA deltas."""
         groups = _targeting(self.mapping.groups, self.has)
-        if groups and x.shape[0] == self.mapping.num_tokens:
-            add_lora(y, x.reshape(-1, x.shape[-1]), self.a_stack, self.b_stack, groups)
-        return y
+        if not groups or x.shape[0] != self.mapping.num_tokens:
+            return y
+        x = x.reshape(-1, x.shape[-1])
+        st = self.sorted_tokens
+        if st is None or st.perm is None:
+            add_lora(y, x, self.a_stack, self.b_stack, groups)
+            return y
+        xs = x[st.perm]
+        ys = torch.zeros(xs.shape[0], y.shape[-1], dtype=y.dtype, device=y.device)
+        add_lora(ys, xs, self.a_stack, self.b_stack, _targeting(st.groups, self.has))
+        return y.index_put_((st.perm,), ys, accumulate=True)
 
 
 def _targeting(groups: list, has: list[bool]) -> list:

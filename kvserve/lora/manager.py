@@ -20,7 +20,8 @@ import torch
 from torch import nn
 
 from kvserve.lora.config import LoRAConfig
-from kvserve.lora.layers import LogitsRows, LoRAEmbedding, LoRALinear, LoRALogits, ShardId
+from kvserve.lora.layers import (LogitsRows, LoRAEmbedding, LoRALinear, LoRALogits, ShardId,
+                                 SortedTokens)
 from kvserve.lora.peft_loader import OUTSIDE_LAYERS, LoRAModel, load_adapter
 from kvserve.lora.punica import LoRAMapping
 from kvserve.lora.request import LoRARequest
@@ -48,7 +49,8 @@ LoRALayer = Union[LoRALinear, LoRAEmbedding, LoRALogits]
 
 
 def wrap_model(model: nn.Module, lora_config: LoRAConfig, mapping: LoRAMapping,
-               logits_rows: LogitsRows) -> dict[tuple[int, str], LoRALayer]:
+               logits_rows: LogitsRows, sorted_tokens: Optional[SortedTokens] = None
+               ) -> dict[tuple[int, str], LoRALayer]:
     """Put a LoRALinear on every q/k/v/o and gate/up/down linear of this rank's layers, and
     the LoRA of the token embedding and the LM head where this rank holds them."""
     layers: dict[tuple[int, str], LoRALayer] = {}
@@ -62,7 +64,7 @@ def wrap_model(model: nn.Module, lora_config: LoRAConfig, mapping: LoRAMapping,
                              f"Llama-family layout.")
         layer_idx = int(parts[parts.index("layers") + 1])
         lora = LoRALinear(module, _FUSED[parts[-1]], lora_config.max_loras,
-                          lora_config.max_lora_rank, mapping)
+                          lora_config.max_lora_rank, mapping, sorted_tokens)
         module.lora = lora
         layers[(layer_idx, parts[-1])] = lora
     if not layers:
@@ -101,7 +103,9 @@ class LoRAModelManager:
         self.device = device
         self.mapping = LoRAMapping()
         self.logits_rows = LogitsRows()
-        self.layers = wrap_model(model, lora_config, self.mapping, self.logits_rows)
+        self.sorted_tokens = SortedTokens()
+        self.layers = wrap_model(model, lora_config, self.mapping, self.logits_rows,
+                                 self.sorted_tokens)
         self._cpu_cache: "OrderedDict[int, LoRAModel]" = OrderedDict()   # LRU, oldest first
         self._requests: dict[int, LoRARequest] = {}       # every adapter seen, by id
         self._slots: list[Optional[int]] = [None] * lora_config.max_loras
@@ -160,6 +164,7 @@ class LoRAModelManager:
         """Slots for this step's adapters, and the token -> slot mapping the layers read."""
         if not self._req_lora:
             self.mapping.clear()
+            self.sorted_tokens.clear()
             self.logits_rows.token_slots = np.full(int(query_lens.sum()), -1, np.int64)
             return
         ids = np.fromiter((self._req_lora.get(r, 0) for r in req_ids), np.int64, len(req_ids))
@@ -172,6 +177,10 @@ class LoRAModelManager:
         token_slots = np.repeat(req_slots, query_lens)
         self.mapping.set(token_slots, self.device)
         self.logits_rows.token_slots = token_slots
+        if all(isinstance(g, slice) for _, g in self.mapping.groups):
+            self.sorted_tokens.clear()
+        else:                    # interleaved adapters: one gather / scatter per layer
+            self.sorted_tokens.set(token_slots, self.device)
 
     def set_logits_rows(self, token_indices: np.ndarray) -> None:
         """The step's token indices whose hidden states the next compute_logits call scores
