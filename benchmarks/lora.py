@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import statistics
 import sys
 import time
 from typing import Any, Optional
@@ -151,7 +152,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 ratios[n].append(tok_s / base)
         for n in counts:
             result[f"adapters_{n}_tok_s"] = result[f"round{args.rounds - 1}_adapters_{n}_tok_s"]
-            result[f"adapters_{n}_vs_base_median"] = sorted(ratios[n])[len(ratios[n]) // 2]
+            result[f"adapters_{n}_vs_base_median"] = statistics.median(ratios[n])
     if not args.skip_peft:
         n = min(4, max(counts))
         result[f"peft_{n}_adapters_tok_s"] = run_peft(
