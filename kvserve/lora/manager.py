@@ -13,17 +13,19 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Optional, Union
 
 import numpy as np
 import torch
 from torch import nn
 
 from kvserve.lora.config import LoRAConfig
-from kvserve.lora.layers import LoRALinear, ShardId
-from kvserve.lora.peft_loader import LoRAModel, load_adapter
+from kvserve.lora.layers import (LogitsRows, LoRAEmbedding, LoRALinear, LoRALogits, ShardId,
+                                 SortedTokens)
+from kvserve.lora.peft_loader import OUTSIDE_LAYERS, LoRAModel, load_adapter
 from kvserve.lora.punica import LoRAMapping
 from kvserve.lora.request import LoRARequest
+from kvserve.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from kvserve.model.layers.linear import (LinearBase, MergedColumnParallelLinear,
                                          QKVParallelLinear, RowParallelLinear)
 
@@ -43,10 +45,15 @@ _LAYER_TYPES = {"qkv_proj": QKVParallelLinear, "gate_up_proj": MergedColumnParal
                 "o_proj": RowParallelLinear, "down_proj": RowParallelLinear}
 
 
-def wrap_model(model: nn.Module, lora_config: LoRAConfig,
-               mapping: LoRAMapping) -> dict[tuple[int, str], LoRALinear]:
-    """Put a LoRALinear on every q/k/v/o and gate/up/down linear of this rank's layers."""
-    layers: dict[tuple[int, str], LoRALinear] = {}
+LoRALayer = Union[LoRALinear, LoRAEmbedding, LoRALogits]
+
+
+def wrap_model(model: nn.Module, lora_config: LoRAConfig, mapping: LoRAMapping,
+               logits_rows: LogitsRows, sorted_tokens: Optional[SortedTokens] = None
+               ) -> dict[tuple[int, str], LoRALayer]:
+    """Put a LoRALinear on every q/k/v/o and gate/up/down linear of this rank's layers, and
+    the LoRA of the token embedding and the LM head where this rank holds them."""
+    layers: dict[tuple[int, str], LoRALayer] = {}
     for name, module in model.named_modules():
         parts = name.split(".")
         if not isinstance(module, LinearBase) or len(parts) < 3 or parts[-1] not in _FUSED:
@@ -57,18 +64,34 @@ def wrap_model(model: nn.Module, lora_config: LoRAConfig,
                              f"Llama-family layout.")
         layer_idx = int(parts[parts.index("layers") + 1])
         lora = LoRALinear(module, _FUSED[parts[-1]], lora_config.max_loras,
-                          lora_config.max_lora_rank, mapping)
+                          lora_config.max_lora_rank, mapping, sorted_tokens)
         module.lora = lora
         layers[(layer_idx, parts[-1])] = lora
     if not layers:
         raise ValueError(f"LoRA: {type(model).__name__} has no linear layer kvserve can put "
                          f"LoRA on (supported: Llama, Mistral, Qwen2, Qwen3).")
+    _wrap_vocab_layers(model, lora_config, mapping, logits_rows, layers)
     # The fused small-decode C++ op runs whole layers without the Python linears: the model
     # skips it in steps with adapter tokens.
     inner = getattr(model, "model", None)
     if inner is not None and hasattr(inner, "lora_mapping"):
         inner.lora_mapping = mapping
     return layers
+
+
+def _wrap_vocab_layers(model: nn.Module, lora_config: LoRAConfig, mapping: LoRAMapping,
+                       logits_rows: LogitsRows, layers: dict) -> None:
+    """LoRAEmbedding on model.embed_tokens, LoRALogits on lm_head (a tied head shares the base
+    weight, not the adapter: PEFT keeps separate LoRA weights for the two)."""
+    n, rank = lora_config.max_loras, lora_config.max_lora_rank
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if isinstance(embed, VocabParallelEmbedding):
+        embed.lora = LoRAEmbedding(embed, n, rank, mapping, embed.linear_weight.act_dtype)
+        layers[(OUTSIDE_LAYERS, "embed_tokens")] = embed.lora
+    head = getattr(model, "lm_head", None)
+    if isinstance(head, ParallelLMHead):
+        head.lora = LoRALogits(head, n, rank, logits_rows, head.linear_weight.act_dtype)
+        layers[(OUTSIDE_LAYERS, "lm_head")] = head.lora
 
 
 class LoRAModelManager:
@@ -79,7 +102,10 @@ class LoRAModelManager:
         self.dtype = dtype
         self.device = device
         self.mapping = LoRAMapping()
-        self.layers = wrap_model(model, lora_config, self.mapping)
+        self.logits_rows = LogitsRows()
+        self.sorted_tokens = SortedTokens()
+        self.layers = wrap_model(model, lora_config, self.mapping, self.logits_rows,
+                                 self.sorted_tokens)
         self._cpu_cache: "OrderedDict[int, LoRAModel]" = OrderedDict()   # LRU, oldest first
         self._requests: dict[int, LoRARequest] = {}       # every adapter seen, by id
         self._slots: list[Optional[int]] = [None] * lora_config.max_loras
@@ -138,6 +164,8 @@ class LoRAModelManager:
         """Slots for this step's adapters, and the token -> slot mapping the layers read."""
         if not self._req_lora:
             self.mapping.clear()
+            self.sorted_tokens.clear()
+            self.logits_rows.token_slots = np.full(int(query_lens.sum()), -1, np.int64)
             return
         ids = np.fromiter((self._req_lora.get(r, 0) for r in req_ids), np.int64, len(req_ids))
         active = [int(i) for i in np.unique(ids) if i > 0]
@@ -146,7 +174,18 @@ class LoRAModelManager:
                                f"--max-loras {len(self._slots)} (the scheduler's limit).")
         slot_of = {lora_id: self._activate(lora_id, active) for lora_id in active}
         req_slots = np.fromiter((slot_of.get(int(i), -1) for i in ids), np.int64, len(ids))
-        self.mapping.set(np.repeat(req_slots, query_lens), self.device)
+        token_slots = np.repeat(req_slots, query_lens)
+        self.mapping.set(token_slots, self.device)
+        self.logits_rows.token_slots = token_slots
+        if all(isinstance(g, slice) for _, g in self.mapping.groups):
+            self.sorted_tokens.clear()
+        else:                    # interleaved adapters: one gather / scatter per layer
+            self.sorted_tokens.set(token_slots, self.device)
+
+    def set_logits_rows(self, token_indices: np.ndarray) -> None:
+        """The step's token indices whose hidden states the next compute_logits call scores
+        (LoRA on lm_head adds each row's adapter delta)."""
+        self.logits_rows.rows = np.asarray(token_indices)
 
     def _activate(self, lora_id: int, active: list[int]) -> int:
         """The slot holding adapter `lora_id`, filling one (least recently used, not needed by

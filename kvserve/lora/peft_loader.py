@@ -5,6 +5,11 @@ with A [r, in_features] and B [out_features, r]. The delta of a module is
 `scaling * x @ A^T @ B^T`, scaling = lora_alpha / r (rsLoRA: lora_alpha / sqrt(r)); r is the
 module's own rank (A's rows), which covers PEFT's `rank_pattern`.
 
+Outside the decoder layers (kept under layer index -1): `lm_head` (a linear: A [r, hidden],
+B [vocab, r]) and `embed_tokens`, which PEFT saves as `lora_embedding_A` [r, vocab] (a lookup
+table, read transposed) and `lora_embedding_B` [hidden, r]; its delta is
+`scaling * A^T[ids] @ B^T`.
+
 `check_adapter` reads only the config and the safetensors header (cheap: the input processor
 calls it at add time, so a bad adapter is a 400 before anything is scheduled); `load_adapter`
 also reads the tensors and folds the scaling into B.
@@ -24,10 +29,33 @@ from kvserve.lora.config import LoRAConfig
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
-# The projections kvserve puts LoRA on (the linears of every supported decoder layer).
-SUPPORTED_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The modules kvserve puts LoRA on: the linears of every supported decoder layer, the token
+# embedding and the LM head.
+LAYER_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+SUPPORTED_MODULES = LAYER_MODULES + ("embed_tokens", "lm_head")
+# The layer index under which embed_tokens and lm_head are kept.
+OUTSIDE_LAYERS = -1
 _KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\."
                   r"(\w+)\.lora_([AB])(?:\.\w+)?\.weight$")
+_TOP_KEY = re.compile(r"^(?:base_model\.model\.)?(?:model\.)?(embed_tokens|lm_head)\."
+                      r"lora_(?:embedding_)?([AB])(?:\.\w+)?(?:\.weight)?$")
+
+# PEFT also saves the base embedding / LM head weights of an adapter that targets them
+# (save_embedding_layers): frozen copies of the base model's, so kvserve keeps its own and
+# only checks their shape (a resized vocabulary is an error).
+_BASE_COPY_KEY = re.compile(r"^(?:base_model\.model\.)?(?:model\.)?(embed_tokens|lm_head)\."
+                            r"base_layer\.weight$")
+
+
+def _parse_key(key: str) -> Optional[tuple[int, str, str]]:
+    """(layer, module, "A" | "B") of a LoRA tensor name, None if it is not one."""
+    m = _KEY.match(key)
+    if m is not None:
+        return int(m.group(1)), m.group(2), m.group(3)
+    m = _TOP_KEY.match(key)
+    if m is not None:
+        return OUTSIDE_LAYERS, m.group(1), m.group(2)
+    return None
 
 
 @dataclass
@@ -50,9 +78,13 @@ def module_shapes(hf_config: dict) -> dict[str, tuple[int, int]]:
     kv_heads = int(hf_config.get("num_key_value_heads") or heads)
     head_dim = int(hf_config.get("head_dim") or hidden // heads)
     inter = int(hf_config["intermediate_size"])
+    vocab = int(hf_config["vocab_size"])
+    # embed_tokens: PEFT's lora_embedding_A is [r, vocab] and lora_embedding_B [hidden, r],
+    # the shapes of a linear vocab -> hidden.
     return {"q_proj": (hidden, heads * head_dim), "k_proj": (hidden, kv_heads * head_dim),
             "v_proj": (hidden, kv_heads * head_dim), "o_proj": (heads * head_dim, hidden),
-            "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)}
+            "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden),
+            "embed_tokens": (vocab, hidden), "lm_head": (hidden, vocab)}
 
 
 def _read_config(path: str) -> dict[str, Any]:
@@ -68,7 +100,8 @@ def _read_config(path: str) -> dict[str, Any]:
             raise ValueError(f"LoRA adapter {path!r}: {CONFIG_FILE} is not valid JSON ({e}).") from None
     if str(cfg.get("peft_type", "LORA")).upper() != "LORA":
         raise ValueError(f"LoRA adapter {path!r}: peft_type {cfg.get('peft_type')!r} is not LORA.")
-    unsupported = {"use_dora": False, "bias": "none", "alpha_pattern": {}, "modules_to_save": None}
+    unsupported = {"use_dora": False, "bias": "none", "alpha_pattern": {}, "modules_to_save": None,
+                   "trainable_token_indices": None, "lora_bias": False}
     for key, ok in unsupported.items():
         if cfg.get(key) not in (ok, None) and cfg.get(key) != ok:
             raise ValueError(f"LoRA adapter {path!r}: {key}={cfg.get(key)!r} is not supported "
@@ -104,13 +137,20 @@ def check_adapter(path: str, lora_config: LoRAConfig, hf_config: dict
     expected = module_shapes(hf_config)
     num_layers = int(hf_config["num_hidden_layers"])
     pairs: dict[tuple[int, str], dict[str, tuple[int, ...]]] = {}
+    vocab_shape = (int(hf_config["vocab_size"]), int(hf_config["hidden_size"]))
     for key, shape in shapes.items():
-        m = _KEY.match(key)
-        if m is None:
+        if _BASE_COPY_KEY.match(key):
+            if shape != vocab_shape:
+                raise ValueError(f"LoRA adapter {path!r}: {key} is {list(shape)}, the base model's "
+                                 f"is {list(vocab_shape)}; adapters with a resized vocabulary are "
+                                 f"not supported.")
+            continue
+        parsed = _parse_key(key)
+        if parsed is None:
             raise ValueError(f"LoRA adapter {path!r}: tensor {key!r} is not a LoRA weight of a "
                              f"supported module ({', '.join(SUPPORTED_MODULES)}).")
-        layer, module, which = int(m.group(1)), m.group(2), m.group(3)
-        if module not in expected:
+        layer, module, which = parsed
+        if module not in expected or (layer >= 0) != (module in LAYER_MODULES):
             raise ValueError(f"LoRA adapter {path!r}: target module {module!r} ({key}) is not "
                              f"supported; supported: {', '.join(SUPPORTED_MODULES)}.")
         if layer >= num_layers:
@@ -119,21 +159,26 @@ def check_adapter(path: str, lora_config: LoRAConfig, hf_config: dict
         pairs.setdefault((layer, module), {})[which] = shape
     if not pairs:
         raise ValueError(f"LoRA adapter {path!r} holds no LoRA weights.")
+    if cfg.get("ensure_weight_tying") and any(layer == OUTSIDE_LAYERS for layer, _ in pairs):
+        # PEFT then shares one adapter between a tied embedding and LM head.
+        raise ValueError(f"LoRA adapter {path!r}: ensure_weight_tying=True (an adapter tied "
+                         f"across embed_tokens and lm_head) is not supported by kvserve.")
     out: dict[tuple[int, str], tuple[tuple[int, ...], tuple[int, ...]]] = {}
     for (layer, module), ab in sorted(pairs.items()):
+        where = module if layer == OUTSIDE_LAYERS else f"layer {layer} {module}"
         if set(ab) != {"A", "B"}:
-            raise ValueError(f"LoRA adapter {path!r}: layer {layer} {module} has lora_"
+            raise ValueError(f"LoRA adapter {path!r}: {where} has lora_"
                              f"{'A' if 'A' in ab else 'B'} but not the other.")
         a, b = ab["A"], ab["B"]
         fan_in, fan_out = expected[module]
         r = a[0] if len(a) == 2 else -1
         if len(a) != 2 or len(b) != 2 or a[1] != fan_in or b[0] != fan_out or b[1] != r:
             raise ValueError(
-                f"LoRA adapter {path!r}: layer {layer} {module} has lora_A {list(a)} and lora_B "
+                f"LoRA adapter {path!r}: {where} has lora_A {list(a)} and lora_B "
                 f"{list(b)}; the base model needs lora_A [r, {fan_in}] and lora_B [{fan_out}, r] "
                 f"(is the adapter for another base model?).")
         if r > lora_config.max_lora_rank:
-            raise ValueError(f"LoRA adapter {path!r} has rank {r} (layer {layer} {module}), "
+            raise ValueError(f"LoRA adapter {path!r} has rank {r} ({where}), "
                              f"more than --max-lora-rank {lora_config.max_lora_rank}.")
         out[(layer, module)] = (a, b)
     return out
@@ -148,13 +193,16 @@ def load_adapter(lora_int_id: int, lora_name: str, path: str, lora_config: LoRAC
     tensors = load_file(os.path.join(path, WEIGHTS_FILE), device="cpu")
     model = LoRAModel(lora_int_id, lora_name, rank=max(a[0] for a, _ in shapes.values()))
     for key, t in tensors.items():
-        m = _KEY.match(key)
-        assert m is not None   # checked above
-        if m.group(3) != "A":
+        parsed = _parse_key(key)
+        if parsed is None:          # a base-weight copy (checked above): kvserve keeps its own
             continue
-        b = tensors[key.replace(".lora_A", ".lora_B")]
+        layer, module, which = parsed
+        if which != "A":
+            continue
+        b = tensors[key.replace(".lora_A", ".lora_B").replace(".lora_embedding_A",
+                                                               ".lora_embedding_B")]
         scaling = _scaling(cfg, t.shape[0])
-        model.weights[(int(m.group(1)), m.group(2))] = (
+        model.weights[(layer, module)] = (
             t.to(dtype).contiguous(), (b.double() * scaling).to(dtype).contiguous())
     return model
 

@@ -240,6 +240,8 @@ class ModelRunner:
         layout = SampleLayout.make(step.req_ids, sample_idx, step.query_starts + step.query_lens,
                                    so.scheduled_spec_decode_tokens)
         logits_indices, = self.staging.upload(layout.logits_indices)
+        if self.lora_manager is not None:    # LoRA on lm_head: each scored row's adapter
+            self.lora_manager.set_logits_rows(layout.logits_indices)
         logits = self.model.compute_logits(hidden[logits_indices])
         if so.grammar_bitmask is not None:   # one bitmask row per draft + the bonus row
             first_row = {step.req_ids[i]: int(layout.row_starts[s])
@@ -423,6 +425,8 @@ class ModelRunner:
                 continue
             start = int(step.query_starts[i])
             h = hidden[start:start + (last - ctx)]
+            if self.lora_manager is not None:
+                self.lora_manager.set_logits_rows(np.arange(start, start + (last - ctx)))
             lp = torch.log_softmax(self.model.compute_logits(h).float(), dim=-1)
             targets = torch.from_numpy(ib.token_ids[row, ctx + 1:last + 1].copy()).to(lp.device)
             target_lp = lp.gather(1, targets[:, None])

@@ -13,7 +13,9 @@ ADAPTERS: dict[str, tuple[int, int, bool, list[str], int]] = {
     "all7": (8, 16, False, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                             "down_proj"], 1),
     "qv_down_rs": (16, 8, True, ["q_proj", "v_proj", "down_proj"], 2),
-    "kogu": (4, 4, False, ["k_proj", "o_proj", "gate_proj", "up_proj"], 3),
+    # Also on the embedding and the LM head: the chunked / preempted / TP runs cover them.
+    "kogu": (4, 4, False, ["k_proj", "o_proj", "gate_proj", "up_proj", "embed_tokens",
+                           "lm_head"], 3),
 }
 
 
@@ -30,9 +32,9 @@ def make_peft_adapter(base_dir: str, out_dir: str, rank: int, alpha: int, rslora
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "lora_A" in name:
+            if "lora_A" in name or "lora_embedding_A" in name:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
-            elif "lora_B" in name:
+            elif "lora_B" in name or "lora_embedding_B" in name:
                 p.copy_(torch.randn(p.shape, generator=gen) * b_std)
     model.save_pretrained(out_dir)
     return out_dir

@@ -139,9 +139,17 @@ def test_bad_adapters_are_clear_errors(llm: LLM, lora_adapters: dict[str, str], 
         "more than --max-lora-rank 16": make_peft_adapter(
             tiny_llama, str(tmp_path / "rank32"), 32, 32, False, ["q_proj"], 0),
         "which kvserve does not support": _write_adapter(
-            str(tmp_path / "lm_head"), {**cfg, "target_modules": ["lm_head"]},
+            str(tmp_path / "rotary"), {**cfg, "target_modules": ["rotary_emb"]},
+            {"base_model.model.model.rotary_emb.lora_A.weight": torch.zeros(4, 64),
+             "base_model.model.model.rotary_emb.lora_B.weight": torch.zeros(64, 4)}),
+        "resized vocabulary": _write_adapter(
+            str(tmp_path / "resized"), {**cfg, "target_modules": ["lm_head"]},
             {"base_model.model.lm_head.lora_A.weight": torch.zeros(4, 64),
-             "base_model.model.lm_head.lora_B.weight": torch.zeros(1024, 4)}),
+             "base_model.model.lm_head.lora_B.weight": torch.zeros(1030, 4),
+             "base_model.model.lm_head.base_layer.weight": torch.zeros(1030, 64)}),
+        "use_dora=True is not supported": _write_adapter(
+            str(tmp_path / "dora"), {**cfg, "use_dora": True},
+            {key.format("A"): torch.zeros(4, 64), key.format("B"): torch.zeros(64, 4)}),
     }
     sp = SamplingParams(max_tokens=2)
     for i, (message, path) in enumerate(cases.items()):

@@ -88,3 +88,46 @@ def test_parse_lora_modules() -> None:
     for bad in (["a"], ["=/p"], ['{"name": "b"}'], ["a=/x", "a=/y"]):
         with pytest.raises(ValueError, match="lora-modules"):
             parse_lora_modules(bad)
+
+
+def test_embedding_and_lm_head_lora_match_reference() -> None:
+    """LoRAEmbedding (A^T as a lookup table, then B) and LoRALogits (on the scored rows only,
+    each row's slot from its token index) against a float64 token-by-token reference."""
+    from kvserve.lora.layers import LogitsRows, LoRAEmbedding, LoRALogits
+    from kvserve.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+
+    gen = torch.Generator().manual_seed(1)
+    V, H, R, S = 50, 16, 8, 3
+    embed, head = VocabParallelEmbedding(V, H), ParallelLMHead(V, H)
+    for m in (embed, head):
+        m.weight.data.copy_(torch.randn(V, H, generator=gen))
+    slots = np.array([1, 1, -1, 0, 0, 0, 2, -1, 1, 1])    # slot 1 in two runs
+    mapping, rows = LoRAMapping(), LogitsRows()
+    mapping.set(slots, torch.device("cpu"))
+    rows.token_slots = slots
+    embed.lora = LoRAEmbedding(embed, S, R, mapping, torch.float32)
+    head.lora = LoRALogits(head, S, R, rows, torch.float32)
+    weights = {}
+    for slot, r in ((0, 8), (1, 3), (2, 5)):
+        ea, eb = torch.randn(r, V, generator=gen), torch.randn(H, r, generator=gen)
+        ha, hb = torch.randn(r, H, generator=gen), torch.randn(V, r, generator=gen)
+        embed.lora.set_slot(slot, [(ea, eb)])
+        head.lora.set_slot(slot, [(ha, hb)] if slot != 2 else [None])   # 2: no lm_head LoRA
+        weights[slot] = (ea.double(), eb.double(), ha.double(), hb.double())
+    ids = torch.randint(0, V, (len(slots),), generator=gen)
+    got = embed(ids)
+    scored = np.array([1, 2, 5, 6, 9])                     # the rows a step samples
+    rows.rows = scored
+    hidden = torch.randn(len(scored), H, generator=gen)
+    logits = head.compute_logits(hidden)
+    want_e = embed.weight.double()[ids].clone()
+    want_l = hidden.double() @ head.weight.double().t()
+    for t, slot in enumerate(slots):
+        if slot >= 0:
+            want_e[t] += weights[slot][0][:, ids[t]] @ weights[slot][1].t()
+    for i, t in enumerate(scored):
+        if slots[t] in (0, 1):
+            want_l[i] += weights[slots[t]][3] @ (weights[slots[t]][2] @ hidden[i].double())
+    torch.testing.assert_close(got.double(), want_e, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(logits.double(), want_l, rtol=1e-5, atol=1e-4)
+    assert rows.rows is None        # used up: the next call must set its own rows

@@ -6,7 +6,7 @@ matmul go through the weight's object (ops.cpu_weight), one for a tied head and 
 """
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 from torch import nn
@@ -33,6 +33,8 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.weight_loader = self.weight_loader
         # Plain until the loader applies the model's weight plan (ops.cpu_weight).
         self.linear_weight = CpuLinearWeight(self.weight, self.weight.dtype)
+        # Multi-LoRA (kvserve.lora.layers.LoRAEmbedding / LoRALogits), set with --enable-lora.
+        self.lora: Optional[Any] = None
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
                       shard_id: Optional[Union[int, str]] = None) -> None:
@@ -59,7 +61,8 @@ class VocabParallelEmbedding(nn.Module):
             out = self.linear_weight.rows(local_ids).masked_fill_(~in_range.unsqueeze(-1), 0)
             out = tensor_model_parallel_all_reduce(out)
         act = self.linear_weight.act_dtype     # float32 rows of a 16-bit (widened) weight
-        return out if out.dtype == act else out.to(act)
+        out = out if out.dtype == act else out.to(act)
+        return out if self.lora is None else self.lora.apply(input_ids, out)
 
     def extra_repr(self) -> str:
         return (f"num_embeddings={self.num_embeddings}, shard=[{self.vocab_start}, "
@@ -76,6 +79,8 @@ class ParallelLMHead(VocabParallelEmbedding):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """hidden_states [N, hidden] -> float32 logits [N, vocab] over the full vocabulary."""
         logits = self.linear_weight.matmul(hidden_states)
+        if self.lora is not None:
+            logits = self.lora.apply(hidden_states, logits)
         logits = tensor_model_parallel_all_gather(logits, dim=-1)
         return logits[..., :self.num_embeddings].float()
 
