@@ -124,6 +124,8 @@ class EngineCoreProc(EngineCore):
         # How long the output socket may hold unsent messages at exit (0 once the frontend,
         # their only reader, is gone).
         self._output_linger_ms = 5_000
+        # Set by shutdown(): past it, a send that would block is dropped (see _send).
+        self._output_deadline: Optional[float] = None
         self._signal_wakeup_fd = signal_wakeup_fd
         identity = engine_identity(engine_index)
         with self._perform_handshake(handshake_address, identity, config) as init:
@@ -400,7 +402,7 @@ class EngineCoreProc(EngineCore):
                     break
                 if isinstance(item, list):      # ENGINE_CORE_DEAD: every client
                     for sock in sockets:
-                        sock.send_multipart(item)
+                        self._send(sock, item)
                     continue
                 client, outputs = item
                 try:
@@ -412,7 +414,7 @@ class EngineCoreProc(EngineCore):
                     call_id = outputs.utility_output[0]
                     buffers = encoder.encode(EngineCoreOutputs(utility_output=(
                         call_id, f"Cannot send the result: {type(e).__name__}: {e}", None)))
-                sockets[client].send_multipart(buffers, copy=False)
+                self._send(sockets[client], buffers, copy=False)
             # Flush what was queued before the sentinel, then stop.
             for sock in sockets:
                 sock.close(linger=self._output_linger_ms)
@@ -420,6 +422,23 @@ class EngineCoreProc(EngineCore):
         except Exception as e:
             logger.exception("Engine core output IO thread failed.")
             self.input_queue.put_nowait((_IO_THREAD_FAILED, e))
+
+    def _send(self, sock: zmq.Socket, frames: list[Any], copy: bool = True) -> None:
+        """Send, waiting while the API server's queue is full (back-pressure), but not past
+        the shut-down's deadline: one of several API servers that died never reads its
+        socket again, and a blocking send would hold the one output thread for ever (and
+        the others' outputs, and the flush before exit, behind it)."""
+        while True:
+            try:
+                sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=copy)
+                return
+            except zmq.Again:
+                deadline = self._output_deadline
+                if deadline is not None and time.monotonic() >= deadline:
+                    logger.warning("Shutting down: dropping an output for an API server that "
+                                   "does not read its socket (it died).")
+                    return
+                sock.poll(100, zmq.POLLOUT)
 
     def _on_frontend_death(self) -> None:
         logger.warning("The frontend process died; engine core shutting down.")
@@ -436,12 +455,20 @@ class EngineCoreProc(EngineCore):
 
     def shutdown(self) -> None:
         # Deliver what is queued (ENGINE_CORE_DEAD included) before tearing the executor down.
-        if self.output_thread is not None and self.output_thread.is_alive():
-            self.output_queue.put_nowait(None)
-            # Told to stop, do not wait long: a send to a dead API server's socket (one of
-            # several) blocks for ever, and the thread is a daemon.
-            self.output_thread.join(timeout=5.0 if self._output_linger_ms else 0.5)
+        self.shutdown_output_thread()
         super().shutdown()
+
+    def shutdown_output_thread(self) -> None:
+        """Flush what is queued and stop the output thread."""
+        if self.output_thread is not None and self.output_thread.is_alive():
+            # Told to stop (linger 0), do not wait long: the thread drops what a dead API
+            # server's socket (one of several) does not take by then.
+            wait_s = 5.0 if self._output_linger_ms else 0.5
+            self._output_deadline = time.monotonic() + wait_s
+            self.output_queue.put_nowait(None)
+            self.output_thread.join(timeout=wait_s + 1.0)
+            if self.output_thread.is_alive():
+                logger.warning("The engine core output thread did not stop in %.1f s.", wait_s)
 
 
 def _parent_sentinel() -> Optional[int]:

@@ -3,8 +3,10 @@
 Each request goes to the engine with the least `4 * waiting + running`: the counts the
 DP coordinator last published, plus the requests this client sent since (so a burst does not
 all land on the engine that looked idle). Aborts follow a request to its engine. When one
-engine dies, its requests fail with EngineDeadError, /health reports 503, and the other
-engines keep serving theirs (new requests go only to live engines).
+engine dies, the whole client is dead (vLLM's default): every request fails with
+EngineDeadError and the API server exits non-zero. With keep_serving_on_engine_death()
+(`--keep-alive-on-engine-death`) only the dead engine's requests fail, /health reports 503,
+and the other engines keep serving theirs (new requests go only to live engines).
 """
 from __future__ import annotations
 
@@ -38,6 +40,10 @@ class DPAsyncMPClient(AsyncMPClient):
         self.request_engine: dict[str, int] = {}
         self._stats_task: Optional[asyncio.Task] = None
         super().__init__(config, addresses)
+
+    def keep_serving_on_engine_death(self) -> None:
+        """When one engine dies, only its requests fail; the others keep serving. (Without
+        this, the default, one engine's death is the client's: resources.mark_dead.)"""
         self.resources.on_engine_dead = self._on_engine_dead
 
     @property

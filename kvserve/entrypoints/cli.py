@@ -101,7 +101,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--keep-alive-on-engine-death", action="store_true",
                    default=envs.get("KVSERVE_KEEP_ALIVE_ON_ENGINE_DEATH"),
                    help="When the engine core dies, keep the server up answering 503 instead of "
-                        "exiting with status 1 so that an orchestrator restarts it (default: "
+                        "exiting with status 1 so that an orchestrator restarts it; with data "
+                        "parallelism, when one engine dies the others keep serving and /health "
+                        "answers 503 (default: "
                         "%(default)s, from KVSERVE_KEEP_ALIVE_ON_ENGINE_DEATH, like vLLM's "
                         "variable).")
     g.add_argument("--log-stats-interval", type=float, default=5.0,

@@ -30,6 +30,7 @@ default 120), transfer_timeout_s (decode: per READ, default 30), handshake_timeo
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -55,6 +56,14 @@ _INSTALL_HINT = ("NixlConnector needs NIXL: pip install 'kvserve[pd]' (installs 
                  "which runs on CPU too).")
 
 
+# NIXL's UCX progress thread waits on its workers' event fds with poll(), its timeout the
+# agent's pthrDelay (microseconds, rounded up to ms). nixl_agent (1.5.1) always passes 0, so
+# the thread spins: most of a core (67% seen) on an idle instance. A READ or a notification
+# wakes the thread at once through the fd either way; the delay only bounds the periodic
+# wake-up that some UCX transports need in corner cases (NIXL's own comment).
+PROGRESS_THREAD_DELAY_US = 10_000
+
+
 def import_nixl() -> tuple[Any, Any]:
     """(nixl_agent, nixl_agent_config) from nixl-cu12, or the `nixl` meta package."""
     try:
@@ -65,6 +74,33 @@ def import_nixl() -> tuple[Any, Any]:
         except ImportError:
             raise ImportError(_INSTALL_HINT) from None
     return nixl_agent, nixl_agent_config
+
+
+def make_nixl_agent(name: str) -> Any:
+    """A UCX nixl_agent whose progress thread sleeps while idle (PROGRESS_THREAD_DELAY_US).
+    nixl_agent has no parameter for the delay: its nixlAgentConfig is caught on the way to
+    the binding's nixlAgent (while this call runs) and given one."""
+    nixl_agent, nixl_agent_config = import_nixl()
+    binding = getattr(sys.modules.get(nixl_agent.__module__), "nixlBind", None)
+    make = getattr(binding, "nixlAgent", None)
+    if make is None or not hasattr(getattr(binding, "nixlAgentConfig", None), "pthrDelay"):
+        logger.warning("NixlConnector: this NIXL has no nixlBind.nixlAgent(config.pthrDelay); "
+                       "its progress thread may spin while idle.")
+        return nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+
+    def make_with_delay(agent_name: str, config: Any) -> Any:
+        config.pthrDelay = PROGRESS_THREAD_DELAY_US
+        return make(agent_name, config)
+
+    with _AGENT_LOCK:
+        binding.nixlAgent = make_with_delay
+        try:
+            return nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+        finally:
+            binding.nixlAgent = make
+
+
+_AGENT_LOCK = threading.Lock()
 
 
 @dataclass
@@ -201,12 +237,11 @@ class NixlConnector(KVConnectorBase):
 
     # ------------------------------------------------------------------ worker: set-up
     def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
-        nixl_agent, nixl_agent_config = import_nixl()
         first = kv_caches[0]
         assert first.is_contiguous() and first.shape[0] == 2
         self.mem_type = "VRAM" if first.is_cuda else "DRAM"
         self.dev_id = first.device.index or 0
-        self.agent = nixl_agent(self.engine_id, nixl_agent_config(backends=["UCX"]))
+        self.agent = make_nixl_agent(self.engine_id)
         self.agent.register_memory(self.agent.get_reg_descs(kv_caches, self.mem_type))
         num_blocks = first.shape[1]
         block_len = first[0, 0].numel() * first.element_size()

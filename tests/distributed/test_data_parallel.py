@@ -1,7 +1,9 @@
 """Data parallelism behind `kvserve serve -dp 2`: two engine cores, one DP coordinator, one
 API server. Load balancing spreads concurrent requests over both engines (seen in the
-per-engine metrics), greedy texts equal a single engine's, and a killed engine turns /health
-into 503 and fails only its own requests.
+per-engine metrics), greedy texts equal a single engine's. A killed engine is the whole
+server's death by default (vLLM's: tests/reliability/test_kill_under_load.py); with
+`--keep-alive-on-engine-death` it turns /health into 503 and fails only its own requests, the
+other engine serving on.
 """
 from __future__ import annotations
 
@@ -96,8 +98,9 @@ def test_dp2_serves_balanced_and_matches_one_engine(tiny_llama: str) -> None:
 
 
 @pytest.mark.timeout(240)
-def test_killed_dp_engine_503_and_only_its_requests_fail(tiny_llama: str) -> None:
-    server = RemoteServer(tiny_llama, [*SERVER_ENGINE_ARGS, "-dp", "2"])
+def test_keep_alive_killed_dp_engine_503_and_only_its_requests_fail(tiny_llama: str) -> None:
+    server = RemoteServer(tiny_llama, [*SERVER_ENGINE_ARGS, "-dp", "2",
+                                       "--keep-alive-on-engine-death"])
     try:
         model = tiny_llama
         victim = _engines(server)["KVSEngine_DP1"]

@@ -19,9 +19,10 @@ generator is cancelled by Starlette when the connection drops.
 SIGINT / SIGTERM: uvicorn stops accepting, the lifespan exit shuts the engine down (the
 engine core process with it), and the process exits.
 
-The engine core dies: open streams end with an error event (then `[DONE]`), and the server
-exits with status 1 so that an orchestrator restarts it (vLLM's default);
-`--keep-alive-on-engine-death` keeps it up answering 503 instead. The OpenAPI document
+The engine core (with data parallelism: any of the engines) dies: open streams end with an
+error event (then `[DONE]`), and the server exits with status 1 so that an orchestrator
+restarts it (vLLM's default); `--keep-alive-on-engine-death` keeps it up answering 503
+instead (with data parallelism the other engines keep serving, /health answers 503). The OpenAPI document
 (openapi.py) lists the statuses and media types the routes really send.
 """
 from __future__ import annotations
@@ -677,6 +678,13 @@ async def serve_http(args: argparse.Namespace, sock: socket.socket,
         server = uvicorn.Server(config)
         app.state.server = server
         app.state.keep_alive_on_engine_death = getattr(args, "keep_alive_on_engine_death", False)
+        if app.state.keep_alive_on_engine_death:
+            # Data parallelism: when one engine dies the others serve on (vLLM's default, and
+            # ours otherwise: one engine's death is the whole server's).
+            keep_serving = getattr(getattr(engine, "engine_core", None),
+                                   "keep_serving_on_engine_death", None)
+            if keep_serving is not None:
+                keep_serving()
         host, port = sock.getsockname()[:2]
         logger.info("Starting kvserve API server (model %r) on http://%s:%d",
                     engine.model_config.model, host, port)
