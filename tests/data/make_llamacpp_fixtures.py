@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import json
 import os
 import sys
 import tempfile
@@ -48,8 +49,14 @@ def build_checkpoint(out_dir: str) -> str:
     from kvserve.model.demo import train_demo_tokenizer
 
     train_demo_tokenizer(out_dir, model_max_length=CONFIG["max_position_embeddings"])
+    # The vocabulary is the tokenizer's own size (786 of the 1024 asked): llama.cpp checks that
+    # token_embd has a row per listed token.
+    with open(os.path.join(out_dir, "tokenizer.json"), encoding="utf-8") as f:
+        tok = json.load(f)
+    vocab = max([*tok["model"]["vocab"].values(), *(a["id"] for a in tok["added_tokens"])]) + 1
     torch.manual_seed(SEED)
-    model = AutoModelForCausalLM.from_config(LlamaConfig(**CONFIG)).to(torch.float32)
+    model = AutoModelForCausalLM.from_config(
+        LlamaConfig(**{**CONFIG, "vocab_size": vocab})).to(torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:

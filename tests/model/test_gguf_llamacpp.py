@@ -34,16 +34,16 @@ EXPECTED_TYPES = {"Q4_K_M": {"Q4_K", "Q6_K", "Q5_0"}, "Q5_K_M": {"Q5_K", "Q6_K",
 TOL = 1e-5
 # Packed decode steps quantize activations to int8 per block (as llama.cpp does); the
 # dequantized path keeps them float32. Measured on the Q4_K_M fixture (a random model: flat
-# distributions, logprobs about -3): chosen tokens' logprobs differ by up to 0.18 nats; greedy
-# parted at float32 top-2 margins of 0.003 and 0.09 nats (NEAR_TIE: the margin allowed there).
-# The prompt path (a float GEMM on dequantized weights) gives the same perplexity to 1e-6.
+# distributions, logprobs about -3): chosen tokens' logprobs differ by up to 0.14 nats; greedy
+# parted once, at a float32 margin of 0.014 nats (NEAR_TIE: the margin allowed there). The
+# prompt path (a float GEMM on dequantized weights) gives the same perplexity to 5e-7.
 LOGPROB_TOL = 0.25
 NEAR_TIE = 0.15
 ENGINE = dict(dtype="float32", max_model_len=256, kv_cache_memory=16 << 20,
               multiprocessing=False, enable_prefix_caching=False)
-PROMPTS = [[1, 17, 250, 33, 901, 12, 64, 7], [1, 400, 401, 402, 5, 6], [1, 999, 3, 88]]
+PROMPTS = [[1, 17, 250, 33, 701, 12, 64, 7], [1, 400, 401, 402, 5, 6], [1, 599, 3, 88]]
 MAX_TOKENS = 16
-PPL_IDS = [1] + np.random.default_rng(29).integers(3, 1024, 95).tolist()
+PPL_IDS = [1] + np.random.default_rng(29).integers(3, 786, 95).tolist()
 # End to end on Q4_K_M only (CI time): it holds Q4_K, Q6_K, Q5_0 and Q8_0; the other files'
 # types are checked per tensor by test_kernels_on_llamacpp_blocks.
 ENGINE_FTYPES = ["Q4_K_M"]
@@ -91,11 +91,11 @@ def test_kernels_on_llamacpp_blocks(ftype: str) -> None:
 
 
 def _run(path: str, quantization: str) -> tuple[list[list[int]], list[list[dict]], float]:
-    """Greedy tokens for PROMPTS with each step's top-2 logprobs ({token: logprob}), and the
+    """Greedy tokens for PROMPTS with each step's top-5 logprobs ({token: logprob}), and the
     perplexity of PPL_IDS (prompt_logprobs)."""
     with LLM(path, quantization=quantization, **ENGINE) as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
-                            SamplingParams(max_tokens=MAX_TOKENS, temperature=0, logprobs=2,
+                            SamplingParams(max_tokens=MAX_TOKENS, temperature=0, logprobs=5,
                                            ignore_eos=True), use_tqdm=False)
         pl = llm.generate([{"prompt_token_ids": PPL_IDS}],
                           SamplingParams(max_tokens=1, prompt_logprobs=0),
@@ -109,8 +109,8 @@ def _run(path: str, quantization: str) -> tuple[list[list[int]], list[list[dict]
 
 def _check_greedy(packed: tuple, plain: tuple, what: str) -> None:
     """Equal greedy tokens, except after a near-tie: where the two first differ, the packed
-    run's token must be the float32 run's runner-up within NEAR_TIE nats. Logprobs of the
-    common steps within LOGPROB_TOL."""
+    run's token must be among the float32 run's top 5, within NEAR_TIE nats of its best.
+    Logprobs of the common steps within LOGPROB_TOL."""
     for i, (a, b) in enumerate(zip(packed[0], plain[0])):
         same = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
         for j in range(same):
