@@ -10,13 +10,17 @@ Large batches (--large-rows, prefill): the int8 kernel, the packed weight dequan
 into torch's float32 GEMM (PackedQuantWeight's large-batch path), and the float32 weight
 prepacked for oneDNN (today's path for a float32 model).
 
+Dequantization (--dequant): ns a weight of the tier's dequantizer (AVX2: a group-block of 8
+rows at a time) against the portable row decoder, on 256-row chunks as the float path takes
+them; the large-batch table then has a column with the portable dequantizer too.
+
 Weights are random valid blocks (speed does not depend on values). Each side cycles through
 enough copies (> 96 MB) that a weight is never still in cache from its previous call, as in a
 decode step over the whole model. The timings alternate between the paths (time_alternately of
 benchmarks/linear.py).
 
     python benchmarks/quant_kernels.py [--types Q4_1 Q8_0 Q5_0 Q4_K Q6_K] [--rows 1 2 4 8]
-        [--large-rows 16 64 256] [--threads 1] [--iters 30] [--stat median] [--clock cpu]
+        [--large-rows 16 64 256] [--dequant] [--threads 1] [--iters 30] [--stat median] [--clock cpu]
         [--output-json out.json]
 
 K-quants apply only where K is a multiple of 256 (down, 1536 wide); llama.cpp's Q4_K_M stores
@@ -37,6 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.linear import time_alternately  # noqa: E402
 from kvserve.ops import cpu_isa, linear as kl  # noqa: E402
 from kvserve.ops.quant import FORMATS, PackedQuantWeight, kernel  # noqa: E402
+from kvserve.ops.quant import weight as qweight  # noqa: E402
 
 # (name, N, K, calls per token)
 SHAPES = [("qkv", 960, 576, 30), ("o", 576, 576, 30), ("gate_up", 3072, 576, 30),
@@ -107,11 +112,48 @@ def per_token(rows: list[dict[str, Any]]) -> None:
               f"({fb / 2**20:.1f} MB, {fb / f32 / 1e9:.1f} GB/s): {f32 / i8:.2f}x")
 
 
+def dequant_speed(args: argparse.Namespace, ops: Any) -> list[dict[str, Any]]:
+    """ns a weight: the tier's dequantizer and the portable one, alternating, 256-row chunks."""
+    rng = np.random.default_rng(2)
+    rows: list[dict[str, Any]] = []
+    print(f"\n{'type':>5} {'shape':>8} {'tier ns/w':>9} {'portable ns/w':>13} {'speedup':>7}")
+    for qtype in args.types:
+        fmt = FORMATS[qtype]
+        for label, n, k, _ in SHAPES[:4]:
+            if k % fmt.block_size:
+                continue
+            w = random_weight(qtype, n, k, rng)
+
+            def run(fn: Any) -> Any:
+                return lambda i: [fn(w.packed, fmt.ggml_type, n, r, min(n, r + 256))
+                                  for r in range(0, n, 256)]
+            t = time_alternately({"tier": run(ops.dequantize), "portable": run(
+                ops.dequantize_generic)}, 1, args.iters, args.stat, args.clock)
+            print(f"{qtype:>5} {label:>8} {t['tier'] / (n * k) * 1e9:>9.3f} "
+                  f"{t['portable'] / (n * k) * 1e9:>13.3f} {t['portable'] / t['tier']:>6.1f}x",
+                  flush=True)
+            rows.append(dict(section="dequant", type=qtype, shape=label, n=n, k=k,
+                             tier_s=t["tier"], portable_s=t["portable"]))
+    return rows
+
+
+def _portable_dequantized_matmul(ops: Any, w: PackedQuantWeight, x: torch.Tensor) -> torch.Tensor:
+    """PackedQuantWeight._dequantized_matmul with the portable dequantizer (same chunks)."""
+    n, k = w.shape
+    step = max(8, qweight.CHUNK_ELEMS // k // 8 * 8)
+    y = torch.empty(x.shape[0], n)
+    for r0 in range(0, n, step):
+        r1 = min(n, r0 + step)
+        y[:, r0:r1] = torch.mm(x, ops.dequantize_generic(w.packed, w.fmt.ggml_type, n, r0, r1).t())
+    return y
+
+
 def large_batches(args: argparse.Namespace, ops: Any) -> list[dict[str, Any]]:
     rng = np.random.default_rng(1)
     rows: list[dict[str, Any]] = []
     print(f"\n{'type':>5} {'shape':>8} {'M':>4} {'int8 us':>9} {'deq+gemm us':>11} "
-          f"{'f32 packed us':>13} {'deq/int8':>8}")
+          f"{'f32 packed us':>13} {'deq/int8':>8}" + (f" {'portable deq+gemm us':>20}"
+                                                      if args.dequant else ""))
     for qtype in args.types:
         fmt = FORMATS[qtype]
         for label, n, k, _ in SHAPES:
@@ -125,13 +167,17 @@ def large_batches(args: argparse.Namespace, ops: Any) -> list[dict[str, Any]]:
                        "deq": lambda i: ws[i % 2]._dequantized_matmul(x)}
                 if prepacked[0] is not None:
                     fns["f32"] = lambda i: kl.packed_linear(x, prepacked[i % 2])
+                if args.dequant:
+                    fns["portable"] = lambda i: _portable_dequantized_matmul(ops, ws[i % 2], x)
                 t = time_alternately(fns, 2, max(5, args.iters // 3), args.stat, args.clock)
                 f32 = t.get("f32", float("nan"))
                 print(f"{qtype:>5} {label:>8} {m:>4} {t['int8'] * 1e6:>9.0f} "
                       f"{t['deq'] * 1e6:>11.0f} {f32 * 1e6:>13.0f} "
-                      f"{t['deq'] / t['int8']:>7.2f}x", flush=True)
+                      f"{t['deq'] / t['int8']:>7.2f}x" + (f" {t['portable'] * 1e6:>20.0f}"
+                                                          if args.dequant else ""), flush=True)
                 rows.append(dict(section="large", type=qtype, shape=label, n=n, k=k, m=m,
-                                 int8_s=t["int8"], dequant_gemm_s=t["deq"], f32_packed_s=f32))
+                                 int8_s=t["int8"], dequant_gemm_s=t["deq"], f32_packed_s=f32,
+                                 portable_dequant_gemm_s=t.get("portable")))
     return rows
 
 
@@ -141,6 +187,8 @@ def main() -> None:
     p.add_argument("--rows", type=int, nargs="*", default=[1, 2, 4, 8])
     p.add_argument("--large-rows", type=int, nargs="*", default=[16, 64, 256])
     p.add_argument("--lm-head-large", action="store_true", help="the LM head at large M too")
+    p.add_argument("--dequant", action="store_true",
+                   help="the dequantizers' speed (tier vs portable), and a portable column")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--stat", choices=["best", "median"], default="median")
@@ -156,6 +204,8 @@ def main() -> None:
           f"{args.iters}, clock {args.clock}")
     rows = small_batches(args, ops) if args.rows else []
     per_token(rows)
+    if args.dequant:
+        rows += dequant_speed(args, ops)
     if args.large_rows:
         rows += large_batches(args, ops)
     if args.output_json:

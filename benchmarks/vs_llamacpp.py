@@ -525,7 +525,9 @@ def main_quantized(args: argparse.Namespace) -> int:
     for f in args.quantized_files:
         path = os.path.abspath(fetch_demo_gguf() if f == "demo" else f)
         result["files"][path] = bench_quantized(path, args)
-        print(f"[{os.path.basename(path)}] done", flush=True)
+        # Each file's row as soon as it is measured (a long run on a loaded machine).
+        print(format_quantized({**result, "files": {path: result["files"][path]}}).splitlines()[-1],
+              flush=True)
     print(format_quantized(result))
     if args.output_json:
         write_json(args.output_json, result)

@@ -75,9 +75,9 @@ def llamacpp_file(src: str, ftype: str) -> str:
         "llama.cpp-quantized files cannot be made; pip install llama-cpp-python")
     import ctypes
 
-    from kvserve import envs
-
-    cache = os.path.join(envs.cache_dir(), "gguf-llamacpp")
+    # Beside the demo file (the user's cache where KVSERVE_CACHE_DIR names one, which
+    # tests/conftest.py replaces by a per-session directory): made once, not every session.
+    cache = os.path.join(os.path.dirname(os.path.abspath(src)), "gguf-llamacpp")
     os.makedirs(cache, exist_ok=True)
     out = os.path.join(cache, f"SmolLM2-135M-Instruct.{ftype}.gguf")
     if not os.path.exists(out):

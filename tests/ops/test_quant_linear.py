@@ -157,6 +157,9 @@ def test_repack_and_dequantize_match_gguf_exactly(name: str, shape: tuple[int, i
     if HAS_KERNELS:
         assert torch.equal(w.dequantize(), ref)
         assert torch.equal(w.dequantize(n // 3, n), ref[n // 3:])
+        o, r0, r1 = kernel.ops(), min(3, n), max(min(3, n), n - 1)   # cut inside groups of 8
+        assert torch.equal(o.dequantize_generic(w.packed, fmt.ggml_type, n, r0, n), ref[r0:])
+        assert torch.equal(o.dequantize(w.packed, fmt.ggml_type, n, r0, r1), ref[r0:r1])
 
 
 def test_bad_inputs_are_clear_errors() -> None:
