@@ -66,9 +66,12 @@ def _block_m(num_tokens: int) -> int:
 
 
 @triton.jit
-def _shrink_kernel(x_ptr, a_ptr, s_ptr, tok_ptr, cnt_ptr, start_ptr, N, K,
-                   sx_t, sx_k, sa_s, sa_n, sa_k, ss_t, ss_n,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _grouped_kernel(in_ptr, w_ptr, out_ptr, tok_ptr, cnt_ptr, start_ptr, N, K,
+                    si_t, si_k, sw_s, sw_n, sw_k, so_t, so_n,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    ACCUMULATE: tl.constexpr):
+    """out[t, :N] (= or +=) in[t, :K] @ W[slot]^T for the BLOCK_M-th block of a slot's tokens:
+    shrink (in = x, W = A, stored) and expand (in = s, W = B, added) are this one kernel."""
     pid = tl.program_id(0)
     slot = tl.program_id(1)
     n_blocks = tl.cdiv(N, BLOCK_N)
@@ -83,52 +86,23 @@ def _shrink_kernel(x_ptr, a_ptr, s_ptr, tok_ptr, cnt_ptr, start_ptr, N, K,
     rows = tl.load(tok_ptr + start + offs_m, mask=m_mask, other=0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    a_base = a_ptr + slot.to(tl.int64) * sa_s
+    w_base = w_ptr + slot.to(tl.int64) * sw_s
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
-        xb = tl.load(x_ptr + rows[:, None] * sx_t + offs_k[None, :] * sx_k,
+        ib = tl.load(in_ptr + rows[:, None] * si_t + offs_k[None, :] * si_k,
                      mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        ab = tl.load(a_base + offs_n[None, :] * sa_n + offs_k[:, None] * sa_k,
-                     mask=n_mask[None, :] & k_mask[:, None], other=0.0)       # [BK, BN] = A^T
-        acc = tl.dot(xb.to(tl.float32), ab.to(tl.float32), acc=acc, input_precision="ieee")
-    tl.store(s_ptr + rows[:, None] * ss_t + offs_n[None, :] * ss_n, acc,
-             mask=m_mask[:, None] & n_mask[None, :])
-
-
-@triton.jit
-def _expand_kernel(s_ptr, b_ptr, y_ptr, tok_ptr, cnt_ptr, start_ptr, N, R,
-                   ss_t, ss_r, sb_s, sb_n, sb_r, sy_t, sy_n,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
-    pid = tl.program_id(0)
-    slot = tl.program_id(1)
-    n_blocks = tl.cdiv(N, BLOCK_N)
-    pid_m = pid // n_blocks
-    pid_n = pid % n_blocks
-    count = tl.load(cnt_ptr + slot)
-    if pid_m * BLOCK_M >= count:
-        return
-    start = tl.load(start_ptr + slot)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_mask = offs_m < count
-    rows = tl.load(tok_ptr + start + offs_m, mask=m_mask, other=0)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    b_base = b_ptr + slot.to(tl.int64) * sb_s
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for r0 in range(0, R, BLOCK_R):
-        offs_r = r0 + tl.arange(0, BLOCK_R)
-        r_mask = offs_r < R
-        sb = tl.load(s_ptr + rows[:, None] * ss_t + offs_r[None, :] * ss_r,
-                     mask=m_mask[:, None] & r_mask[None, :], other=0.0)
-        bb = tl.load(b_base + offs_n[None, :] * sb_n + offs_r[:, None] * sb_r,
-                     mask=n_mask[None, :] & r_mask[:, None], other=0.0)       # [BR, BN] = B^T
-        acc = tl.dot(sb, bb.to(tl.float32), acc=acc, input_precision="ieee")
-    y_ptrs = y_ptr + rows[:, None] * sy_t + offs_n[None, :] * sy_n
+        wb = tl.load(w_base + offs_n[None, :] * sw_n + offs_k[:, None] * sw_k,
+                     mask=n_mask[None, :] & k_mask[:, None], other=0.0)       # [BK, BN] = W^T
+        acc = tl.dot(ib.to(tl.float32), wb.to(tl.float32), acc=acc, input_precision="ieee")
+    out_ptrs = out_ptr + rows[:, None] * so_t + offs_n[None, :] * so_n
     mask = m_mask[:, None] & n_mask[None, :]
-    y = tl.load(y_ptrs, mask=mask, other=0.0)
-    tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y.dtype), mask=mask)
+    if ACCUMULATE:
+        out = tl.load(out_ptrs, mask=mask, other=0.0)
+        tl.store(out_ptrs, (out.to(tl.float32) + acc).to(out.dtype), mask=mask)
+    else:
+        tl.store(out_ptrs, acc, mask=mask)
 
 
 def _check(what: str, x: torch.Tensor, stack: torch.Tensor, meta: LoRAMeta) -> None:
@@ -154,10 +128,10 @@ def lora_shrink(x: torch.Tensor, a_stack: torch.Tensor, meta: LoRAMeta,
         return s
     bm, bn, bk = _block_m(T), _pow2(N, 16, 64), _pow2(K, 16, 64)
     grid = (triton.cdiv(T, bm) * triton.cdiv(N, bn), meta.num_slots)
-    _shrink_kernel[grid](x, a_stack, s, meta.sorted_tokens, meta.counts, meta.starts, N, K,
-                         x.stride(0), x.stride(1), a_stack.stride(0), a_stack.stride(1),
-                         a_stack.stride(2), s.stride(0), s.stride(1),
-                         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+    _grouped_kernel[grid](x, a_stack, s, meta.sorted_tokens, meta.counts, meta.starts, N, K,
+                          x.stride(0), x.stride(1), a_stack.stride(0), a_stack.stride(1),
+                          a_stack.stride(2), s.stride(0), s.stride(1),
+                          BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, ACCUMULATE=False)
     return s
 
 
@@ -176,8 +150,9 @@ def lora_expand(y: torch.Tensor, s: torch.Tensor, b_stack: torch.Tensor, meta: L
     bm, bn, br = _block_m(T), _pow2(N, 16, 64), _pow2(R, 16, 64)
     grid = (triton.cdiv(T, bm) * triton.cdiv(N, bn), meta.num_slots)
     s_view, y_view = s[:, s_offset:], y[:, y_offset:]
-    _expand_kernel[grid](s_view, b_stack, y_view, meta.sorted_tokens, meta.counts, meta.starts,
-                         N, R, s_view.stride(0), s_view.stride(1), b_stack.stride(0),
-                         b_stack.stride(1), b_stack.stride(2), y_view.stride(0),
-                         y_view.stride(1), BLOCK_M=bm, BLOCK_N=bn, BLOCK_R=br)
+    _grouped_kernel[grid](s_view, b_stack, y_view, meta.sorted_tokens, meta.counts,
+                          meta.starts, N, R, s_view.stride(0), s_view.stride(1),
+                          b_stack.stride(0), b_stack.stride(1), b_stack.stride(2),
+                          y_view.stride(0), y_view.stride(1),
+                          BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=br, ACCUMULATE=True)
     return y
