@@ -3,7 +3,7 @@ PEFT model's greedy outputs and logprobs as the reference."""
 from __future__ import annotations
 
 import os
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
@@ -68,3 +68,21 @@ def peft_greedy(base_dir: str, adapter_dir: Any, prompts: list[list[int]], max_t
             lps = [float(torch.log_softmax(s[0].float(), -1)[t]) for s, t in zip(res.scores, toks)]
             out.append((toks, lps))
     return out
+
+
+def check_against_peft(base: str, outs, prompts: list[list[int]], lora_list: list,
+                       max_tokens: int, logprob_atol: float) -> None:
+    """Each request's greedy tokens equal PEFT's for its adapter (None: the base model), and
+    its chosen tokens' logprobs within logprob_atol; PEFT runs once per adapter."""
+    by_adapter: dict = {}
+    for i, lr in enumerate(lora_list):
+        by_adapter.setdefault(None if lr is None else lr.lora_path, []).append(i)
+    for path, idx in by_adapter.items():
+        refs = peft_greedy(base, path, [prompts[i] for i in idx], max_tokens)
+        for i, (ref_toks, ref_lps) in zip(idx, refs):
+            out = outs[i].outputs[0]
+            name = "base" if path is None else os.path.basename(path)
+            assert out.token_ids == ref_toks, f"request {i} ({name}): {out.token_ids} vs PEFT {ref_toks}"
+            got = [d[t].logprob for d, t in zip(out.logprobs, out.token_ids)]
+            err = max(abs(a - b) for a, b in zip(got, ref_lps))
+            assert err < logprob_atol, f"request {i} ({name}): logprob error {err}"

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kvserve import LLM, LoRARequest, SamplingParams, envs
-from tests.lora.conftest import ADAPTERS, make_peft_adapter, peft_greedy
+from tests.lora.conftest import ADAPTERS, check_against_peft, make_peft_adapter, peft_greedy
 from tests.utils import random_prompts
 
 LOGPROB_ATOL = 1e-4
@@ -39,18 +39,7 @@ def loras(lora_adapters: dict[str, str]) -> list[LoRARequest]:
 
 
 def _check_against_peft(base: str, outs, prompts, lora_list) -> None:
-    by_adapter: dict = {}
-    for i, lr in enumerate(lora_list):
-        by_adapter.setdefault(None if lr is None else lr.lora_path, []).append(i)
-    for path, idx in by_adapter.items():
-        refs = peft_greedy(base, path, [prompts[i] for i in idx], MAX_TOKENS)
-        for i, (ref_toks, ref_lps) in zip(idx, refs):
-            out = outs[i].outputs[0]
-            name = "base" if path is None else os.path.basename(path)
-            assert out.token_ids == ref_toks, f"request {i} ({name}): {out.token_ids} vs PEFT {ref_toks}"
-            got = [d[t].logprob for d, t in zip(out.logprobs, out.token_ids)]
-            err = max(abs(a - b) for a, b in zip(got, ref_lps))
-            assert err < LOGPROB_ATOL, f"request {i} ({name}): logprob error {err}"
+    check_against_peft(base, outs, prompts, lora_list, MAX_TOKENS, LOGPROB_ATOL)
 
 
 def test_mixed_batch_matches_peft(llm: LLM, loras: list[LoRARequest], tiny_llama: str) -> None:

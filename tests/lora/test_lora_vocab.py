@@ -7,13 +7,12 @@ model works the same way (PEFT keeps separate LoRA weights for the tied embeddin
 The base checkpoint's LM head is scaled (peaked distributions), so greedy picks are clear."""
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 
 from kvserve import LLM, LoRARequest, SamplingParams
-from tests.lora.conftest import make_peft_adapter, peft_greedy
+from tests.lora.conftest import check_against_peft, make_peft_adapter, peft_greedy
 from tests.utils import peaked_copy, random_prompts
 
 LOGPROB_ATOL = 1e-4
@@ -53,18 +52,7 @@ def _peft_prompt_logprobs(base: str, adapter: str, prompt: list[int]) -> torch.T
 
 
 def _check(base: str, outs, prompts, lora_list) -> None:
-    by_path: dict = {}
-    for i, lr in enumerate(lora_list):
-        by_path.setdefault(None if lr is None else lr.lora_path, []).append(i)
-    for path, idx in by_path.items():
-        refs = peft_greedy(base, path, [prompts[i] for i in idx], MAX_TOKENS)
-        for i, (ref_toks, ref_lps) in zip(idx, refs):
-            out = outs[i].outputs[0]
-            name = "base" if path is None else os.path.basename(path)
-            assert out.token_ids == ref_toks, f"request {i} ({name}): {out.token_ids} vs PEFT {ref_toks}"
-            got = [d[t].logprob for d, t in zip(out.logprobs, out.token_ids)]
-            err = max(abs(a - b) for a, b in zip(got, ref_lps))
-            assert err < LOGPROB_ATOL, f"request {i} ({name}): logprob error {err}"
+    check_against_peft(base, outs, prompts, lora_list, MAX_TOKENS, LOGPROB_ATOL)
 
 
 @pytest.fixture(scope="module")

@@ -56,6 +56,19 @@ def _add_tokenizer(writer, ckpt: str, pre: str) -> None:
     writer.add_chat_template(tok_cfg["chat_template"])
 
 
+def store_tensor(writer, name: str, t: torch.Tensor, qtype: str) -> None:
+    """Add `t` to a GGUFWriter as F32, F16 or a block type quantized by gguf's quantizers."""
+    import gguf
+    from gguf.quants import quantize
+
+    data = t.float().numpy()
+    if qtype in ("F32", "F16"):
+        writer.add_tensor(name, data.astype(np.float16 if qtype == "F16" else np.float32))
+    else:
+        q = gguf.GGMLQuantizationType[qtype]
+        writer.add_tensor(name, quantize(data, q), raw_dtype=q)
+
+
 def write_gguf(ckpt: str, out: str, qtype: str = "F32", *, arch: Optional[str] = None,
                permute: Optional[bool] = None, pre: str = "default",
                tensor_types: Optional[dict[str, str]] = None) -> str:
@@ -63,7 +76,6 @@ def write_gguf(ckpt: str, out: str, qtype: str = "F32", *, arch: Optional[str] =
     2-D tensors stored as `qtype` (or `tensor_types[hf_name]`), norms as F32, q/k rows
     permuted for the "llama" architecture. `arch` overrides general.architecture."""
     import gguf
-    from gguf.quants import quantize
 
     with open(os.path.join(ckpt, "config.json")) as f:
         cfg = json.load(f)
@@ -94,13 +106,8 @@ def write_gguf(ckpt: str, out: str, qtype: str = "F32", *, arch: Optional[str] =
             t = llamacpp_permute(t, n_head)
         elif permute and "k_proj" in name:
             t = llamacpp_permute(t, n_kv)
-        kind = (tensor_types or {}).get(name, qtype) if t.dim() == 2 else "F32"
-        data = t.float().numpy()
-        if kind in ("F32", "F16"):
-            w.add_tensor(gguf_name, data.astype(np.float16 if kind == "F16" else np.float32))
-        else:
-            q = gguf.GGMLQuantizationType[kind]
-            w.add_tensor(gguf_name, quantize(data, q), raw_dtype=q)
+        store_tensor(w, gguf_name, t, (tensor_types or {}).get(name, qtype) if t.dim() == 2
+                     else "F32")
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -11,14 +11,13 @@ import os
 import shutil
 from typing import Callable
 
-import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from kvserve import LLM, envs
 from kvserve.model.gguf import iterate_gguf_weights, read_gguf_config
-from tests.model.gguf_files import _add_tokenizer, llamacpp_permute, roundtrip
+from tests.model.gguf_files import _add_tokenizer, llamacpp_permute, roundtrip, store_tensor
 from tests.model.test_moe import (MOE_CONFIG, MOE_OVERRIDES, _generate, _prompts,
                                   assert_matches_hf)
 from tests.utils import hf_greedy
@@ -30,18 +29,6 @@ GGUF_ARCH = {"mixtral": "llama", "qwen3_moe": "qwen3moe"}
 EXPERT_PARTS = {"w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps",
                 "gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps",
                 "down_proj": "ffn_down_exps"}
-
-
-def _store(writer, name: str, t: torch.Tensor, qtype: str) -> None:
-    import gguf
-    from gguf.quants import quantize
-
-    data = t.float().numpy()
-    if qtype in ("F32", "F16"):
-        writer.add_tensor(name, data.astype(np.float16 if qtype == "F16" else np.float32))
-    else:
-        q = gguf.GGMLQuantizationType[qtype]
-        writer.add_tensor(name, quantize(data, q), raw_dtype=q)
 
 
 def write_moe_gguf(ckpt: str, out: str, arch: str, qtype: str = "F32",
@@ -92,9 +79,9 @@ def write_moe_gguf(ckpt: str, out: str, arch: str, qtype: str = "F32",
         elif arch == "mixtral" and "k_proj" in name:
             t = llamacpp_permute(t, n_kv)
         router = gguf_name.endswith("ffn_gate_inp.weight")   # llama.cpp keeps it F32
-        _store(w, gguf_name, t, qtype if t.dim() == 2 and not router else "F32")
+        store_tensor(w, gguf_name, t, qtype if t.dim() == 2 and not router else "F32")
     for gguf_name, by_expert in stacks.items():
-        _store(w, gguf_name, torch.stack([by_expert[e] for e in range(experts)]), qtype)
+        store_tensor(w, gguf_name, torch.stack([by_expert[e] for e in range(experts)]), qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
