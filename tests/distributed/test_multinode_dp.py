@@ -124,7 +124,9 @@ def test_two_node_dp_on_loopback(tiny_llama: str) -> None:
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     server = None
     try:
-        server = RemoteServer(tiny_llama, _dp_args(rpc_port))
+        # --keep-alive-on-engine-death: the front keeps serving on engine 0 when the headless
+        # node's engine dies (by default the whole server would exit, as vLLM's does).
+        server = RemoteServer(tiny_llama, [*_dp_args(rpc_port), "--keep-alive-on-engine-death"])
         front = {p.name() for p in psutil.Process(server.proc.pid).children(recursive=True)}
         assert {"KVSEngine_DP0", "KVSDPCoord"} <= front and "KVSEngine_DP1" not in front
         remote = [p for p in psutil.Process(headless.pid).children(recursive=True)
