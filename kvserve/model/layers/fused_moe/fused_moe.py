@@ -23,9 +23,7 @@ def fused_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
     if hidden_states.is_cuda:
         from kvserve.model.layers.fused_moe.triton_moe import fused_experts_triton
         return fused_experts_triton(hidden_states, w13, w2, topk_weights, topk_ids)
-    if moe_ops.kernel_takes(hidden_states, w13, w2, topk_ids.numel()):
-        op = moe_ops.cpu_kernel()
-        if op is not None:
-            return op(hidden_states.contiguous(), w13, w2, topk_weights.float().contiguous(),
-                      topk_ids.long().contiguous())
+    if (moe_ops.kernel_takes(hidden_states, w13, w2, topk_ids.numel())
+            and moe_ops.cpu_kernel() is not None):
+        return moe_ops.fused_moe_cpu(hidden_states, w13, w2, topk_weights, topk_ids)
     return fused_experts_torch(hidden_states, w13, w2, topk_weights, topk_ids)
