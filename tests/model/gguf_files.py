@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -69,6 +69,21 @@ def store_tensor(writer, name: str, t: torch.Tensor, qtype: str) -> None:
         writer.add_tensor(name, quantize(data, q), raw_dtype=q)
 
 
+def add_model_header(w: Any, cfg: dict, n_kv: int, head_dim: int, rope_theta: float) -> None:
+    """The model keys llama.cpp's converter writes from config.json (shared with MoE files)."""
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(n_kv)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_freq_base(rope_theta)
+    w.add_layer_norm_rms_eps(float(cfg["rms_norm_eps"]))
+    w.add_vocab_size(cfg["vocab_size"])
+
+
 def write_gguf(ckpt: str, out: str, qtype: str = "F32", *, arch: Optional[str] = None,
                permute: Optional[bool] = None, pre: str = "default",
                tensor_types: Optional[dict[str, str]] = None) -> str:
@@ -86,17 +101,7 @@ def write_gguf(ckpt: str, out: str, qtype: str = "F32", *, arch: Optional[str] =
     n_kv = cfg.get("num_key_value_heads") or n_head
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_head
     w = gguf.GGUFWriter(out, arch)
-    w.add_block_count(n_layers)
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(n_head)
-    w.add_head_count_kv(n_kv)
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
-    w.add_rope_freq_base(float(cfg.get("rope_theta", 10000.0)))
-    w.add_layer_norm_rms_eps(float(cfg["rms_norm_eps"]))
-    w.add_vocab_size(cfg["vocab_size"])
+    add_model_header(w, cfg, n_kv, head_dim, float(cfg.get("rope_theta", 10000.0)))
     _add_tokenizer(w, ckpt, pre)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[real_arch.upper()], n_layers)
     for name, t in load_file(os.path.join(ckpt, "model.safetensors")).items():

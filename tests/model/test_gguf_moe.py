@@ -17,7 +17,8 @@ from safetensors.torch import load_file, save_file
 
 from kvserve import LLM, envs
 from kvserve.model.gguf import iterate_gguf_weights, read_gguf_config
-from tests.model.gguf_files import _add_tokenizer, llamacpp_permute, roundtrip, store_tensor
+from tests.model.gguf_files import (_add_tokenizer, add_model_header, llamacpp_permute, roundtrip,
+                                    store_tensor)
 from tests.model.test_moe import (MOE_CONFIG, MOE_OVERRIDES, _generate, _prompts,
                                   assert_matches_hf)
 from tests.utils import hf_greedy
@@ -44,20 +45,11 @@ def write_moe_gguf(ckpt: str, out: str, arch: str, qtype: str = "F32",
     n_kv = cfg["num_key_value_heads"]
     experts = cfg.get("num_local_experts") or cfg["num_experts"]
     w = gguf.GGUFWriter(out, GGUF_ARCH[arch])
-    w.add_block_count(n_layers)
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(n_head)
-    w.add_head_count_kv(n_kv)
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_head
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
     # transformers >= 5 writes rope_theta inside rope_parameters (Mixtral's is 1e6).
     rope = cfg.get("rope_parameters") or {}
-    w.add_rope_freq_base(float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0))
-    w.add_layer_norm_rms_eps(float(cfg["rms_norm_eps"]))
-    w.add_vocab_size(cfg["vocab_size"])
+    add_model_header(w, cfg, n_kv, head_dim,
+                     float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0))
     w.add_expert_count(num_experts or experts)
     w.add_expert_used_count(cfg["num_experts_per_tok"])
     if arch == "qwen3_moe":
