@@ -36,6 +36,7 @@ import os
 import random
 import sys
 import time
+from collections import Counter
 from typing import Any, Optional
 
 import torch
@@ -118,16 +119,49 @@ def decode_step_profile(llm, prompt: list[int], steps: int, device: str) -> dict
         with profile(activities=acts) as prof:
             llm.generate(p, sp, use_tqdm=False)
         events = prof.events()
-        kernels = sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA
-                      and not e.name.startswith(("Memcpy", "Memset")))
+        names, busy = Counter(), Counter()
+        for e in events:
+            if (e.device_type == torch.autograd.DeviceType.CUDA
+                    and not e.name.startswith(("Memcpy", "Memset"))):
+                names[e.name] += 1
+                busy[e.name] += e.time_range.elapsed_us()
         aten = sum(1 for e in events if e.name.startswith("aten::"))
         c, t = time.process_time(), time.perf_counter()        # unprofiled for the times
         llm.generate(p, sp, use_tqdm=False)
-        runs[n] = (kernels, aten, time.process_time() - c, time.perf_counter() - t)
+        runs[n] = (names, aten, time.process_time() - c, time.perf_counter() - t, busy)
     a, b = runs[1], runs[steps + 1]
-    return {"kernels_per_step": (b[0] - a[0]) / steps, "aten_ops_per_step": (b[1] - a[1]) / steps,
+    # Which kernels a step launches (name -> launches and GPU us per step): what to fuse next.
+    per_step = {k: ((b[0][k] - a[0].get(k, 0)) / steps, (b[4][k] - a[4].get(k, 0)) / steps)
+                for k in b[0]}
+    top = dict(sorted(((k[:90], v) for k, v in per_step.items() if v[0] > 0),
+                      key=lambda kv: -kv[1][1])[:30])
+    return {"kernels_per_step": (sum(b[0].values()) - sum(a[0].values())) / steps,
+            "gpu_busy_ms_per_step": (sum(b[4].values()) - sum(a[4].values())) / steps / 1e3,
+            "aten_ops_per_step": (b[1] - a[1]) / steps,
             "cpu_ms_per_step": (b[2] - a[2]) / steps * 1e3,
-            "wall_ms_per_step": (b[3] - a[3]) / steps * 1e3}
+            "wall_ms_per_step": (b[3] - a[3]) / steps * 1e3, "kernels_by_name": top}
+
+
+def host_profile(llm, prompt: list[int], steps: int, out_path: str) -> None:
+    """cProfile of one batch-1 run of `steps` decode steps: where the host's time per step
+    goes (the top functions by own time and by cumulative time, written to out_path)."""
+    import cProfile
+    import io
+    import pstats
+
+    from kvserve import SamplingParams
+    sp = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
+    p = {"prompt_token_ids": prompt}
+    llm.generate(p, sp, use_tqdm=False)
+    prof = cProfile.Profile()
+    prof.enable()
+    llm.generate(p, sp, use_tqdm=False)
+    prof.disable()
+    buf = io.StringIO()
+    for key in ("tottime", "cumulative"):
+        pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(45)
+    with open(out_path, "w") as f:
+        f.write(f"batch-1, {steps} decode steps\n" + buf.getvalue())
 
 
 def run_kvserve_all(path: str, requests, args, enforce_eager: bool,
@@ -141,6 +175,11 @@ def run_kvserve_all(path: str, requests, args, enforce_eager: bool,
     res = {"throughput_tok_s": sum(outs) / elapsed, "elapsed_s": elapsed,
            "batch1_tok_s": batch1_decode(llm, prompt, args.batch1_len),
            "decode_step": decode_step_profile(llm, prompt, args.profile_steps, args.device)}
+    if args.host_profile_dir:
+        os.makedirs(args.host_profile_dir, exist_ok=True)
+        host_profile(llm, prompt, args.profile_steps * 2, os.path.join(
+            args.host_profile_dir, f"host_{'eager' if enforce_eager else 'graphs'}"
+                                   f"{'_async' if async_scheduling else ''}.txt"))
     if not enforce_eager:
         long_prompt = {"prompt_token_ids": [random.Random(1).randrange(5, args.vocab)
                                             for _ in range(args.ttft_len)]}
@@ -245,6 +284,11 @@ def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
     ap.add_argument("--serve-timeout-s", type=float, default=1800)
     ap.add_argument("--smoke", action="store_true",
                     help="Tiny model, few requests, no peer; on CPU without a GPU.")
+    ap.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS),
+                    help="Which parts to run (each in turn; a failing part is recorded in the "
+                         "JSON and the others still run).")
+    ap.add_argument("--host-profile-dir",
+                    help="Write a cProfile of a batch-1 run per engine setting here.")
     ap.add_argument("--output-json")
     args = ap.parse_args(argv)
     args.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -256,8 +300,43 @@ def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
         args.max_model_len, args.batch1_len, args.ttft_len = 512, 8, 256
         if args.device == "cpu":
             args.dtype, args.attention_backend = "float32", None
-    args.serve_offline = not args.skip_serve
+    args.serve_offline = not args.skip_serve and "serve" in args.parts
     return args
+
+
+PARTS = ("graphs", "async", "eager", "serve", "hf")
+
+
+def _run_part(result: dict[str, Any], key: str, fn, args: argparse.Namespace) -> None:
+    """One part of the run; a failure is recorded and the next part still runs (a GPU lease is
+    short: one crash must not cost the other numbers). The JSON is rewritten after each part."""
+    import traceback
+    t = time.perf_counter()
+    try:
+        result[key] = fn()
+    except Exception:                                   # noqa: BLE001 - recorded, reported
+        result[key] = {"error": traceback.format_exc()}
+        print(f"part {key} failed:\n{result[key]['error']}", file=sys.stderr, flush=True)
+    print(f"part {key}: {time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
+    _free(args.device)
+    _write_json(result, args)
+
+
+def _write_json(result: dict[str, Any], args: argparse.Namespace) -> None:
+    if args.output_json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.output_json)), exist_ok=True)
+        with open(args.output_json, "w") as f:
+            json.dump(result, f, indent=2, default=str)
+
+
+def _hf_part(path: str, requests, args: argparse.Namespace) -> dict[int, float]:
+    hf = load_hf_model(path, getattr(torch, args.dtype), args.device)
+    res = {}
+    for b in args.hf_batch_sizes:
+        elapsed, outs = run_hf(requests, hf, b)
+        res[b] = sum(outs) / elapsed
+    del hf
+    return res
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -272,55 +351,61 @@ def main(argv: Optional[list[str]] = None) -> int:
                              args.output_len, args.vocab)
     result: dict[str, Any] = {
         "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-        "torch": torch.__version__, "model": config, "num_prompts": args.num_prompts}
-    result["kvserve"] = run_kvserve_all(path, requests, args, enforce_eager=False)
-    result["kvserve_async"] = run_kvserve_all(path, requests, args, enforce_eager=False,
-                                              async_scheduling=True)
-    result["kvserve_enforce_eager"] = run_kvserve_all(path, requests, args, enforce_eager=True)
-    if not args.skip_serve:
-        result["served"] = {mode: served_run(path, args, mode == "async")
-                            for mode in ("sync", "async")}
-    result["hf"] = {}
-    if args.hf_batch_sizes:
-        hf = load_hf_model(path, getattr(torch, args.dtype), args.device)
-        for b in args.hf_batch_sizes:
-            elapsed, outs = run_hf(requests, hf, b)
-            result["hf"][b] = sum(outs) / elapsed
-        del hf
-        _free(args.device)
+        "torch": torch.__version__, "model": config, "num_prompts": args.num_prompts, "hf": {}}
+    parts = {
+        "graphs": ("kvserve", lambda: run_kvserve_all(path, requests, args, False)),
+        "async": ("kvserve_async", lambda: run_kvserve_all(path, requests, args, False, True)),
+        "eager": ("kvserve_enforce_eager", lambda: run_kvserve_all(path, requests, args, True)),
+        "serve": ("served", lambda: {mode: served_run(path, args, mode == "async")
+                                     for mode in ("sync", "async")}),
+        "hf": ("hf", lambda: _hf_part(path, requests, args)),
+    }
+    for part in args.parts:
+        if part == "serve" and args.skip_serve or part == "hf" and not args.hf_batch_sizes:
+            continue
+        _run_part(result, *parts[part], args)
     summarize(result, path, args)
-    if args.output_json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.output_json)), exist_ok=True)
-        with open(args.output_json, "w") as f:
-            json.dump(result, f, indent=2, default=str)
+    _write_json(result, args)
     return 0
 
 
 def summarize(result: dict[str, Any], path: str, args: argparse.Namespace) -> None:
-    kv, ka, ke = result["kvserve"], result["kvserve_async"], result["kvserve_enforce_eager"]
-    lines = [f"{result['device']}:"]
+    ok = {k: r for k in ("kvserve", "kvserve_async", "kvserve_enforce_eager")
+          if isinstance(r := result.get(k), dict) and "error" not in r}
+    kv, ka = ok.get("kvserve", {}), ok.get("kvserve_async", {})
+    lines = [f"{result['device']}:"] + [f"  {k}: FAILED (see the JSON)" for k in (
+        "kvserve", "kvserve_async", "kvserve_enforce_eager", "served", "hf")
+        if isinstance(result.get(k), dict) and "error" in result[k]]
     if args.device == "cuda":
         bw = copy_bandwidth_gb_s()
         limit = bw * 1e9 / weight_bytes_per_decode(path)
-        result.update(copy_bandwidth_gb_s=bw, batch1_limit_tok_s=limit,
-                      batch1_fraction=kv["batch1_tok_s"] / limit,
-                      batch1_fraction_async=ka["batch1_tok_s"] / limit)
+        result.update(copy_bandwidth_gb_s=bw, batch1_limit_tok_s=limit)
+        if kv:
+            result["batch1_fraction"] = kv["batch1_tok_s"] / limit
+        if ka:
+            result["batch1_fraction_async"] = ka["batch1_tok_s"] / limit
         lines.append(f"  batch-1 limit {limit:.0f} tok/s (copy {bw:.0f} GB/s); goal "
                      f"{GOAL_BATCH1:.0%}")
-    if result["hf"]:
+    if result["hf"] and "error" not in result["hf"] and kv:
         best_hf = max(result["hf"].values())
         result["ratio_vs_hf"] = kv["throughput_tok_s"] / best_hf
         lines.append(f"  HF best {best_hf:.0f} tok/s; goal {GOAL_RATIO}x")
-    for label, r in (("graphs", kv), ("graphs+async", ka), ("eager", ke)):
+    for label, key in (("graphs", "kvserve"), ("graphs+async", "kvserve_async"),
+                       ("eager", "kvserve_enforce_eager")):
+        if key not in ok:
+            continue
+        r = ok[key]
         d = r["decode_step"]
         lines.append(
             f"  {label:13s} offline {r['throughput_tok_s']:8.0f} tok/s | batch-1 "
             f"{r['batch1_tok_s']:7.0f} tok/s | per decode step: {d['kernels_per_step']:.0f} "
-            f"kernels (goal <= {GOAL_KERNELS}), {d['aten_ops_per_step']:.0f} aten ops, CPU "
+            f"kernels (goal <= {GOAL_KERNELS}), GPU busy {d['gpu_busy_ms_per_step']:.2f} ms, "
+            f"{d['aten_ops_per_step']:.0f} aten ops, CPU "
             f"{d['cpu_ms_per_step']:.2f} ms, wall {d['wall_ms_per_step']:.2f} ms"
             + (f" | TTFT {args.ttft_len} {r['ttft_long_ms']:.0f} ms" if "ttft_long_ms" in r
                else ""))
-    for mode, served in result.get("served", {}).items():
+    served_all = result.get("served", {})
+    for mode, served in ({} if "error" in served_all else served_all).items():
         offline = (ka if mode == "async" else kv).get("serve_workload_offline_tok_s")
         for rate, r in list(served.items()):
             if rate == "log":

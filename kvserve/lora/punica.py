@@ -72,7 +72,9 @@ class LoRAGroups(list):
     def triton_meta(self, token_slots: torch.Tensor, num_slots: int) -> Any:
         key = (token_slots.data_ptr(), num_slots)
         meta = self._meta.get(key)
-        if meta is None:
+        # A CUDA graph being captured must compute the grouping itself (from the slots buffer a
+        # replay reads), not reuse tensors computed before the capture (a warm-up's).
+        if meta is None or (token_slots.is_cuda and torch.cuda.is_current_stream_capturing()):
             meta = self._meta[key] = _triton().lora_meta(token_slots, num_slots)
         return meta
 

@@ -30,7 +30,6 @@ from kvserve.model.layers.linear import (MergedColumnParallelLinear, QKVParallel
 from kvserve.model.layers.norm import RMSNorm
 from kvserve.model.layers.rotary import get_rope
 from kvserve.ops.decode_layers import decode_layers_op
-from kvserve.ops.fused import silu_and_mul
 
 
 @dataclass(frozen=True)
@@ -48,7 +47,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj.forward_silu_and_mul(self.gate_up_proj(x))
 
 
 class LlamaAttention(nn.Module):

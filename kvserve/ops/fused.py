@@ -164,6 +164,18 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return silu_and_mul_torch(x)
 
 
+def silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor) -> Optional[torch.Tensor]:
+    """silu_and_mul(x) @ weight.T as one kernel where that is the faster way: CUDA, a batch-1
+    step, a plain weight in x's dtype (the Triton GEMV; cuBLAS's split-K GEMM needs the
+    activation kernel, the GEMM and a reduce). None elsewhere: the caller runs the two ops."""
+    if not (x.is_cuda and x.dim() == 2 and weight.dim() == 2 and weight.dtype is x.dtype):
+        return None
+    tri = _triton()
+    if x.shape[0] > tri.SILU_LINEAR_MAX_ROWS:
+        return None
+    return tri.silu_and_mul_linear(x, weight)
+
+
 # ------------------------------------------------------------------------------------------
 # KV-cache write
 

@@ -239,10 +239,9 @@ class ModelRunner:
         assert self.model is not None
         layout = SampleLayout.make(step.req_ids, sample_idx, step.query_starts + step.query_lens,
                                    so.scheduled_spec_decode_tokens)
-        logits_indices, = self.staging.upload(layout.logits_indices)
         if self.lora_manager is not None:    # LoRA on lm_head: each scored row's adapter
             self.lora_manager.set_logits_rows(layout.logits_indices)
-        logits = self.model.compute_logits(hidden[logits_indices])
+        logits = self.model.compute_logits(self._scored_rows(hidden, layout.logits_indices))
         if so.grammar_bitmask is not None:   # one bitmask row per draft + the bonus row
             first_row = {step.req_ids[i]: int(layout.row_starts[s])
                          for s, i in enumerate(sample_idx)}
@@ -258,6 +257,15 @@ class ModelRunner:
             sampled_lists[i] = tokens[s]
             if lps[s] is not None:
                 logprobs[step.req_ids[i]] = lps[s]
+
+    def _scored_rows(self, hidden: torch.Tensor, logits_indices: np.ndarray) -> torch.Tensor:
+        """hidden's rows at logits_indices (increasing). Rows 0..n-1 (a decode step without
+        drafts: one row per request, in order) are a view: no upload, no gather kernel."""
+        n = len(logits_indices)
+        if n and int(logits_indices[-1]) == n - 1:
+            return hidden[:n]
+        rows, = self.staging.upload(logits_indices)
+        return hidden[rows]
 
     def _sample_async(self, step: StepInputs, logits: torch.Tensor,
                       sample_idx: np.ndarray) -> bool:

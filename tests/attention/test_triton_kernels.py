@@ -96,11 +96,18 @@ def test_split_kv_decode(device, bs: int, dtype: torch.dtype) -> None:
                     generator=torch.Generator().manual_seed(2)).to(dtype).to(device)
     tables = torch.cat([tables, tables[:1]])                      # the padding row's table
     lens = torch.tensor(seq_lens + [0], dtype=torch.int32, device=device)
-    ref = reference(q[:-1], dense, [n - 1 for n in seq_lens], [1] * len(seq_lens), 0.25)
-    for splits in (1, 5):
-        out = split_kv_decode_attention(q, cache, lens, tables, 0.25, splits)
-        check(out[:-1], ref, dtype)
+    q2 = (q.float().flip(0) * 1.5).to(dtype)       # another query: stale partials show
+    refs = [reference(x[:-1], dense, [n - 1 for n in seq_lens], [1] * len(seq_lens), 0.25)
+            for x in (q, q2)]
+    # 5 splits merged by a second kernel, then by the last split of each (request, kv head):
+    # twice, so the second launch reads counters the first reset (graph replays rely on it).
+    for i, (splits, fused_merge) in enumerate(((1, True), (5, False), (5, True), (5, True))):
+        out = split_kv_decode_attention((q, q2)[i % 2], cache, lens, tables, 0.25, splits,
+                                        fused_merge=fused_merge)
+        check(out[:-1], refs[i % 2], dtype)
         assert (out[-1] == 0).all()
+    from kvserve.attention.ops.decode_attention import _COUNTERS
+    assert not _COUNTERS[q.device].any(), "a merge left its arrival counter set"
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)

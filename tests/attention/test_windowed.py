@@ -40,7 +40,10 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: int, wind
 def test_windowed_attention_matches_reference(backend_name: str, window: Optional[int],
                                               softcap: Optional[float]) -> None:
     torch.manual_seed(0)
-    backend = get_attn_backend(backend_name, torch.device("cpu"))
+    # TRITON_ATTN runs on the GPU where there is one (its kernels take no CPU tensors then).
+    dev = torch.device("cuda" if backend_name == "TRITON_ATTN" and torch.cuda.is_available()
+                       else "cpu")
+    backend = get_attn_backend(backend_name, dev)
     layer = Attention(H, D, HKV, sliding_window=window, logits_soft_cap=softcap)
     bind_attention_backend(torch.nn.Sequential(layer), backend)
     max_blocks = max(math.ceil((c + n) / BS) for c, n in REQS)
@@ -70,8 +73,8 @@ def test_windowed_attention_matches_reference(backend_name: str, window: Optiona
         slot_mapping=np.concatenate(slots), block_size=BS)
     meta = backend.build_metadata(common)
     T = int(qlens.sum())
-    out = layer(torch.cat(qs).view(T, H * D), torch.cat(ks).view(T, HKV * D),
-                torch.cat(vs).view(T, HKV * D), kv_cache, meta).view(T, H, D)
-    want = torch.cat(refs)
+    out = layer(torch.cat(qs).view(T, H * D).to(dev), torch.cat(ks).view(T, HKV * D).to(dev),
+                torch.cat(vs).view(T, HKV * D).to(dev), kv_cache.to(dev), meta).view(T, H, D)
+    out, want = out.cpu(), torch.cat(refs)
     assert torch.isfinite(out).all(), "read a block outside the window"
     torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=1e-5)

@@ -162,7 +162,7 @@ def test_greedy_matches_transformers_with_kernel(arch: str, make_checkpoint, cpu
     prompts = random_prompts(3, 5, 20, vocab=1024, seed=3)
     refs = hf_greedy(path, prompts, 8)
     llm = LLM(path, dtype="float32", max_model_len=128, kv_cache_memory=8 << 20, seed=0,
-              multiprocessing=False)
+              multiprocessing=False, device="cpu")     # the CPU kernel, on a GPU host too
     params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=5, ignore_eos=True)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)

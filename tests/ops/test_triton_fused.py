@@ -120,6 +120,24 @@ def test_silu_and_mul(ops, dtype: torch.dtype) -> None:
     assert torch.equal(ops.silu_and_mul(x[2:3])[0], out[2])
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+def test_silu_and_mul_linear(ops, dtype: torch.dtype) -> None:
+    """The batch-1 down projection with its activation: silu_and_mul(x) @ w.T, the activation
+    rounded where silu_and_mul rounds; K not a multiple of the block (the masked tail)."""
+    T, inter, N = 3, 1100, 40
+    x = _rand(T, 2 * inter, dtype=dtype, seed=8)
+    w = (_rand(N, inter, dtype=torch.float32, seed=9) * 0.05).to(dtype)
+    act = ops.silu_and_mul(x).double().cpu()                     # checked above
+    ref = act @ w.double().cpu().t()
+    out = ops.silu_and_mul_linear(x, w)
+    assert out.shape == (T, N) and out.dtype == dtype
+    _close(out, ref, dtype)
+    one = ops.silu_and_mul_linear(x[1:2], w)
+    assert torch.equal(one[0], out[1])
+    from kvserve.ops import fused as dispatch       # CPU tensors: not taken (the two ops)
+    assert dispatch.silu_and_mul_linear(x.cpu(), w.cpu()) is None
+
+
 def test_bad_inputs_are_value_errors(ops) -> None:
     x = torch.zeros(3, 8, device=DEVICE)
     with pytest.raises(ValueError, match="weight"):
@@ -141,3 +159,7 @@ def test_model_ops_dispatch_to_triton_on_cuda() -> None:
     w = _rand(256, dtype=torch.bfloat16, seed=7)
     assert torch.equal(dispatch.rms_norm(x, w, 1e-6), tri.rms_norm(x, w, 1e-6))
     assert torch.equal(dispatch.silu_and_mul(x), tri.silu_and_mul(x))
+    down = _rand(64, 128, dtype=torch.bfloat16, seed=8)
+    assert torch.equal(dispatch.silu_and_mul_linear(x[:1], down),
+                       tri.silu_and_mul_linear(x[:1], down))
+    assert dispatch.silu_and_mul_linear(x, down) is None      # 4 rows: cuBLAS

@@ -1,7 +1,8 @@
 """Split-KV (flash-decoding) paged attention for steps where every request decodes one token
 (Triton): long contexts at small batch give too few (request, kv head) programs to fill a
-GPU, so each sequence's blocks are split into `num_splits` ranges attended in parallel, and a
-second kernel merges the partial results by their log-sum-exp.
+GPU, so each sequence's blocks are split into `num_splits` ranges attended in parallel, and the
+partial results are merged by their log-sum-exp: by the last split program of each (request,
+kv head) to finish (an arrival counter), or with `fused_merge=False` by a second kernel.
 
     q            [R, H, D]        one query per request (row r = request r)
     kv_cache     [2, NB, BS, Hkv, D]
@@ -27,11 +28,12 @@ from kvserve.attention.ops.unified_attention import attend_block, block_m_for
 @triton.jit
 def _split_kv_kernel(
         out_ptr, part_out_ptr, part_lse_ptr, q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr,
-        scale, stride_qt, stride_qh, stride_ot, stride_oh,
+        counter_ptr, scale, stride_qt, stride_qh, stride_ot, stride_oh,
         stride_c_kv, stride_c_blk, stride_c_tok, stride_c_head, stride_bt,
-        NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr,
-        GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_P: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, DOT_F32: tl.constexpr):
+        NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr,
+        SPLITS_P: tl.constexpr, GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr,
+        DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+        DOT_F32: tl.constexpr, FUSED_MERGE: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -68,6 +70,37 @@ def _split_kv_kernel(
         row = (r * NUM_HEADS + head) * NUM_SPLITS + split                   # [BLOCK_M]
         tl.store(part_out_ptr + row[:, None] * DIM_P + d[None, :], out, mask=row_ok[:, None])
         tl.store(part_lse_ptr + row, lse, mask=row_ok)
+        if FUSED_MERGE:
+            # The last split of this (request, kv head) to finish merges all of them: no
+            # second kernel. acq_rel: the other splits' stores above are visible to it.
+            slot = counter_ptr + r * NUM_KV_HEADS + kvh
+            if tl.atomic_add(slot, 1, sem="acq_rel") == NUM_SPLITS - 1:
+                _merge_rows(out_ptr, part_out_ptr, part_lse_ptr, r, head, row_ok, d,
+                            stride_ot, stride_oh, NUM_HEADS, NUM_SPLITS, SPLITS_P, HEAD_DIM,
+                            DIM_P)
+                tl.atomic_xchg(slot, 0)         # ready for the next launch (graph replays)
+
+
+@triton.jit
+def _merge_rows(out_ptr, part_out_ptr, part_lse_ptr, r, head, row_ok, d, stride_ot, stride_oh,
+                NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_P: tl.constexpr,
+                HEAD_DIM: tl.constexpr, DIM_P: tl.constexpr):
+    """_merge_splits_kernel's arithmetic for the heads `head` [BLOCK_M] of request r."""
+    s = tl.arange(0, SPLITS_P)
+    base = (r * NUM_HEADS + head) * NUM_SPLITS                              # [BLOCK_M]
+    s_ok = row_ok[:, None] & (s[None, :] < NUM_SPLITS)
+    lse = tl.load(part_lse_ptr + base[:, None] + s[None, :], mask=s_ok, other=float("-inf"),
+                  cache_modifier=".cg")                                     # [BLOCK_M, S]
+    m = tl.max(lse, 1)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp(lse - m[:, None])                          # 0 for empty splits
+    parts = tl.load(part_out_ptr + (base[:, None, None] + s[None, :, None]) * DIM_P
+                    + d[None, None, :], mask=s_ok[:, :, None], other=0.0,
+                    cache_modifier=".cg")                                   # [BLOCK_M, S, D]
+    total = tl.sum(w, 1)
+    out = tl.sum(parts * w[:, :, None], 1) / tl.where(total > 0.0, total, 1.0)[:, None]
+    tl.store(out_ptr + r * stride_ot + head[:, None] * stride_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (d[None, :] < HEAD_DIM))
 
 
 @triton.jit
@@ -99,9 +132,26 @@ def choose_num_splits(num_reqs: int, num_kv_heads: int, target_programs: int = 2
     return min(max_splits, 1 << (want.bit_length() - 1))
 
 
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _merge_counters(device: torch.device, n: int) -> torch.Tensor | None:
+    """The fused merge's arrival counters (int32, all 0 between launches: the last split
+    resets its own), one per (request, kv head), kept per device for every later launch.
+    None when a larger buffer would have to be made while a CUDA graph is captured (the
+    launch then takes the separate merge kernel)."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        buf = _COUNTERS[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+    return buf
+
+
 def split_kv_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, seq_lens: torch.Tensor,
                               block_table: torch.Tensor, scale: float, num_splits: int,
-                              out: torch.Tensor | None = None) -> torch.Tensor:
+                              out: torch.Tensor | None = None,
+                              fused_merge: bool = True) -> torch.Tensor:
     """Decode attention, one query per request (see the module docstring)."""
     R, H, D = q.shape
     hkv = kv_cache.shape[3]
@@ -122,15 +172,18 @@ def split_kv_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, seq_lens:
     part_out = torch.empty(parts, dim_p, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(parts, dtype=torch.float32, device=q.device)
     groups = H // hkv
+    counters = _merge_counters(q.device, R * hkv) if num_splits > 1 and fused_merge else None
     _split_kv_kernel[(R, hkv, num_splits)](
-        out, part_out, part_lse, q, kv_cache, block_table, seq_lens, float(scale),
+        out, part_out, part_lse, q, kv_cache, block_table, seq_lens,
+        part_lse if counters is None else counters, float(scale),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_table.stride(0),
-        NUM_HEADS=H, NUM_SPLITS=num_splits, GROUPS=groups, HEAD_DIM=D, DIM_P=dim_p,
-        BLOCK_SIZE=kv_cache.shape[2], BLOCK_M=block_m_for(groups),
-        DOT_F32=dot_in_fp32(kv_cache.dtype))
-    if num_splits > 1:
+        NUM_HEADS=H, NUM_KV_HEADS=hkv, NUM_SPLITS=num_splits, SPLITS_P=next_pow2(num_splits),
+        GROUPS=groups, HEAD_DIM=D, DIM_P=dim_p, BLOCK_SIZE=kv_cache.shape[2],
+        BLOCK_M=block_m_for(groups), DOT_F32=dot_in_fp32(kv_cache.dtype),
+        FUSED_MERGE=counters is not None)
+    if num_splits > 1 and counters is None:
         _merge_splits_kernel[(R, H)](
             out, part_out, part_lse, out.stride(0), out.stride(1),
             NUM_HEADS=H, NUM_SPLITS=num_splits, SPLITS_P=next_pow2(num_splits),
