@@ -5,6 +5,8 @@
     rotary_embedding(positions [T], q [T, Hq*D], k [T, Hk*D], head_size, cos_cache, sin_cache)
                                                            -> (q, k) rotated (neox style)
     silu_and_mul(x [..., 2I])                              -> silu(x[..., :I]) * x[..., I:]
+    silu_and_mul_linear(x [T, 2I], w [N, I])               -> silu_and_mul(x) @ w.T, or None
+                                                              (CUDA batch-1 only: one kernel)
     reshape_and_cache(k, v [T, Hkv, D], kv_cache [2, NB, BS, Hkv, D], slot_mapping [T])
 
 At decode batch sizes each of these is a handful of tiny torch ops (RMSNorm alone is eight)
