@@ -29,7 +29,8 @@ from kvserve.entrypoints.openai.protocol import (ChatCompletionLogProb, ChatComp
                                                  DeltaMessage, UsageInfo)
 from kvserve.entrypoints.openai.reasoning_parsers import (ReasoningParser, ReasoningStreamer,
                                                           get_reasoning_parser)
-from kvserve.entrypoints.openai.serving_engine import (LoadTracker, OpenAIServing, RequestTracker,
+from kvserve.entrypoints.openai.serving_engine import (DisconnectCheck, LoadTracker, OpenAIServing,
+                                                       RequestTracker,
                                                        ServingError, StreamingResult,
                                                        clamp_logprob, large_messages, now,
                                                        raise_if_failed, sse, to_serving_error)
@@ -299,9 +300,10 @@ class OpenAIServingChat(OpenAIServing):
             yield chunk(j, DeltaMessage(role=ctx.role, content=""))
             if ctx.echo_text:
                 yield chunk(j, DeltaMessage(content=ctx.echo_text))
+        left = DisconnectCheck(raw_request)
         async with aclosing(generator) as stream:
             async for res in stream:
-                if raw_request is not None and await raw_request.is_disconnected():
+                if await left():
                     return   # `finally` aborts the request
                 if res.finished:
                     tracker.finished(ctx.request_id)

@@ -13,7 +13,7 @@ from kvserve.entrypoints.openai.protocol import (CompletionLogProbs, CompletionR
                                                  CompletionResponse, CompletionResponseChoice,
                                                  CompletionResponseStreamChoice,
                                                  CompletionStreamResponse, UsageInfo)
-from kvserve.entrypoints.openai.serving_engine import (OpenAIServing, RequestTracker,
+from kvserve.entrypoints.openai.serving_engine import (DisconnectCheck, OpenAIServing, RequestTracker,
                                                        StreamingResult, clamp_logprob,
                                                        merge_async_iterators, now, raise_if_failed,
                                                        sse, to_serving_error)
@@ -166,9 +166,10 @@ class OpenAIServingCompletion(OpenAIServing):
         opts = request.stream_options
         include_usage = bool(opts and opts.include_usage)
         continuous_usage = include_usage and bool(opts and opts.continuous_usage_stats)
+        left = DisconnectCheck(raw_request)
         async with aclosing(merge_async_iterators(*generators)) as stream:
             async for i, res in stream:
-                if raw_request is not None and await raw_request.is_disconnected():
+                if await left():
                     return   # `finally` aborts what is still running
                 if res.finished:
                     tracker.finished(ctx.engine_ids[i])

@@ -262,6 +262,27 @@ class StreamingResult:
             yield SSE_DONE
 
 
+class DisconnectCheck:
+    """Whether a streaming client has left, asked at most every `interval` seconds. Starlette's
+    StreamingResponse already cancels the body when the client disconnects (uvicorn's ASGI
+    spec 2.3 runs its listener; 2.4 fails the next send); this is the belt to that, and asking
+    on every chunk cost ~8% of the API server's CPU at high token rates (py-spy, 256 streams)."""
+
+    def __init__(self, raw_request: Any, interval: float = 0.25) -> None:
+        self.raw_request = raw_request
+        self.interval = interval
+        self._next = 0.0
+
+    async def __call__(self) -> bool:
+        if self.raw_request is None:
+            return False
+        now = time.monotonic()
+        if now < self._next:
+            return False
+        self._next = now + self.interval
+        return await self.raw_request.is_disconnected()
+
+
 def sse(payload: str) -> str:
     return f"data: {payload}\n\n"
 

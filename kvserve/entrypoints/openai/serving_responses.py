@@ -28,7 +28,7 @@ from typing import Any, AsyncGenerator, Optional, Union
 from kvserve.entrypoints.openai.protocol import (ChatCompletionRequest, ResponsesRequest,
                                                  random_uuid)
 from kvserve.entrypoints.openai.serving_chat import OpenAIServingChat
-from kvserve.entrypoints.openai.serving_engine import (RequestTracker, ServingError,
+from kvserve.entrypoints.openai.serving_engine import (DisconnectCheck, RequestTracker, ServingError,
                                                        StreamingResult, sse)
 from kvserve.entrypoints.openai.tool_parsers import collect_calls
 
@@ -229,9 +229,10 @@ class OpenAIServingResponses:
         num_prompt, num_output, finish = len(ctx.prompt_ids), 0, None
         yield events.event("response.created", response=base)
         yield events.event("response.in_progress", response=base)
+        left = DisconnectCheck(raw_request)
         async with aclosing(generator) as stream:
             async for res in stream:
-                if raw_request is not None and await raw_request.is_disconnected():
+                if await left():
                     return
                 if res.finished:
                     tracker.finished(ctx.request_id)
