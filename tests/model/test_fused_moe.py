@@ -98,6 +98,29 @@ def test_dispatch_by_step_size(cpu_kernel, num_tokens: int, w_dtype: torch.dtype
                                atol=CPU_TOL[torch.float32], rtol=0)
 
 
+@pytest.mark.parametrize("x_dtype,w_dtype", CPU_DTYPES[:2], ids=["f32", "f32x-bf16w"])
+@pytest.mark.parametrize("routed", [1, 2, 3, 4])
+def test_cpu_kernel_same_bits_for_every_split(cpu_kernel, x_dtype, w_dtype,
+                                              routed: int) -> None:
+    """1 thread (each call split by expert) against 2 (split by expert when the routed experts
+    divide evenly, else by output rows): bit-identical, and equal to float64."""
+    x, logits, w13, w2 = make_case(5, x_dtype, w_dtype, seed=routed,
+                                   unused=tuple(range(routed, EXPERTS)))
+    weights, ids = select_experts(logits, min(routed, 2), True)
+    assert torch.unique(ids).numel() == routed
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_kernel(x, w13, w2, weights, ids)
+        torch.set_num_threads(2)
+        two = cpu_kernel(x, w13, w2, weights, ids)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+    want = reference_moe(x, logits, w13, w2, min(routed, 2), True)
+    torch.testing.assert_close(two.double(), want, atol=CPU_TOL[x_dtype], rtol=0)
+
+
 def test_cpu_kernel_rejects_bad_input(cpu_kernel) -> None:
     x, logits, w13, w2 = make_case(2, torch.float32, torch.float32, seed=0)
     weights, ids = select_experts(logits, 2, True)
