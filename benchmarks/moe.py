@@ -15,6 +15,9 @@ machine builds and runs it in minutes) is hidden 512, 8 layers, 8 experts of 512
 --dtype auto: a bf16 checkpoint run with dtype="auto" (on a CPU without bf16 math: weights, the
 experts included, stay bf16 in memory, math and KV cache float32), HF in float32 on it.
 
+On a host shared with other busy processes, batch-1 numbers depend on libgomp's waiting (see
+omp_env; e.g. `GOMP_SPINCOUNT=0 python benchmarks/moe.py ...` for both sides): it is printed.
+
 Bytes per token at batch 1 cannot be counted directly here; "implied GB/s" = active weight
 bytes x decode tok/s is what a step that streams only the routed experts would need, to be
 read against the machine's measured read bandwidth (printed).
@@ -84,6 +87,15 @@ def math_dtype(dtype: str) -> str:
     return "bfloat16" if cpu_isa.has_native_bf16() else "float32"
 
 
+def omp_env() -> str:
+    """libgomp's waiting settings (read when torch loads): on a host shared with other busy
+    processes every parallel region's join can wait for a worker thread kept off its core, and
+    GOMP_SPINCOUNT=0 (sleep at once, woken with priority) changes batch-1 decode several-fold."""
+    return " ".join(f"{k}={os.environ[k]}" for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY",
+                                                     "GOMP_SPINCOUNT") if k in os.environ) \
+        or "libgomp defaults"
+
+
 def uptime() -> str:
     """The load average (the machine is shared: numbers are read beside it)."""
     try:
@@ -150,6 +162,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     requests = make_requests(args.num_prompts, 16, 128, args.output_len,
                              SIZES[args.size]["vocab_size"], seed=0)
     result: dict[str, Any] = {"machine": machine_description(), "size": args.size,
+                              "omp_env": omp_env(),
                               "dtype": args.dtype, **param_bytes(args.size, args.dtype),
                               "read_gb_s": measure_memory_bandwidth(256)["read_gb_s"],
                               "rounds": []}
@@ -262,7 +275,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     result = run(args)
     print(f"{args.size} MoE ({result['total_params'] / 1e6:.0f}M total, "
           f"{result['active_params'] / 1e6:.0f}M active, {args.dtype}) on {result['machine']}; "
-          f"{uptime()}")
+          f"{uptime()}; {result['omp_env']}")
     print(f"  batch-1 active weights {result['active_bytes'] / 2**20:.0f} MiB of "
           f"{result['total_bytes'] / 2**20:.0f} MiB per token; measured read bandwidth "
           f"{result['read_gb_s']:.1f} GB/s; {time.perf_counter() - start:.0f} s")
