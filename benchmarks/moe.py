@@ -7,10 +7,16 @@ Sizes (--size): "full" is issue 30's ~1B total / ~200M active (hidden 1024, 16 l
 experts of intermediate 1024, top-2, vocab 32000); "small" (the default: a loaded 2-core
 machine builds and runs it in minutes) is hidden 512, 8 layers, 8 experts of 512, top-2.
 
-    python benchmarks/moe.py [--size small|full] [--dtype float32|bfloat16] [--rounds 2]
+    python benchmarks/moe.py [--size small|full] [--dtype float32|bfloat16|auto] [--rounds 2]
         [--num-prompts 16] [--output-len 32] [--hf-batch-size 8] [--output-json out.json]
         [--moe-path kernel|torch|both]      # kvserve's decode experts (default: both, in turn)
     python benchmarks/moe.py --kernel-sweep [--size ...]   # one layer: kernel vs torch GEMMs
+
+--dtype auto: a bf16 checkpoint run with dtype="auto" (on a CPU without bf16 math: weights, the
+experts included, stay bf16 in memory, math and KV cache float32), HF in float32 on it.
+
+On a host shared with other busy processes, batch-1 numbers depend on libgomp's waiting (see
+omp_env; e.g. `GOMP_SPINCOUNT=0 python benchmarks/moe.py ...` for both sides): it is printed.
 
 Bytes per token at batch 1 cannot be counted directly here; "implied GB/s" = active weight
 bytes x decode tok/s is what a step that streams only the routed experts would need, to be
@@ -22,6 +28,7 @@ import argparse
 import gc
 import json
 import os
+import statistics
 import sys
 import time
 from typing import Any, Optional
@@ -66,6 +73,29 @@ def ensure_moe_checkpoint(size: str, dtype: str, model_dir: str) -> str:
     return path
 
 
+def checkpoint_dtype(dtype: str) -> str:
+    """The checkpoint's dtype for --dtype ("auto": a bf16 checkpoint)."""
+    return "bfloat16" if dtype == "auto" else dtype
+
+
+def math_dtype(dtype: str) -> str:
+    """HF's dtype, and kvserve's activations / KV cache ("auto" on a CPU without bf16 math:
+    float32)."""
+    from kvserve.ops import cpu_isa
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if cpu_isa.has_native_bf16() else "float32"
+
+
+def omp_env() -> str:
+    """libgomp's waiting settings (read when torch loads): on a host shared with other busy
+    processes every parallel region's join can wait for a worker thread kept off its core, and
+    GOMP_SPINCOUNT=0 (sleep at once, woken with priority) changes batch-1 decode several-fold."""
+    return " ".join(f"{k}={os.environ[k]}" for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY",
+                                                     "GOMP_SPINCOUNT") if k in os.environ) \
+        or "libgomp defaults"
+
+
 def uptime() -> str:
     """The load average (the machine is shared: numbers are read beside it)."""
     try:
@@ -84,7 +114,7 @@ def param_bytes(size: str, dtype: str) -> dict[str, int]:
     expert = 3 * h * inter
     router = h * c["num_local_experts"]
     lm_head = embed = c["vocab_size"] * h
-    per_el = torch.finfo(getattr(torch, dtype)).bits // 8
+    per_el = torch.finfo(getattr(torch, checkpoint_dtype(dtype))).bits // 8
     total = layers * (attn + router + c["num_local_experts"] * expert) + embed + lm_head
     active = layers * (attn + router + c["num_experts_per_tok"] * expert) + lm_head
     return {"total_params": total, "active_params": active,
@@ -103,7 +133,7 @@ def kvserve_round(path: str, dtype: str, requests: list, args: argparse.Namespac
     lens = [r.prompt_len + r.expected_output_len for r in requests]
     moe_ops.set_kernel_enabled(kernel)
     llm = LLM(path, dtype=dtype, max_model_len=max(lens) + 80, max_num_seqs=len(requests),
-              kv_cache_memory=kv_cache_bytes_for(path, dtype, lens + [96]), seed=0,
+              kv_cache_memory=kv_cache_bytes_for(path, math_dtype(dtype), lens + [96]), seed=0,
               multiprocessing=False)
     try:
         elapsed, out = run_kvserve(requests, llm, temperature=0.0)
@@ -117,7 +147,7 @@ def kvserve_round(path: str, dtype: str, requests: list, args: argparse.Namespac
 
 
 def hf_round(path: str, dtype: str, requests: list, args: argparse.Namespace) -> dict:
-    hf = load_hf_model(path, getattr(torch, dtype), "cpu")
+    hf = load_hf_model(path, getattr(torch, math_dtype(dtype)), "cpu")
     try:
         elapsed, out = run_hf(requests, hf, args.hf_batch_size)
         b1 = hf_batch1_decode(hf, 32, args.batch1_tokens, SIZES[args.size]["vocab_size"], 2)
@@ -128,10 +158,11 @@ def hf_round(path: str, dtype: str, requests: list, args: argparse.Namespace) ->
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    path = ensure_moe_checkpoint(args.size, args.dtype, args.model_dir)
+    path = ensure_moe_checkpoint(args.size, checkpoint_dtype(args.dtype), args.model_dir)
     requests = make_requests(args.num_prompts, 16, 128, args.output_len,
                              SIZES[args.size]["vocab_size"], seed=0)
     result: dict[str, Any] = {"machine": machine_description(), "size": args.size,
+                              "omp_env": omp_env(),
                               "dtype": args.dtype, **param_bytes(args.size, args.dtype),
                               "read_gb_s": measure_memory_bandwidth(256)["read_gb_s"],
                               "rounds": []}
@@ -150,12 +181,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     best = {side: {m: max(rd[side][m] for rd in result["rounds"])
                    for m in ("output_tok_s", "batch1_tok_s")} for side in names}
     result["best"] = best
-    for side in names:
+    result["median"] = {side: {m: statistics.median(rd[side][m] for rd in result["rounds"])
+                               for m in ("output_tok_s", "batch1_tok_s")} for side in names}
+    med = result["median"]
+    for side in names:          # ratios of the medians over rounds
         if side == "hf":
             continue
-        result[f"{side}_throughput_ratio"] = best[side]["output_tok_s"] / best["hf"]["output_tok_s"]
-        result[f"{side}_batch1_ratio"] = best[side]["batch1_tok_s"] / best["hf"]["batch1_tok_s"]
-        result[f"{side}_batch1_implied_gb_s"] = (best[side]["batch1_tok_s"]
+        result[f"{side}_throughput_ratio"] = med[side]["output_tok_s"] / med["hf"]["output_tok_s"]
+        result[f"{side}_batch1_ratio"] = med[side]["batch1_tok_s"] / med["hf"]["batch1_tok_s"]
+        result[f"{side}_batch1_implied_gb_s"] = (med[side]["batch1_tok_s"]
                                                  * result["active_bytes"] / 1e9)
     return result
 
@@ -210,7 +244,9 @@ def kernel_sweep(size: str, dtypes: list[str],
 def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--size", choices=sorted(SIZES), default="small")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "auto"], default="float32",
+                   help="auto: a bf16 checkpoint, kvserve dtype=auto, HF float32 (on a CPU "
+                        "without bf16 math)")
     p.add_argument("--model-dir", default=DEFAULT_MODEL_DIR)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--num-prompts", type=int, default=16)
@@ -239,14 +275,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     result = run(args)
     print(f"{args.size} MoE ({result['total_params'] / 1e6:.0f}M total, "
           f"{result['active_params'] / 1e6:.0f}M active, {args.dtype}) on {result['machine']}; "
-          f"{uptime()}")
+          f"{uptime()}; {result['omp_env']}")
     print(f"  batch-1 active weights {result['active_bytes'] / 2**20:.0f} MiB of "
           f"{result['total_bytes'] / 2**20:.0f} MiB per token; measured read bandwidth "
           f"{result['read_gb_s']:.1f} GB/s; {time.perf_counter() - start:.0f} s")
-    for side in (k for k in result["best"] if k != "hf"):
+    print("  medians over rounds:")
+    for side in (k for k in result["median"] if k != "hf"):
         gb_s = result[f"{side}_batch1_implied_gb_s"]
         print(f"  {side}: offline throughput / HF = {result[f'{side}_throughput_ratio']:.2f}x; "
-              f"batch-1 decode {result['best'][side]['batch1_tok_s']:.1f} tok/s "
+              f"batch-1 decode {result['median'][side]['batch1_tok_s']:.1f} tok/s "
               f"({result[f'{side}_batch1_ratio']:.2f}x HF) -> {gb_s:.1f} GB/s implied = "
               f"{100 * gb_s / result['read_gb_s']:.0f}% of the measured read bandwidth")
     if args.output_json:

@@ -135,8 +135,9 @@ def apply_weight_plan(model: nn.Module, act_dtype: torch.dtype, device: torch.de
                       plan: Optional[WeightPlan] = None) -> None:
     """Give every linear, embedding and LM-head weight its object (ops.cpu_weight), all by
     one plan (`plan`, else choose_weight_plan's); a tied LM head and its embedding share one.
-    Every other parameter (norms, biases: a few KB) is cast to the activations' dtype: only
-    16-bit weights with float32 math (dtype "auto" without bf16 instructions) stay 16-bit."""
+    Every other parameter (norms, biases: a few KB) is cast to the activations' dtype, unless it
+    says `keep_loaded_dtype` (FusedMoE's bf16 experts under float32 math): only 16-bit weights
+    with float32 math (dtype "auto" without bf16 instructions) stay 16-bit."""
     embeds = [m for m in model.modules() if type(m) is VocabParallelEmbedding]
     matmuls = [m for m in model.modules() if isinstance(m, (LinearBase, ParallelLMHead))]
     kept = {id(m.weight) for m in [*embeds, *matmuls]}
@@ -152,6 +153,8 @@ def apply_weight_plan(model: nn.Module, act_dtype: torch.dtype, device: torch.de
     embeds = [m for m in embeds if id(m.weight) not in packed]
     matmuls = [m for m in matmuls if id(m.weight) not in packed]
     for param in model.parameters():
+        if getattr(param, "keep_loaded_dtype", False):      # e.g. FusedMoE's bf16 experts
+            continue
         if id(param) not in kept and param.is_floating_point() and param.dtype != act_dtype:
             param.data = param.data.to(act_dtype)
     tied = {id(m.weight) for m in embeds}

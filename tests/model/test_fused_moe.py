@@ -17,6 +17,7 @@ if not torch.cuda.is_available():   # before the Triton kernels are defined (on 
 
 from kvserve import LLM, SamplingParams  # noqa: E402
 from kvserve.model.layers.fused_moe import fused_experts, select_experts  # noqa: E402
+from kvserve.ops import cpu_isa  # noqa: E402
 from kvserve.ops import moe as moe_ops  # noqa: E402
 from tests.utils import check_greedy_close, hf_greedy, random_prompts  # noqa: E402
 
@@ -82,17 +83,42 @@ def test_cpu_kernel_matches_float64(cpu_kernel, x_dtype, w_dtype, num_tokens, to
     torch.testing.assert_close(got.double(), want, atol=CPU_TOL[x_dtype], rtol=0)
 
 
+@pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16w"])
 @pytest.mark.parametrize("num_tokens", [1, 7, 80])
-def test_dispatch_by_step_size(cpu_kernel, num_tokens: int) -> None:
+def test_dispatch_by_step_size(cpu_kernel, num_tokens: int, w_dtype: torch.dtype) -> None:
     """fused_experts: decode-sized steps go to the kernel, prefill-sized ones to the grouped
-    torch GEMMs; both equal the float64 reference."""
-    x, logits, w13, w2 = make_case(num_tokens, torch.float32, torch.float32, seed=num_tokens)
+    torch GEMMs; both equal the float64 reference, with float32 x and float32 or bf16
+    weights (dtype "auto" keeps a bf16 checkpoint's experts bf16: layer.py)."""
+    x, logits, w13, w2 = make_case(num_tokens, torch.float32, w_dtype, seed=num_tokens)
     weights, ids = select_experts(logits, 2, True)
     takes = moe_ops.kernel_takes(x, w13, w2, ids.numel())
     assert takes == (num_tokens * 2 <= moe_ops.MAX_DECODE_PAIRS)
     got = fused_experts(x, w13, w2, weights, ids)
     torch.testing.assert_close(got.double(), reference_moe(x, logits, w13, w2, 2, True),
                                atol=CPU_TOL[torch.float32], rtol=0)
+
+
+@pytest.mark.parametrize("x_dtype,w_dtype", CPU_DTYPES[:2], ids=["f32", "f32x-bf16w"])
+@pytest.mark.parametrize("routed", [1, 2, 3, 4])
+def test_cpu_kernel_same_bits_for_every_split(cpu_kernel, x_dtype, w_dtype,
+                                              routed: int) -> None:
+    """1 thread (each call split by expert) against 2 (split by expert when the routed experts
+    divide evenly, else by output rows): bit-identical, and equal to float64."""
+    x, logits, w13, w2 = make_case(5, x_dtype, w_dtype, seed=routed,
+                                   unused=tuple(range(routed, EXPERTS)))
+    weights, ids = select_experts(logits, min(routed, 2), True)
+    assert torch.unique(ids).numel() == routed
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_kernel(x, w13, w2, weights, ids)
+        torch.set_num_threads(2)
+        two = cpu_kernel(x, w13, w2, weights, ids)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+    want = reference_moe(x, logits, w13, w2, min(routed, 2), True)
+    torch.testing.assert_close(two.double(), want, atol=CPU_TOL[x_dtype], rtol=0)
 
 
 def test_cpu_kernel_rejects_bad_input(cpu_kernel) -> None:
@@ -171,4 +197,42 @@ def test_greedy_matches_transformers_with_kernel(arch: str, make_checkpoint, cpu
     assert calls.get("kvserve::fused_moe", 0) >= 14, sorted(k for k in calls if "kvserve" in k)
     matched = sum(check_greedy_close(t, lp, o, name=f"{arch}[{i}]")
                   for i, ((t, lp), o) in enumerate(zip(refs, outs)))
+    assert matched >= 0.8 * 3 * 8
+
+
+def test_auto_dtype_keeps_bf16_experts(make_checkpoint, cpu_kernel) -> None:
+    """dtype="auto" on a bf16 checkpoint, a CPU tier without bf16 math: the experts stay bf16 in
+    memory (half the bytes per decode step; the kernel widens them in registers), decode steps
+    run the kernel on them, and greedy output = HF float32 on the same checkpoint (the same
+    numbers: bf16 -> float32 is exact), logprobs as close as a float32 run's."""
+    if cpu_isa.has_native_bf16():
+        pytest.skip("this tier has bf16 math: auto runs the checkpoint's dtype")
+    path = make_checkpoint("mixtral", save_dtype=torch.bfloat16, num_experts_per_tok=2,
+                           intermediate_size=128, num_local_experts=8)
+    prompts = random_prompts(3, 5, 20, vocab=1024, seed=4)
+    refs = hf_greedy(path, prompts, 8)
+    llm = LLM(path, dtype="auto", max_model_len=128, kv_cache_memory=8 << 20, seed=0,
+              multiprocessing=False)
+    try:
+        mc = llm.llm_engine.config.model_config
+        assert (mc.dtype, mc.weight_dtype) == (torch.float32, torch.bfloat16)
+        model = llm.llm_engine.engine_core.engine_core.model_executor.worker.model_runner.model
+        experts = [m for m in model.modules() if type(m).__name__ == "FusedMoE"]
+        assert experts and all(m.w13_weight.dtype == m.w2_weight.dtype == torch.bfloat16
+                               for m in experts)
+        params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=5, ignore_eos=True)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                use_tqdm=False)
+    finally:
+        llm.shutdown()
+    calls = {e.key: e.count for e in prof.key_averages()}
+    assert calls.get("kvserve::fused_moe", 0) >= 14, sorted(k for k in calls if "kvserve" in k)
+    matched = 0
+    for i, ((ref_tokens, ref_lps), out) in enumerate(zip(refs, outs)):
+        n = check_greedy_close(ref_tokens, ref_lps, out, name=f"auto[{i}]")
+        for pos in range(n):
+            got = out.outputs[0].logprobs[pos][ref_tokens[pos]].logprob
+            assert abs(got - ref_lps[pos][ref_tokens[pos]].item()) < 1e-3, (i, pos)
+        matched += n
     assert matched >= 0.8 * 3 * 8

@@ -16,9 +16,12 @@
 // one at::parallel_for over OUTPUT ROWS, so the threads read disjoint bytes of every expert:
 //   1. act[p, i] = silu(gate_i . x) * (up_i . x) for i in [0, I): thread range of i, rows
 //      gate_i (w13[e, i]) and up_i (w13[e, I + i]) against the x rows of the expert's pairs;
-//   2. out[t, h] += weight_p * (w2[e, h] . act[p]) for h in [0, H): thread range of h.
+//   2. rows[p, h] = weight_p * (w2[e, h] . act[p]) for h in [0, H): thread range of h;
+// then out[t] = the sum of token t's rows, in pair order (sum_rows).
 // Each output element is written by one thread only (no atomics, a fixed summation order: the
-// result does not depend on the thread count).
+// result does not depend on the thread count). When the routed experts divide evenly over the
+// threads (or are many), one at::parallel_for over EXPERTS runs both passes per expert instead
+// (split_by_expert: one fork / join per call, not two; bit-identical results).
 //
 // Vector path: AVX2 + FMA (vec_avx2.h; 8 lanes, several weight rows per pass so the FMA
 // chains are independent); bf16 weights are widened with a shift. Other tiers: plain loops.
@@ -191,9 +194,64 @@ KVS_INLINE void for_chunks(int64_t p0, int64_t p1, Fn&& fn) {
   }
 }
 
+// Split by expert (one fork / join per call instead of two): when the routed experts divide
+// evenly over the threads (batch-1 top-2 on 2 cores: one expert each) or are many, each thread
+// runs whole experts, both passes, writing each pair's weighted row into rows[p]; the caller
+// then sums every token's rows in pair order. Every output element is the same dot product as in
+// the row split and the rows are summed in the same (group) order, so the two splits give
+// bit-identical results. Each synchronisation point matters most on a shared, oversubscribed
+// host, where a join waits for a worker thread that another process's threads keep off a core.
+inline bool split_by_expert(int64_t groups, int64_t threads) {
+  return threads <= 1 || groups % threads == 0 || groups >= 4 * threads;
+}
+
+// Both passes for groups [g0, g1): act rows, then rows[p] = weight_p * w2[e] @ act[p].
+template <typename TW>
+KVS_INLINE void run_groups(const float* xf, const TW* w13, const TW* w2, const Groups& g,
+                           float* act, float* rows, int64_t g0, int64_t g1, int64_t H, int64_t I) {
+  for (int64_t gi = g0; gi < g1; ++gi) {
+    const TW* w13e = w13 + g.expert[gi] * 2 * I * H;
+    const TW* w2e = w2 + g.expert[gi] * H * I;
+    for_chunks(g.start[gi], g.start[gi + 1], [&](auto mb, int64_t p) {
+      constexpr int MB = decltype(mb)::value;
+      const float* x[MB];
+      float* a[MB];
+      float* o[MB];
+      for (int m = 0; m < MB; ++m) {
+        x[m] = xf + g.token[p + m] * H;
+        a[m] = act + (p + m) * I;
+        o[m] = rows + (p + m) * H;
+      }
+      gate_up_rows<TW, MB>(x, w13e, a, 0, I, I, H);
+      down_rows<TW, MB>(a, w2e, o, g.weight.data() + p, 0, H, I);
+    });
+  }
+}
+
+template <typename TW>
+KVS_NOINLINE void run_by_expert(const float* xf, const TW* w13, const TW* w2, const Groups& g,
+                                float* act, float* rows, int64_t H, int64_t I) {
+  const int64_t G = static_cast<int64_t>(g.expert.size());
+  at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
+    run_groups(xf, w13, w2, g, act, rows, g0, g1, H, I);
+  });
+}
+
+// out[token] = sum of its pairs' weighted rows, in pair (= group) order. Both splits end here,
+// so they round alike: accumulating into out inside pass 2 would let the compiler fuse the
+// weight multiply and the add (-ffp-contract), rounding differently from a stored row.
+void sum_rows(const Groups& g, const float* rows, float* outf, int64_t H) {
+  const int64_t P = g.start.back();
+  for (int64_t p = 0; p < P; ++p) {
+    float* o = outf + g.token[p] * H;
+    const float* r = rows + p * H;
+    for (int64_t h = 0; h < H; ++h) o[h] += r[h];
+  }
+}
+
 template <typename TW>
 KVS_NOINLINE void run(const float* xf, const TW* w13, const TW* w2, const Groups& g, float* act,
-                      float* outf, int64_t H, int64_t I) {
+                      float* rows, int64_t H, int64_t I) {
   const int64_t G = static_cast<int64_t>(g.expert.size());
   // Pass 1 over the intermediate rows: each row is 2 weight rows of H per routed expert.
   const int64_t grain1 = std::max<int64_t>(4, kMinElemsPerTask / std::max<int64_t>(1, 2 * H * G));
@@ -223,7 +281,7 @@ KVS_NOINLINE void run(const float* xf, const TW* w13, const TW* w2, const Groups
         float* o[MB];
         for (int m = 0; m < MB; ++m) {
           a[m] = act + (p + m) * I;
-          o[m] = outf + g.token[p + m] * H;
+          o[m] = rows + (p + m) * H;
         }
         down_rows<TW, MB>(a, w2e, o, g.weight.data() + p, h0, h1, I);
       });
@@ -264,13 +322,23 @@ at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& w13, const at::Tenso
   const Groups g = group_pairs(ids, topk_weights.data_ptr<float>(), T, k, E);
   const at::Tensor xf = xt == at::kFloat ? x : x.to(at::kFloat);
   at::Tensor act = at::empty({T * k, I}, x.options().dtype(at::kFloat));
+  // Each pair's weighted row (zeros: pass 2 accumulates into it), then summed per token.
+  at::Tensor rows = at::zeros({T * k, H}, x.options().dtype(at::kFloat));
   at::Tensor outf = at::zeros({T, H}, x.options().dtype(at::kFloat));
-  if (wt == at::kFloat)
-    run<float>(xf.data_ptr<float>(), w13.data_ptr<float>(), w2.data_ptr<float>(), g,
-               act.data_ptr<float>(), outf.data_ptr<float>(), H, I);
-  else
-    run<bf16>(xf.data_ptr<float>(), w13.data_ptr<bf16>(), w2.data_ptr<bf16>(), g,
-              act.data_ptr<float>(), outf.data_ptr<float>(), H, I);
+  const auto groups = static_cast<int64_t>(g.expert.size());
+  const bool by_expert =
+      split_by_expert(groups, at::in_parallel_region() ? 1 : at::get_num_threads());
+  float *a = act.data_ptr<float>(), *r = rows.data_ptr<float>();
+  if (wt == at::kFloat) {
+    const float *w13p = w13.data_ptr<float>(), *w2p = w2.data_ptr<float>();
+    if (by_expert) run_by_expert<float>(xf.data_ptr<float>(), w13p, w2p, g, a, r, H, I);
+    else run<float>(xf.data_ptr<float>(), w13p, w2p, g, a, r, H, I);
+  } else {
+    const bf16 *w13p = w13.data_ptr<bf16>(), *w2p = w2.data_ptr<bf16>();
+    if (by_expert) run_by_expert<bf16>(xf.data_ptr<float>(), w13p, w2p, g, a, r, H, I);
+    else run<bf16>(xf.data_ptr<float>(), w13p, w2p, g, a, r, H, I);
+  }
+  sum_rows(g, r, outf.data_ptr<float>(), H);
   return xt == at::kFloat ? outf : outf.to(xt);
 }
 

@@ -74,6 +74,13 @@ class FusedMoE(nn.Module):
             requires_grad=False)
         self.w13_weight.weight_loader = self.weight_loader
         self.w2_weight.weight_loader = self.weight_loader
+        # bf16 experts stay bf16 under float32 math (dtype "auto" on a CPU without bf16
+        # instructions, built in the checkpoint's dtype): the decode kernel reads them as they
+        # are (half the bytes per step), the grouped GEMMs widen one expert at a time. Exact:
+        # the widened values are the same numbers. float16 experts are widened at load (the
+        # kernel has no float16 path).
+        keep = self.w13_weight.dtype == torch.bfloat16
+        self.w13_weight.keep_loaded_dtype = self.w2_weight.keep_loaded_dtype = keep
 
     def is_local_expert(self, expert: int) -> bool:
         return self.expert_start <= expert < self.expert_start + self.local_num_experts

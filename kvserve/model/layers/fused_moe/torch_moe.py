@@ -43,8 +43,10 @@ def fused_experts_torch(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torc
         if n == 0:
             continue
         seg = slice(start, start + n)
-        act = silu_and_mul(torch.mm(x[seg], w13[expert].t()))
-        torch.mm(act, w2[expert].t(), out=rows[seg])
+        # bf16 experts with float32 x (layer.py keeps them 16-bit): widened per expert.
+        w13e, w2e = w13[expert].to(x.dtype), w2[expert].to(x.dtype)
+        act = silu_and_mul(torch.mm(x[seg], w13e.t()))
+        torch.mm(act, w2e.t(), out=rows[seg])
         start += n
     rows.mul_(weights.unsqueeze(1))
     out = torch.zeros(num_tokens, hidden, dtype=hidden_states.dtype, device=x.device)
