@@ -212,7 +212,7 @@ def test_auto_dtype_keeps_bf16_experts(make_checkpoint, cpu_kernel) -> None:
     prompts = random_prompts(3, 5, 20, vocab=1024, seed=4)
     refs = hf_greedy(path, prompts, 8)
     llm = LLM(path, dtype="auto", max_model_len=128, kv_cache_memory=8 << 20, seed=0,
-              multiprocessing=False)
+              multiprocessing=False, device="cpu")
     try:
         mc = llm.llm_engine.config.model_config
         assert (mc.dtype, mc.weight_dtype) == (torch.float32, torch.bfloat16)
