@@ -30,9 +30,9 @@ import numpy as np
 import torch
 
 from kvserve.lora.punica import LoRAMapping, add_lora
-from kvserve.ops import lora as cpu_lora
 from kvserve.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from kvserve.model.layers.linear import LinearBase, RowParallelLinear
+from kvserve.ops import lora as cpu_lora
 
 ShardId = Optional[Union[int, str]]
 
