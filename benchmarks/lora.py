@@ -17,6 +17,8 @@ The default (16 prompts of 16..64 tokens, 32 output tokens: every adapter count 
 one batch of 16 requests) is sized for a 2-core CPU; --full is the larger workload (32
 prompts of 64..256 tokens, 64 output tokens). On a machine loaded by other jobs, make it
 smaller still (e.g. --output-len 16 --prompt-len 16 32): the ratios are what it measures.
+--num-prompts 8 keeps every decode step within the fused all-layers C++ op's 8 rows
+(kvserve.model.layers.fused_decode), which LoRA steps take too; 16 requests decode layer by layer.
 
     python benchmarks/lora.py [--full] [--num-prompts N] [--output-len N] [--adapters 1 4 16]
         [--hf-batch-size 16] [--peft-prompts N] [--skip-peft] [--output-json out.json]

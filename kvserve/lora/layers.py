@@ -32,6 +32,7 @@ import torch
 from kvserve.lora.punica import LoRAMapping, add_lora
 from kvserve.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from kvserve.model.layers.linear import LinearBase, RowParallelLinear
+from kvserve.ops import lora as cpu_lora
 
 ShardId = Optional[Union[int, str]]
 
@@ -74,6 +75,8 @@ class LoRALinear:
         self.b_stack = torch.zeros(max_loras, base.output_size, n * max_rank,
                                    dtype=weight.dtype, device=weight.device)
         self.has = [False] * max_loras          # slot -> its adapter targets this layer
+        # The same as a tensor, kept in step: the fused small-step C++ op reads it.
+        self.has_mask = torch.zeros(max_loras, dtype=torch.bool)
 
     def set_slot(self, slot: int,
                  weights: list[Optional[tuple[torch.Tensor, torch.Tensor]]]) -> None:
@@ -81,6 +84,7 @@ class LoRALinear:
         or None (not targeted)."""
         self.clear_slot(slot)
         self.has[slot] = any(ab is not None for ab in weights)
+        self.has_mask[slot] = self.has[slot]
         for i, ((_, shard_id), ab) in enumerate(zip(self.modules, weights)):
             if ab is None:
                 continue
@@ -101,6 +105,7 @@ class LoRALinear:
         self.a_stack[slot].zero_()
         self.b_stack[slot].zero_()
         self.has[slot] = False
+        self.has_mask[slot] = False
 
     def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y (the base layer's x @ W^T, this rank's part) plus this step's LoRA deltas."""
@@ -109,13 +114,20 @@ class LoRALinear:
             return y
         x = x.reshape(-1, x.shape[-1])
         st = self.sorted_tokens
-        if st is None or st.perm is None:
+        if st is None or st.perm is None or _kernel_groups_tokens(x):
             add_lora(y, x, self.a_stack, self.b_stack, groups)
             return y
         xs = x[st.perm]
         ys = torch.zeros(xs.shape[0], y.shape[-1], dtype=y.dtype, device=y.device)
         add_lora(ys, xs, self.a_stack, self.b_stack, _targeting(st.groups, self.has))
         return y.index_put_((st.perm,), ys, accumulate=True)
+
+
+def _kernel_groups_tokens(x: torch.Tensor) -> bool:
+    """The C++ kernel will take x's tokens and groups interleaved ones itself, so no gather /
+    scatter around it (what the fused small-step op does too)."""
+    return (x.device.type == "cpu" and x.shape[0] <= cpu_lora.CPU_KERNEL_MAX_TOKENS
+            and cpu_lora.kernel_enabled())
 
 
 def _targeting(groups: list, has: list[bool]) -> list:

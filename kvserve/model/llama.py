@@ -142,7 +142,7 @@ class LlamaModel(nn.Module):
         # layer-by-layer path.
         self._fused_decode_decided = not layer_cls.supports_fused_decode
         # Multi-LoRA's per-step mapping (kvserve.lora.punica.LoRAMapping), set when LoRA is on:
-        # the fused op runs no Python linears, so steps with adapter tokens go layer by layer.
+        # the fused op adds the adapter deltas itself where it can (FusedDecodeStack.takes_lora).
         self.lora_mapping: Optional[Any] = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -161,7 +161,7 @@ class LlamaModel(nn.Module):
         fused = self._fused_decode_for(layers, hidden_states.shape[0], attn_metadata)
         if fused is not None:
             hidden_states, residual = fused(positions, hidden_states, residual, kv_caches,
-                                            attn_metadata)
+                                            attn_metadata, self.lora_mapping)
         else:
             for layer, kv_cache in zip(layers, kv_caches):
                 hidden_states, residual = layer(positions, hidden_states, residual, kv_cache,
@@ -180,13 +180,16 @@ class LlamaModel(nn.Module):
 
     def _fused_decode_for(self, layers: list[nn.Module], num_tokens: int,
                           attn_metadata: AttentionMetadata) -> Optional[FusedDecodeStack]:
-        if not FusedDecodeStack.applies(num_tokens, attn_metadata) or (
-                self.lora_mapping is not None and self.lora_mapping.groups):
+        if not FusedDecodeStack.applies(num_tokens, attn_metadata):
             return None
         if not self._fused_decode_decided:
             self._fused_decode = FusedDecodeStack.build(layers)
             self._fused_decode_decided = True
-        return self._fused_decode
+        fused, mapping = self._fused_decode, self.lora_mapping
+        if fused is not None and mapping is not None and mapping.groups and (
+                mapping.num_tokens != num_tokens or not fused.takes_lora(mapping)):
+            return None
+        return fused
 
 
 class LlamaForCausalLM(nn.Module):

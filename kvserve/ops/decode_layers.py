@@ -5,13 +5,17 @@
                   decode_block_tables, decode_seq_lens, prefill_query_starts, prefill_query_lens,
                   prefill_context_lens, prefill_block_tables (CPU_ATTN's metadata; None where
                   the step has no decodes / no prefill chunks), cos_cache, sin_cache, num_heads,
-                  num_kv_heads, head_dim, scale, eps)
+                  num_kv_heads, head_dim, scale, eps, lora_tensors (LORA_SLOTS per layer, or
+                  [] for a step without adapter tokens), lora_slots ([T] int64 token -> slot,
+                  -1 = base; None without adapters))
         -> (hidden, residual) after the last layer
 
 The op runs the same kernels as the layer-by-layer path (small_batch_linear, the fused norm /
 rotary / cache-write / silu ops, paged decode and prefill attention), in the same order, so its output is
 bit-identical; what it removes is the Python between them, a third of a batch-1 decode step
 on a 2-core AVX2 EPYC. kvserve.model.layers.fused_decode decides when a model can use it.
+Multi-LoRA steps add each projection's adapter delta with the lora_fused kernel (csrc/lora.cpp,
+through the dispatcher, as LoRALinear.apply does on the layer path): lora_kernel_loaded().
 """
 from __future__ import annotations
 
@@ -24,6 +28,9 @@ from kvserve.ops.build import CpuKernel
 # Per-layer tensor slots, in csrc/decode_layers.cpp's order.
 SLOTS = ("input_norm", "post_norm", "qkv_w", "qkv_b", "o_w", "o_b", "gate_up_w", "gate_up_b",
          "down_w", "down_b", "q_norm", "k_norm")
+# Per-layer LoRA slots: per projection its LoRALinear's a_stack, b_stack and has_mask.
+LORA_PROJECTIONS = ("qkv", "o", "gate_up", "down")
+LORA_SLOTS = tuple(f"{p}_{t}" for p in LORA_PROJECTIONS for t in ("a", "b", "has"))
 
 _KERNEL = CpuKernel("decode_layers.cpp", op="decode_layers", isa_op="decode_layers_isa",
                     what="fused decode layers", fallback="the layer-by-layer path")
@@ -44,3 +51,9 @@ def decode_layers_op() -> Optional[Callable[..., tuple[torch.Tensor, torch.Tenso
         return None
     op = _KERNEL.get()
     return torch.ops.kvserve.decode_layers.default if op is not None else None
+
+
+def lora_kernel_loaded() -> bool:
+    """Whether the op can add LoRA deltas: the lora_fused kernel it calls is loaded and on."""
+    from kvserve.ops import lora
+    return lora.kernel_enabled()

@@ -53,6 +53,20 @@ def set_kernels_enabled(enabled: bool) -> None:
 reset_dispatch = _op.cache_clear
 
 
+def kernel_enabled() -> bool:
+    """The kernel is built, loaded and switched on (set_kernels_enabled, cpu_isa.configure)."""
+    return cpu_isa.kernels_enabled() and _op() is not None
+
+
+def stacks_take(act_dtype: torch.dtype, a_stack: torch.Tensor, b_stack: torch.Tensor) -> bool:
+    """Whether the kernel takes these stacks for activations of act_dtype (kernel_takes'
+    checks that do not depend on the step)."""
+    return (a_stack.device.type == "cpu" and a_stack.dtype == b_stack.dtype
+            and act_dtype in (torch.float32, torch.bfloat16)
+            and (a_stack.dtype == act_dtype or a_stack.dtype == torch.bfloat16)
+            and a_stack.is_contiguous() and b_stack.is_contiguous())
+
+
 def kernel_takes(y: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor,
                  b_stack: torch.Tensor) -> bool:
     """Whether the kernel handles these tensors (CPU, dtypes, layouts)."""

@@ -8,11 +8,16 @@ conservative: anything the op does not do exactly as the layer-by-layer path (te
 parallelism's all-reduces, a KV connector's per-layer hooks, the TORCH_SDPA backend, a weight
 kept only prepacked, CUDA, more rows than the small-batch kernel takes) keeps
 the Python path, whose output the op matches bit for bit.
+
+Multi-LoRA steps take it too (`takes_lora`): the op adds each projection's adapter delta with
+the C++ LoRA kernel, as LoRALinear.apply does on the layer path for steps of this size. The
+LoRA stacks are collected on the first step with adapter tokens (the LoRA manager wraps the
+layers after loading).
 """
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Union
 
 import torch
 
@@ -20,7 +25,9 @@ from kvserve.attention.backends.cpu import AttentionMetadata, CpuAttentionBacken
 from kvserve.distributed.parallel_state import get_tp_world_size
 from kvserve.model.layers.rotary import RotaryEmbedding
 from kvserve.ops.build import KERNEL_DTYPES
-from kvserve.ops.decode_layers import SLOTS, decode_layers_op
+from kvserve.ops.decode_layers import (LORA_PROJECTIONS, SLOTS, decode_layers_op,
+                                       lora_kernel_loaded)
+from kvserve.ops.lora import stacks_take
 from kvserve.ops.linear import SMALL_BATCH_MAX_ROWS, kernel_takes
 
 logger = logging.getLogger(__name__)
@@ -68,6 +75,12 @@ class FusedDecodeStack:
 
     def __init__(self, op: Any, layers: Sequence[Any]) -> None:
         self.op = op
+        self.layers = list(layers)
+        self.act_dtype = layers[0].input_layernorm.weight.dtype
+        # LoRA: the stacks per layer (LORA_SLOTS), [] until the first adapter step; False
+        # where a layer has no LoRALinear or stacks the kernel does not take.
+        self._lora_tensors: Union[list[torch.Tensor], bool] = []
+        self.lora_steps = 0     # steps with adapter tokens it ran (tests check it is used)
         first = layers[0].self_attn
         self.num_heads = first.attn.num_heads
         self.num_kv_heads = first.attn.num_kv_heads
@@ -110,12 +123,45 @@ class FusedDecodeStack:
         decoding's verification, short prefill chunks), with CPU_ATTN's metadata."""
         return 0 < num_tokens <= SMALL_BATCH_MAX_ROWS and type(meta) is AttentionMetadata
 
+    def _collect_lora(self) -> Union[list[torch.Tensor], bool]:
+        """Every layer's LoRA stacks in LORA_SLOTS order, or False (logged) where the op
+        cannot add them."""
+        tensors: list[torch.Tensor] = []
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            for proj in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+                lora = proj.lora
+                if lora is None or not stacks_take(self.act_dtype, lora.a_stack, lora.b_stack):
+                    logger.info("LoRA steps run layer by layer: a projection without LoRA "
+                                "stacks the C++ kernel takes.")
+                    return False
+                tensors += [lora.a_stack, lora.b_stack, lora.has_mask]
+        assert len(tensors) == len(self.layers) * 3 * len(LORA_PROJECTIONS)
+        return tensors
+
+    def takes_lora(self, mapping: Any) -> bool:
+        """Whether this step's adapter tokens (a LoRAMapping with groups) can run in the op:
+        the LoRA kernel on, stacks it takes, the mapping of this step's tokens."""
+        if self._lora_tensors is False or not lora_kernel_loaded():
+            return False
+        if not self._lora_tensors:
+            self._lora_tensors = self._collect_lora()
+        return self._lora_tensors is not False
+
     def __call__(self, positions: torch.Tensor, hidden_states: torch.Tensor,
                  residual: Optional[torch.Tensor], kv_caches: list[torch.Tensor],
-                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+                 meta: AttentionMetadata, lora_mapping: Optional[Any] = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        lora: list[torch.Tensor] = []
+        lora_slots = None
+        if lora_mapping is not None and lora_mapping.groups:
+            # The caller checked takes_lora; the op groups the tokens by slot itself.
+            lora, lora_slots = self._lora_tensors, lora_mapping.groups.token_slots
+            self.lora_steps += 1
         return self.op(hidden_states.contiguous(), residual, positions, self.layer_tensors,
                        kv_caches, meta.slot_mapping, meta.num_decode_tokens,
                        meta.decode_block_tables, meta.decode_seq_lens, meta.prefill_query_starts,
                        meta.prefill_query_lens, meta.prefill_context_lens,
                        meta.prefill_block_tables, self.cos_cache, self.sin_cache,
-                       self.num_heads, self.num_kv_heads, self.head_dim, self.scale, self.eps)
+                       self.num_heads, self.num_kv_heads, self.head_dim, self.scale, self.eps,
+                       lora, lora_slots)

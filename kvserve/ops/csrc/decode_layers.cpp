@@ -4,7 +4,7 @@
 //                 num_decode_tokens, decode_block_tables?, decode_seq_lens?,
 //                 prefill_query_starts?, prefill_query_lens?, prefill_context_lens?,
 //                 prefill_block_tables?, cos_cache, sin_cache, num_heads, num_kv_heads,
-//                 head_dim, scale, eps) -> (hidden, residual)
+//                 head_dim, scale, eps, lora_tensors, lora_slots) -> (hidden, residual)
 //
 // A small step is one of at most the small-batch linear's rows (8): batch-1..8 decodes,
 // speculative decoding's verification (1 + k tokens of a request), short prefill chunks, or a
@@ -23,9 +23,18 @@
 // hidden / residual [T, hidden] as LlamaDecoderLayer takes them (residual None before the
 // first layer); returns the last layer's (mlp output, residual), which the caller normalises.
 // The kernels must be loaded (their libraries register the kvserve ops this calls).
+//
+// Multi-LoRA (kvserve.lora): lora_tensors is empty (no adapter token in the step), or kLora
+// per layer, in the order of the LoraSlot enum: per projection (qkv, o, gate_up, down) its
+// LoRALinear's A stack [S, n*R, in], B stack [S, out, n*R] and `has` [S] bool (the slots
+// whose adapter targets it); lora_slots [T] int64 is the step's token -> slot (-1: base).
+// After each projection's small_batch_linear the op calls lora_fused (csrc/lora.cpp) on it
+// with the tokens of the slots it targets -- what LoRALinear.apply does on the layer path
+// for steps of this size, so the output stays bit-identical to that path.
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <optional>
@@ -38,6 +47,11 @@ namespace {
 enum Slot : int64_t {
   kInputNorm, kPostNorm, kQkvW, kQkvB, kOW, kOB, kGateUpW, kGateUpB, kDownW, kDownB,
   kQNorm, kKNorm, kSlots
+};
+
+enum LoraSlot : int64_t {
+  kQkvA, kQkvBStack, kQkvHas, kOA, kOBStack, kOHas, kGateUpA, kGateUpBStack, kGateUpHas,
+  kDownA, kDownBStack, kDownHas, kLora
 };
 
 using Opt = std::optional<at::Tensor>;
@@ -84,6 +98,41 @@ const Ops& ops() {
   return instance;
 }
 
+using LoraSig = void(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                      const at::Tensor&);
+
+// Looked up on the first LoRA step only: lora.cpp's library is loaded where LoRA is on.
+const c10::TypedOperatorHandle<LoraSig>& lora_op() {
+  static const auto handle = find_op<LoraSig>("kvserve::lora_fused");
+  return handle;
+}
+
+// The step's adapter tokens (lora_slots), or none.
+struct LoraStep {
+  const Opt& slots;
+};
+
+// y += the LoRA delta of projection `p` (its A, B, has at lw[p], lw[p + 1], lw[p + 2]) for
+// the tokens whose slot's adapter targets it: LoRALinear.apply's work on the layer path.
+void add_lora(at::Tensor& y, const at::Tensor& x, const Opt* lw, int64_t p, const LoraStep& st) {
+  if (lw == nullptr || !st.slots.has_value()) return;
+  const at::Tensor& slots = *st.slots;
+  const bool* has = lw[p + 2]->data_ptr<bool>();
+  const int64_t* s = slots.data_ptr<int64_t>();
+  const int64_t T = slots.size(0);
+  int64_t targeted = 0, others = 0;
+  for (int64_t t = 0; t < T; ++t)
+    if (s[t] >= 0) (has[s[t]] ? targeted : others) += 1;
+  if (targeted == 0) return;
+  at::Tensor use = slots;
+  if (others > 0) {  // as LoRAGroups.slots_for: the slots outside the targeting ones -> -1
+    use = at::empty({T}, slots.options());
+    int64_t* u = use.data_ptr<int64_t>();
+    for (int64_t t = 0; t < T; ++t) u[t] = s[t] >= 0 && has[s[t]] ? s[t] : -1;
+  }
+  lora_op().call(y, x, *lw[p], *lw[p + 1], use);
+}
+
 struct Dims {
   int64_t T, H, Hkv, D;
   double scale, eps;
@@ -116,10 +165,11 @@ at::Tensor attend(const Ops& op, const at::Tensor& q3, const at::Tensor& kv_cach
 }
 
 // Attention of one layer: x [T, hidden] (normed) -> o_proj output [T, hidden].
-at::Tensor attention(const Ops& op, const at::Tensor& x, const Opt* w, const at::Tensor& positions,
-                     at::Tensor& kv_cache, const Meta& m, const at::Tensor& cos,
-                     const at::Tensor& sin, const Dims& d) {
-  const at::Tensor qkv = op.linear.call(x, *w[kQkvW], w[kQkvB]);
+at::Tensor attention(const Ops& op, const at::Tensor& x, const Opt* w, const Opt* lw,
+                     const LoraStep& st, const at::Tensor& positions, at::Tensor& kv_cache,
+                     const Meta& m, const at::Tensor& cos, const at::Tensor& sin, const Dims& d) {
+  at::Tensor qkv = op.linear.call(x, *w[kQkvW], w[kQkvB]);
+  add_lora(qkv, x, lw, kQkvA, st);
   const int64_t q_size = d.H * d.D, kv_size = d.Hkv * d.D;
   at::Tensor q = qkv.narrow(1, 0, q_size);
   at::Tensor k = qkv.narrow(1, q_size, kv_size);
@@ -136,7 +186,10 @@ at::Tensor attention(const Ops& op, const at::Tensor& x, const Opt* w, const at:
   if (cast) q3 = q3.to(kv_cache.scalar_type());
   at::Tensor out = attend(op, q3, kv_cache, m, d.scale);
   if (cast) out = out.to(q.scalar_type());
-  return op.linear.call(out.view({d.T, q_size}), *w[kOW], w[kOB]);
+  const at::Tensor o_in = out.view({d.T, q_size});
+  at::Tensor o = op.linear.call(o_in, *w[kOW], w[kOB]);
+  add_lora(o, o_in, lw, kOA, st);
+  return o;
 }
 
 std::tuple<at::Tensor, at::Tensor> decode_layers(
@@ -146,7 +199,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
     const Opt& prefill_query_starts, const Opt& prefill_query_lens,
     const Opt& prefill_context_lens, const Opt& prefill_block_tables, const at::Tensor& cos_cache,
     const at::Tensor& sin_cache, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-    double scale, double eps) {
+    double scale, double eps, const c10::List<Opt>& lora_tensors, const Opt& lora_slots) {
   const int64_t L = static_cast<int64_t>(kv_caches.size());
   TORCH_CHECK(static_cast<int64_t>(layer_tensors.size()) == L * kSlots, "decode_layers: ",
               layer_tensors.size(), " layer tensors for ", L, " layers (", kSlots, " each)");
@@ -167,10 +220,23 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
   for (int64_t l = 0; l < L; ++l)
     for (Slot s : {kInputNorm, kPostNorm, kQkvW, kOW, kGateUpW, kDownW})
       TORCH_CHECK(w[l * kSlots + s].has_value(), "decode_layers: layer ", l, " lacks slot ", s);
+  std::vector<Opt> lora(lora_tensors.begin(), lora_tensors.end());
+  const bool with_lora = !lora.empty();
+  TORCH_CHECK(!with_lora || (static_cast<int64_t>(lora.size()) == L * kLora &&
+                             lora_slots.has_value() && lora_slots->size(0) == d.T &&
+                             lora_slots->scalar_type() == at::kLong),
+              "decode_layers: ", lora.size(), " LoRA tensors for ", L, " layers (", kLora,
+              " each) need lora_slots [", d.T, "] int64");
+  for (int64_t i = 0; with_lora && i < L * kLora; ++i)
+    TORCH_CHECK(lora[i].has_value() && (i % 3 != 2 || (lora[i]->scalar_type() == at::kBool &&
+                                                       lora[i]->is_contiguous())),
+                "decode_layers: LoRA tensor ", i, " is missing, or a `has` one not bool");
+  const LoraStep st{lora_slots};
 
   at::Tensor hidden = hidden_in, residual;
   for (int64_t l = 0; l < L; ++l) {
     const Opt* lw = w.data() + l * kSlots;
+    const Opt* ll = with_lora ? lora.data() + l * kLora : nullptr;
     // The residual add is folded into the next norm, as in LlamaDecoderLayer.forward.
     if (l == 0 && !residual_in.has_value()) {
       residual = hidden;
@@ -180,10 +246,13 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
       op.add_norm.call(hidden, residual, *lw[kInputNorm], eps);
     }
     at::Tensor kv_cache = kv_caches[l];
-    hidden = attention(op, hidden, lw, positions, kv_cache, meta, cos_cache, sin_cache, d);
+    hidden = attention(op, hidden, lw, ll, st, positions, kv_cache, meta, cos_cache, sin_cache, d);
     op.add_norm.call(hidden, residual, *lw[kPostNorm], eps);
-    const at::Tensor act = op.silu_and_mul.call(op.linear.call(hidden, *lw[kGateUpW], lw[kGateUpB]));
+    at::Tensor gate_up = op.linear.call(hidden, *lw[kGateUpW], lw[kGateUpB]);
+    add_lora(gate_up, hidden, ll, kGateUpA, st);
+    const at::Tensor act = op.silu_and_mul.call(gate_up);
     hidden = op.linear.call(act, *lw[kDownW], lw[kDownB]);
+    add_lora(hidden, act, ll, kDownA, st);
   }
   return {hidden, residual};
 }
@@ -199,7 +268,7 @@ TORCH_LIBRARY_FRAGMENT(kvserve, m) {
         "Tensor? decode_block_tables, Tensor? decode_seq_lens, Tensor? prefill_query_starts, "
         "Tensor? prefill_query_lens, Tensor? prefill_context_lens, Tensor? prefill_block_tables, "
         "Tensor cos_cache, Tensor sin_cache, int num_heads, int num_kv_heads, int head_dim, "
-        "float scale, float eps) -> (Tensor, Tensor)");
+        "float scale, float eps, Tensor?[] lora_tensors, Tensor? lora_slots) -> (Tensor, Tensor)");
   m.def("decode_layers_isa() -> str", &isa);
 }
 
