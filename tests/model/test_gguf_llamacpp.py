@@ -39,6 +39,10 @@ TOL = 1e-5
 # prompt path (a float GEMM on dequantized weights) gives the same perplexity to 5e-7.
 LOGPROB_TOL = 0.25
 NEAR_TIE = 0.15
+# Against llama.cpp: it quantizes the K-quants' activations with one scale per 256 values
+# (Q8_K), kvserve per 32 (ops/quant/formats.py), so the two part at wider near-ties: measured
+# 0.152 nats on the Q4_K_M fixture (0.15 held while kvserve took Q8_K too).
+NEAR_TIE_LLAMACPP = 0.3
 ENGINE = dict(dtype="float32", max_model_len=256, kv_cache_memory=16 << 20,
               multiprocessing=False, enable_prefix_caching=False)
 PROMPTS = [[1, 17, 250, 33, 701, 12, 64, 7], [1, 400, 401, 402, 5, 6], [1, 599, 3, 88]]
@@ -140,7 +144,7 @@ def test_packed_matches_dequantized_float32(ftype: str, runs: dict) -> None:
 @pytest.mark.parametrize("ftype", ENGINE_FTYPES)
 def test_greedy_equals_llamacpp(ftype: str, runs: dict) -> None:
     """llama.cpp itself on the fixture (same token ids): the same greedy tokens (up to a
-    near-tie of kvserve's, as in _check_greedy)."""
+    near-tie of kvserve's, as in _check_greedy, of NEAR_TIE_LLAMACPP)."""
     llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
     ours = runs.get(ftype) or _run(fixture_path(ftype), "gguf")
     llm = llama_cpp.Llama(model_path=fixture_path(ftype), n_ctx=256, n_threads=2,
@@ -158,7 +162,8 @@ def test_greedy_equals_llamacpp(ftype: str, runs: dict) -> None:
             same = next((j for j, (x, y) in enumerate(zip(got, want)) if x != y), len(got))
             if same < len(got):
                 top = ours[1][i][same]
-                assert got[same] in top and top[want[same]] - top[got[same]] < NEAR_TIE, \
+                assert got[same] in top and \
+                    top[want[same]] - top[got[same]] < NEAR_TIE_LLAMACPP, \
                     (ftype, prompt, got, want, top)
     finally:
         llm.close()

@@ -180,9 +180,10 @@ def test_bad_inputs_are_clear_errors() -> None:
 @needs_kernel
 @pytest.mark.parametrize("name", ["Q8_0", "Q4_1", "Q4_K"])
 def test_activation_blocks_match_reference_exactly(ops, name: str) -> None:
-    """The kernel's int8 blocks, scales and sums are the reference's (llama.cpp's Q8_0, Q8_1,
-    Q8_K), bit for bit (the float64 reference of the kernels relies on it). Zero blocks, ties
-    and a negative largest value (Q8_K's signed scale) included."""
+    """The kernel's int8 blocks, scales and sums are the reference's (llama.cpp's Q8_0, Q8_1;
+    the K-quants' 32-blocks with float32 scales and sums of 16), bit for bit (the float64
+    reference of the kernels relies on it). Zero blocks, ties and a negative largest value
+    included."""
     fmt = FORMATS[name]
     x = activations(5, 1536, seed=3)
     x[1, :256] = 0.0
@@ -196,8 +197,10 @@ def test_activation_blocks_match_reference_exactly(ops, name: str) -> None:
     assert np.array_equal(d.numpy(), ref.d)
     assert np.array_equal(s.numpy(), ref.sums)
     assert np.array_equal(sd.numpy(), ref.sd)
-    if fmt.act_block == 256:
-        assert d[4, 1] > 0 and q[4, 300] == -127          # d = 1 / iscale, iscale = -127 / max
+    assert d.shape == (5, 1536 // 32) and q[4, 300] == -127
+    if fmt.k_quant:     # float32 scales (not float16), sums of each 16
+        assert s.shape == (5, 1536 // 16) and d[0, 0] == np.float32(np.abs(x[0, :32]).max()) / 127
+        assert not np.array_equal(d.numpy(), d.numpy().astype(np.float16).astype(np.float32))
     else:
         assert np.array_equal(d.numpy(), d.numpy().astype(np.float16).astype(np.float32))
 

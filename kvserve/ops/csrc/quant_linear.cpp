@@ -7,15 +7,15 @@
 //   qtype   the GGML type id: Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7, Q8_0 8, Q4_K 12, Q5_K 13, Q6_K 14
 //   -> y    [M, N] float32
 //
-// As llama.cpp does, x is first quantized per block to int8, exactly as llama.cpp's Q8_0 / Q8_1
-// / Q8_K blocks (quantize_x below: a scale per 32 or 256 values, plus the sums of q per 32 or 16
-// that the weights' minimums / offsets multiply); each weight block is then an integer
+// As llama.cpp does, x is first quantized per block of 32 to int8, as llama.cpp's Q8_0 / Q8_1
+// blocks (quantize_x below: a scale per 32 values, plus the sums of q per 32 or 16 that the
+// weights' minimums / offsets multiply); each weight block is then an integer
 // dot product of its unpacked 4/5/6/8-bit values with the x block, times float scales. The
 // integer parts are exact, so the result differs from float64 math on the same quantized
 // values only by float32 rounding of the per-block terms (tests: 1e-5 of |x_q| @ |W|^T).
 //
 // With M small the op is a stream over the packed weight (0.56-1.06 bytes a weight) and x's
-// int8 blocks stay in L1. Work items are groups of 8 output rows (at::parallel_for over them);
+// int8 blocks stay in L1. Work items are groups of 8 output rows (WorkPool chunks of them);
 // a group's blocks are one sequential stream, and lane r of every vector is row r, so there are
 // no per-row scalar scale conversions and no horizontal sums. x rows are taken 4 at a time while
 // the group is in L1, so larger batches run fast here too (1.4-2.3x a dequantized float32
@@ -35,11 +35,20 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include <sched.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <cstdint>
 #include <cstring>
+#include <functional>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <vector>
 
@@ -68,9 +77,9 @@ Format format_of(int64_t qtype) {
     case kQ5_0: return {32, 22, 32, 32, 176};
     case kQ5_1: return {32, 24, 32, 32, 192};
     case kQ8_0: return {32, 34, 32, 32, 272};
-    case kQ4_K: return {256, 144, 256, 16, 1184};
-    case kQ5_K: return {256, 176, 256, 16, 1440};
-    case kQ6_K: return {256, 210, 256, 16, 1680};
+    case kQ4_K: return {256, 144, 32, 16, 1184};
+    case kQ5_K: return {256, 176, 32, 16, 1440};
+    case kQ6_K: return {256, 210, 32, 16, 1680};
     default: TORCH_CHECK(false, "quant_linear: unsupported GGML type ", qtype);
   }
   return {};
@@ -86,8 +95,9 @@ QL_INLINE float f16(const uint8_t* p) {
 #endif
 }
 
-// The quantized activations: q [M, K] int8, d [M, K / act_block], s [M, K / sum_group];
-// sd [M, K / 32]: Q8_1's block term fp16(d * sum q), which Q4_1 / Q5_1's minimum multiplies.
+// The quantized activations: q [M, K] int8, d [M, K / 32], s [M, K / sum_group];
+// sd [M, K / 32]: d * sum q, which the minimums multiply (Q8_1's fp16 of it for Q4_1 / Q5_1,
+// float32 for the K-quants).
 struct XQ {
   const int8_t* q;
   const float* d;
@@ -96,22 +106,147 @@ struct XQ {
   int64_t K, nd, ns;     // row strides of q, d, s (sd: nd)
 };
 
+// ------------------------------------------------------------------ the work pool
+// Why not at::parallel_for: OpenMP splits the range statically and joins every thread, so on a
+// machine whose cores other processes share, one worker waiting for a core holds the whole
+// matmul (measured: demo decode at 2 threads fell to ~1 tok/s at load average 7-9, 27 tok/s
+// at 1 thread). Here the caller and n - 1 workers take chunks from one atomic ticket and the
+// caller waits only for chunks taken, not for workers to check in: a worker that does not get
+// a core in time simply takes none. Workers spin kSpinUs after a job (decode's matmuls come
+// tens of microseconds apart), then sleep on a condition variable.
+class WorkPool {
+ public:
+  static WorkPool& get() {
+    static WorkPool* pool = nullptr;
+    static pid_t owner = 0;
+    static std::mutex make;
+    std::lock_guard<std::mutex> lock(make);
+    if (pool == nullptr || owner != getpid()) {   // a forked child has none of the threads
+      pool = new WorkPool();                      // (the parent's, if any, is left alone)
+      owner = getpid();
+    }
+    return *pool;
+  }
+
+  // fn(chunk) for every chunk in [0, n), on up to `threads` threads (the caller one of them).
+  void run(int64_t n, int threads, const std::function<void(int64_t)>& fn) {
+    std::unique_lock<std::mutex> busy(run_mutex_, std::try_to_lock);
+    if (n <= 1 || threads <= 1 || !busy.owns_lock()) {   // nested / concurrent: inline
+      for (int64_t i = 0; i < n; ++i) fn(i);
+      return;
+    }
+    grow(threads - 1);
+    // Closed first (a worker still holding the last job's ticket cannot take from this one
+    // while n_ and fn_ change), then opened at chunk 0.
+    const uint64_t gen = (ticket_.load(std::memory_order_relaxed) >> 32) + 1;
+    ticket_.store((gen << 32) | kClosed, std::memory_order_seq_cst);
+    fn_.store(&fn, std::memory_order_relaxed);
+    n_.store(n, std::memory_order_relaxed);
+    done_.store(0, std::memory_order_relaxed);
+    ticket_.store(gen << 32, std::memory_order_seq_cst);
+    if (sleepers_.load(std::memory_order_seq_cst) > 0) {
+      std::lock_guard<std::mutex> lock(sleep_mutex_);
+      cv_.notify_all();
+    }
+    take(gen);
+    for (int spins = 0; done_.load(std::memory_order_acquire) < n; ++spins) {
+      if (spins < 4096) _mm_pause_or_nothing();
+      else sched_yield();          // a worker holding a chunk may need this core
+    }
+  }
+
+ private:
+  static constexpr int64_t kSpinUs = 60;
+  static constexpr uint64_t kClosed = 0xffffffffu;
+
+  static inline void _mm_pause_or_nothing() {
+#if defined(__x86_64__)
+    __builtin_ia32_pause();
+#endif
+  }
+
+  // Chunks of job `gen` until none is left (or a newer job replaced it).
+  void take(uint64_t gen) {
+    for (;;) {
+      uint64_t t = ticket_.load(std::memory_order_acquire);
+      if ((t >> 32) != gen) return;
+      if ((t & kClosed) == kClosed) continue;    // being opened
+      const int64_t i = static_cast<int64_t>(t & kClosed);
+      if (i >= n_.load(std::memory_order_relaxed)) return;
+      if (!ticket_.compare_exchange_weak(t, t + 1, std::memory_order_acq_rel)) continue;
+      (*fn_.load(std::memory_order_relaxed))(i);
+      done_.fetch_add(1, std::memory_order_acq_rel);
+    }
+  }
+
+  void grow(int workers) {
+    while (static_cast<int>(threads_.size()) < workers)
+      threads_.emplace_back([this] { loop(); });
+  }
+
+  void loop() {
+    uint64_t seen = ticket_.load(std::memory_order_acquire) >> 32;
+    for (;;) {
+      auto start = std::chrono::steady_clock::now();
+      uint64_t gen = seen;
+      for (int spins = 0;; ++spins) {
+        gen = ticket_.load(std::memory_order_acquire) >> 32;
+        if (gen != seen) break;
+        _mm_pause_or_nothing();
+        if ((spins & 255) == 255 && std::chrono::steady_clock::now() - start >
+                                        std::chrono::microseconds(kSpinUs)) {
+          std::unique_lock<std::mutex> lock(sleep_mutex_);
+          sleepers_.fetch_add(1, std::memory_order_seq_cst);
+          cv_.wait(lock, [&] { return (ticket_.load(std::memory_order_acquire) >> 32) != seen; });
+          sleepers_.fetch_sub(1, std::memory_order_acq_rel);
+          start = std::chrono::steady_clock::now();
+        }
+      }
+      seen = gen;
+      take(gen);
+    }
+  }
+
+  std::vector<std::thread> threads_;
+  std::mutex run_mutex_, sleep_mutex_;
+  std::condition_variable cv_;
+  std::atomic<uint64_t> ticket_{0};     // (job generation << 32) | next chunk
+  std::atomic<int64_t> done_{0};
+  std::atomic<int> sleepers_{0};
+  std::atomic<const std::function<void(int64_t)>*> fn_{nullptr};
+  std::atomic<int64_t> n_{0};
+};
+
+// [begin, end) in chunks of `grain` (about 4 per thread at least), fn(c0, c1) on the pool.
+template <typename F>
+void pool_for(int64_t begin, int64_t end, int64_t grain, const F& fn) {
+  const int threads = at::get_num_threads();
+  const int64_t n = end - begin;
+  if (n <= 0) return;
+  const int64_t chunk = std::max<int64_t>(grain, (n + 4 * threads - 1) / (4 * threads));
+  const int64_t chunks = (n + chunk - 1) / chunk;
+  const std::function<void(int64_t)> body = [&](int64_t c) {
+    fn(begin + c * chunk, std::min(end, begin + (c + 1) * chunk));
+  };
+  WorkPool::get().run(chunks, threads, body);
+}
+
 // ------------------------------------------------------------------ activation quantization
-// Exactly llama.cpp's activation blocks ("vec_dot_type") for each weight type, on x86 (AVX2):
-//   Q8_0  (Q4_0, Q5_0, Q8_0 weights)  32 values: amax; d = fp16(amax / 127);
-//         q = round-half-even(x * (127 / amax))             (quantize_row_q8_0, AVX2 path)
-//   Q8_1  (Q4_1, Q5_1)  as Q8_0, plus s = fp16(d * sum q) with d before its fp16 rounding
-//   Q8_K  (Q4_K, Q5_K, Q6_K)  256 values: max = the first value of largest |x| (signed);
-//         iscale = -127 / max; q = min(127, round-half-even(iscale * x)); d = 1 / iscale
-//         (float32, signed); sums of each 16               (quantize_row_q8_K_ref)
+// Blocks of 32 values: amax; d = amax / 127; q = round-half-even(x * (127 / amax)) in
+// [-127, 127] (quantize_row_q8_0, AVX2 path). Per weight type:
+//   Q8_0  (Q4_0, Q5_0, Q8_0 weights)  d rounded to fp16: llama.cpp's activations exactly
+//   Q8_1  (Q4_1, Q5_1)  as Q8_0, plus sd = fp16(d * sum q) with d before its fp16 rounding
+//   K32   (Q4_K, Q5_K, Q6_K)  d float32, sd = d * sum q, and the sums of each 16. llama.cpp
+//         takes Q8_K there (one scale per 256 values): ops/quant/formats.py says why not.
 // so that near-ties between logits fall where llama.cpp's do on the same file.
+enum XKind { kXQ8_0 = 0, kXQ8_1 = 1, kXK32 = 2 };
 
 QL_INLINE float round_f16(float v) {
   return static_cast<float>(c10::Half(v));
 }
 
-// Q8_0 / Q8_1: one block of 32 values.
-void quantize_block32(const float* x, bool q8_1, int8_t* q, float* d, int32_t* s, float* sd) {
+// One block of 32 values; s gets one sum (two: values 0-15, 16-31, for K32).
+void quantize_block32(const float* x, XKind kind, int8_t* q, float* d, int32_t* s, float* sd) {
   float amax = 0.f;
 #if defined(KVS_AVX2)
   const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
@@ -124,8 +259,8 @@ void quantize_block32(const float* x, bool q8_1, int8_t* q, float* d, int32_t* s
 #endif
   const float dd = amax / 127.f;
   const float inv = amax != 0.f ? 127.f / amax : 0.f;
-  *d = round_f16(dd);
-  int32_t sum = 0;
+  *d = kind == kXK32 ? dd : round_f16(dd);
+  int32_t sum_lo = 0, sum_hi = 0;
 #if defined(KVS_AVX2)
   const __m256 iv = _mm256_set1_ps(inv);
   const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
@@ -141,67 +276,34 @@ void quantize_block32(const float* x, bool q8_1, int8_t* q, float* d, int32_t* s
   const __m256i b = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p01, p23),
                                                 _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), b);
-  const __m256i s4 = _mm256_add_epi32(_mm256_madd_epi16(p01, ones), _mm256_madd_epi16(p23, ones));
-  sum = static_cast<int32_t>(kvs_avx2::hsum8(_mm256_cvtepi32_ps(s4)));
+  sum_lo = static_cast<int32_t>(kvs_avx2::hsum8(_mm256_cvtepi32_ps(_mm256_madd_epi16(p01, ones))));
+  sum_hi = static_cast<int32_t>(kvs_avx2::hsum8(_mm256_cvtepi32_ps(_mm256_madd_epi16(p23, ones))));
 #else
   for (int64_t i = 0; i < 32; ++i) {
     const float r = std::nearbyint(x[i] * inv);
     const int vi = static_cast<int>(std::min(127.f, std::max(-127.f, r)));
     q[i] = static_cast<int8_t>(vi);
-    sum += vi;
+    (i < 16 ? sum_lo : sum_hi) += vi;
   }
 #endif
-  *s = sum;
-  if (q8_1) *sd = round_f16(dd * static_cast<float>(sum));
+  const int32_t sum = sum_lo + sum_hi;
+  if (kind == kXK32) {
+    s[0] = sum_lo;
+    s[1] = sum_hi;
+    *sd = dd * static_cast<float>(sum);
+  } else {
+    *s = sum;
+    if (kind == kXQ8_1) *sd = round_f16(dd * static_cast<float>(sum));
+  }
 }
 
-// llama.cpp's nearest_int: round half to even through the float32 mantissa.
-QL_INLINE int nearest_int(float v) {
-  float f = v + 12582912.f;
-  int32_t i;
-  std::memcpy(&i, &f, 4);
-  return (i & 0x007fffff) - 0x00400000;
-}
-
-// Q8_K: one block of 256 values, sums of each 16.
-void quantize_block_k(const float* x, int8_t* q, float* d, int32_t* s) {
-  float mx = 0.f, amax = 0.f;
-  for (int i = 0; i < 256; ++i) {
-    const float ax = std::fabs(x[i]);
-    if (ax > amax) {
-      amax = ax;
-      mx = x[i];
-    }
-  }
-  if (amax == 0.f) {
-    *d = 0.f;
-    std::memset(q, 0, 256);
-    for (int g = 0; g < 16; ++g) s[g] = 0;
-    return;
-  }
-  const float iscale = -127.f / mx;
-  for (int g = 0; g < 16; ++g) {
-    int32_t sum = 0;
-    for (int i = 16 * g; i < 16 * g + 16; ++i) {
-      const int vi = std::min(127, nearest_int(iscale * x[i]));
-      q[i] = static_cast<int8_t>(vi);
-      sum += vi;
-    }
-    s[g] = sum;
-  }
-  *d = 1.f / iscale;
-}
-
-void quantize_x(const float* x, int64_t M, int64_t K, const Format& f, bool q8_1, int8_t* q,
+void quantize_x(const float* x, int64_t M, int64_t K, const Format& f, XKind kind, int8_t* q,
                 float* d, int32_t* s, float* sd) {
-  const int64_t nd = K / f.act_block, ns = K / f.sum_group;
+  const int64_t nd = K / 32, ns = K / f.sum_group, per = 32 / f.sum_group;
   for (int64_t m = 0; m < M; ++m)
     for (int64_t b = 0; b < nd; ++b) {
-      const int64_t o = m * K + b * f.act_block;
-      if (f.act_block == 256)
-        quantize_block_k(x + o, q + o, d + m * nd + b, s + m * ns + b * 16);
-      else
-        quantize_block32(x + o, q8_1, q + o, d + m * nd + b, s + m * ns + b, sd + m * nd + b);
+      const int64_t o = m * K + b * 32;
+      quantize_block32(x + o, kind, q + o, d + m * nd + b, s + m * ns + b * per, sd + m * nd + b);
     }
 }
 
@@ -288,9 +390,8 @@ void decode(int64_t qt, const uint8_t* gb, int64_t r, Decoded& o) {
 // Each row-block decoded, then integer dot products with x's int8 block, float scales.
 
 float dot_decoded(int64_t qt, const Decoded& w, const XQ& x, int64_t m, int64_t b) {
-  const float xd = x.d[m * x.nd + b];
-  const int32_t* xs = x.s + m * x.ns;
   if (!is_k(qt)) {
+    const float xd = x.d[m * x.nd + b];
     const int8_t* xb = x.q + m * x.K + b * 32;
     int32_t sumi = 0;
     for (int i = 0; i < 32; ++i) sumi += w.q[i] * xb[i];
@@ -298,21 +399,22 @@ float dot_decoded(int64_t qt, const Decoded& w, const XQ& x, int64_t m, int64_t 
     if (qt == kQ4_1 || qt == kQ5_1) r += w.m * x.sd[m * x.nd + b];
     return r;
   }
+  // Super-block b: x's 32-blocks 8b .. 8b + 7, each with its own scale.
   const int8_t* xb = x.q + m * x.K + b * 256;
-  const int gsize = qt == kQ6_K ? 16 : 32;
-  int32_t sumi = 0;
-  for (int g = 0; g < 256 / gsize; ++g) {
-    int32_t part = 0;
-    for (int l = 0; l < gsize; ++l) part += w.q[g * gsize + l] * xb[g * gsize + l];
-    sumi += w.sc[g] * part;
+  const float* xd = x.d + m * x.nd + b * 8;
+  const float* xsd = x.sd + m * x.nd + b * 8;
+  float r = 0.f, rm = 0.f;
+  for (int j = 0; j < 8; ++j) {
+    int32_t sumi = 0;
+    for (int h = 0; h < 2; ++h) {      // Q6_K: a scale per 16; Q4_K / Q5_K: per 32
+      int32_t part = 0;
+      for (int l = 32 * j + 16 * h; l < 32 * j + 16 * h + 16; ++l) part += w.q[l] * xb[l];
+      sumi += w.sc[qt == kQ6_K ? 2 * j + h : j] * part;
+    }
+    r += xd[j] * static_cast<float>(sumi);
+    if (qt != kQ6_K) rm += xsd[j] * static_cast<float>(w.mn[j]);
   }
-  float r = w.d * xd * static_cast<float>(sumi);
-  if (qt != kQ6_K) {
-    int32_t msum = 0;
-    for (int j = 0; j < 8; ++j) msum += w.mn[j] * (xs[b * 16 + 2 * j] + xs[b * 16 + 2 * j + 1]);
-    r -= w.m * xd * static_cast<float>(msum);
-  }
-  return r;
+  return w.d * r - w.m * rm;
 }
 
 void run_generic(int64_t qt, const Format& f, const uint8_t* packed, const XQ& x, float* y,
@@ -442,21 +544,23 @@ QL_INLINE __m256i pair16(int32_t lo, int32_t hi) {    // (lo, hi) int16 in every
 }
 
 // Q4_K / Q5_K: madd multiplies each sub-block's pair sums by the lane's scale (int16 pairs),
-// so a super-block is one int32 sum per lane; the minimums, by madd of (min, min) pairs with
-// x's 32-sums.
+// leaving one int32 per lane and sub-block, which x's 32-block scale multiplies in float; the
+// minimums: the lane's float minimum times x's d * sum (sd) of the sub-block.
 template <int64_t QT, int MB>
 QL_INLINE void group_block_k45(const uint8_t* gb, const XQ& x, int64_t m0, int64_t b,
                                __m256 (&acc)[MB]) {
   constexpr int64_t kQs = QT == kQ5_K ? kK5Qs : kK4Qs;
   const __m256i m4 = _mm256_set1_epi8(0xF);
-  __m256i sumi[MB];
-  for (int m = 0; m < MB; ++m) sumi[m] = _mm256_setzero_si256();
+  __m256 fs[MB], fm[MB];
+  for (int m = 0; m < MB; ++m) fs[m] = fm[m] = _mm256_setzero_ps();
   for (int j = 0; j < 4; ++j) {
     const auto scale = [&](int s) {
       return dup16(_mm256_cvtepu8_epi32(
           _mm_loadl_epi64(reinterpret_cast<const __m128i*>(gb + kKScales + 8 * s))));
     };
     const __m256i s_lo = scale(2 * j), s_hi = scale(2 * j + 1);
+    __m256i slo[MB], shi[MB];
+    for (int m = 0; m < MB; ++m) slo[m] = shi[m] = _mm256_setzero_si256();
 #pragma GCC unroll 8
     for (int c = 0; c < 8; ++c) {
       const __m256i raw = load32(gb + kQs + 32 * (8 * j + c));
@@ -469,44 +573,55 @@ QL_INLINE void group_block_k45(const uint8_t* gb, const XQ& x, int64_t m0, int64
       }
       for (int m = 0; m < MB; ++m) {
         const int8_t* xb = x.q + (m0 + m) * x.K + b * 256 + 64 * j + 4 * c;
-        sumi[m] = _mm256_add_epi32(sumi[m], _mm256_add_epi32(
-            _mm256_madd_epi16(_mm256_maddubs_epi16(lo, bcast4(xb)), s_lo),
-            _mm256_madd_epi16(_mm256_maddubs_epi16(hi, bcast4(xb + 32)), s_hi)));
+        slo[m] = _mm256_add_epi32(slo[m], _mm256_madd_epi16(_mm256_maddubs_epi16(lo, bcast4(xb)), s_lo));
+        shi[m] = _mm256_add_epi32(shi[m], _mm256_madd_epi16(_mm256_maddubs_epi16(hi, bcast4(xb + 32)), s_hi));
       }
+    }
+    // mins [pair j][row][2]: lane r holds (min 2j, min 2j + 1) as two int16.
+    const __m256i mp = _mm256_cvtepu8_epi16(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(gb + kKMins + 16 * j)));
+    const __m256 mn_lo = _mm256_cvtepi32_ps(_mm256_and_si256(mp, _mm256_set1_epi32(0xFFFF)));
+    const __m256 mn_hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(mp, 16));
+    for (int m = 0; m < MB; ++m) {
+      const float* xd = x.d + (m0 + m) * x.nd + b * 8 + 2 * j;
+      const float* xsd = x.sd + (m0 + m) * x.nd + b * 8 + 2 * j;
+      fs[m] = _mm256_fmadd_ps(_mm256_set1_ps(xd[0]), _mm256_cvtepi32_ps(slo[m]), fs[m]);
+      fs[m] = _mm256_fmadd_ps(_mm256_set1_ps(xd[1]), _mm256_cvtepi32_ps(shi[m]), fs[m]);
+      fm[m] = _mm256_fmadd_ps(_mm256_set1_ps(xsd[0]), mn_lo, fm[m]);
+      fm[m] = _mm256_fmadd_ps(_mm256_set1_ps(xsd[1]), mn_hi, fm[m]);
     }
   }
   const __m256 d = load_f16x8(gb), dmin = load_f16x8(gb + kOffM);
   for (int m = 0; m < MB; ++m) {
-    const int32_t* bs = x.s + (m0 + m) * x.ns + b * 16;
-    __m256i msum = _mm256_setzero_si256();
-    for (int p = 0; p < 4; ++p) {
-      const __m256i mins = _mm256_cvtepu8_epi16(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(gb + kKMins + 16 * p)));
-      msum = _mm256_add_epi32(msum, _mm256_madd_epi16(
-          mins, pair16(bs[4 * p] + bs[4 * p + 1], bs[4 * p + 2] + bs[4 * p + 3])));
-    }
-    const __m256 xd = _mm256_set1_ps(x.d[(m0 + m) * x.nd + b]);
-    acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(d, xd), _mm256_cvtepi32_ps(sumi[m]), acc[m]);
-    acc[m] = _mm256_fnmadd_ps(_mm256_mul_ps(dmin, xd), _mm256_cvtepi32_ps(msum), acc[m]);
+    acc[m] = _mm256_fmadd_ps(d, fs[m], acc[m]);
+    acc[m] = _mm256_fnmadd_ps(dmin, fm[m], acc[m]);
   }
 }
 
 // Q6_K: q (0..63) with x, each 16-weight group's pair sums scaled by the lane's int8 scale in
-// madd; the -32 offset is 32 x (scale, scale) pairs madd x's 16-sums, subtracted once.
+// madd; the -32 offset is 32 x (scale, scale) pairs madd x's 16-sums, subtracted per 32-block
+// (one (h, t) step), whose int32 x's block scale then multiplies in float.
 template <int MB>
 QL_INLINE void group_block_q6k(const uint8_t* gb, const XQ& x, int64_t m0, int64_t b,
                                __m256 (&acc)[MB]) {
   const __m256i m4 = _mm256_set1_epi8(0xF), m3 = _mm256_set1_epi8(0x30);
-  __m256i sumi[MB];
-  for (int m = 0; m < MB; ++m) sumi[m] = _mm256_setzero_si256();
+  __m256 fs[MB];
+  for (int m = 0; m < MB; ++m) fs[m] = _mm256_setzero_ps();
   const auto pairs = [&](int p) {      // lane r: (sc[2p][r], sc[2p+1][r]) int16
     return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gb + kQ6Sc + 16 * p)));
   };
   for (int h = 0; h < 2; ++h)
     for (int t = 0; t < 4; ++t) {
-      const __m256i pr = pairs(4 * h + t);           // groups g = 8h + 2t and g + 1
+      const int p = 4 * h + t;                       // x's 32-block; groups 2p and 2p + 1
+      const __m256i pr = pairs(p);
       const __m256i s_a = _mm256_blend_epi16(pr, _mm256_slli_epi32(pr, 16), 0xAA);
       const __m256i s_b = _mm256_blend_epi16(_mm256_srli_epi32(pr, 16), pr, 0xAA);
+      __m256i sumi[MB];
+      for (int m = 0; m < MB; ++m) {
+        const int32_t* bs = x.s + (m0 + m) * x.ns + b * 16 + 2 * p;
+        sumi[m] = _mm256_slli_epi32(_mm256_madd_epi16(pr, pair16(bs[0], bs[1])), 5);
+        sumi[m] = _mm256_sub_epi32(_mm256_setzero_si256(), sumi[m]);
+      }
 #pragma GCC unroll 8
       for (int c = 0; c < 8; ++c) {
         const __m256i lb = load32(gb + kQ6Ql + 32 * ((2 * h + (t & 1)) * 8 + c));
@@ -520,17 +635,12 @@ QL_INLINE void group_block_q6k(const uint8_t* gb, const XQ& x, int64_t m0, int64
           sumi[m] = _mm256_add_epi32(sumi[m], _mm256_madd_epi16(_mm256_maddubs_epi16(
               q, bcast4(x.q + (m0 + m) * x.K + b * 256 + 128 * h + 32 * t + 4 * c)), sv));
       }
+      for (int m = 0; m < MB; ++m)
+        fs[m] = _mm256_fmadd_ps(_mm256_set1_ps(x.d[(m0 + m) * x.nd + b * 8 + p]),
+                                _mm256_cvtepi32_ps(sumi[m]), fs[m]);
     }
   const __m256 d = load_f16x8(gb);
-  for (int m = 0; m < MB; ++m) {
-    const int32_t* bs = x.s + (m0 + m) * x.ns + b * 16;
-    __m256i off = _mm256_setzero_si256();
-    for (int p = 0; p < 8; ++p)
-      off = _mm256_add_epi32(off, _mm256_madd_epi16(pairs(p), pair16(bs[2 * p], bs[2 * p + 1])));
-    const __m256i total = _mm256_sub_epi32(sumi[m], _mm256_slli_epi32(off, 5));
-    acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(x.d[(m0 + m) * x.nd + b])),
-                             _mm256_cvtepi32_ps(total), acc[m]);
-  }
+  for (int m = 0; m < MB; ++m) acc[m] = _mm256_fmadd_ps(d, fs[m], acc[m]);
 }
 
 // One group of 8 rows against x rows m0 .. m0 + MB - 1, every block.
@@ -797,7 +907,9 @@ void check_packed(const at::Tensor& packed, const Format& f, int64_t N, int64_t 
               ", K = ", K);
 }
 
-QL_INLINE bool is_q8_1(int64_t qt) { return qt == kQ4_1 || qt == kQ5_1; }
+QL_INLINE XKind x_kind(int64_t qt) {
+  return is_k(qt) ? kXK32 : qt == kQ4_1 || qt == kQ5_1 ? kXQ8_1 : kXQ8_0;
+}
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_x_op(const at::Tensor& x,
                                                              int64_t qtype) {
@@ -811,7 +923,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_x_op(const a
   at::Tensor d = at::empty({M, K / f.act_block}, x.options());
   at::Tensor s = at::empty({M, K / f.sum_group}, x.options().dtype(at::kInt));
   at::Tensor sd = at::zeros({M, K / f.act_block}, x.options());
-  quantize_x(x.data_ptr<float>(), M, K, f, is_q8_1(qtype), q.data_ptr<int8_t>(),
+  quantize_x(x.data_ptr<float>(), M, K, f, x_kind(qtype), q.data_ptr<int8_t>(),
              d.data_ptr<float>(), s.data_ptr<int32_t>(), sd.data_ptr<float>());
   return {q, d, s, sd};
 }
@@ -831,14 +943,14 @@ at::Tensor linear_impl(const at::Tensor& x, const at::Tensor& packed, int64_t qt
   std::vector<float> d(static_cast<size_t>(M * (K / f.act_block)));
   std::vector<int32_t> s(static_cast<size_t>(M * (K / f.sum_group)));
   std::vector<float> sd(static_cast<size_t>(M * (K / f.act_block)));
-  quantize_x(x.data_ptr<float>(), M, K, f, is_q8_1(qtype), q.data(), d.data(), s.data(),
+  quantize_x(x.data_ptr<float>(), M, K, f, x_kind(qtype), q.data(), d.data(), s.data(),
              sd.data());
   const XQ xq{q.data(), d.data(), s.data(), sd.data(), K, K / f.act_block, K / f.sum_group};
   const uint8_t* w = packed.data_ptr<uint8_t>();
   float* out = y.data_ptr<float>();
   const int64_t group_bytes = (K / f.block) * f.gbytes;
   const int64_t grain = std::max<int64_t>(1, kMinBytesPerTask / group_bytes);
-  at::parallel_for(0, packed.size(0), grain, [&](int64_t g0, int64_t g1) {
+  pool_for(0, packed.size(0), grain, [&](int64_t g0, int64_t g1) {
 #if defined(KVS_AVX2)
     if (!portable) return run_avx2(qtype, f, w, xq, out, M, N, g0, g1);
 #endif
@@ -871,7 +983,7 @@ at::Tensor dequantize_impl(const at::Tensor& packed, int64_t qtype, int64_t N, i
   const int64_t nb = K / f.block;
   // Work items: groups of 8 rows (the packed interleave), ~64K weights per task at least.
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(kGroup * K, 1));
-  at::parallel_for(row0 / kGroup, (row1 + kGroup - 1) / kGroup, grain, [&](int64_t g0, int64_t g1) {
+  pool_for(row0 / kGroup, (row1 + kGroup - 1) / kGroup, grain, [&](int64_t g0, int64_t g1) {
 #if defined(KVS_AVX2)
     if (!portable) {
       float scratch[256];     // rows of the group outside [row0, row1) are written here

@@ -1,7 +1,8 @@
 """References for the packed kernels (tests and benchmarks; nothing here is on a hot path).
 
-- quantize_activations: the activations' int8 blocks exactly as the C++ kernel makes them,
-  which are llama.cpp's (Q8_0 / Q8_1 / Q8_K; float32 operations in the same order).
+- quantize_activations: the activations' int8 blocks exactly as the C++ kernel makes them
+  (llama.cpp's Q8_0 / Q8_1, and those with a float32 scale for the K-quants; float32
+  operations in the same order).
 - dequantize_gguf: gguf.quants.dequantize, the ground truth for the weights.
 - reference_matmul: y = W @ x^T in float64 from those two, i.e. what the integer kernel computes
   up to its float32 rounding.
@@ -19,7 +20,8 @@ from kvserve.ops.quant.formats import BlockFormat
 class QuantizedActivations:
     """x [M, K] as int8 blocks: q [M, K] int8, d [M, K / act_block] float32 (one scale per
     block), sums [M, K / act_sum_group] int32 (sums of q over each group), sd [M, K / 32]
-    float32 (Q8_1's fp16(d * sum) for the _1 types' minimum; zeros otherwise)."""
+    float32 (d * sum: Q8_1's fp16 of it for the _1 types' minimum, float32 for the K-quants'
+    minimums; zeros otherwise)."""
     q: np.ndarray
     d: np.ndarray
     sums: np.ndarray
@@ -37,31 +39,28 @@ def _f16(a: np.ndarray) -> np.ndarray:
 
 
 def quantize_activations(x: np.ndarray, fmt: BlockFormat) -> QuantizedActivations:
-    """x [M, K] float32 -> llama.cpp's activation blocks for fmt (its "vec_dot_type", as its
-    x86 code makes them; csrc/quant_linear.cpp has the rules): Q8_0 / Q8_1 for the 32-blocks,
-    Q8_K for the K-quants."""
+    """x [M, K] float32 -> the kernel's int8 blocks of 32 for fmt (csrc/quant_linear.cpp has
+    the rules): llama.cpp's Q8_0 / Q8_1 (its x86 "vec_dot_type") for the 32-weight types; for
+    the K-quants the same blocks with the float32 scale kept (not rounded to float16) and sd
+    = d * sum q in float32 (formats.py: why not llama.cpp's Q8_K)."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     m, k = x.shape
     blocks = x.reshape(m, k // fmt.act_block, fmt.act_block)
     f32 = np.float32
     with np.errstate(divide="ignore", invalid="ignore"):
-        if fmt.act_block == 256:                               # Q8_K
-            pick = np.abs(blocks).argmax(axis=-1)[..., None]   # the first largest |x|
-            mx = np.take_along_axis(blocks, pick, axis=-1)[..., 0]
-            iscale = np.where(mx != 0, f32(-127) / mx, f32(0)).astype(f32)
-            q = np.minimum(np.rint(blocks * iscale[..., None]), 127)
-            d = np.where(mx != 0, f32(1) / iscale, f32(0)).astype(f32)
-        else:                                                  # Q8_0 / Q8_1
-            amax = np.abs(blocks).max(axis=-1)
-            inv = np.where(amax != 0, f32(127) / amax, f32(0)).astype(f32)
-            q = np.clip(np.rint(blocks * inv[..., None]), -127, 127)
-            d_full = (amax / f32(127)).astype(f32)
-            d = _f16(d_full)
+        amax = np.abs(blocks).max(axis=-1)
+        inv = np.where(amax != 0, f32(127) / amax, f32(0)).astype(f32)
+        q = np.clip(np.rint(blocks * inv[..., None]), -127, 127)
+        d_full = (amax / f32(127)).astype(f32)
+    d = d_full if fmt.k_quant else _f16(d_full)
     q = q.astype(np.int8).reshape(m, k)
     sums = q.astype(np.int32).reshape(m, k // fmt.act_sum_group, fmt.act_sum_group).sum(-1)
+    sums32 = q.astype(np.int32).reshape(m, k // 32, 32).sum(-1).astype(f32)
     sd = np.zeros_like(d)
     if fmt.name in Q8_1_TYPES:
-        sd = _f16((d_full * sums.astype(f32)).astype(f32))
+        sd = _f16((d_full * sums32).astype(f32))
+    elif fmt.k_quant:
+        sd = (d_full * sums32).astype(f32)
     return QuantizedActivations(q, d.astype(f32), sums.astype(np.int32), sd)
 
 
