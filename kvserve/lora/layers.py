@@ -58,7 +58,20 @@ class SortedTokens:
         self.perm, self.groups = None, []
 
 
-class LoRALinear:
+class _SlotStacks:
+    """What every LoRA layer kind holds per adapter slot: the A / B stacks (zero where the slot
+    is empty) and `has[slot]`, whether the slot's adapter targets this layer."""
+    a_stack: torch.Tensor
+    b_stack: torch.Tensor
+    has: list[bool]
+
+    def clear_slot(self, slot: int) -> None:
+        self.a_stack[slot].zero_()
+        self.b_stack[slot].zero_()
+        self.has[slot] = False
+
+
+class LoRALinear(_SlotStacks):
     def __init__(self, base: LinearBase, modules: list[tuple[str, ShardId]], max_loras: int,
                  max_rank: int, mapping: LoRAMapping,
                  sorted_tokens: Optional[SortedTokens] = None) -> None:
@@ -102,9 +115,7 @@ class LoRALinear:
                 self.b_stack[slot, :, col:col + r].copy_(rows)
 
     def clear_slot(self, slot: int) -> None:
-        self.a_stack[slot].zero_()
-        self.b_stack[slot].zero_()
-        self.has[slot] = False
+        super().clear_slot(slot)
         self.has_mask[slot] = False
 
     def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -158,7 +169,7 @@ class LogitsRows:
         return self.token_slots[rows]
 
 
-class LoRAEmbedding:
+class LoRAEmbedding(_SlotStacks):
     """LoRA of the token embedding: A^T [S, vocab, R] read as a lookup table, B [S, H, R]."""
     modules: list[tuple[str, ShardId]] = [("embed_tokens", None)]
 
@@ -186,11 +197,6 @@ class LoRAEmbedding:
         self.b_stack[slot, :, :r].copy_(b)
         self.has[slot] = True
 
-    def clear_slot(self, slot: int) -> None:
-        self.a_stack[slot].zero_()
-        self.b_stack[slot].zero_()
-        self.has[slot] = False
-
     def apply(self, input_ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """out [T, H] (the base lookup, all ranks' rows) plus each token's adapter delta."""
         groups = _targeting(self.mapping.groups, self.has)
@@ -205,7 +211,7 @@ class LoRAEmbedding:
         return out
 
 
-class LoRALogits:
+class LoRALogits(_SlotStacks):
     """LoRA of the LM head: A [S, R, H] whole, B [S, vocab_shard, R] (this rank's vocab rows,
     padding rows zero), applied to the scored rows before the logits' all-gather."""
     modules: list[tuple[str, ShardId]] = [("lm_head", None)]
@@ -232,11 +238,6 @@ class LoRALogits:
         self.a_stack[slot, :r].copy_(a)
         self.b_stack[slot, :end - start, :r].copy_(b[start:end])
         self.has[slot] = True
-
-    def clear_slot(self, slot: int) -> None:
-        self.a_stack[slot].zero_()
-        self.b_stack[slot].zero_()
-        self.has[slot] = False
 
     def apply(self, hidden: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """logits [N, vocab_shard] of hidden [N, H] plus each row's adapter delta."""

@@ -15,7 +15,7 @@ rotary / cache-write / silu ops, paged decode and prefill attention), in the sam
 bit-identical; what it removes is the Python between them, a third of a batch-1 decode step
 on a 2-core AVX2 EPYC. kvserve.model.layers.fused_decode decides when a model can use it.
 Multi-LoRA steps add each projection's adapter delta with the lora_fused kernel (csrc/lora.cpp,
-through the dispatcher, as LoRALinear.apply does on the layer path): lora_kernel_loaded().
+through the dispatcher, as LoRALinear.apply does on the layer path): ops.lora.kernel_enabled().
 """
 from __future__ import annotations
 
@@ -51,9 +51,3 @@ def decode_layers_op() -> Optional[Callable[..., tuple[torch.Tensor, torch.Tenso
         return None
     op = _KERNEL.get()
     return torch.ops.kvserve.decode_layers.default if op is not None else None
-
-
-def lora_kernel_loaded() -> bool:
-    """Whether the op can add LoRA deltas: the lora_fused kernel it calls is loaded and on."""
-    from kvserve.ops import lora
-    return lora.kernel_enabled()

@@ -69,12 +69,11 @@ def stacks_take(act_dtype: torch.dtype, a_stack: torch.Tensor, b_stack: torch.Te
 
 def kernel_takes(y: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor,
                  b_stack: torch.Tensor) -> bool:
-    """Whether the kernel handles these tensors (CPU, dtypes, layouts)."""
+    """Whether the kernel handles these tensors (CPU, dtypes, layouts): this step's x and y,
+    then the stacks' own checks (stacks_take)."""
     return (x.device.type == "cpu" and x.dim() == 2 and y.dim() == 2 and y.stride(1) == 1
-            and y.dtype == x.dtype and a_stack.dtype == b_stack.dtype
-            and (a_stack.dtype == x.dtype or a_stack.dtype == torch.bfloat16)
-            and x.dtype in (torch.float32, torch.bfloat16)
-            and x.is_contiguous() and a_stack.is_contiguous() and b_stack.is_contiguous())
+            and y.dtype == x.dtype and x.is_contiguous()
+            and stacks_take(x.dtype, a_stack, b_stack))
 
 
 def fused_delta(y: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor, b_stack: torch.Tensor,

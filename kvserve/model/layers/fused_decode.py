@@ -25,8 +25,8 @@ from kvserve.attention.backends.cpu import AttentionMetadata, CpuAttentionBacken
 from kvserve.distributed.parallel_state import get_tp_world_size
 from kvserve.model.layers.rotary import RotaryEmbedding
 from kvserve.ops.build import KERNEL_DTYPES
-from kvserve.ops.decode_layers import (LORA_PROJECTIONS, SLOTS, decode_layers_op,
-                                       lora_kernel_loaded)
+from kvserve.ops.decode_layers import LORA_PROJECTIONS, SLOTS, decode_layers_op
+from kvserve.ops.lora import kernel_enabled as lora_kernel_enabled
 from kvserve.ops.lora import stacks_take
 from kvserve.ops.linear import SMALL_BATCH_MAX_ROWS, kernel_takes
 
@@ -142,7 +142,7 @@ class FusedDecodeStack:
     def takes_lora(self, mapping: Any) -> bool:
         """Whether this step's adapter tokens (a LoRAMapping with groups) can run in the op:
         the LoRA kernel on, stacks it takes, the mapping of this step's tokens."""
-        if self._lora_tensors is False or not lora_kernel_loaded():
+        if self._lora_tensors is False or not lora_kernel_enabled():
             return False
         if not self._lora_tensors:
             self._lora_tensors = self._collect_lora()
