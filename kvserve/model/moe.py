@@ -10,8 +10,8 @@ With --enable-expert-parallel each TP rank holds E/N whole experts (layers/fused
 and `checkpoint_skip` keeps the loader from reading the other ranks' expert tensors (GGUF
 files' stacked experts are split per expert by gguf.py, so the same skip applies).
 
-These layers run layer by layer: the all-layers C++ decode op (fused_decode.py) knows dense
-MLPs only, so `supports_fused_decode` is False and LlamaModel never builds it for them.
+Small steps (<= 8 tokens) run all layers in the C++ decode op (fused_decode.py), whose MLP part
+calls the router, the same routing ops and the fused MoE kernel for these blocks.
 """
 from __future__ import annotations
 
@@ -87,15 +87,11 @@ class QwenMoE(nn.Module):
 
 
 class MixtralDecoderLayer(LlamaDecoderLayer):
-    supports_fused_decode = False
-
     def build_mlp(self, config: ModelConfig, flags: DecoderFlags, layer_idx: int) -> nn.Module:
         return MixtralMoE(config)
 
 
 class QwenMoeDecoderLayer(LlamaDecoderLayer):
-    supports_fused_decode = False
-
     def build_mlp(self, config: ModelConfig, flags: DecoderFlags, layer_idx: int) -> nn.Module:
         hf = config.hf_config
         step = int(hf.get("decoder_sparse_step") or 1)

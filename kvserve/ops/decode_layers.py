@@ -16,6 +16,8 @@ bit-identical; what it removes is the Python between them, a third of a batch-1 
 on a 2-core AVX2 EPYC. kvserve.model.layers.fused_decode decides when a model can use it.
 Multi-LoRA steps add each projection's adapter delta with the lora_fused kernel (csrc/lora.cpp,
 through the dispatcher, as LoRALinear.apply does on the layer path): ops.lora.kernel_enabled().
+Mixture-of-experts layers call the router's linear, select_experts' torch ops and the fused_moe
+kernel (csrc/moe.cpp) in their MLP's place (FusedMoE's path for steps of this size).
 """
 from __future__ import annotations
 
@@ -27,7 +29,12 @@ from kvserve.ops.build import CpuKernel
 
 # Per-layer tensor slots, in csrc/decode_layers.cpp's order.
 SLOTS = ("input_norm", "post_norm", "qkv_w", "qkv_b", "o_w", "o_b", "gate_up_w", "gate_up_b",
-         "down_w", "down_b", "q_norm", "k_norm")
+         "down_w", "down_b", "q_norm", "k_norm",
+         # Mixture-of-experts layers (None in dense ones; gate_up / down None in MoE ones):
+         # router, FusedMoE's w13 / w2 stacks, [top_k, renormalise] int64, Qwen2-MoE's shared
+         # expert (gate_up, down, its sigmoid gate).
+         "router_w", "w13", "w2", "moe_cfg", "shared_gate_up_w", "shared_down_w",
+         "shared_gate_w")
 # Per-layer LoRA slots: per projection its LoRALinear's a_stack, b_stack and has_mask.
 LORA_PROJECTIONS = ("qkv", "o", "gate_up", "down")
 LORA_SLOTS = tuple(f"{p}_{t}" for p in LORA_PROJECTIONS for t in ("a", "b", "has"))

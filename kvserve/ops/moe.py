@@ -42,6 +42,12 @@ def cpu_kernel() -> Optional[Callable[..., torch.Tensor]]:
     return torch.ops.kvserve.fused_moe.default
 
 
+def kernel_built() -> bool:
+    """Whether the kernel's library is (or can be) loaded, switched on or not: the fused
+    all-layers decode op calls it through the dispatcher (model/layers/fused_decode.py)."""
+    return _KERNEL.get() is not None
+
+
 reset_dispatch = cpu_kernel.cache_clear       # the process's CPU settings changed
 
 

@@ -13,6 +13,12 @@ Multi-LoRA steps take it too (`takes_lora`): the op adds each projection's adapt
 the C++ LoRA kernel, as LoRALinear.apply does on the layer path for steps of this size. The
 LoRA stacks are collected on the first step with adapter tokens (the LoRA manager wraps the
 layers after loading).
+
+Mixture-of-experts layers (Mixtral, Qwen2/3-MoE, MoE and dense layers mixed) take it too: the
+op runs the router's linear, select_experts' routing and the C++ fused_moe kernel in place of
+the dense MLP -- what FusedMoE does for steps of this size -- where that kernel takes the
+experts (dtypes, top_k * 8 pairs) and is switched on (else the step runs layer by layer).
+LoRA steps of MoE models run layer by layer.
 """
 from __future__ import annotations
 
@@ -29,6 +35,7 @@ from kvserve.ops.decode_layers import LORA_PROJECTIONS, SLOTS, decode_layers_op
 from kvserve.ops.lora import kernel_enabled as lora_kernel_enabled
 from kvserve.ops.lora import stacks_take
 from kvserve.ops.linear import SMALL_BATCH_MAX_ROWS, kernel_takes
+from kvserve.ops import moe as moe_ops
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +45,26 @@ def _linear_ok(linear: Any, act_dtype: torch.dtype) -> bool:
     act_dtype; a weight kept only prepacked streams none, a path the op does not have."""
     w = linear.linear_weight.streamed()
     return w is not None and w.device.type == "cpu" and kernel_takes(act_dtype, w, linear.bias)
+
+
+def _moe_why_not(mlp: Any, act: torch.dtype) -> Optional[str]:
+    """Why this MoE block (MixtralMoE / QwenMoE) cannot run in the op (None: it can)."""
+    experts = mlp.experts
+    if experts.ep_size != 1:
+        return "expert parallelism"
+    if not _linear_ok(mlp.gate, act) or mlp.gate.bias is not None:
+        return "a router weight the small-batch kernel cannot stream"
+    w13, w2 = experts.w13_weight, experts.w2_weight
+    if not moe_ops.kernel_takes(torch.empty(0, dtype=act), w13, w2,
+                                experts.top_k * SMALL_BATCH_MAX_ROWS):
+        return "experts the C++ MoE kernel does not take (dtype, top_k x 8 rows)"
+    if not moe_ops.kernel_built():
+        return "the C++ MoE kernel is disabled or not built"
+    shared = getattr(mlp, "shared_expert", None)
+    if shared is not None and not all(_linear_ok(m, act) for m in (
+            shared.gate_up_proj, shared.down_proj, mlp.shared_expert_gate)):
+        return "a shared-expert weight the small-batch kernel cannot stream"
+    return None
 
 
 def _why_not(layers: Sequence[Any]) -> Optional[str]:
@@ -58,7 +85,12 @@ def _why_not(layers: Sequence[Any]) -> Optional[str]:
             return "not the CPU_ATTN backend, or a KV connector's per-layer hooks"
         if type(attn.rotary_emb) is not RotaryEmbedding:
             return "another rotary embedding"
-        mods = (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+        moe = hasattr(layer.mlp, "experts")
+        mlp_why = _moe_why_not(layer.mlp, act) if moe else None
+        if mlp_why is not None:
+            return mlp_why
+        mods = (attn.qkv_proj, attn.o_proj) + (
+            () if moe else (layer.mlp.gate_up_proj, layer.mlp.down_proj))
         if not all(_linear_ok(m, act) for m in mods):
             return "a linear weight the small-batch kernel cannot stream (prepacked only)"
         norms = [layer.input_layernorm, layer.post_attention_layernorm]
@@ -81,6 +113,8 @@ class FusedDecodeStack:
         # where a layer has no LoRALinear or stacks the kernel does not take.
         self._lora_tensors: Union[list[torch.Tensor], bool] = []
         self.lora_steps = 0     # steps with adapter tokens it ran (tests check it is used)
+        self.steps = 0          # steps it ran (tests check MoE models use it)
+        self.has_moe = any(hasattr(layer.mlp, "experts") for layer in layers)
         first = layers[0].self_attn
         self.num_heads = first.attn.num_heads
         self.num_kv_heads = first.attn.num_kv_heads
@@ -92,16 +126,31 @@ class FusedDecodeStack:
         self.layer_tensors: list[Optional[torch.Tensor]] = []
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
-            slot = {"input_norm": layer.input_layernorm.weight,
+            slot = self._moe_slots(mlp) if hasattr(mlp, "experts") else {
+                "gate_up_w": mlp.gate_up_proj.linear_weight.streamed(),
+                "gate_up_b": mlp.gate_up_proj.bias,
+                "down_w": mlp.down_proj.linear_weight.streamed(), "down_b": mlp.down_proj.bias}
+            slot |= {"input_norm": layer.input_layernorm.weight,
                     "post_norm": layer.post_attention_layernorm.weight,
                     "qkv_w": attn.qkv_proj.linear_weight.streamed(), "qkv_b": attn.qkv_proj.bias,
                     "o_w": attn.o_proj.linear_weight.streamed(), "o_b": attn.o_proj.bias,
-                    "gate_up_w": mlp.gate_up_proj.linear_weight.streamed(),
-                    "gate_up_b": mlp.gate_up_proj.bias,
-                    "down_w": mlp.down_proj.linear_weight.streamed(), "down_b": mlp.down_proj.bias,
                     "q_norm": attn.q_norm.weight if attn.qk_norm else None,
                     "k_norm": attn.k_norm.weight if attn.qk_norm else None}
-            self.layer_tensors += [None if slot[s] is None else slot[s].detach() for s in SLOTS]
+            self.layer_tensors += [None if slot.get(s) is None else slot[s].detach()
+                                   for s in SLOTS]
+
+    @staticmethod
+    def _moe_slots(mlp: Any) -> dict[str, Optional[torch.Tensor]]:
+        """A MoE block's slots: router, expert stacks, [top_k, renormalise], shared expert."""
+        experts, shared = mlp.experts, getattr(mlp, "shared_expert", None)
+        slot = {"router_w": mlp.gate.linear_weight.streamed(),
+                "w13": experts.w13_weight, "w2": experts.w2_weight,
+                "moe_cfg": torch.tensor([experts.top_k, int(experts.renormalize)])}
+        if shared is not None:
+            slot |= {"shared_gate_up_w": shared.gate_up_proj.linear_weight.streamed(),
+                     "shared_down_w": shared.down_proj.linear_weight.streamed(),
+                     "shared_gate_w": mlp.shared_expert_gate.linear_weight.streamed()}
+        return slot
 
     @classmethod
     def build(cls, layers: Sequence[Any]) -> Optional["FusedDecodeStack"]:
@@ -127,6 +176,9 @@ class FusedDecodeStack:
         """Every layer's LoRA stacks in LORA_SLOTS order, or False (logged) where the op
         cannot add them."""
         tensors: list[torch.Tensor] = []
+        if self.has_moe:
+            logger.info("LoRA steps run layer by layer: a mixture-of-experts model.")
+            return False
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
             for proj in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
@@ -152,6 +204,13 @@ class FusedDecodeStack:
                  residual: Optional[torch.Tensor], kv_caches: list[torch.Tensor],
                  meta: AttentionMetadata, lora_mapping: Optional[Any] = None,
                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.has_moe and moe_ops.cpu_kernel() is None:
+            # The MoE kernel switched off (benchmarks' torch path): FusedMoE's grouped GEMMs.
+            for layer, kv_cache in zip(self.layers, kv_caches):
+                hidden_states, residual = layer(positions, hidden_states, residual, kv_cache,
+                                                meta)
+            return hidden_states, residual
+        self.steps += 1
         lora: list[torch.Tensor] = []
         lora_slots = None
         if lora_mapping is not None and lora_mapping.groups:

@@ -20,6 +20,10 @@
 // in those kernels.
 //
 // layer_tensors: kSlots per layer, in the order of the Slot enum below (absent ones None).
+// Mixture-of-experts layers (Mixtral, Qwen2/3-MoE) carry the router / expert-stack slots
+// instead of gate_up / down: their feed-forward block calls the router's small_batch_linear,
+// the same torch routing ops as routing.select_experts and moe.cpp's fused_moe kernel
+// (moe_mlp), as the layer path does for steps of this size -- bit-identical again.
 // hidden / residual [T, hidden] as LlamaDecoderLayer takes them (residual None before the
 // first layer); returns the last layer's (mlp output, residual), which the caller normalises.
 // The kernels must be loaded (their libraries register the kvserve ops this calls).
@@ -46,7 +50,11 @@ namespace {
 
 enum Slot : int64_t {
   kInputNorm, kPostNorm, kQkvW, kQkvB, kOW, kOB, kGateUpW, kGateUpB, kDownW, kDownB,
-  kQNorm, kKNorm, kSlots
+  kQNorm, kKNorm,
+  // Mixture-of-experts layers (absent in dense ones, whose gate_up / down slots are then
+  // absent): the router, the expert stacks, [top_k, renormalise] int64, and Qwen2-MoE's
+  // shared expert (its gate_up, down and 1-row sigmoid gate), absent where it has none.
+  kRouterW, kW13, kW2, kMoeCfg, kSharedGateUpW, kSharedDownW, kSharedGateW, kSlots
 };
 
 enum LoraSlot : int64_t {
@@ -131,6 +139,34 @@ void add_lora(at::Tensor& y, const at::Tensor& x, const Opt* lw, int64_t p, cons
     for (int64_t t = 0; t < T; ++t) u[t] = s[t] >= 0 && has[s[t]] ? s[t] : -1;
   }
   lora_op().call(y, x, *lw[p], *lw[p + 1], use);
+}
+
+using MoeSig = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                          const at::Tensor&, const at::Tensor&);
+
+// Looked up on the first MoE step only: moe.cpp's library is loaded where a model has experts.
+const c10::TypedOperatorHandle<MoeSig>& moe_op() {
+  static const auto handle = find_op<MoeSig>("kvserve::fused_moe");
+  return handle;
+}
+
+// A MoE layer's feed-forward block, x [T, hidden] (normed) -> [T, hidden]: MixtralMoE /
+// QwenMoE.forward with the same ops in the same order -- the router's small_batch_linear,
+// routing.select_experts (float32 softmax over all experts, topk, the optional
+// renormalisation), ops.moe.fused_moe_cpu's kernel, then Qwen2-MoE's sigmoid-gated shared
+// expert (LlamaMLP's gate_up -> silu_and_mul -> down).
+at::Tensor moe_mlp(const Ops& op, const at::Tensor& x, const Opt* w) {
+  const Opt none;
+  const int64_t* cfg = w[kMoeCfg]->data_ptr<int64_t>();
+  const at::Tensor probs = op.linear.call(x, *w[kRouterW], none).to(at::kFloat).softmax(-1);
+  auto [weights, ids] = probs.topk(cfg[0], -1);
+  if (cfg[1] != 0) weights = weights.div(weights.sum(-1, true));
+  at::Tensor out = moe_op().call(x.contiguous(), *w[kW13], *w[kW2], weights.contiguous(),
+                                 ids.contiguous());
+  if (!w[kSharedGateUpW].has_value()) return out;
+  const at::Tensor gate = op.linear.call(x, *w[kSharedGateW], none).sigmoid();
+  const at::Tensor act = op.silu_and_mul.call(op.linear.call(x, *w[kSharedGateUpW], none));
+  return out.add(gate.mul(op.linear.call(act, *w[kSharedDownW], none)));
 }
 
 struct Dims {
@@ -219,7 +255,9 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
   std::vector<Opt> w(layer_tensors.begin(), layer_tensors.end());
   for (int64_t l = 0; l < L; ++l)
     for (Slot s : {kInputNorm, kPostNorm, kQkvW, kOW, kGateUpW, kDownW})
-      TORCH_CHECK(w[l * kSlots + s].has_value(), "decode_layers: layer ", l, " lacks slot ", s);
+      TORCH_CHECK(w[l * kSlots + s].has_value() ||
+                      ((s == kGateUpW || s == kDownW) && w[l * kSlots + kRouterW].has_value()),
+                  "decode_layers: layer ", l, " lacks slot ", s);
   std::vector<Opt> lora(lora_tensors.begin(), lora_tensors.end());
   const bool with_lora = !lora.empty();
   TORCH_CHECK(!with_lora || (static_cast<int64_t>(lora.size()) == L * kLora &&
@@ -231,6 +269,15 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
     TORCH_CHECK(lora[i].has_value() && (i % 3 != 2 || (lora[i]->scalar_type() == at::kBool &&
                                                        lora[i]->is_contiguous())),
                 "decode_layers: LoRA tensor ", i, " is missing, or a `has` one not bool");
+  for (int64_t l = 0; l < L; ++l) {  // a dense MLP's slots, or a MoE block's
+    const Opt* lw = w.data() + l * kSlots;
+    const bool moe = lw[kRouterW].has_value();
+    TORCH_CHECK(!moe || (lw[kW13].has_value() && lw[kW2].has_value() && lw[kMoeCfg].has_value() &&
+                         lw[kMoeCfg]->scalar_type() == at::kLong && lw[kMoeCfg]->numel() == 2 &&
+                         lw[kMoeCfg]->is_contiguous()),
+                "decode_layers: MoE layer ", l, " lacks its expert stacks or [top_k, renormalise]");
+    TORCH_CHECK(!moe || !with_lora, "decode_layers: LoRA on a MoE layer runs layer by layer");
+  }
   const LoraStep st{lora_slots};
 
   at::Tensor hidden = hidden_in, residual;
@@ -248,6 +295,10 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
     at::Tensor kv_cache = kv_caches[l];
     hidden = attention(op, hidden, lw, ll, st, positions, kv_cache, meta, cos_cache, sin_cache, d);
     op.add_norm.call(hidden, residual, *lw[kPostNorm], eps);
+    if (lw[kRouterW].has_value()) {  // a mixture-of-experts block instead of the dense MLP
+      hidden = moe_mlp(op, hidden, lw);
+      continue;
+    }
     at::Tensor gate_up = op.linear.call(hidden, *lw[kGateUpW], lw[kGateUpB]);
     add_lora(gate_up, hidden, ll, kGateUpA, st);
     const at::Tensor act = op.silu_and_mul.call(gate_up);

@@ -1,0 +1,58 @@
+"""Mixture-of-experts models (Mixtral, Qwen3-MoE, Qwen2-MoE's shared expert and dense layer 0)
+in the all-layers fused decode op (kvserve.model.layers.fused_decode): the same schedule of
+small steps as test_fused_decode.py, logits and KV caches bit-identical to the layer-by-layer
+path (FusedMoE's router, select_experts and C++ kernel), and the op ran every small step. An
+engine run (greedy = HF float32) through the op: test_moe.py's test_greedy_matches_transformers
+asserts `steps` there."""
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Callable
+
+import pytest
+import torch
+
+from kvserve.ops import build
+from kvserve.ops import cpu_weight as cw
+from tests.model.test_fused_decode import CACHE_DTYPE, load_both
+from tests.model.test_model import Seq, blocks_for, kv_caches, random_tokens, run_step, \
+    shuffled_blocks
+from tests.model.test_moe import MOE_CONFIG, MOE_OVERRIDES
+
+pytestmark = pytest.mark.skipif(
+    shutil.which(os.environ.get("CXX", "c++")) is None
+    or os.environ.get(build.DISABLE_ENV, "") not in ("", "0"), reason="no C++ kernels")
+
+
+@pytest.mark.parametrize("arch,dtype", [("mixtral", "float32"), ("qwen3_moe", "float32"),
+                                        ("qwen2_moe", "float32"), ("mixtral", "auto")])
+def test_moe_fused_decode_is_bit_identical(arch: str, dtype: str,
+                                           make_checkpoint: Callable[..., str]) -> None:
+    kw = {**MOE_CONFIG, **MOE_OVERRIDES[arch]}
+    if dtype == "auto":   # bf16 experts kept bf16 under float32 math (no bf16 ISA)
+        kw["save_dtype"] = torch.bfloat16
+    fused, plain, cfg = load_both(make_checkpoint(arch, **kw), dtype)
+    pool = shuffled_blocks(3)
+    a, b, c = (Seq(random_tokens(24, 30 + i, cfg.vocab_size), blocks_for(24, pool))
+               for i in range(3))
+    schedule = [  # (decodes [(seq, position)], prefill chunks [(seq, start, end)])
+        ([], [(a, 0, 9)]),                         # 9 tokens: layer path
+        ([(a, 9)], [(b, 0, 5)]),                   # decode + a first chunk
+        ([(a, 10), (b, 5)], [(c, 0, 6)]),          # 8 tokens (16 routed pairs)
+        ([(b, 6)], [(a, 11, 15)]),                 # a verification-like chunk on a prefix
+        ([(a, 15), (b, 7), (c, 6)], []),           # decodes of three lengths
+        ([(c, 7)], []),                            # batch 1
+        ([(c, 8)], []),
+    ]
+    caches_f = kv_caches(cfg, CACHE_DTYPE[dtype], fill="garbage")
+    caches_p = [t.clone() for t in caches_f]
+    for step, (decodes, prefills) in enumerate(schedule):
+        out_f = run_step(fused, caches_f, decodes=decodes, prefills=prefills)
+        out_p = run_step(plain, caches_p, decodes=decodes, prefills=prefills)
+        assert torch.equal(out_f, out_p), (step, (out_f - out_p).abs().max().item())
+        assert all(torch.equal(x, y) for x, y in zip(caches_f, caches_p)), step
+    stack = fused.model._fused_decode
+    assert stack is not None and stack.has_moe
+    assert stack.steps == len(schedule) - 1            # every small step ran in the op
+    assert plain.model._fused_decode is None
