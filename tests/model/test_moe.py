@@ -4,8 +4,9 @@ and the routing / grouped-experts ops against float64 references.
 Tiny random checkpoints are written by transformers itself (2 layers, hidden 64, 8 experts,
 top-2): float32 greedy tokens must equal HF `generate` (or the near-tie rule of tests/utils.py)
 with logprobs within MOE_LOGPROB_ATOL, for a plain run, chunked prefill, prefix caching,
-preemption and TP=2. Every decode step of these runs goes layer by layer: the all-layers decode
-op (fused_decode.py) would fail on an MoE layer, so these tests also show it is never built.
+preemption and TP=2. Their decode steps (<= 8 tokens) run all layers in the fused C++ decode
+op (fused_decode.py; test_greedy_matches_transformers asserts it ran; its bit-identity with the
+layer path: test_fused_decode_moe.py).
 """
 from __future__ import annotations
 
@@ -162,6 +163,9 @@ def test_fused_experts_matches_float64(num_tokens: int) -> None:
 def test_greedy_matches_transformers(arch: str, moe_checkpoint, hf_refs) -> None:
     llm = LLM(moe_checkpoint(arch), **ENGINE_KW)
     assert_matches_hf(hf_refs(arch), _generate(llm), arch)
+    runner = llm.llm_engine.engine_core.engine_core.model_executor.worker.model_runner
+    stack = runner.model.model._fused_decode       # the decode steps ran in the fused op
+    assert stack is not None and stack.has_moe and stack.steps >= MAX_TOKENS - 1, arch
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
