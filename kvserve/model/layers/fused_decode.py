@@ -30,12 +30,12 @@ import torch
 from kvserve.attention.backends.cpu import AttentionMetadata, CpuAttentionBackend
 from kvserve.distributed.parallel_state import get_tp_world_size
 from kvserve.model.layers.rotary import RotaryEmbedding
+from kvserve.ops import moe as moe_ops
 from kvserve.ops.build import KERNEL_DTYPES
 from kvserve.ops.decode_layers import LORA_PROJECTIONS, SLOTS, decode_layers_op
 from kvserve.ops.lora import kernel_enabled as lora_kernel_enabled
 from kvserve.ops.lora import stacks_take
 from kvserve.ops.linear import SMALL_BATCH_MAX_ROWS, kernel_takes
-from kvserve.ops import moe as moe_ops
 
 logger = logging.getLogger(__name__)
 
