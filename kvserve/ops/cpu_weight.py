@@ -1,6 +1,7 @@
 """One weight object per linear / embedding / LM-head weight, in one of a few named variants.
 
-    variant         kept                                     <= 8 rows            more rows
+    variant         kept                                     <= 8 rows (float32   more rows
+                                                             x: <= 16)
     plain           [N, K] in the activations' dtype         kernel / F.linear    F.linear
     prepacked       oneDNN's layout only                     oneDNN               oneDNN
     prepacked+copy  oneDNN's, and [N, K] or tiled            kernel on the copy   oneDNN
@@ -27,8 +28,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from kvserve.ops.linear import (SMALL_BATCH_MAX_ROWS, TILE_ROWS, is_tiled, linear, pack_weight,
-                                packed_linear, tile_weight)
+from kvserve.ops.linear import (TILE_ROWS, is_tiled, linear, pack_weight, packed_linear,
+                                small_batch_max_rows, tile_weight)
 
 PLAIN, PREPACKED, PREPACKED_WITH_COPY, WIDENED = "plain", "prepacked", "prepacked+copy", "widened"
 VARIANTS = (PLAIN, PREPACKED, PREPACKED_WITH_COPY, WIDENED)
@@ -100,9 +101,10 @@ class CpuLinearWeight:
         self.packed = packed       # oneDNN's prepacked weight in act_dtype, if one is kept
 
     def matmul(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """x [..., K] @ weight.T (+ bias) in x's dtype: the kernel up to 8 rows, then the
-        prepacked copy where there is one, else F.linear / widened_linear (ops.linear)."""
-        if self.packed is not None and x.numel() > SMALL_BATCH_MAX_ROWS * x.shape[-1]:
+        """x [..., K] @ weight.T (+ bias) in x's dtype: the kernel up to
+        small_batch_max_rows rows (8, float32 16), then the prepacked copy where there is one,
+        else F.linear / widened_linear (ops.linear)."""
+        if self.packed is not None and x.numel() > small_batch_max_rows(x.dtype) * x.shape[-1]:
             return packed_linear(x, self.packed, bias)
         return linear(x, self.weight, bias)
 
@@ -131,7 +133,7 @@ class PrepackedWeight(CpuLinearWeight):
 
 
 class PrepackedWithCopy(CpuLinearWeight):
-    variant = PREPACKED_WITH_COPY      # the plain (tiled) copy up to 8 rows, oneDNN above
+    variant = PREPACKED_WITH_COPY      # the plain (tiled) copy up to 8 / 16 rows, oneDNN above
 
 
 class WidenedWeight(CpuLinearWeight):

@@ -1,4 +1,5 @@
-"""All decoder layers of a small step (T <= 8 tokens) in one C++ call (csrc/decode_layers.cpp).
+"""All decoder layers of a small step (T <= ops.linear.small_batch_max_rows tokens) in one C++
+call (csrc/decode_layers.cpp).
 
     decode_layers(hidden [T, hidden], residual [T, hidden] | None, positions [T],
                   layer_tensors (SLOTS per layer), kv_caches, slot_mapping, num_decode_tokens,

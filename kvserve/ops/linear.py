@@ -13,7 +13,7 @@ and all math is float32: small batches widen it in registers, larger ones use a 
 
 At decode batch sizes a linear layer is a stream over its weight, so its speed is the memory
 bandwidth, of which torch's CPU matrix-vector path reaches about half here (11-19 of 28-35
-GB/s); so up to SMALL_BATCH_MAX_ROWS rows a C++ kernel (csrc/linear.cpp: each weight row read
+GB/s); so up to small_batch_max_rows(x.dtype) rows (8, float32 16) a C++ kernel (csrc/linear.cpp: each weight row read
 once, dpbf16 / FMA, f32 accumulation) runs instead. Everything else goes to F.linear: more rows,
 CUDA, other dtypes, a non-contiguous weight, a failed build, or disabled kernels. Which layout
 each weight keeps: ops.cpu_weight.
@@ -32,10 +32,24 @@ from kvserve.ops.build import KERNEL_DTYPES, CpuKernel
 
 logger = logging.getLogger(__name__)
 
-# Largest row count linear() sends to the kernel. benchmarks/linear.py on the benchmark Llama's
-# shapes (one thread): bf16 beats F.linear at every M <= 8 (1.1-3x), at M = 16 loses on two of
-# five shapes (0.87-0.94x); f32 wins up to 16 (1.4-7x). One limit for both keeps it simple.
+# Largest row count linear() sends to the kernel, by x's dtype. benchmarks/linear.py on the
+# benchmark Llama's shapes (one thread): bf16 beats F.linear at every M <= 8 (1.1-3x), at M = 16
+# loses on two of five shapes (0.87-0.94x), so bf16 x keeps SMALL_BATCH_MAX_ROWS (which is also
+# the packed int8 kernel's limit, ops.quant.weight.INT8_MAX_ROWS). float32 x goes to
+# F32_SMALL_BATCH_MAX_ROWS: Zen 3 avx2, --threads 1 --clock cpu --stat median, kernel against
+# the prepacked oneDNN weight the model keeps: 1.1-1.4x at M = 12 on all five shapes, at M = 16
+# 1.10-1.28x on four and 0.97x on 2048x768 (down_proj); above 8 rows the kernel runs chunks of 8
+# against each weight group while it is in L1, so the weight is still streamed once. That also
+# lets 9-16-row steps (a 16-request decode batch) take the fused all-layers op.
 SMALL_BATCH_MAX_ROWS = 8
+F32_SMALL_BATCH_MAX_ROWS = 16
+_MAX_ROWS = {torch.float32: F32_SMALL_BATCH_MAX_ROWS}
+
+
+def small_batch_max_rows(x_dtype: torch.dtype) -> int:
+    """Largest row count of x (of x_dtype) that linear() sends to the small-batch kernel."""
+    return _MAX_ROWS.get(x_dtype, SMALL_BATCH_MAX_ROWS)
+
 _KERNEL = CpuKernel("linear.cpp", op="small_batch_linear", isa_op="small_batch_linear_isa",
                     what="small-batch linear", fallback="F.linear")
 cpu_kernel: Callable[[], Optional[Callable[..., torch.Tensor]]] = _KERNEL.get
@@ -73,10 +87,10 @@ def reset_dispatch() -> None:
 def linear(x: torch.Tensor, weight: torch.Tensor,
            bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Drop-in for F.linear(x, weight, bias) (x [..., K] -> [..., N]): up to
-    SMALL_BATCH_MAX_ROWS rows on CPU go to the C++ kernel, everything else to F.linear."""
+    small_batch_max_rows(x.dtype) rows on CPU go to the C++ kernel, everything else to F.linear."""
     k = x.shape[-1]
     rows = x.numel() // k if k else 0
-    if 0 < rows <= SMALL_BATCH_MAX_ROWS:
+    if 0 < rows <= _MAX_ROWS.get(x.dtype, SMALL_BATCH_MAX_ROWS):
         x2 = x.reshape(rows, k)
         if x.device.type == "cpu" and kernel_takes(x.dtype, weight, bias):
             op = _dispatch_kernel()

@@ -1,7 +1,8 @@
 """Multi-LoRA decode steps through the fused all-layers C++ op (kvserve.model.layers.fused_decode):
 a mixed batch of 4 adapters (their tokens interleaved, one adapter on some projections only)
-plus a base request, decoded in steps of at most 8 rows, equals the PEFT model per request and
-the layer-by-layer path bit for bit, and the op did run those steps."""
+plus base requests, decoded in steps of 13 rows (float32: 9-16-row steps take the op, the
+small-batch kernel doing chunks of 8 rows), equals the PEFT model per request and the
+layer-by-layer path bit for bit, and the op did run those steps."""
 from __future__ import annotations
 
 import os
@@ -39,10 +40,12 @@ def four_loras(lora_adapters: dict[str, str], tiny_llama: str,
 
 def test_mixed_lora_decode_runs_fused_and_matches(tiny_llama: str,
                                                   four_loras: list[LoRARequest]) -> None:
-    prompts = random_prompts(7, 10, 30, 1000, seed=7)
-    # Interleaved adapters: the op groups each projection's tokens by slot itself.
+    prompts = random_prompts(13, 10, 30, 1000, seed=7)
+    # Interleaved adapters: the op groups each projection's tokens by slot itself. 13 rows:
+    # the second chunk of 8 x rows holds every adapter too.
     lora_list = [four_loras[0], four_loras[1], four_loras[2], four_loras[3], None,
-                 four_loras[0], four_loras[2]]
+                 four_loras[0], four_loras[2], four_loras[1], None, four_loras[3],
+                 four_loras[0], four_loras[1], four_loras[2]]
     sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=1, ignore_eos=True)
     with LLM(tiny_llama, **ENGINE_ARGS) as llm:
         model = _model(llm)

@@ -14,7 +14,7 @@ import torch
 from kvserve.model.layers.fused_decode import FusedDecodeStack
 from kvserve.ops import build
 from kvserve.ops import cpu_weight as cw
-from kvserve.ops.linear import SMALL_BATCH_MAX_ROWS
+from kvserve.ops.linear import F32_SMALL_BATCH_MAX_ROWS, small_batch_max_rows
 from tests.model.test_model import (CHECKPOINTS, AttentionMetadata, Seq, blocks_for, kv_caches,
                                     load, model_config, random_tokens, run_step,
                                     shuffled_blocks)
@@ -39,12 +39,14 @@ def load_both(path: str, dtype: str):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "auto"])
 @pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "llama-bias"])
-def test_fused_decode_is_bit_identical(name: str, dtype: str,
-                                       make_checkpoint: Callable[..., str]) -> None:
+def test_fused_decode_is_bit_identical(name: str, dtype: str, make_checkpoint: Callable[..., str],
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """A schedule of small steps -- pure decodes of 3 and 1 rows (different lengths), decodes
     mixed with short prefill chunks, a 4-token chunk with a cached prefix (speculative
-    decoding's verification) -- and steps above 8 tokens (the layer path in both): logits and
-    every layer's KV cache equal bit for bit with the fused path on and off, and it ran."""
+    decoding's verification) -- and steps of 9-17 tokens (the op up to its row limit,
+    16 for float32 activations and 8 for bfloat16, else the layer path in both): logits and
+    every layer's KV cache equal bit for bit with the fused path on and off, and it ran
+    exactly the steps within its limit."""
     path = CHECKPOINTS[name](make_checkpoint)
     if dtype == "auto":   # a bf16 checkpoint: 16-bit weights, float32 math without bf16 ISA
         path = make_checkpoint(name.split("-")[0], save_dtype=torch.bfloat16,
@@ -59,11 +61,19 @@ def test_fused_decode_is_bit_identical(name: str, dtype: str,
         ([], [(a, 0, 9)]),                         # 9 tokens: layer path
         ([(a, 9)], [(b, 0, 5)]),                   # decode + a first chunk
         ([(a, 10), (b, 5)], [(c, 0, 6)]),          # 8 tokens
-        ([(a, 11), (b, 6)], [(c, 6, 14)]),         # 10 tokens: layer path
-        ([(b, 7)], [(a, 12, 16)]),                 # a verification-like chunk on a prefix
-        ([(a, 16), (b, 8), (c, 14)], []),          # decodes of three lengths
-        ([(c, 15)], []),                           # batch 1
+        ([(a, 11), (b, 6)], [(c, 6, 20)]),         # 16 tokens (float32: the op's limit)
+        ([(a, 12), (c, 20)], [(b, 7, 22)]),        # 17 tokens: layer path
+        ([(b, 22)], [(a, 13, 17)]),                # a verification-like chunk on a prefix
+        ([(a, 17), (b, 23), (c, 21)], []),         # decodes of three lengths
+        ([(c, 22)], []),                           # batch 1
     ]
+    ran: list[int] = []
+    call = FusedDecodeStack.__call__
+
+    def counting(self, positions, *args, **kwargs):
+        ran.append(positions.numel())
+        return call(self, positions, *args, **kwargs)
+    monkeypatch.setattr(FusedDecodeStack, "__call__", counting)
     caches_f = kv_caches(cfg, CACHE_DTYPE[dtype], fill="garbage")
     caches_p = [t.clone() for t in caches_f]
     for step, (decodes, prefills) in enumerate(schedule):
@@ -73,13 +83,16 @@ def test_fused_decode_is_bit_identical(name: str, dtype: str,
         assert all(torch.equal(x, y) for x, y in zip(caches_f, caches_p)), step
     assert fused.model._fused_decode is not None       # it ran
     assert plain.model._fused_decode is None
+    limit = small_batch_max_rows(fused.model._fused_decode.act_dtype)
+    sizes = [len(d) + sum(e - s for _, s, e in p) for d, p in schedule]
+    assert ran == [n for n in sizes if n <= limit], (ran, sizes)
 
 
 def test_when_the_fused_path_applies(tiny_llama: str) -> None:
-    meta = AttentionMetadata(num_decode_tokens=SMALL_BATCH_MAX_ROWS,
+    meta = AttentionMetadata(num_decode_tokens=F32_SMALL_BATCH_MAX_ROWS,
                              slot_mapping=torch.zeros(1), block_size=4)
-    assert FusedDecodeStack.applies(SMALL_BATCH_MAX_ROWS, meta)
-    assert not FusedDecodeStack.applies(SMALL_BATCH_MAX_ROWS + 1, meta)   # kernel's row limit
+    assert FusedDecodeStack.applies(F32_SMALL_BATCH_MAX_ROWS, meta)
+    assert not FusedDecodeStack.applies(F32_SMALL_BATCH_MAX_ROWS + 1, meta)   # kernel's limit
     assert not FusedDecodeStack.applies(0, meta)
     # A weight kept only prepacked (no plain copy to stream) keeps the layer path.
     model, _ = load(tiny_llama, "bfloat16", cw.WeightPlan(cw.PREPACKED))
@@ -89,7 +102,9 @@ def test_when_the_fused_path_applies(tiny_llama: str) -> None:
     # So does a bound backend other than CPU_ATTN.
     model, _ = load(tiny_llama, "float32", cw.WeightPlan(cw.PREPACKED_WITH_COPY))
     layers = list(model.model.layers)
-    assert FusedDecodeStack.build(layers) is not None
+    stack = FusedDecodeStack.build(layers)
+    assert stack is not None and stack.takes(16) and not stack.takes(17)
+    assert small_batch_max_rows(torch.bfloat16) == 8     # bf16 x: the kernel only to 8 rows
     from kvserve.attention.backends.torch_sdpa import TorchSDPABackend
     layers[1].self_attn.attn.backend = TorchSDPABackend(torch.device("cpu"))
     assert FusedDecodeStack.build(layers) is None

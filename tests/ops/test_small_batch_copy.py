@@ -1,7 +1,7 @@
 """Prepacked linear weights that also keep their plain layout for small batches (the
 prepacked+copy variant of ops.cpu_weight; the policy's choice for float32 on every vector tier
 and for bfloat16 on avx512_bf16, where the small-batch kernel and the fused small-step path
-beat oneDNN's prepacked path up to SMALL_BATCH_MAX_ROWS rows): which path each batch size
+beat oneDNN's prepacked path up to small_batch_max_rows: 16 for float32, 8 for bfloat16): which path each batch size
 takes, in the layers that use it. The policy is tested in tests/ops/test_cpu_weight.py, the
 model against transformers with and without the copies in tests/model/test_model.py."""
 from __future__ import annotations
@@ -21,13 +21,14 @@ pytestmark = pytest.mark.skipif(
     or os.environ.get(build.DISABLE_ENV, "") not in ("", "0")
     or kl.pack_weight(torch.zeros(8, 8)) is None, reason="no C++ kernels or no oneDNN packing")
 
-ROWS = [1, kl.SMALL_BATCH_MAX_ROWS, kl.SMALL_BATCH_MAX_ROWS + 1, 40]
+F32_MAX = kl.small_batch_max_rows(torch.float32)
+ROWS = [1, 9, F32_MAX, F32_MAX + 1, 40]
 
 
 def expected_path(x: torch.Tensor, w: torch.Tensor, packed: torch.Tensor,
                   b: torch.Tensor) -> torch.Tensor:
-    """The kernel's result up to SMALL_BATCH_MAX_ROWS rows, the packed weight's above."""
-    if x.shape[0] <= kl.SMALL_BATCH_MAX_ROWS:
+    """The kernel's result up to small_batch_max_rows rows, the packed weight's above."""
+    if x.shape[0] <= kl.small_batch_max_rows(x.dtype):
         return kl.cpu_kernel()(x, w, b)
     return kl.packed_linear(x, packed, b)
 
@@ -57,7 +58,7 @@ def test_layer_keeps_the_plain_weight_only_with_the_copy(keep: bool) -> None:
     assert packed is not None and layer.linear_weight.variant == variant
     assert layer.weight.numel() == (w.numel() if keep else 0)
     assert (layer.linear_weight.streamed() is layer.weight) == keep
-    for m in (1, kl.SMALL_BATCH_MAX_ROWS, 40):
+    for m in (1, F32_MAX, 40):
         out = layer(x[:m])
         tl.check(out, x[:m], w, b)
         ref = (expected_path(x[:m], w, packed, b) if keep

@@ -1,6 +1,7 @@
 """When a Llama-family decoder stack runs a small step through one C++ call (ops.decode_layers):
-steps of at most the small-batch linear's rows (8) -- decodes, speculative decoding's
-verification of 1 + k tokens, short prefill chunks, or a mix.
+steps of at most the small-batch linear's rows (ops.linear.small_batch_max_rows: 16 for
+float32 activations, 8 for bfloat16) -- decodes, speculative decoding's verification of 1 + k
+tokens, short prefill chunks, or a mix.
 
 FusedDecodeStack.build(layers) says once, after loading, whether the stack qualifies and keeps
 the flat list of per-layer tensors the op takes; `applies(...)` is the per-step test. Both are
@@ -35,7 +36,7 @@ from kvserve.ops.build import KERNEL_DTYPES
 from kvserve.ops.decode_layers import LORA_PROJECTIONS, SLOTS, decode_layers_op
 from kvserve.ops.lora import kernel_enabled as lora_kernel_enabled
 from kvserve.ops.lora import stacks_take
-from kvserve.ops.linear import SMALL_BATCH_MAX_ROWS, kernel_takes
+from kvserve.ops.linear import F32_SMALL_BATCH_MAX_ROWS, kernel_takes, small_batch_max_rows
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +110,9 @@ class FusedDecodeStack:
         self.op = op
         self.layers = list(layers)
         self.act_dtype = layers[0].input_layernorm.weight.dtype
+        # The layer path's linears run the kernel up to this many rows; more run oneDNN there,
+        # so the op (the kernel only) would not match it bit for bit.
+        self.max_rows = small_batch_max_rows(self.act_dtype)
         # LoRA: the stacks per layer (LORA_SLOTS), [] until the first adapter step; False
         # where a layer has no LoRALinear or stacks the kernel does not take.
         self._lora_tensors: Union[list[torch.Tensor], bool] = []
@@ -162,15 +166,21 @@ class FusedDecodeStack:
         if why is not None:
             logger.info("Small steps run layer by layer: %s.", why)
             return None
+        stack = cls(op, layers)
         logger.info("Steps of up to %d tokens run all %d layers in one C++ call.",
-                    SMALL_BATCH_MAX_ROWS, len(layers))
-        return cls(op, layers)
+                    stack.max_rows, len(layers))
+        return stack
 
     @staticmethod
     def applies(num_tokens: int, meta: Any) -> bool:
-        """A step of few enough tokens for the small-batch kernel (decodes, speculative
-        decoding's verification, short prefill chunks), with CPU_ATTN's metadata."""
-        return 0 < num_tokens <= SMALL_BATCH_MAX_ROWS and type(meta) is AttentionMetadata
+        """A step that may be few enough tokens for the small-batch kernel (decodes,
+        speculative decoding's verification, short prefill chunks), with CPU_ATTN's metadata;
+        `takes(num_tokens)` is the built stack's exact limit."""
+        return 0 < num_tokens <= F32_SMALL_BATCH_MAX_ROWS and type(meta) is AttentionMetadata
+
+    def takes(self, num_tokens: int) -> bool:
+        """Few enough tokens for the small-batch kernel with this stack's activations."""
+        return num_tokens <= self.max_rows
 
     def _collect_lora(self) -> Union[list[torch.Tensor], bool]:
         """Every layer's LoRA stacks in LORA_SLOTS order, or False (logged) where the op
