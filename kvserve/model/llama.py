@@ -186,6 +186,8 @@ class LlamaModel(nn.Module):
             self._fused_decode = FusedDecodeStack.build(layers)
             self._fused_decode_decided = True
         fused, mapping = self._fused_decode, self.lora_mapping
+        if fused is not None and num_tokens > fused.max_rows:
+            return None
         if fused is not None and mapping is not None and mapping.groups and (
                 mapping.num_tokens != num_tokens or not fused.takes_lora(mapping)):
             return None
