@@ -144,7 +144,8 @@ class PackedWeight(CpuLinearWeight):
     """GGUF blocks kept packed: `parts`, stacked along the output rows, each a
     PackedQuantWeight (one GGUF type) or a float [rows, K] tensor (fused projections whose
     checkpoint tensors differ in type, e.g. Q4_K_M's Q6_K attn_v beside Q4_K q, k). The
-    Parameter is emptied. No fused small-step op: that op streams float weights only."""
+    Parameter is emptied. `streamed()` is None: the fused small-step op takes the parts
+    themselves (model/layers/fused_decode.py) and runs this matmul's arithmetic in C++."""
     variant = QUANTIZED
 
     def __init__(self, weight: torch.Tensor, act_dtype: torch.dtype, parts: list) -> None:

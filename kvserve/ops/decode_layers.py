@@ -8,7 +8,9 @@ call (csrc/decode_layers.cpp).
                   the step has no decodes / no prefill chunks), cos_cache, sin_cache, num_heads,
                   num_kv_heads, head_dim, scale, eps, lora_tensors (LORA_SLOTS per layer, or
                   [] for a step without adapter tokens), lora_slots ([T] int64 token -> slot,
-                  -1 = base; None without adapters))
+                  -1 = base; None without adapters), quant_parts, quant_meta (packed GGUF
+                  weights: QUANT_PARTS tensors per projection per layer and a (GGML type,
+                  rows) pair each; [] and [] where every projection is a float weight))
         -> (hidden, residual) after the last layer
 
 The op runs the same kernels as the layer-by-layer path (small_batch_linear, the fused norm /
@@ -19,6 +21,8 @@ Multi-LoRA steps add each projection's adapter delta with the lora_fused kernel 
 through the dispatcher, as LoRALinear.apply does on the layer path): ops.lora.kernel_enabled().
 Mixture-of-experts layers call the router's linear, select_experts' torch ops and the fused_moe
 kernel (csrc/moe.cpp) in their MLP's place (FusedMoE's path for steps of this size).
+Packed GGUF weights (ops.quant) run through kvserve::quant_linear as PackedWeight.matmul runs
+them.
 """
 from __future__ import annotations
 
@@ -39,6 +43,10 @@ SLOTS = ("input_norm", "post_norm", "qkv_w", "qkv_b", "o_w", "o_b", "gate_up_w",
 # Per-layer LoRA slots: per projection its LoRALinear's a_stack, b_stack and has_mask.
 LORA_PROJECTIONS = ("qkv", "o", "gate_up", "down")
 LORA_SLOTS = tuple(f"{p}_{t}" for p in LORA_PROJECTIONS for t in ("a", "b", "has"))
+# Packed GGUF weights: parts per projection (LORA_PROJECTIONS' order; a fused q|k|v of three
+# GGUF types is three), and the quant_meta type of a float part / of no part.
+QUANT_PARTS = 3
+FLOAT_PART, NO_PART = -1, -2
 
 _KERNEL = CpuKernel("decode_layers.cpp", op="decode_layers", isa_op="decode_layers_isa",
                     what="fused decode layers", fallback="the layer-by-layer path")

@@ -128,14 +128,57 @@ def test_perplexity_within_one_percent_of_float32(files, name) -> None:
     assert abs(packed / float32 - 1) < 0.01, (name, packed, float32)
 
 
-def _load(path: str, quantization: str = "gguf") -> torch.nn.Module:
+def _load_with_config(path: str, quantization: str = "gguf") -> tuple[torch.nn.Module, ModelConfig]:
     from kvserve.model.gguf import read_gguf_config
 
     cfg = ModelConfig.from_path(path, tokenizer=None, served_model_name=None, dtype="float32",
                                 max_model_len=None, seed=0, max_logprobs=20, device="cpu",
                                 gguf_config=read_gguf_config(path, "auto", None),
                                 quantization=quantization)
-    return load_model(cfg, torch.device("cpu"))
+    return load_model(cfg, torch.device("cpu")), cfg
+
+
+def _load(path: str, quantization: str = "gguf") -> torch.nn.Module:
+    return _load_with_config(path, quantization)[0]
+
+
+@pytest.mark.skipif(quant_kernel.ops() is None, reason="no packed-weight kernel")
+@torch.inference_mode()
+def test_fused_decode_runs_packed_weights_bit_identically(files) -> None:
+    """Small steps of a packed GGUF model run all layers in the one C++ call (the packed
+    projections through kvserve::quant_linear; the mixed file's q|k|v is two parts of two
+    types, its other projections one) with logits and KV caches equal bit for bit to the
+    layer-by-layer path. (The Q4_1 file is the same code path; it took ~100 s here, unexplained.)"""
+    name = "mixed"
+    from kvserve.attention.backends.cpu import CpuAttentionBackend
+    from kvserve.model.layers.attention import bind_attention_backend
+    from tests.model.test_model import Seq, blocks_for, kv_caches, run_step, shuffled_blocks
+
+    models = []
+    for _ in range(2):
+        model, cfg = _load_with_config(files[name])
+        bind_attention_backend(model, CpuAttentionBackend(torch.device("cpu")))
+        models.append(model)
+    fused, plain = models
+    plain.model._fused_decode_decided = True         # the layer-by-layer path
+    pool = shuffled_blocks(2)
+    gen = torch.Generator().manual_seed(3)
+    a, b = (Seq(torch.randint(0, cfg.vocab_size, (16,), generator=gen), blocks_for(16, pool))
+            for _ in range(2))
+    schedule = [([], [(a, 0, 9)]),                      # 9 tokens: the float GEMM path
+                ([(a, 9)], [(b, 0, 5)]),                # a decode and a prefill chunk
+                ([(a, 10), (b, 5)], []), ([(b, 6)], [])]  # batch 2, batch 1
+    caches_f = kv_caches(cfg, torch.float32, fill="garbage")
+    caches_p = [t.clone() for t in caches_f]
+    for step, (decodes, prefills) in enumerate(schedule):
+        out_f = run_step(fused, caches_f, decodes=decodes, prefills=prefills)
+        out_p = run_step(plain, caches_p, decodes=decodes, prefills=prefills)
+        assert torch.equal(out_f, out_p), (step, (out_f - out_p).abs().max().item())
+        assert all(torch.equal(x, y) for x, y in zip(caches_f, caches_p)), step
+    stack = fused.model._fused_decode
+    assert stack is not None and stack.quant_parts, "the packed stack did not take the op"
+    parts_of_qkv = sum(p is not None for p in stack.quant_parts[:3])
+    assert parts_of_qkv == 2, parts_of_qkv
 
 
 def _tensor_bytes(path: str) -> int:

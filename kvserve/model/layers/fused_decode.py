@@ -33,17 +33,41 @@ from kvserve.distributed.parallel_state import get_tp_world_size
 from kvserve.model.layers.rotary import RotaryEmbedding
 from kvserve.ops import moe as moe_ops
 from kvserve.ops.build import KERNEL_DTYPES
-from kvserve.ops.decode_layers import LORA_PROJECTIONS, SLOTS, decode_layers_op
+from kvserve.ops.cpu_weight import PackedWeight
+from kvserve.ops.decode_layers import (FLOAT_PART, LORA_PROJECTIONS, NO_PART, QUANT_PARTS, SLOTS,
+                                       decode_layers_op)
 from kvserve.ops.lora import kernel_enabled as lora_kernel_enabled
 from kvserve.ops.lora import stacks_take
 from kvserve.ops.linear import F32_SMALL_BATCH_MAX_ROWS, kernel_takes, small_batch_max_rows
+from kvserve.ops.linear import SMALL_BATCH_MAX_ROWS
+from kvserve.ops.quant import kernel as quant_kernel
+from kvserve.ops.quant.weight import INT8_MAX_ROWS, PackedQuantWeight
 
 logger = logging.getLogger(__name__)
 
 
+def _packed_ok(weight: PackedWeight) -> bool:
+    """The op runs a packed GGUF weight as PackedWeight.matmul does (a layer's, not the LM
+    head's `precise` one): up to QUANT_PARTS parts, packed ones with the int8 kernel built."""
+    return (not weight.precise and 0 < len(weight.parts) <= QUANT_PARTS
+            and quant_kernel.ops() is not None
+            and all(p.packed.device.type == "cpu" if isinstance(p, PackedQuantWeight)
+                    else isinstance(p, torch.Tensor) and p.device.type == "cpu"
+                    for p in weight.parts))
+
+
 def _linear_ok(linear: Any, act_dtype: torch.dtype) -> bool:
     """The small-batch kernel can take the weight this layer streams (and its bias) for
-    act_dtype; a weight kept only prepacked streams none, a path the op does not have."""
+    act_dtype, or the weight is packed GGUF blocks the op runs; a weight kept only prepacked
+    streams none, a path the op does not have."""
+    if isinstance(linear.linear_weight, PackedWeight):
+        return _packed_ok(linear.linear_weight)
+    return _streams(linear, act_dtype)
+
+
+def _streams(linear: Any, act_dtype: torch.dtype) -> bool:
+    """A float weight the small-batch kernel streams (a MoE router's and shared expert's must
+    be: the op calls that kernel on them)."""
     w = linear.linear_weight.streamed()
     return w is not None and w.device.type == "cpu" and kernel_takes(act_dtype, w, linear.bias)
 
@@ -53,7 +77,7 @@ def _moe_why_not(mlp: Any, act: torch.dtype) -> Optional[str]:
     experts = mlp.experts
     if experts.ep_size != 1:
         return "expert parallelism"
-    if not _linear_ok(mlp.gate, act) or mlp.gate.bias is not None:
+    if not _streams(mlp.gate, act) or mlp.gate.bias is not None:
         return "a router weight the small-batch kernel cannot stream"
     w13, w2 = experts.w13_weight, experts.w2_weight
     if not moe_ops.kernel_takes(torch.empty(0, dtype=act), w13, w2,
@@ -62,10 +86,29 @@ def _moe_why_not(mlp: Any, act: torch.dtype) -> Optional[str]:
     if not moe_ops.kernel_built():
         return "the C++ MoE kernel is disabled or not built"
     shared = getattr(mlp, "shared_expert", None)
-    if shared is not None and not all(_linear_ok(m, act) for m in (
+    if shared is not None and not all(_streams(m, act) for m in (
             shared.gate_up_proj, shared.down_proj, mlp.shared_expert_gate)):
         return "a shared-expert weight the small-batch kernel cannot stream"
     return None
+
+
+def _quant_args(linears: Sequence[Optional[Any]]) -> tuple[list[Optional[torch.Tensor]], list[int]]:
+    """One layer's projections as the op's quant_parts / quant_meta (decode_layers.py)."""
+    parts: list[Optional[torch.Tensor]] = []
+    meta: list[int] = []
+    for linear in linears:       # None: a MoE block's place (its weights are float slots)
+        weight = None if linear is None else linear.linear_weight
+        pieces = weight.parts if isinstance(weight, PackedWeight) else []
+        for p in pieces:
+            if isinstance(p, PackedQuantWeight):
+                parts.append(p.packed)
+                meta += [p.fmt.ggml_type, p.out_features]
+            else:
+                parts.append(p)
+                meta += [FLOAT_PART, p.shape[0]]
+        parts += [None] * (QUANT_PARTS - len(pieces))
+        meta += [NO_PART, 0] * (QUANT_PARTS - len(pieces))
+    return parts, meta
 
 
 def _why_not(layers: Sequence[Any]) -> Optional[str]:
@@ -93,7 +136,8 @@ def _why_not(layers: Sequence[Any]) -> Optional[str]:
         mods = (attn.qkv_proj, attn.o_proj) + (
             () if moe else (layer.mlp.gate_up_proj, layer.mlp.down_proj))
         if not all(_linear_ok(m, act) for m in mods):
-            return "a linear weight the small-batch kernel cannot stream (prepacked only)"
+            return ("a linear weight the small-batch kernel cannot stream (prepacked only), or "
+                    "packed GGUF parts the op does not run")
         norms = [layer.input_layernorm, layer.post_attention_layernorm]
         norms += [attn.q_norm, attn.k_norm] if attn.qk_norm else []
         if any(n.weight.dtype != act or n.eps != first.input_layernorm.eps for n in norms):
@@ -128,8 +172,15 @@ class FusedDecodeStack:
         self.cos_cache = first.rotary_emb.cos_cache
         self.sin_cache = first.rotary_emb.sin_cache
         self.layer_tensors: list[Optional[torch.Tensor]] = []
+        # Packed GGUF projections (empty lists: none) and the rows the int8 kernel takes.
+        self.quant_parts: list[Optional[torch.Tensor]] = []
+        self.quant_meta: list[int] = []
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
+            parts, meta = _quant_args((attn.qkv_proj, attn.o_proj) + (
+                (None, None) if hasattr(mlp, "experts") else (mlp.gate_up_proj, mlp.down_proj)))
+            self.quant_parts += parts
+            self.quant_meta += meta
             slot = self._moe_slots(mlp) if hasattr(mlp, "experts") else {
                 "gate_up_w": mlp.gate_up_proj.linear_weight.streamed(),
                 "gate_up_b": mlp.gate_up_proj.bias,
@@ -142,6 +193,14 @@ class FusedDecodeStack:
                     "k_norm": attn.k_norm.weight if attn.qk_norm else None}
             self.layer_tensors += [None if slot.get(s) is None else slot[s].detach()
                                    for s in SLOTS]
+        if all(p is None for p in self.quant_parts):
+            self.quant_parts, self.quant_meta = [], []
+        # A packed weight's int8 kernel serves up to INT8_MAX_ROWS (more rows take
+        # PackedQuantWeight's float path, which the op does not have); the MoE kernel's decode
+        # pairs are sized for top_k x SMALL_BATCH_MAX_ROWS (_moe_why_not).
+        if (self.quant_parts and INT8_MAX_ROWS is not None) or self.has_moe:
+            self.max_rows = min(self.max_rows, INT8_MAX_ROWS or SMALL_BATCH_MAX_ROWS,
+                                SMALL_BATCH_MAX_ROWS)
 
     @staticmethod
     def _moe_slots(mlp: Any) -> dict[str, Optional[torch.Tensor]]:
@@ -167,8 +226,9 @@ class FusedDecodeStack:
             logger.info("Small steps run layer by layer: %s.", why)
             return None
         stack = cls(op, layers)
-        logger.info("Steps of up to %d tokens run all %d layers in one C++ call.",
-                    stack.max_rows, len(layers))
+        logger.info("Steps of up to %d tokens run all %d layers in one C++ call%s.",
+                    stack.max_rows, len(layers),
+                    " (packed GGUF weights included)" if stack.quant_parts else "")
         return stack
 
     @staticmethod
@@ -233,4 +293,4 @@ class FusedDecodeStack:
                        meta.prefill_query_lens, meta.prefill_context_lens,
                        meta.prefill_block_tables, self.cos_cache, self.sin_cache,
                        self.num_heads, self.num_kv_heads, self.head_dim, self.scale, self.eps,
-                       lora, lora_slots)
+                       lora, lora_slots, self.quant_parts, self.quant_meta)

@@ -4,7 +4,8 @@
 //                 num_decode_tokens, decode_block_tables?, decode_seq_lens?,
 //                 prefill_query_starts?, prefill_query_lens?, prefill_context_lens?,
 //                 prefill_block_tables?, cos_cache, sin_cache, num_heads, num_kv_heads,
-//                 head_dim, scale, eps, lora_tensors, lora_slots) -> (hidden, residual)
+//                 head_dim, scale, eps, lora_tensors, lora_slots, quant_parts, quant_meta)
+//       -> (hidden, residual)
 //
 // A small step is one of at most the small-batch linear's rows (8): batch-1..8 decodes,
 // speculative decoding's verification (1 + k tokens of a request), short prefill chunks, or a
@@ -35,13 +36,26 @@
 // After each projection's small_batch_linear the op calls lora_fused (csrc/lora.cpp) on it
 // with the tokens of the slots it targets -- what LoRALinear.apply does on the layer path
 // for steps of this size, so the output stays bit-identical to that path.
+//
+// Packed GGUF weights (kvserve.ops.quant; PackedWeight in ops/cpu_weight.py): quant_parts is
+// empty (every projection a float weight in layer_tensors), or kParts tensors per projection
+// (qkv, o, gate_up, down) per layer: the weight's parts stacked along its output rows, each a
+// packed block tensor or a float [rows, K] one (None past the last part); quant_meta two ints
+// per part, (GGML type id, rows), the type -1 for a float part. Each part runs as
+// PackedWeight.matmul does it on the layer path (kvserve::quant_linear on float32 x, or
+// at::linear), the parts concatenated, then the bias: bit-identical to that path. Why: with
+// packed weights a demo decode step spent ~4 ms of Python around ~5 ms of matmuls.
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/add.h>
+#include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/linear.h>
 #include <torch/library.h>
 
 #include <optional>
+#include <utility>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -61,6 +75,11 @@ enum LoraSlot : int64_t {
   kQkvA, kQkvBStack, kQkvHas, kOA, kOBStack, kOHas, kGateUpA, kGateUpBStack, kGateUpHas,
   kDownA, kDownBStack, kDownHas, kLora
 };
+
+// Packed weights: parts per projection, and the projections in quant_parts' order.
+constexpr int64_t kParts = 3;
+enum Proj : int64_t { kPQkv, kPO, kPGateUp, kPDown, kProjections };
+constexpr int64_t kFloatPart = -1, kNoPart = -2;
 
 using Opt = std::optional<at::Tensor>;
 
@@ -113,6 +132,48 @@ using LoraSig = void(at::Tensor&, const at::Tensor&, const at::Tensor&, const at
 const c10::TypedOperatorHandle<LoraSig>& lora_op() {
   static const auto handle = find_op<LoraSig>("kvserve::lora_fused");
   return handle;
+}
+
+using QuantSig = at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t);
+
+// Looked up on the first step with packed weights (quant_linear.cpp's library is loaded then).
+const c10::TypedOperatorHandle<QuantSig>& quant_op() {
+  static const auto handle = find_op<QuantSig>("kvserve::quant_linear");
+  return handle;
+}
+
+// One layer's packed projections: kProjections * kParts tensors and their (type, rows) pairs.
+struct QuantLayer {
+  const Opt* parts;
+  const int64_t* meta;
+};
+
+// y = x @ W^T + b for projection `p`: PackedWeight.matmul's arithmetic on its packed parts
+// where it has some, else the small-batch kernel on the float weight in slot `ws`.
+at::Tensor project(const Ops& op, const at::Tensor& x, const Opt* w, Slot ws, Slot bs,
+                   const QuantLayer* q, Proj p) {
+  const int64_t* meta = q == nullptr ? nullptr : q->meta + p * kParts * 2;
+  if (meta == nullptr || meta[0] == kNoPart) return op.linear.call(x, *w[ws], w[bs]);
+  const Opt* parts = q->parts + p * kParts;
+  int64_t n = 0;
+  while (n < kParts && meta[2 * n] != kNoPart) ++n;
+  const Opt& bias = w[bs];
+  const bool f32 = x.scalar_type() == at::kFloat;
+  // One part: its matmul with the bias (PackedQuantWeight.matmul adds it in float32).
+  auto part = [&](int64_t i, bool with_bias) -> at::Tensor {
+    const at::Tensor& t = *parts[i];
+    if (meta[2 * i] == kFloatPart)
+      return at::linear(x, t.to(x.scalar_type()), with_bias ? bias : Opt());
+    at::Tensor y = quant_op().call(f32 ? x.contiguous() : x.to(at::kFloat).contiguous(), t,
+                                   meta[2 * i], meta[2 * i + 1]);
+    if (with_bias && bias.has_value()) y = at::add(y, bias->to(at::kFloat));
+    return f32 ? y : y.to(x.scalar_type());
+  };
+  if (n == 1) return part(0, true);
+  std::vector<at::Tensor> ys;
+  for (int64_t i = 0; i < n; ++i) ys.push_back(part(i, false));
+  at::Tensor y = at::cat(ys, -1);
+  return bias.has_value() ? at::add(y, *bias) : y;
 }
 
 // The step's adapter tokens (lora_slots), or none.
@@ -201,10 +262,10 @@ at::Tensor attend(const Ops& op, const at::Tensor& q3, const at::Tensor& kv_cach
 }
 
 // Attention of one layer: x [T, hidden] (normed) -> o_proj output [T, hidden].
-at::Tensor attention(const Ops& op, const at::Tensor& x, const Opt* w, const Opt* lw,
-                     const LoraStep& st, const at::Tensor& positions, at::Tensor& kv_cache,
+at::Tensor attention(const Ops& op, const at::Tensor& x, const Opt* w, const QuantLayer* ql,
+                     const Opt* lw, const LoraStep& st, const at::Tensor& positions, at::Tensor& kv_cache,
                      const Meta& m, const at::Tensor& cos, const at::Tensor& sin, const Dims& d) {
-  at::Tensor qkv = op.linear.call(x, *w[kQkvW], w[kQkvB]);
+  at::Tensor qkv = project(op, x, w, kQkvW, kQkvB, ql, kPQkv);
   add_lora(qkv, x, lw, kQkvA, st);
   const int64_t q_size = d.H * d.D, kv_size = d.Hkv * d.D;
   at::Tensor q = qkv.narrow(1, 0, q_size);
@@ -223,7 +284,7 @@ at::Tensor attention(const Ops& op, const at::Tensor& x, const Opt* w, const Opt
   at::Tensor out = attend(op, q3, kv_cache, m, d.scale);
   if (cast) out = out.to(q.scalar_type());
   const at::Tensor o_in = out.view({d.T, q_size});
-  at::Tensor o = op.linear.call(o_in, *w[kOW], w[kOB]);
+  at::Tensor o = project(op, o_in, w, kOW, kOB, ql, kPO);
   add_lora(o, o_in, lw, kOA, st);
   return o;
 }
@@ -235,7 +296,8 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
     const Opt& prefill_query_starts, const Opt& prefill_query_lens,
     const Opt& prefill_context_lens, const Opt& prefill_block_tables, const at::Tensor& cos_cache,
     const at::Tensor& sin_cache, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-    double scale, double eps, const c10::List<Opt>& lora_tensors, const Opt& lora_slots) {
+    double scale, double eps, const c10::List<Opt>& lora_tensors, const Opt& lora_slots,
+    const c10::List<Opt>& quant_parts, at::IntArrayRef quant_meta) {
   const int64_t L = static_cast<int64_t>(kv_caches.size());
   TORCH_CHECK(static_cast<int64_t>(layer_tensors.size()) == L * kSlots, "decode_layers: ",
               layer_tensors.size(), " layer tensors for ", L, " layers (", kSlots, " each)");
@@ -253,11 +315,31 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
                    prefill_context_lens.has_value() && prefill_block_tables.has_value()),
               "decode_layers: prefill tokens without their chunk metadata");
   std::vector<Opt> w(layer_tensors.begin(), layer_tensors.end());
-  for (int64_t l = 0; l < L; ++l)
-    for (Slot s : {kInputNorm, kPostNorm, kQkvW, kOW, kGateUpW, kDownW})
+  std::vector<Opt> qparts(quant_parts.begin(), quant_parts.end());
+  const bool packed = !qparts.empty();
+  const int64_t per_layer = kProjections * kParts;
+  TORCH_CHECK(!packed || (static_cast<int64_t>(qparts.size()) == L * per_layer &&
+                          static_cast<int64_t>(quant_meta.size()) == 2 * L * per_layer),
+              "decode_layers: ", qparts.size(), " packed parts / ", quant_meta.size(),
+              " meta ints for ", L, " layers (", per_layer, " parts, 2 ints each)");
+  for (int64_t i = 0; packed && i < L * per_layer; ++i) {
+    const int64_t t = quant_meta[2 * i];
+    TORCH_CHECK(t == kNoPart || (qparts[i].has_value() && t >= kFloatPart),
+                "decode_layers: packed part ", i, " (type ", t, ") is missing or malformed");
+  }
+  // A projection without packed parts streams its float weight slot.
+  const std::pair<Slot, Proj> weights[] = {{kQkvW, kPQkv}, {kOW, kPO}, {kGateUpW, kPGateUp},
+                                           {kDownW, kPDown}};
+  for (int64_t l = 0; l < L; ++l) {
+    for (Slot s : {kInputNorm, kPostNorm})
+      TORCH_CHECK(w[l * kSlots + s].has_value(), "decode_layers: layer ", l, " lacks slot ", s);
+    for (const auto& [s, p] : weights)
       TORCH_CHECK(w[l * kSlots + s].has_value() ||
+                      (packed && quant_meta[2 * (l * per_layer + p * kParts)] != kNoPart) ||
                       ((s == kGateUpW || s == kDownW) && w[l * kSlots + kRouterW].has_value()),
-                  "decode_layers: layer ", l, " lacks slot ", s);
+                  "decode_layers: layer ", l, " has neither a weight nor packed parts for slot ",
+                  s);
+  }
   std::vector<Opt> lora(lora_tensors.begin(), lora_tensors.end());
   const bool with_lora = !lora.empty();
   TORCH_CHECK(!with_lora || (static_cast<int64_t>(lora.size()) == L * kLora &&
@@ -284,6 +366,8 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
   for (int64_t l = 0; l < L; ++l) {
     const Opt* lw = w.data() + l * kSlots;
     const Opt* ll = with_lora ? lora.data() + l * kLora : nullptr;
+    const QuantLayer qlayer{qparts.data() + l * per_layer, quant_meta.data() + 2 * l * per_layer};
+    const QuantLayer* ql = packed ? &qlayer : nullptr;
     // The residual add is folded into the next norm, as in LlamaDecoderLayer.forward.
     if (l == 0 && !residual_in.has_value()) {
       residual = hidden;
@@ -293,16 +377,16 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
       op.add_norm.call(hidden, residual, *lw[kInputNorm], eps);
     }
     at::Tensor kv_cache = kv_caches[l];
-    hidden = attention(op, hidden, lw, ll, st, positions, kv_cache, meta, cos_cache, sin_cache, d);
+    hidden = attention(op, hidden, lw, ql, ll, st, positions, kv_cache, meta, cos_cache, sin_cache, d);
     op.add_norm.call(hidden, residual, *lw[kPostNorm], eps);
     if (lw[kRouterW].has_value()) {  // a mixture-of-experts block instead of the dense MLP
       hidden = moe_mlp(op, hidden, lw);
       continue;
     }
-    at::Tensor gate_up = op.linear.call(hidden, *lw[kGateUpW], lw[kGateUpB]);
+    at::Tensor gate_up = project(op, hidden, lw, kGateUpW, kGateUpB, ql, kPGateUp);
     add_lora(gate_up, hidden, ll, kGateUpA, st);
     const at::Tensor act = op.silu_and_mul.call(gate_up);
-    hidden = op.linear.call(act, *lw[kDownW], lw[kDownB]);
+    hidden = project(op, act, lw, kDownW, kDownB, ql, kPDown);
     add_lora(hidden, act, ll, kDownA, st);
   }
   return {hidden, residual};
@@ -319,7 +403,8 @@ TORCH_LIBRARY_FRAGMENT(kvserve, m) {
         "Tensor? decode_block_tables, Tensor? decode_seq_lens, Tensor? prefill_query_starts, "
         "Tensor? prefill_query_lens, Tensor? prefill_context_lens, Tensor? prefill_block_tables, "
         "Tensor cos_cache, Tensor sin_cache, int num_heads, int num_kv_heads, int head_dim, "
-        "float scale, float eps, Tensor?[] lora_tensors, Tensor? lora_slots) -> (Tensor, Tensor)");
+        "float scale, float eps, Tensor?[] lora_tensors, Tensor? lora_slots, Tensor?[] quant_parts, "
+        "int[] quant_meta) -> (Tensor, Tensor)");
   m.def("decode_layers_isa() -> str", &isa);
 }
 
