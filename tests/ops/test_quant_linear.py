@@ -153,7 +153,9 @@ def test_repack_and_dequantize_match_gguf_exactly(name: str, shape: tuple[int, i
     ids = torch.arange(n)
     assert torch.equal(w.dequantize_rows(ids), ref)
     gathered = torch.tensor([n - 1, 0, n // 2, n - 1])
-    assert torch.equal(w.dequantize_rows(gathered), ref[gathered])
+    assert torch.equal(w.dequantize_rows(gathered), ref[gathered])   # C++ rows where built
+    blocks = packing.unpack_rows(w.packed, gathered, fmt)              # the torch path
+    assert torch.equal(packing.dequantize_blocks(blocks, fmt).reshape(4, k), ref[gathered])
     if HAS_KERNELS:
         assert torch.equal(w.dequantize(), ref)
         assert torch.equal(w.dequantize(n // 3, n), ref[n // 3:])

@@ -8,6 +8,7 @@ failed build), looked up once per process:
     quantize_x(x, qtype) -> (q int8 [M, K], d f32, sums int32, sd f32)   llama.cpp's Q8_0/1/K blocks
     dequantize(packed, qtype, n, row0, row1) -> f32 [rows, K]     gguf-exact float32 rows
     dequantize_generic(...)                                       the same, the portable path
+    dequantize_ids(packed, qtype, n, ids [R] int64) -> f32 [R, K]   rows `ids` (embeddings)
 """
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ def _load() -> Optional[SimpleNamespace]:
     k = torch.ops.kvserve
     return SimpleNamespace(linear=k.quant_linear, linear_generic=k.quant_linear_generic,
                            quantize_x=k.quant_quantize_x, dequantize=k.quant_dequantize,
-                           dequantize_generic=k.quant_dequantize_generic)
+                           dequantize_generic=k.quant_dequantize_generic,
+                           dequantize_ids=k.quant_dequantize_ids)
 
 
 @functools.lru_cache(maxsize=1)

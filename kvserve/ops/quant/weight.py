@@ -145,9 +145,15 @@ class PackedQuantWeight:
                                          self.fmt).reshape(row1 - row0, self.shape[1])
 
     def dequantize_rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """The given rows only, float32 [len(ids), K] (an embedding lookup): torch ops on the
-        gathered blocks, so any device and any number of ids."""
+        """The given rows only, float32 [len(ids), K] (an embedding lookup): the C++ row
+        decoder on CPU, else torch ops on the gathered blocks (any device); both gguf-exact."""
         ids = ids.reshape(-1).long()
+        ops = kernel.ops() if self.packed.device.type == "cpu" else None
+        if ops is not None and ids.device.type == "cpu":
+            try:
+                return ops.dequantize_ids(self.packed, self.fmt.ggml_type, self.shape[0], ids)
+            except RuntimeError as e:       # the op's own range check
+                raise IndexError(f"row ids outside [0, {self.shape[0]})") from e
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.shape[0]):
             raise IndexError(f"row ids outside [0, {self.shape[0]})")
         blocks = packing.unpack_rows(self.packed, ids, self.fmt)             # [R, nb, type_size]
