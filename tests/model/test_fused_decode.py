@@ -15,8 +15,8 @@ from kvserve.model.layers.fused_decode import FusedDecodeStack
 from kvserve.ops import build
 from kvserve.ops import cpu_weight as cw
 from kvserve.ops.linear import F32_SMALL_BATCH_MAX_ROWS, small_batch_max_rows
-from tests.model.test_model import (CHECKPOINTS, AttentionMetadata, Seq, blocks_for, kv_caches,
-                                    load, model_config, random_tokens, run_step,
+from tests.model.test_model import (CHECKPOINTS, AttentionMetadata, Seq, assert_steps_bit_identical,
+                                    blocks_for, load, model_config, random_tokens,
                                     shuffled_blocks)
 
 pytestmark = pytest.mark.skipif(
@@ -74,13 +74,7 @@ def test_fused_decode_is_bit_identical(name: str, dtype: str, make_checkpoint: C
         ran.append(positions.numel())
         return call(self, positions, *args, **kwargs)
     monkeypatch.setattr(FusedDecodeStack, "__call__", counting)
-    caches_f = kv_caches(cfg, CACHE_DTYPE[dtype], fill="garbage")
-    caches_p = [t.clone() for t in caches_f]
-    for step, (decodes, prefills) in enumerate(schedule):
-        out_f = run_step(fused, caches_f, decodes=decodes, prefills=prefills)
-        out_p = run_step(plain, caches_p, decodes=decodes, prefills=prefills)
-        assert torch.equal(out_f, out_p), (step, (out_f - out_p).abs().max().item())
-        assert all(torch.equal(x, y) for x, y in zip(caches_f, caches_p)), step
+    assert_steps_bit_identical(fused, plain, cfg, CACHE_DTYPE[dtype], schedule)
     assert fused.model._fused_decode is not None       # it ran
     assert plain.model._fused_decode is None
     limit = small_batch_max_rows(fused.model._fused_decode.act_dtype)

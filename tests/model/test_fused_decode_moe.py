@@ -14,9 +14,8 @@ import pytest
 import torch
 
 from kvserve.ops import build
-from kvserve.ops import cpu_weight as cw
 from tests.model.test_fused_decode import CACHE_DTYPE, load_both
-from tests.model.test_model import Seq, blocks_for, kv_caches, random_tokens, run_step, \
+from tests.model.test_model import Seq, assert_steps_bit_identical, blocks_for, random_tokens, \
     shuffled_blocks
 from tests.model.test_moe import MOE_CONFIG, MOE_OVERRIDES
 
@@ -45,13 +44,7 @@ def test_moe_fused_decode_is_bit_identical(arch: str, dtype: str,
         ([(c, 7)], []),                            # batch 1
         ([(c, 8)], []),
     ]
-    caches_f = kv_caches(cfg, CACHE_DTYPE[dtype], fill="garbage")
-    caches_p = [t.clone() for t in caches_f]
-    for step, (decodes, prefills) in enumerate(schedule):
-        out_f = run_step(fused, caches_f, decodes=decodes, prefills=prefills)
-        out_p = run_step(plain, caches_p, decodes=decodes, prefills=prefills)
-        assert torch.equal(out_f, out_p), (step, (out_f - out_p).abs().max().item())
-        assert all(torch.equal(x, y) for x, y in zip(caches_f, caches_p)), step
+    assert_steps_bit_identical(fused, plain, cfg, CACHE_DTYPE[dtype], schedule)
     stack = fused.model._fused_decode
     assert stack is not None and stack.has_moe
     assert stack.steps == len(schedule) - 1            # every small step ran in the op

@@ -148,11 +148,11 @@ def test_fused_decode_runs_packed_weights_bit_identically(files) -> None:
     """Small steps of a packed GGUF model run all layers in the one C++ call (the packed
     projections through kvserve::quant_linear; the mixed file's q|k|v is two parts of two
     types, its other projections one) with logits and KV caches equal bit for bit to the
-    layer-by-layer path. (The Q4_1 file is the same code path; it took ~100 s here, unexplained.)"""
+    layer-by-layer path. (The shipped Q4_1 file takes the same code path with one part each.)"""
     name = "mixed"
     from kvserve.attention.backends.cpu import CpuAttentionBackend
     from kvserve.model.layers.attention import bind_attention_backend
-    from tests.model.test_model import Seq, blocks_for, kv_caches, run_step, shuffled_blocks
+    from tests.model.test_model import Seq, assert_steps_bit_identical, blocks_for, shuffled_blocks
 
     models = []
     for _ in range(2):
@@ -168,13 +168,7 @@ def test_fused_decode_runs_packed_weights_bit_identically(files) -> None:
     schedule = [([], [(a, 0, 9)]),                      # 9 tokens: the float GEMM path
                 ([(a, 9)], [(b, 0, 5)]),                # a decode and a prefill chunk
                 ([(a, 10), (b, 5)], []), ([(b, 6)], [])]  # batch 2, batch 1
-    caches_f = kv_caches(cfg, torch.float32, fill="garbage")
-    caches_p = [t.clone() for t in caches_f]
-    for step, (decodes, prefills) in enumerate(schedule):
-        out_f = run_step(fused, caches_f, decodes=decodes, prefills=prefills)
-        out_p = run_step(plain, caches_p, decodes=decodes, prefills=prefills)
-        assert torch.equal(out_f, out_p), (step, (out_f - out_p).abs().max().item())
-        assert all(torch.equal(x, y) for x, y in zip(caches_f, caches_p)), step
+    assert_steps_bit_identical(fused, plain, cfg, torch.float32, schedule)
     stack = fused.model._fused_decode
     assert stack is not None and stack.quant_parts, "the packed stack did not take the op"
     parts_of_qkv = sum(p is not None for p in stack.quant_parts[:3])

@@ -79,6 +79,20 @@ class Seq:
 
 
 @torch.inference_mode()
+def assert_steps_bit_identical(fused: torch.nn.Module, plain: torch.nn.Module,
+                               cfg: ModelConfig, cache_dtype: torch.dtype,
+                               schedule: list) -> None:
+    """Run `schedule` ([(decodes, prefill chunks)] as run_step takes them) on both models from
+    the same garbage-filled KV caches: logits and every layer's cache equal bit for bit."""
+    caches_f = kv_caches(cfg, cache_dtype, fill="garbage")
+    caches_p = [t.clone() for t in caches_f]
+    for step, (decodes, prefills) in enumerate(schedule):
+        out_f = run_step(fused, caches_f, decodes=decodes, prefills=prefills)
+        out_p = run_step(plain, caches_p, decodes=decodes, prefills=prefills)
+        assert torch.equal(out_f, out_p), (step, (out_f - out_p).abs().max().item())
+        assert all(torch.equal(x, y) for x, y in zip(caches_f, caches_p)), step
+
+
 def run_step(model: torch.nn.Module, caches: list[torch.Tensor],
              decodes: list[tuple[Seq, int]] = (),
              prefills: list[tuple[Seq, int, int]] = ()) -> torch.Tensor:
