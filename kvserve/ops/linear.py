@@ -90,7 +90,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
     small_batch_max_rows(x.dtype) rows on CPU go to the C++ kernel, everything else to F.linear."""
     k = x.shape[-1]
     rows = x.numel() // k if k else 0
-    if 0 < rows <= _MAX_ROWS.get(x.dtype, SMALL_BATCH_MAX_ROWS):
+    if 0 < rows <= small_batch_max_rows(x.dtype):
         x2 = x.reshape(rows, k)
         if x.device.type == "cpu" and kernel_takes(x.dtype, weight, bias):
             op = _dispatch_kernel()

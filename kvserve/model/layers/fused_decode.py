@@ -38,8 +38,8 @@ from kvserve.ops.decode_layers import (FLOAT_PART, LORA_PROJECTIONS, NO_PART, QU
                                        decode_layers_op)
 from kvserve.ops.lora import kernel_enabled as lora_kernel_enabled
 from kvserve.ops.lora import stacks_take
-from kvserve.ops.linear import F32_SMALL_BATCH_MAX_ROWS, kernel_takes, small_batch_max_rows
-from kvserve.ops.linear import SMALL_BATCH_MAX_ROWS
+from kvserve.ops.linear import (F32_SMALL_BATCH_MAX_ROWS, SMALL_BATCH_MAX_ROWS, kernel_takes,
+                                small_batch_max_rows)
 from kvserve.ops.quant import kernel as quant_kernel
 from kvserve.ops.quant.weight import INT8_MAX_ROWS, PackedQuantWeight
 
@@ -177,11 +177,12 @@ class FusedDecodeStack:
         self.quant_meta: list[int] = []
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
+            moe = hasattr(mlp, "experts")
             parts, meta = _quant_args((attn.qkv_proj, attn.o_proj) + (
-                (None, None) if hasattr(mlp, "experts") else (mlp.gate_up_proj, mlp.down_proj)))
+                (None, None) if moe else (mlp.gate_up_proj, mlp.down_proj)))
             self.quant_parts += parts
             self.quant_meta += meta
-            slot = self._moe_slots(mlp) if hasattr(mlp, "experts") else {
+            slot = self._moe_slots(mlp) if moe else {
                 "gate_up_w": mlp.gate_up_proj.linear_weight.streamed(),
                 "gate_up_b": mlp.gate_up_proj.bias,
                 "down_w": mlp.down_proj.linear_weight.streamed(), "down_b": mlp.down_proj.bias}
@@ -198,9 +199,10 @@ class FusedDecodeStack:
         # A packed weight's int8 kernel serves up to INT8_MAX_ROWS (more rows take
         # PackedQuantWeight's float path, which the op does not have); the MoE kernel's decode
         # pairs are sized for top_k x SMALL_BATCH_MAX_ROWS (_moe_why_not).
-        if (self.quant_parts and INT8_MAX_ROWS is not None) or self.has_moe:
-            self.max_rows = min(self.max_rows, INT8_MAX_ROWS or SMALL_BATCH_MAX_ROWS,
-                                SMALL_BATCH_MAX_ROWS)
+        if self.quant_parts and INT8_MAX_ROWS is not None:
+            self.max_rows = min(self.max_rows, INT8_MAX_ROWS)
+        if self.has_moe:
+            self.max_rows = min(self.max_rows, SMALL_BATCH_MAX_ROWS)
 
     @staticmethod
     def _moe_slots(mlp: Any) -> dict[str, Optional[torch.Tensor]]:

@@ -7,7 +7,8 @@
 //                 head_dim, scale, eps, lora_tensors, lora_slots, quant_parts, quant_meta)
 //       -> (hidden, residual)
 //
-// A small step is one of at most the small-batch linear's rows (8): batch-1..8 decodes,
+// A small step is one of at most the small-batch linear's rows (8; 16 with float32 activations
+// and float weights, kvserve.ops.linear.small_batch_max_rows): small decode batches,
 // speculative decoding's verification (1 + k tokens of a request), short prefill chunks, or a
 // mix, laid out as CPU_ATTN's metadata says (decodes first, then prefill chunks).
 //
@@ -289,6 +290,53 @@ at::Tensor attention(const Ops& op, const at::Tensor& x, const Opt* w, const Qua
   return o;
 }
 
+// The per-layer arguments' shapes: norms present; each weight slot filled, or packed parts
+// in its place, or (gate_up / down) a MoE block's router and stacks; the packed parts' types;
+// the LoRA stacks and their token slots (none with MoE layers).
+void check_layer_args(const std::vector<Opt>& w, const std::vector<Opt>& qparts,
+                      at::IntArrayRef quant_meta, const std::vector<Opt>& lora,
+                      const Opt& lora_slots, int64_t L, int64_t T) {
+  const bool packed = !qparts.empty(), with_lora = !lora.empty();
+  const int64_t per_layer = kProjections * kParts;
+  TORCH_CHECK(!packed || (static_cast<int64_t>(qparts.size()) == L * per_layer &&
+                          static_cast<int64_t>(quant_meta.size()) == 2 * L * per_layer),
+              "decode_layers: ", qparts.size(), " packed parts / ", quant_meta.size(),
+              " meta ints for ", L, " layers (", per_layer, " parts, 2 ints each)");
+  for (int64_t i = 0; packed && i < L * per_layer; ++i) {
+    const int64_t t = quant_meta[2 * i];
+    TORCH_CHECK(t == kNoPart || (qparts[i].has_value() && t >= kFloatPart),
+                "decode_layers: packed part ", i, " (type ", t, ") is missing or malformed");
+  }
+  TORCH_CHECK(!with_lora || (static_cast<int64_t>(lora.size()) == L * kLora &&
+                             lora_slots.has_value() && lora_slots->size(0) == T &&
+                             lora_slots->scalar_type() == at::kLong),
+              "decode_layers: ", lora.size(), " LoRA tensors for ", L, " layers (", kLora,
+              " each) need lora_slots [", T, "] int64");
+  for (int64_t i = 0; with_lora && i < L * kLora; ++i)
+    TORCH_CHECK(lora[i].has_value() && (i % 3 != 2 || (lora[i]->scalar_type() == at::kBool &&
+                                                       lora[i]->is_contiguous())),
+                "decode_layers: LoRA tensor ", i, " is missing, or a `has` one not bool");
+  const std::pair<Slot, Proj> weights[] = {{kQkvW, kPQkv}, {kOW, kPO}, {kGateUpW, kPGateUp},
+                                           {kDownW, kPDown}};
+  for (int64_t l = 0; l < L; ++l) {
+    const Opt* lw = w.data() + l * kSlots;
+    const bool moe = lw[kRouterW].has_value();
+    for (Slot s : {kInputNorm, kPostNorm})
+      TORCH_CHECK(lw[s].has_value(), "decode_layers: layer ", l, " lacks slot ", s);
+    for (const auto& [s, p] : weights)
+      TORCH_CHECK(lw[s].has_value() ||
+                      (packed && quant_meta[2 * (l * per_layer + p * kParts)] != kNoPart) ||
+                      ((s == kGateUpW || s == kDownW) && moe),
+                  "decode_layers: layer ", l, " has neither a weight nor packed parts for slot ",
+                  s);
+    TORCH_CHECK(!moe || (lw[kW13].has_value() && lw[kW2].has_value() && lw[kMoeCfg].has_value() &&
+                         lw[kMoeCfg]->scalar_type() == at::kLong && lw[kMoeCfg]->numel() == 2 &&
+                         lw[kMoeCfg]->is_contiguous()),
+                "decode_layers: MoE layer ", l, " lacks its expert stacks or [top_k, renormalise]");
+    TORCH_CHECK(!moe || !with_lora, "decode_layers: LoRA on a MoE layer runs layer by layer");
+  }
+}
+
 std::tuple<at::Tensor, at::Tensor> decode_layers(
     const at::Tensor& hidden_in, const Opt& residual_in, const at::Tensor& positions,
     const c10::List<Opt>& layer_tensors, at::TensorList kv_caches, const at::Tensor& slot_mapping,
@@ -318,48 +366,9 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
   std::vector<Opt> qparts(quant_parts.begin(), quant_parts.end());
   const bool packed = !qparts.empty();
   const int64_t per_layer = kProjections * kParts;
-  TORCH_CHECK(!packed || (static_cast<int64_t>(qparts.size()) == L * per_layer &&
-                          static_cast<int64_t>(quant_meta.size()) == 2 * L * per_layer),
-              "decode_layers: ", qparts.size(), " packed parts / ", quant_meta.size(),
-              " meta ints for ", L, " layers (", per_layer, " parts, 2 ints each)");
-  for (int64_t i = 0; packed && i < L * per_layer; ++i) {
-    const int64_t t = quant_meta[2 * i];
-    TORCH_CHECK(t == kNoPart || (qparts[i].has_value() && t >= kFloatPart),
-                "decode_layers: packed part ", i, " (type ", t, ") is missing or malformed");
-  }
-  // A projection without packed parts streams its float weight slot.
-  const std::pair<Slot, Proj> weights[] = {{kQkvW, kPQkv}, {kOW, kPO}, {kGateUpW, kPGateUp},
-                                           {kDownW, kPDown}};
-  for (int64_t l = 0; l < L; ++l) {
-    for (Slot s : {kInputNorm, kPostNorm})
-      TORCH_CHECK(w[l * kSlots + s].has_value(), "decode_layers: layer ", l, " lacks slot ", s);
-    for (const auto& [s, p] : weights)
-      TORCH_CHECK(w[l * kSlots + s].has_value() ||
-                      (packed && quant_meta[2 * (l * per_layer + p * kParts)] != kNoPart) ||
-                      ((s == kGateUpW || s == kDownW) && w[l * kSlots + kRouterW].has_value()),
-                  "decode_layers: layer ", l, " has neither a weight nor packed parts for slot ",
-                  s);
-  }
   std::vector<Opt> lora(lora_tensors.begin(), lora_tensors.end());
   const bool with_lora = !lora.empty();
-  TORCH_CHECK(!with_lora || (static_cast<int64_t>(lora.size()) == L * kLora &&
-                             lora_slots.has_value() && lora_slots->size(0) == d.T &&
-                             lora_slots->scalar_type() == at::kLong),
-              "decode_layers: ", lora.size(), " LoRA tensors for ", L, " layers (", kLora,
-              " each) need lora_slots [", d.T, "] int64");
-  for (int64_t i = 0; with_lora && i < L * kLora; ++i)
-    TORCH_CHECK(lora[i].has_value() && (i % 3 != 2 || (lora[i]->scalar_type() == at::kBool &&
-                                                       lora[i]->is_contiguous())),
-                "decode_layers: LoRA tensor ", i, " is missing, or a `has` one not bool");
-  for (int64_t l = 0; l < L; ++l) {  // a dense MLP's slots, or a MoE block's
-    const Opt* lw = w.data() + l * kSlots;
-    const bool moe = lw[kRouterW].has_value();
-    TORCH_CHECK(!moe || (lw[kW13].has_value() && lw[kW2].has_value() && lw[kMoeCfg].has_value() &&
-                         lw[kMoeCfg]->scalar_type() == at::kLong && lw[kMoeCfg]->numel() == 2 &&
-                         lw[kMoeCfg]->is_contiguous()),
-                "decode_layers: MoE layer ", l, " lacks its expert stacks or [top_k, renormalise]");
-    TORCH_CHECK(!moe || !with_lora, "decode_layers: LoRA on a MoE layer runs layer by layer");
-  }
+  check_layer_args(w, qparts, quant_meta, lora, lora_slots, L, d.T);
   const LoraStep st{lora_slots};
 
   at::Tensor hidden = hidden_in, residual;
