@@ -15,8 +15,11 @@ Mixture-of-experts files (Mixtral: "llama" with `expert_count`; Qwen3-MoE: "qwen
 each layer's experts stacked, as llama.cpp's converter writes them: ffn_gate_exps /
 ffn_up_exps [E, I, H], ffn_down_exps [E, H, I], and the router ffn_gate_inp [E, H]. They are
 yielded one expert at a time under the checkpoint's per-expert names (so FusedMoE's loader and
-expert parallelism's skip list apply unchanged; a skipped expert's blocks are never read) and
-always dequantized: FusedMoE has no packed-weight path yet (a later step).
+expert parallelism's skip list apply unchanged; a skipped expert's blocks are never read).
+With `packed`, a layer's expert stacks of types ops.quant packs come as each expert's raw
+blocks (QuantizedRows, file views), which FusedMoE keeps packed (layers/fused_moe/packed.py);
+gate and up only together (FusedMoE fuses them), so a layer whose gate or up is of another type
+has both dequantized. Other stacks (F16 / BF16 / F32) are dequantized as before.
 """
 from __future__ import annotations
 
@@ -410,8 +413,8 @@ def iterate_gguf_weights(path: str, hf_config: dict, packed: bool = False,
     tensors of a type ops.quant packs come as ops.quant.QuantizedRows (their raw blocks, a
     view of the file; kept packed by the layers) instead. The data is read through a memory
     map at the offsets the reader found (see `read_gguf_metadata`). Stacked experts come one
-    expert at a time, dequantized; the names `skip` gives (other expert-parallel ranks'
-    experts) are not read. Logs in one line what stays packed and what does not."""
+    expert at a time, dequantized or (`packed`, see the module doc) as raw blocks; the names
+    `skip` gives (other expert-parallel ranks' experts) are not read. Logs in one line what stays packed and what does not."""
     import gguf
     from gguf.quants import dequantize
 
@@ -425,14 +428,16 @@ def iterate_gguf_weights(path: str, hf_config: dict, packed: bool = False,
     mapped = np.memmap(meta.path, mode="r")
     kept: Counter = Counter()
     floats: Counter = Counter()
+    packed_experts = _packed_expert_tensors(meta.tensors) if packed else set()
     for t in meta.tensors:
         name = hf_tensor_name(t.name)
         dtype = np.dtype(t.data_dtype)
         nbytes = int(np.prod(t.data_shape)) * dtype.itemsize
         raw = mapped[t.data_offset:t.data_offset + nbytes].view(dtype).reshape(t.data_shape)
         if expert_tensor(t.name) is not None:
-            yield from _expert_weights(t, raw, hf_config, skip)
-            floats[t.type_name] += 1
+            keep = t.name in packed_experts
+            yield from _expert_weights(t, raw, hf_config, skip, keep)
+            (kept if keep else floats)[t.type_name] += 1
             continue
         if name is None or (skip is not None and skip(name)):
             continue                 # rope_freqs: check_gguf_supported allowed it (HF config)
@@ -455,18 +460,42 @@ def iterate_gguf_weights(path: str, hf_config: dict, packed: bool = False,
     _log_packing(meta.path, kept, floats)
 
 
+def _packed_expert_tensors(tensors: list[GGUFTensorInfo]) -> set[str]:
+    """The stacked-experts tensors kept packed: of a type ops.quant packs, gate and up of a
+    layer only when both are (the module doc)."""
+    from kvserve.ops.quant import PACKED_TYPES
+
+    packable = {t.name for t in tensors
+                if expert_tensor(t.name) is not None and t.type_name in PACKED_TYPES}
+    keep = set()
+    for name in packable:
+        layer, shard = expert_tensor(name)
+        if shard == "w2" or {f"blk.{layer}.ffn_gate_exps.weight",
+                             f"blk.{layer}.ffn_up_exps.weight"} <= packable:
+            keep.add(name)
+    return keep
+
+
 def _expert_weights(t: GGUFTensorInfo, raw: np.ndarray, hf_config: dict,
-                    skip: Optional[Callable[[str], bool]]) -> Iterator[tuple[str, torch.Tensor]]:
+                    skip: Optional[Callable[[str], bool]], keep: bool = False
+                    ) -> Iterator[tuple[str, Any]]:
     """One stacked-experts tensor as (per-expert HF name, float32 [rows, cols]) pairs: the
-    expert's rows of blocks are a contiguous slice of the tensor, dequantized alone."""
+    expert's rows of blocks are a contiguous slice of the tensor, dequantized alone; `keep`:
+    as QuantizedRows, the expert's raw blocks (a view of the file), unread here."""
     import gguf
     from gguf.quants import dequantize
+
+    from kvserve.ops.quant.weight import QuantizedRows
 
     layer, shard = expert_tensor(t.name)
     qtype = gguf.GGMLQuantizationType[t.type_name]
     for expert in range(t.shape[0]):
         name = hf_expert_name(layer, expert, shard, hf_config["model_type"])
         if skip is not None and skip(name):
+            continue
+        if keep:
+            rows = raw[expert].view(np.uint8).reshape(t.shape[1], -1)     # rows of blocks
+            yield name, QuantizedRows(t.type_name, rows, tuple(t.shape[1:]))
             continue
         data = np.array(dequantize(raw[expert], qtype), dtype=np.float32)   # a copy: the
         yield name, torch.from_numpy(data.reshape(t.shape[1:]))             # map is read-only

@@ -33,10 +33,12 @@ EXPERT_PARTS = {"w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps
 
 
 def write_moe_gguf(ckpt: str, out: str, arch: str, qtype: str = "F32",
-                   num_experts: int | None = None) -> str:
+                   num_experts: int | None = None,
+                   expert_types: dict[str, str] | None = None) -> str:
     """`ckpt` as llama.cpp's convert_hf_to_gguf.py writes an MoE model: per layer, each
     projection's experts stacked in expert order ([E, I, H] / [E, H, I]), matrices stored as
-    `qtype`, norms and the router F32. `num_experts` overrides expert_count (a bad file)."""
+    `qtype`, norms and the router F32. `num_experts` overrides expert_count (a bad file);
+    `expert_types` ({"ffn_gate_exps": "Q8_0", ...}) the stacks' types."""
     import gguf
 
     with open(os.path.join(ckpt, "config.json")) as f:
@@ -73,7 +75,9 @@ def write_moe_gguf(ckpt: str, out: str, arch: str, qtype: str = "F32",
         router = gguf_name.endswith("ffn_gate_inp.weight")   # llama.cpp keeps it F32
         store_tensor(w, gguf_name, t, qtype if t.dim() == 2 and not router else "F32")
     for gguf_name, by_expert in stacks.items():
-        store_tensor(w, gguf_name, torch.stack([by_expert[e] for e in range(experts)]), qtype)
+        part = gguf_name.split(".")[2]
+        store_tensor(w, gguf_name, torch.stack([by_expert[e] for e in range(experts)]),
+                     (expert_types or {}).get(part, qtype))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

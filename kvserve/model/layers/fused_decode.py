@@ -77,6 +77,8 @@ def _moe_why_not(mlp: Any, act: torch.dtype) -> Optional[str]:
     experts = mlp.experts
     if experts.ep_size != 1:
         return "expert parallelism"
+    if experts.packed:
+        return "packed GGUF experts (the op's moe_mlp reads float expert stacks)"
     if not _streams(mlp.gate, act) or mlp.gate.bias is not None:
         return "a router weight the small-batch kernel cannot stream"
     w13, w2 = experts.w13_weight, experts.w2_weight

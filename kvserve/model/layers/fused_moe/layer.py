@@ -16,6 +16,12 @@ replicated, `expert_map` turns global ids into local ones and other ranks' into 
 kernel skips -- and the all-reduce that sums TP's partial products sums the ranks' experts
 instead. vLLM's naive EP path does the same; its all-to-all dispatch pays off only with
 data-parallel attention, where each rank holds different tokens, which kvserve does not have.
+
+GGUF experts of a block type ops.quant packs arrive as raw blocks (ops.quant.QuantizedRows):
+the loader records them, leaves the float Parameter empty ([E, 0, 0]: no float copy is ever
+made), and process_weights_after_loading packs each projection into one PackedExperts stack
+(packed.py); forward then runs fused_experts_packed. A projection of a float type keeps its
+float stack beside the packed ones.
 """
 from __future__ import annotations
 
@@ -28,9 +34,12 @@ from kvserve.distributed.parallel_state import (get_ep_rank, get_ep_world_size, 
                                                 get_tp_world_size,
                                                 tensor_model_parallel_all_reduce)
 from kvserve.model.layers.fused_moe.fused_moe import fused_experts
+from kvserve.model.layers.fused_moe.packed import (ExpertStack, PackedExperts,
+                                                   fused_experts_packed)
 from kvserve.model.layers.fused_moe.routing import select_experts
 from kvserve.model.layers.fused_moe.torch_moe import fused_experts_torch
 from kvserve.model.layers.linear import copy_checked, divide, shard
+from kvserve.ops.quant.weight import QuantizedRows
 
 ExpertShard = tuple[int, str]       # (expert id, "w1" gate | "w3" up | "w2" down)
 
@@ -81,6 +90,12 @@ class FusedMoE(nn.Module):
         # kernel has no float16 path).
         keep = self.w13_weight.dtype == torch.bfloat16
         self.w13_weight.keep_loaded_dtype = self.w2_weight.keep_loaded_dtype = keep
+        # GGUF blocks kept packed: (local expert, "w1" | "w3" | "w2") -> this rank's rows,
+        # until process_weights_after_loading stacks them; then the stacks (module doc).
+        self._quant_parts: dict[ExpertShard, QuantizedRows] = {}
+        self._float_loaded: set[str] = set()        # "w13" / "w2": float experts copied
+        self.w13_packed: Optional[list[PackedExperts]] = None    # [gate|up] or [gate, up]
+        self.w2_packed: Optional[PackedExperts] = None
 
     def is_local_expert(self, expert: int) -> bool:
         return self.expert_start <= expert < self.expert_start + self.local_num_experts
@@ -101,23 +116,82 @@ class FusedMoE(nn.Module):
             return False
         local = expert - self.expert_start
         n, full = self.shard_size, self.intermediate_size
-        if which == "w2":
-            if param is not self.w2_weight:
-                raise ValueError("a down projection (w2) goes into w2_weight")
-            copy_checked(param.data[local], shard(loaded_weight, 1, full, self.slice_rank, n))
+        if (param is self.w2_weight) != (which == "w2"):
+            raise ValueError("a down projection (w2) goes into w2_weight, gate / up "
+                             "projections (w1 / w3) into w13_weight")
+        piece = shard(loaded_weight, 1 if which == "w2" else 0, full, self.slice_rank, n)
+        if isinstance(piece, QuantizedRows):
+            self._record_packed(param, local, which, piece)
             return True
-        if param is not self.w13_weight:
-            raise ValueError("gate / up projections (w1 / w3) go into w13_weight")
-        offset = 0 if which == "w1" else n
-        copy_checked(param.data[local].narrow(0, offset, n),
-                     shard(loaded_weight, 0, full, self.slice_rank, n))
+        kind = "w2" if which == "w2" else "w13"
+        if any(w in (("w2",) if kind == "w2" else ("w1", "w3")) for _, w in self._quant_parts):
+            raise ValueError(f"expert {expert} {which}: a float tensor where the other experts' "
+                             f"{kind} stay packed")
+        self._float_loaded.add(kind)
+        dst = param.data[local] if which == "w2" else \
+            param.data[local].narrow(0, 0 if which == "w1" else n, n)
+        copy_checked(dst, piece)
         return True
+
+    def _record_packed(self, param: nn.Parameter, local: int, which: str,
+                       piece: QuantizedRows) -> None:
+        """Keep one expert's GGUF blocks (this rank's rows) for process_weights_after_loading;
+        the float Parameter is emptied on the first (never allocated in full)."""
+        want = (self.hidden_size, self.shard_size) if which == "w2" else \
+            (self.shard_size, self.hidden_size)
+        if tuple(piece.shape) != want:
+            raise ValueError(f"Checkpoint tensor shape {tuple(piece.shape)} does not match the "
+                             f"expert {which} (shard) shape {want}.")
+        if ("w2" if which == "w2" else "w13") in self._float_loaded:
+            raise ValueError(f"expert {which}: packed blocks where other experts were float")
+        if param.numel():
+            param.data = torch.empty(self.local_num_experts, 0, 0, dtype=param.dtype)
+        self._quant_parts[(local, which)] = piece
+
+    @property
+    def packed(self) -> bool:
+        """Whether some projection's experts are GGUF blocks kept packed (loaded or loading)."""
+        return bool(self._quant_parts) or self.w2_packed is not None \
+            or self.w13_packed is not None
+
+    def process_weights_after_loading(self) -> None:
+        """Stack the recorded GGUF blocks per projection (gate and up fused when of one
+        type). Where experts are packed, each expert's gate, up and down must all be there."""
+        parts, self._quant_parts = self._quant_parts, {}
+        if not parts:
+            return
+        local = range(self.local_num_experts)
+        for which in sorted({w for _, w in parts}):
+            missing = [e + self.expert_start for e in local if (e, which) not in parts]
+            if missing:
+                raise ValueError(f"packed experts: no {which} blocks for experts {missing}")
+        if (0, "w1") in parts:
+            if parts[(0, "w1")].qtype == parts[(0, "w3")].qtype:
+                self.w13_packed = [PackedExperts.stack([[parts[(e, "w1")], parts[(e, "w3")]]
+                                                        for e in local])]
+            else:               # two types: two stacks, two int8 calls per expert
+                self.w13_packed = [PackedExperts.stack([[parts[(e, w)]] for e in local])
+                                   for w in ("w1", "w3")]
+        if (0, "w2") in parts:
+            self.w2_packed = PackedExperts.stack([[parts[(e, "w2")]] for e in local])
+
+    def expert_stacks(self) -> tuple[list[ExpertStack], ExpertStack]:
+        """(w13 stacks, w2 stack) for fused_experts_packed: packed where kept so, else the
+        float Parameters."""
+        return (self.w13_packed or [self.w13_weight],
+                self.w2_packed if self.w2_packed is not None else self.w2_weight)
 
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """hidden_states [T, H], router_logits [T, E] -> [T, H] (summed over the TP ranks
         unless reduce_results is False: then this rank's partial sum)."""
         topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
-        if self.ep_size > 1:
+        if self.packed:
+            if self.ep_size > 1:
+                topk_ids = self.expert_map[topk_ids]     # -1: skipped, as below
+            w13, w2 = self.expert_stacks()
+            out = fused_experts_packed(hidden_states, w13, w2, topk_weights, topk_ids,
+                                       self.local_num_experts)
+        elif self.ep_size > 1:
             # Local ids; -1 marks another rank's expert, which only the grouped torch path
             # skips (the C++ and Triton kernels take ids in [0, E)).
             topk_ids = self.expert_map[topk_ids]
@@ -135,4 +209,5 @@ class FusedMoE(nn.Module):
                 f"intermediate={self.intermediate_size} (this rank {self.shard_size}), "
                 f"renormalize={self.renormalize}, tp_size={self.tp_size}, "
                 f"ep: experts [{self.expert_start}, "
-                f"{self.expert_start + self.local_num_experts}) of {self.ep_size} ranks")
+                f"{self.expert_start + self.local_num_experts}) of {self.ep_size} ranks"
+                + (f", packed {self.w13_packed} {self.w2_packed}" if self.packed else ""))

@@ -1,0 +1,149 @@
+"""GGUF-quantized experts kept packed (issue 29's blocks for issue 30's MoE layers).
+
+A GGUF MoE file stores each layer's experts stacked per projection (ffn_gate_exps /
+ffn_up_exps [E, I, H], ffn_down_exps [E, H, I]), each stack in one block type. Where that type
+is one ops.quant packs, the loader hands FusedMoE each expert's raw blocks (QuantizedRows) and
+FusedMoE keeps them as one PackedExperts per projection: every local expert's rows in the
+kernels' interleaved layout, stacked [E, ceil(N/8), K / block, group_block_bytes] uint8, so that
+expert e is `packed[e]`, a contiguous PackedQuantWeight-shaped view. Gate and up of one type
+are fused (each expert's gate rows, then its up rows: one int8 call per expert); of two types
+they stay two stacks.
+
+fused_experts_packed runs them as fused_experts_torch runs float stacks: the (token, expert)
+pairs grouped by expert, one pass per expert that has tokens (a loop over experts, never
+tokens), weighted rows summed back. Per step size, as PackedQuantWeight.matmul decides for a
+dense layer:
+  - up to INT8_MAX_ROWS tokens (decode, speculative verification): the int8 kernel
+    (kvserve::quant_linear) on the expert's packed blocks, its x rows quantized per block --
+    only the routed experts' bytes are read;
+  - larger steps (prefill): each used expert's weight dequantized CHUNK_ELEMS floats at a time
+    (gguf-exact) into float32 GEMMs over its tokens -- the dequantized float model's math.
+Why Python over the existing ops and not a packed variant of csrc/moe.cpp: the per-expert work
+is the int8 kernel itself, which parallelises over output rows on its own work pool; the
+Python side adds the grouping and ~3 op calls per routed expert (measured in benchmarks/moe.py
+--kernel-sweep --gguf; see the issue note).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence, Union
+
+import torch
+
+from kvserve.model.layers.fused_moe.torch_moe import group_by_expert
+from kvserve.ops.fused import silu_and_mul
+from kvserve.ops.quant import kernel as quant_kernel
+from kvserve.ops.quant import weight as quant_weight
+from kvserve.ops.quant.formats import ROW_GROUP, BlockFormat, block_format
+from kvserve.ops.quant.weight import PackedQuantWeight, QuantizedRows
+
+
+@dataclass
+class PackedExperts:
+    """One projection of E experts, each an [N, K] weight in GGUF blocks of `fmt`:
+    packed [E, ceil(N/8), K / block_size, fmt.group_block_bytes] uint8 (formats.py's layout)."""
+    fmt: BlockFormat
+    shape: tuple[int, int]          # one expert's (N, K)
+    packed: torch.Tensor
+
+    @classmethod
+    def stack(cls, experts: Sequence[Sequence[QuantizedRows]]) -> "PackedExperts":
+        """From each expert's row-wise parts (all of one type and K): expert e's weight is its
+        parts' rows concatenated (gate | up), packed once, into one preallocated stack."""
+        first = experts[0][0]
+        fmt = block_format(first.qtype)
+        n, k = sum(p.shape[0] for p in experts[0]), first.shape[1]
+        out: Optional[torch.Tensor] = None
+        for e, parts in enumerate(experts):
+            if any(p.qtype != first.qtype or p.shape[1] != k for p in parts) \
+                    or sum(p.shape[0] for p in parts) != n:
+                raise ValueError(f"packed experts: expert {e}'s parts "
+                                 f"{[(p.qtype, p.shape) for p in parts]} differ from expert 0's "
+                                 f"({first.qtype}, [{n}, {k}])")
+            one = QuantizedRows.pack(list(parts)).packed
+            if out is None:
+                out = torch.empty((len(experts), *one.shape), dtype=torch.uint8)
+            out[e].copy_(one)
+        return cls(fmt, (n, k), out)
+
+    @property
+    def num_experts(self) -> int:
+        return self.packed.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel()
+
+    def expert(self, e: int) -> PackedQuantWeight:
+        """Expert e as a PackedQuantWeight over the stack's bytes (a view, no copy)."""
+        return PackedQuantWeight(self.fmt, self.shape, self.packed[e])
+
+    def __repr__(self) -> str:
+        return (f"PackedExperts({self.fmt.name}, {self.num_experts} x {list(self.shape)}, "
+                f"{self.nbytes / 2**20:.2f} MiB)")
+
+
+# One projection's experts: packed, or float [E, N, K] (a stack of another type).
+ExpertStack = Union[PackedExperts, torch.Tensor]
+
+
+def _dequantized_mm(x: torch.Tensor, w: PackedQuantWeight) -> torch.Tensor:
+    """x @ W^T with W dequantized (gguf-exact) CHUNK_ELEMS floats at a time: PackedQuantWeight's
+    large-batch arithmetic, so prefill equals the dequantized float model's."""
+    n, k = w.shape
+    step = max(ROW_GROUP, quant_weight.CHUNK_ELEMS // k // ROW_GROUP * ROW_GROUP)
+    if step >= n:
+        return torch.mm(x, w.dequantize().t())
+    y = torch.empty(x.shape[0], n, dtype=torch.float32, device=x.device)
+    for r0 in range(0, n, step):           # chunks of the weight, not rows
+        r1 = min(n, r0 + step)
+        y[:, r0:r1] = torch.mm(x, w.dequantize(r0, r1).t())
+    return y
+
+
+def expert_matmul(w: ExpertStack, e: int, x: torch.Tensor, int8_ops: Optional[object]
+                  ) -> torch.Tensor:
+    """x [n, K] float32 @ expert e's W^T -> [n, N] float32: the int8 kernel on its packed blocks
+    (`int8_ops`: kernel.ops(), a decode-sized step), else the dequantized GEMM; a float stack
+    widened per expert."""
+    if isinstance(w, torch.Tensor):
+        return torch.mm(x, w[e].to(torch.float32).t())
+    if int8_ops is not None:
+        return int8_ops.linear(x, w.packed[e], w.fmt.ggml_type, w.shape[0])
+    return _dequantized_mm(x, w.expert(e))
+
+
+def int8_step(x: torch.Tensor) -> Optional[object]:
+    """The int8 kernel's ops where this step takes them (CPU, built, <= INT8_MAX_ROWS tokens:
+    the threshold PackedQuantWeight.matmul applies to a dense layer's step), else None."""
+    limit = quant_weight.INT8_MAX_ROWS
+    if x.device.type != "cpu" or (limit is not None and x.shape[0] > limit):
+        return None
+    return quant_kernel.ops()
+
+
+def fused_experts_packed(hidden_states: torch.Tensor, w13: Sequence[ExpertStack],
+                         w2: ExpertStack, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                         num_experts: int) -> torch.Tensor:
+    """hidden_states [T, H]; w13: [gate|up] fused, or [gate, up]; w2 the down projections;
+    topk_weights / topk_ids [T, k] (ids -1: another expert-parallel rank's, left out) ->
+    [T, H] in hidden_states' dtype = sum over k of weight * down(silu(gate x) * up x)."""
+    num_tokens, hidden = hidden_states.shape
+    ops = int8_step(hidden_states)
+    order, token_of, counts = group_by_expert(topk_ids, num_experts)
+    x = hidden_states.float().index_select(0, token_of)
+    weights = topk_weights.reshape(-1).index_select(0, order).float()
+    rows = torch.empty(x.shape[0], hidden, dtype=torch.float32, device=x.device)
+    start = 0
+    for expert, n in enumerate(counts):
+        if n == 0:
+            continue
+        xe = x[start:start + n]
+        parts = [expert_matmul(w, expert, xe, ops) for w in w13]
+        gate_up = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        rows[start:start + n] = expert_matmul(w2, expert, silu_and_mul(gate_up), ops)
+        start += n
+    rows.mul_(weights.unsqueeze(1))
+    out = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=x.device)
+    out.index_add_(0, token_of, rows)
+    return out.to(hidden_states.dtype)
