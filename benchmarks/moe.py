@@ -11,6 +11,15 @@ machine builds and runs it in minutes) is hidden 512, 8 layers, 8 experts of 512
         [--num-prompts 16] [--output-len 32] [--hf-batch-size 8] [--output-json out.json]
         [--moe-path kernel|torch|both]      # kvserve's decode experts (default: both, in turn)
     python benchmarks/moe.py --kernel-sweep [--size ...]   # one layer: kernel vs torch GEMMs
+    python benchmarks/moe.py --gguf Q8_0 [Q4_0 Q4_K ...] [--size ...] [--rounds 3]
+        # the checkpoint as a GGUF file of that type (every matrix; router, norms F32):
+        # batch-1 decode with the experts kept packed vs the same file dequantized
+        # (--quantization gguf-dequantized), both engines loaded, alternating rounds
+    python benchmarks/moe.py --kernel-sweep --gguf Q8_0 ...   # one layer's decode step:
+        # packed experts (fused_experts_packed) vs only its int8 kernel calls vs float32
+
+--gguf K-quants (Q4_K, Q5_K, Q6_K): gguf's package has no quantizer for them, so those files
+hold random blocks (random quants, small random scales): a random model either way.
 
 --dtype auto: a bf16 checkpoint run with dtype="auto" (on a CPU without bf16 math: weights, the
 experts included, stay bf16 in memory, math and KV cache float32), HF in float32 on it.
@@ -33,6 +42,7 @@ import sys
 import time
 from typing import Any, Optional
 
+import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -194,6 +204,210 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+# ---- GGUF files: packed experts vs dequantized -------------------------------------------
+
+def _gguf_blocks(t: torch.Tensor, qtype: str, seed: int) -> np.ndarray:
+    """t [..., K] as `qtype` blocks: gguf's quantizer, or random blocks for the K-quants."""
+    import gguf
+    from gguf.quants import quantize
+
+    from kvserve.ops.quant import block_format
+
+    q = gguf.GGMLQuantizationType[qtype]
+    try:
+        return quantize(t.float().numpy(), q)
+    except NotImplementedError:
+        fmt = block_format(qtype)
+        rng = np.random.default_rng(seed)
+        rows = int(np.prod(t.shape[:-1]))
+        raw = rng.integers(0, 256, (rows, t.shape[-1] // fmt.block_size, fmt.type_size),
+                           dtype=np.uint8)
+        scales = rng.uniform(0, 4e-5, raw.shape[:2]).astype(np.float16)
+        at = 208 if qtype == "Q6_K" else 0
+        raw[..., at:at + 2] = scales.view(np.uint8).reshape(*raw.shape[:2], 2)
+        if qtype in ("Q4_K", "Q5_K"):
+            raw[..., 2:4] = scales.view(np.uint8).reshape(*raw.shape[:2], 2)     # dmin
+        return raw.reshape(*t.shape[:-1], -1)
+
+
+def ensure_moe_gguf(ckpt: str, qtype: str) -> str:
+    """The random Mixtral as llama.cpp's converter writes it ("llama" + expert_count, q / k
+    rows permuted, experts stacked [E, ...]), every matrix `qtype`, router and norms F32."""
+    import gguf
+    from safetensors.torch import load_file
+    from vs_llamacpp import _vocab, permute_qk
+
+    out = os.path.join(ckpt, f"model-{qtype}.gguf")
+    if os.path.isfile(out):
+        return out
+    with open(os.path.join(ckpt, "config.json")) as f:
+        cfg = json.load(f)
+    layers, n_head, n_kv = (cfg["num_hidden_layers"], cfg["num_attention_heads"],
+                            cfg["num_key_value_heads"])
+    head_dim, experts = cfg["hidden_size"] // n_head, cfg["num_local_experts"]
+    w = gguf.GGUFWriter(out + ".tmp", "llama")
+    for add, v in ((w.add_block_count, layers), (w.add_context_length, 2048),
+                   (w.add_embedding_length, cfg["hidden_size"]),
+                   (w.add_feed_forward_length, cfg["intermediate_size"]),
+                   (w.add_head_count, n_head), (w.add_head_count_kv, n_kv),
+                   (w.add_key_length, head_dim), (w.add_value_length, head_dim),
+                   (w.add_rope_dimension_count, head_dim), (w.add_vocab_size, cfg["vocab_size"]),
+                   (w.add_expert_count, experts),
+                   (w.add_expert_used_count, cfg["num_experts_per_tok"]),
+                   (w.add_bos_token_id, 1), (w.add_eos_token_id, 2)):
+        add(v)
+    w.add_rope_freq_base(float(cfg.get("rope_theta") or 1e6))
+    w.add_layer_norm_rms_eps(float(cfg["rms_norm_eps"]))
+    tokens, types, merges = _vocab(ckpt, cfg["vocab_size"])
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, layers)
+    tensors = load_file(os.path.join(ckpt, "model.safetensors"))
+    stacks: dict[str, list] = {}
+    for i, (name, t) in enumerate(sorted(tensors.items())):
+        if ".experts." in name:         # model.layers.L.block_sparse_moe.experts.E.wN.weight
+            p = name.split(".")
+            part = {"w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}[p[6]]
+            stacks.setdefault(f"blk.{p[2]}.{part}.weight", [None] * experts)[int(p[5])] = t
+            continue
+        gname = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        if "q_proj" in name or "k_proj" in name:
+            t = permute_qk(t, n_head if "q_proj" in name else n_kv)
+        if t.dim() < 2 or gname.endswith("ffn_gate_inp.weight"):
+            w.add_tensor(gname, t.float().numpy())
+        else:
+            w.add_tensor(gname, _gguf_blocks(t, qtype, i), raw_dtype=gguf.GGMLQuantizationType[qtype])
+    for i, (gname, ts) in enumerate(sorted(stacks.items())):
+        w.add_tensor(gname, _gguf_blocks(torch.stack(ts), qtype, 10_000 + i),
+                     raw_dtype=gguf.GGMLQuantizationType[qtype])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    os.replace(out + ".tmp", out)
+    return out
+
+
+def gguf_active_bytes(size: str, qtype: str) -> dict[str, float]:
+    """Weight bytes a batch-1 decode step reads: packed (the type's bytes a weight; router F32)
+    and dequantized (float32 everywhere)."""
+    from kvserve.ops.quant import block_format
+
+    per = param_bytes(size, "float32")
+    c = SIZES[size]
+    router = c["num_hidden_layers"] * c["hidden_size"] * c["num_local_experts"]
+    bpw = block_format(qtype).type_size / block_format(qtype).block_size
+    return {"packed": (per["active_params"] - router) * bpw + router * 4,
+            "dequantized": per["active_bytes"]}
+
+
+def gguf_decode(size: str, qtypes: list[str], args: argparse.Namespace) -> list[dict]:
+    """Per type: batch-1 decode tok/s, packed experts vs the file dequantized, both engines
+    loaded in this process, measured in alternating rounds (median and best)."""
+    from kvserve import LLM
+    from kvserve.benchmarks.latency import measure_decode_throughput
+
+    ckpt = ensure_moe_checkpoint(size, "float32", args.model_dir)
+    results = []
+    for qtype in qtypes:
+        path = ensure_moe_gguf(ckpt, qtype)
+        llms = {q: LLM(path, quantization=q, dtype="float32", max_model_len=256, seed=0,
+                       kv_cache_memory=64 << 20, multiprocessing=False)
+                for q in ("gguf", "gguf-dequantized")}
+        rates: dict[str, list[float]] = {q: [] for q in llms}
+        try:
+            for r in range(args.rounds):
+                for q, llm in llms.items():
+                    rates[q].append(measure_decode_throughput(
+                        llm, 1, 32, args.batch1_tokens, num_iters=2)["decode_tokens_per_second"])
+                print(f"  {qtype} round {r} ({uptime()}): packed {rates['gguf'][-1]:.1f} tok/s, "
+                      f"dequantized {rates['gguf-dequantized'][-1]:.1f} tok/s", flush=True)
+        finally:
+            for llm in llms.values():
+                llm.shutdown()
+            del llms
+            gc.collect()
+        nbytes = gguf_active_bytes(size, qtype)
+        row = {"qtype": qtype, "file_bytes": os.path.getsize(path)}
+        for q, side in (("gguf", "packed"), ("gguf-dequantized", "dequantized")):
+            med = statistics.median(rates[q])
+            row[side] = {"tok_s_median": med, "tok_s_best": max(rates[q]),
+                         "bytes_per_token": nbytes[side],
+                         "implied_gb_s": med * nbytes[side] / 1e9}
+        results.append(row)
+    return results
+
+
+def packed_sweep(size: str, qtypes: list[str], tokens: tuple[int, ...] = (1, 2, 4, 8),
+                 layers: int = 8) -> list[dict]:
+    """One layer's decode step with packed experts: fused_experts_packed (the model's path)
+    against only the int8 kernel calls it makes (the floor of any fused C++ variant calling
+    the same kernel) and the float32 C++ kernel on the dequantized experts; weights of
+    `layers` layers cycled so each call reads its experts from memory."""
+    from kvserve.model.layers.fused_moe import select_experts
+    from kvserve.model.layers.fused_moe.packed import PackedExperts, fused_experts_packed
+    from kvserve.model.layers.fused_moe.torch_moe import group_by_expert
+    from kvserve.ops import moe as moe_ops
+    from kvserve.ops.fused import silu_and_mul
+    from kvserve.ops.quant import kernel as quant_kernel
+    from kvserve.ops.quant.weight import QuantizedRows
+
+    c = SIZES[size]
+    E, H, inter, k = (c["num_local_experts"], c["hidden_size"], c["intermediate_size"],
+                      c["num_experts_per_tok"])
+    ops, rows = quant_kernel.ops(), []
+    gen = torch.Generator().manual_seed(0)
+    for qtype in qtypes:
+        stacks = []
+        for layer in range(layers):
+            w13 = torch.randn(E, 2 * inter, H, generator=gen) / H ** 0.5
+            w2 = torch.randn(E, H, inter, generator=gen) / inter ** 0.5
+            p13, p2 = (PackedExperts.stack([[QuantizedRows(qtype, _gguf_blocks(w[e], qtype, e),
+                                                           tuple(w.shape[1:]))]
+                                             for e in range(E)]) for w in (w13, w2))
+            f13 = torch.stack([p13.expert(e).dequantize() for e in range(E)])
+            f2 = torch.stack([p2.expert(e).dequantize() for e in range(E)])
+            stacks.append((p13, p2, f13, f2))
+
+        def kernel_only(x, p13, p2, weights, ids):
+            _, _, counts = group_by_expert(ids, E)
+            for e, n in enumerate(counts):
+                if n:
+                    xe = x[:n]
+                    a = silu_and_mul(ops.linear(xe, p13.packed[e], p13.fmt.ggml_type, 2 * inter))
+                    ops.linear(a, p2.packed[e], p2.fmt.ggml_type, H)
+
+        sides = {"packed": lambda x, s, w, i: fused_experts_packed(x, [s[0]], s[1], w, i, E),
+                 "int8_calls_only": lambda x, s, w, i: kernel_only(x, s[0], s[1], w, i),
+                 "float32_kernel": lambda x, s, w, i: moe_ops.fused_moe_cpu(x, s[2], s[3], w, i)}
+        for T in tokens:
+            x = torch.randn(T, H, generator=gen)
+            weights, ids = select_experts(torch.randn(T, E, generator=gen), k, True)
+            routed = int(torch.unique(ids).numel())
+            times = {}
+            for name, fn in sides.items():
+                fn(x, stacks[0], weights, ids)
+                best = float("inf")
+                for _ in range(5):
+                    t0 = time.perf_counter()
+                    for s in stacks:
+                        fn(x, s, weights, ids)
+                    best = min(best, (time.perf_counter() - t0) / layers)
+                times[name] = best * 1e3
+            rows.append({"qtype": qtype, "tokens": T, "routed": routed,
+                         **{f"{n}_ms": t for n, t in times.items()},
+                         "packed_bytes": routed * (stacks[0][0].nbytes + stacks[0][1].nbytes) // E})
+            r = rows[-1]
+            print(f"  {qtype} T={T} experts={routed}: packed {r['packed_ms']:.3f} ms "
+                  f"({r['packed_bytes'] / r['packed_ms'] / 1e6:.1f} GB/s), int8 calls only "
+                  f"{r['int8_calls_only_ms']:.3f} ms, float32 kernel {r['float32_kernel_ms']:.3f} "
+                  f"ms", flush=True)
+    return rows
+
+
 def kernel_sweep(size: str, dtypes: list[str],
                  pairs: tuple[int, ...] = (2, 4, 8, 16, 32, 64, 128, 256),
                  layers: int = 8) -> list[dict]:
@@ -259,12 +473,28 @@ def make_parser() -> argparse.ArgumentParser:
                         "or each in turn in every round")
     p.add_argument("--kernel-sweep", action="store_true",
                    help="only time one layer's experts: C++ kernel vs grouped torch GEMMs")
+    p.add_argument("--gguf", nargs="+", default=None, metavar="TYPE",
+                   help="GGUF files of these types (Q8_0, Q4_0, Q4_K, ...): packed experts vs "
+                        "the file dequantized (with --kernel-sweep: one layer's decode step)")
     return p
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = make_parser().parse_args(argv)
     start = time.perf_counter()
+    if args.gguf:
+        print(f"{args.size} MoE GGUF on {machine_description()}; {uptime()}; {omp_env()}")
+        rows = (packed_sweep(args.size, args.gguf) if args.kernel_sweep
+                else gguf_decode(args.size, args.gguf, args))
+        for r in rows if not args.kernel_sweep else []:
+            print(f"  {r['qtype']} ({r['file_bytes'] / 2**20:.0f} MiB file): " + "; ".join(
+                f"{side} {r[side]['tok_s_median']:.1f} tok/s (best {r[side]['tok_s_best']:.1f}), "
+                f"{r[side]['bytes_per_token'] / 2**20:.1f} MiB/token -> "
+                f"{r[side]['implied_gb_s']:.1f} GB/s" for side in ("packed", "dequantized")))
+        if args.output_json:
+            with open(args.output_json, "w") as f:
+                json.dump(rows, f, indent=2)
+        return 0
     if args.kernel_sweep:
         print(f"{args.size} MoE layer on {machine_description()}; uptime: {uptime()}")
         rows = kernel_sweep(args.size, ["float32", "bfloat16"])

@@ -132,8 +132,11 @@ def fused_experts_packed(hidden_states: torch.Tensor, w13: Sequence[ExpertStack]
     ops = int8_step(hidden_states)
     order, token_of, counts = group_by_expert(topk_ids, num_experts)
     x = hidden_states.float().index_select(0, token_of)
-    weights = topk_weights.reshape(-1).index_select(0, order).float()
-    rows = torch.empty(x.shape[0], hidden, dtype=torch.float32, device=x.device)
+    # Each pair's row in pair order (token * k + slot; another rank's pairs stay 0), then the
+    # k rows of a token weighted and summed: small serial ops. index_add_ (fused_experts_torch)
+    # is a parallel region even for one row, whose join can wait milliseconds for a core on
+    # a shared host.
+    rows = torch.zeros(topk_ids.numel(), hidden, dtype=torch.float32, device=x.device)
     start = 0
     for expert, n in enumerate(counts):
         if n == 0:
@@ -141,9 +144,8 @@ def fused_experts_packed(hidden_states: torch.Tensor, w13: Sequence[ExpertStack]
         xe = x[start:start + n]
         parts = [expert_matmul(w, expert, xe, ops) for w in w13]
         gate_up = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
-        rows[start:start + n] = expert_matmul(w2, expert, silu_and_mul(gate_up), ops)
+        rows.index_copy_(0, order[start:start + n],
+                         expert_matmul(w2, expert, silu_and_mul(gate_up), ops))
         start += n
-    rows.mul_(weights.unsqueeze(1))
-    out = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=x.device)
-    out.index_add_(0, token_of, rows)
-    return out.to(hidden_states.dtype)
+    rows.mul_(topk_weights.reshape(-1, 1).float())
+    return rows.view(num_tokens, -1, hidden).sum(dim=1).to(hidden_states.dtype)
