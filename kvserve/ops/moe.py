@@ -9,6 +9,12 @@ once, gate_up GEMV -> SiLU * up -> down GEMV -> weighted sum in one call, the tw
 disjoint output rows. Larger steps (prefill) run the grouped torch GEMMs instead
 (model/layers/fused_moe/torch_moe.py): `kernel_takes` says which. dtypes: float32 x with
 float32 or bfloat16 weights, bfloat16 x with bfloat16 weights (float32 math inside).
+
+    fused_moe_packed_cpu(x [T, H] f32, w13 [stacks], w13_types, w2, w2_type, inter,
+                         topk_weights, topk_ids) -> [T, H] f32
+
+GGUF experts kept packed (model/layers/fused_moe/packed.py): per routed expert the int8 kernel
+kvserve::quant_linear on its blocks, grouped as above, in one call per layer.
 """
 from __future__ import annotations
 
@@ -48,7 +54,10 @@ def kernel_built() -> bool:
     return _KERNEL.get() is not None
 
 
-reset_dispatch = cpu_kernel.cache_clear       # the process's CPU settings changed
+def reset_dispatch() -> None:
+    """The process's CPU settings changed: look the ops up again."""
+    cpu_kernel.cache_clear()
+    packed_kernel.cache_clear()
 
 
 def set_kernel_enabled(enabled: bool) -> None:
@@ -56,7 +65,7 @@ def set_kernel_enabled(enabled: bool) -> None:
     on still means "unless disable_cpu_kernels is set or the build failed"."""
     global _enabled
     _enabled = enabled
-    cpu_kernel.cache_clear()
+    reset_dispatch()
 
 
 def kernel_takes(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, num_pairs: int) -> bool:
@@ -68,6 +77,30 @@ def kernel_takes(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, num_pairs
         or (x.dtype == torch.bfloat16 and wt == torch.bfloat16)))
     return (0 < num_pairs <= MAX_DECODE_PAIRS and x.device.type == "cpu" and dtypes_ok
             and w13.is_contiguous() and w2.is_contiguous())
+
+
+@functools.lru_cache(maxsize=1)
+def packed_kernel() -> Optional[Callable[..., torch.Tensor]]:
+    """The packed experts' op, or None: it calls kvserve::quant_linear and silu_and_mul
+    through the dispatcher, so their libraries must be built and loaded too."""
+    from kvserve.ops import fused
+    from kvserve.ops.quant import kernel as quant_kernel
+
+    if cpu_kernel() is None or fused._ops() is None or quant_kernel.ops() is None:
+        return None
+    return torch.ops.kvserve.fused_moe_packed.default
+
+
+def fused_moe_packed_cpu(x: torch.Tensor, w13: list[torch.Tensor], w13_types: list[int],
+                         w2: torch.Tensor, w2_type: int, inter: int, topk_weights: torch.Tensor,
+                         topk_ids: torch.Tensor) -> torch.Tensor:
+    """The packed experts' op (check packed_kernel() first). Stacks as PackedExperts.packed;
+    ids in [0, E)."""
+    op = packed_kernel()
+    if op is None:
+        raise RuntimeError("the C++ packed MoE op is not available (disabled or not built)")
+    return op(x.float().contiguous(), w13, w13_types, w2, w2_type, inter,
+              topk_weights.float().contiguous(), topk_ids.long().contiguous())
 
 
 def fused_moe_cpu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,

@@ -24,7 +24,8 @@ import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve.model.layers.fused_moe import FusedMoE, fused_experts_torch, select_experts
-from kvserve.model.layers.fused_moe.packed import PackedExperts, fused_experts_packed
+from kvserve.model.layers.fused_moe.packed import (PackedExperts, _experts_loop,
+                                                   fused_experts_packed)
 from kvserve.ops.fused import silu_and_mul
 from kvserve.ops.quant import kernel as quant_kernel
 from kvserve.ops.quant.formats import FORMATS
@@ -92,6 +93,9 @@ def test_decode_step_reads_each_routed_experts_blocks(types) -> None:
     assert len(layer.w13_packed) == (1 if types[0] == types[1] else 2)     # gate|up fused
     x, weights, ids = _routing(5, 1)
     got = fused_experts_packed(x, *layer.expert_stacks(), weights, ids, E)
+    # The C++ op (where built) = the torch-op loop it replaces, bit for bit (top-2).
+    ops = quant_kernel.ops()
+    assert torch.equal(got, _experts_loop(x, *layer.expert_stacks(), weights, ids, E, ops))
     # Each (token, expert) pair alone through the dense layers' packed weight (int8 path).
     shapes = [(I, H), (I, H), (H, I)]
     mats = [[PackedQuantWeight.from_gguf(q, raw[e], s) for e in range(E)]

@@ -30,6 +30,8 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/BFloat16.h>
@@ -342,6 +344,93 @@ at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& w13, const at::Tenso
   return xt == at::kFloat ? outf : outf.to(xt);
 }
 
+// ------------------------------------------------------------------ packed GGUF experts
+//
+//   fused_moe_packed(x [T, H] f32, w13 Tensor[] (one stack of gate | up rows, or gate and up
+//                    stacks), w13_types int[], w2 stack, w2_type, inter, topk_weights [T, k]
+//                    f32, topk_ids [T, k] int64) -> [T, H] f32
+//
+// Stacks are PackedExperts' [E, ceil(N / 8), K / block, group bytes] uint8 (ops/quant's
+// layout). The pairs grouped by expert as above; per routed expert, its x rows gathered and
+// the int8 kernel kvserve::quant_linear (quant_linear.cpp, called through the dispatcher: its
+// library is loaded where weights are packed) run on that expert's blocks only -- gate / up,
+// kvserve::silu_and_mul, down -- each call parallel over output rows on quant_linear's own
+// work pool. Then each pair's row times its weight, summed over k in slot order: the same
+// ops and order as layers/fused_moe/packed.py's Python loop (bit-identical for k <= 2), without
+// its ~0.1 ms of op calls per layer.
+
+using QuantSig = at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t);
+using SiluSig = at::Tensor(const at::Tensor&);
+
+template <typename Sig>
+c10::TypedOperatorHandle<Sig> find_op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
+}
+
+at::Tensor fused_moe_packed(const at::Tensor& x, at::TensorList w13, at::IntArrayRef w13_types,
+                            const at::Tensor& w2, int64_t w2_type, int64_t inter,
+                            const at::Tensor& topk_weights, const at::Tensor& topk_ids) {
+  static const auto quant = find_op<QuantSig>("kvserve::quant_linear");
+  static const auto silu_and_mul = find_op<SiluSig>("kvserve::silu_and_mul");
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 &&
+                  x.is_contiguous(), "fused_moe_packed: x must be a contiguous float32 [T, H]");
+  TORCH_CHECK((w13.size() == 1 || w13.size() == 2) && w13_types.size() == w13.size() &&
+                  w2.dim() == 4, "fused_moe_packed: w13 is 1 or 2 stacks with their types, "
+              "w2 a stack [E, G, K/B, bytes]");
+  const int64_t T = x.size(0), H = x.size(1), E = w2.size(0);
+  for (const at::Tensor& w : w13)
+    TORCH_CHECK(w.dim() == 4 && w.size(0) == E, "fused_moe_packed: stacks of ", E, " experts");
+  TORCH_CHECK(topk_ids.dim() == 2 && topk_ids.size(0) == T &&
+                  topk_ids.scalar_type() == at::kLong && topk_weights.sizes() == topk_ids.sizes() &&
+                  topk_weights.scalar_type() == at::kFloat && topk_ids.is_contiguous() &&
+                  topk_weights.is_contiguous(),
+              "fused_moe_packed: topk_ids must be int64 [T, k] and topk_weights float32 [T, k]");
+  const int64_t k = topk_ids.size(1);
+  const int64_t* ids = topk_ids.data_ptr<int64_t>();
+  for (int64_t p = 0; p < T * k; ++p)
+    TORCH_CHECK(ids[p] >= 0 && ids[p] < E, "fused_moe_packed: expert id ", ids[p],
+                " out of [0, ", E, ")");
+  const Groups g = group_pairs(ids, topk_weights.data_ptr<float>(), T, k, E);
+  // Each pair's weighted row at its pair index (token * k + slot); groups list pairs by index
+  // order within an expert, so pair q of group gi is the q-th pair of that expert in order.
+  std::vector<int64_t> pair_of(T * k);
+  {
+    std::vector<int64_t> pos(E, 0);
+    std::vector<int64_t> first(E, 0);
+    for (size_t gi = 0; gi < g.expert.size(); ++gi) first[g.expert[gi]] = g.start[gi];
+    for (int64_t p = 0; p < T * k; ++p) pair_of[first[ids[p]] + pos[ids[p]]++] = p;
+  }
+  at::Tensor rows = at::empty({T * k, H}, x.options());
+  float* r = rows.data_ptr<float>();
+  const float* xp = x.data_ptr<float>();
+  for (size_t gi = 0; gi < g.expert.size(); ++gi) {
+    const int64_t e = g.expert[gi], p0 = g.start[gi], n = g.start[gi + 1] - p0;
+    at::Tensor xe = at::empty({n, H}, x.options());
+    for (int64_t m = 0; m < n; ++m)
+      std::copy(xp + g.token[p0 + m] * H, xp + (g.token[p0 + m] + 1) * H,
+                xe.data_ptr<float>() + m * H);
+    at::Tensor gate_up =
+        w13.size() == 1 ? quant.call(xe, w13[0][e], w13_types[0], 2 * inter)
+                        : at::cat({quant.call(xe, w13[0][e], w13_types[0], inter),
+                                   quant.call(xe, w13[1][e], w13_types[1], inter)}, 1);
+    at::Tensor y = quant.call(silu_and_mul.call(gate_up), w2[e], w2_type, H);
+    const float* yp = y.data_ptr<float>();
+    for (int64_t m = 0; m < n; ++m) {
+      const float wt = g.weight[p0 + m];
+      float* dst = r + pair_of[p0 + m] * H;
+      for (int64_t h = 0; h < H; ++h) dst[h] = yp[m * H + h] * wt;
+    }
+  }
+  at::Tensor out = at::zeros({T, H}, x.options());
+  float* o = out.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t j = 0; j < k; ++j) {
+      const float* src = r + (t * k + j) * H;
+      for (int64_t h = 0; h < H; ++h) o[t * H + h] += src[h];
+    }
+  return out;
+}
+
 std::string isa() {
 #if defined(KVS_AVX2)
   return "avx2 (fma; bf16 weights widened to f32 in registers)";
@@ -357,6 +446,11 @@ TORCH_LIBRARY_FRAGMENT(kvserve, m) {
   m.def("fused_moe(Tensor x, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids) "
         "-> Tensor");
   m.def("fused_moe_isa() -> str", &isa);
+  m.def("fused_moe_packed(Tensor x, Tensor[] w13, int[] w13_types, Tensor w2, int w2_type, "
+        "int inter, Tensor topk_weights, Tensor topk_ids) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(kvserve, CPU, m) { m.impl("fused_moe", &fused_moe); }
+TORCH_LIBRARY_IMPL(kvserve, CPU, m) {
+  m.impl("fused_moe", &fused_moe);
+  m.impl("fused_moe_packed", &fused_moe_packed);
+}

@@ -190,7 +190,7 @@ class FusedMoE(nn.Module):
                 topk_ids = self.expert_map[topk_ids]     # -1: skipped, as below
             w13, w2 = self.expert_stacks()
             out = fused_experts_packed(hidden_states, w13, w2, topk_weights, topk_ids,
-                                       self.local_num_experts)
+                                       self.local_num_experts, ids_in_range=self.ep_size == 1)
         elif self.ep_size > 1:
             # Local ids; -1 marks another rank's expert, which only the grouped torch path
             # skips (the C++ and Triton kernels take ids in [0, E)).
