@@ -134,6 +134,41 @@ def test_prefill_step_equals_the_dequantized_float_experts(types) -> None:
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
+@torch.inference_mode()
+def test_expert_parallel_ranks_and_float_gate_up_beside_packed_down() -> None:
+    """EP: two ranks' packed halves sum to the whole layer (ids -1 skipped); a layer whose
+    gate / up are float (another GGUF type) and down packed runs both kinds."""
+    types = ("Q8_0", "Q8_0", "Q4_0")
+    whole, raws = _experts(types, seed=3)
+    x, weights, ids = _routing(3, 4)
+    logits = torch.randn(3, E, generator=torch.Generator().manual_seed(4))
+    want = whole(x, logits)
+    halves = []
+    for rank in range(2):
+        layer = FusedMoE(E, TOP_K, H, I, renormalize=True, ep_rank=rank, ep_size=2)
+        for e in range(E):
+            for which, raw, q in zip(("w1", "w3", "w2"), raws, types):
+                param = layer.w2_weight if which == "w2" else layer.w13_weight
+                shape = (H, I) if which == "w2" else (I, H)
+                layer.weight_loader(param, QuantizedRows(q, raw[e], shape), (e, which))
+        layer.process_weights_after_loading()
+        assert layer.w2_packed.num_experts == E // 2
+        halves.append(layer(x, logits))
+    torch.testing.assert_close(halves[0] + halves[1], want, rtol=1e-6, atol=1e-6)
+    g, u, _ = _dequantized(raws, types)
+    mixed = FusedMoE(E, TOP_K, H, I, renormalize=True, ep_rank=0, ep_size=1)
+    for e in range(E):
+        mixed.weight_loader(mixed.w13_weight, g[e], (e, "w1"))
+        mixed.weight_loader(mixed.w13_weight, u[e], (e, "w3"))
+        mixed.weight_loader(mixed.w2_weight, QuantizedRows("Q4_0", raws[2][e], (H, I)),
+                            (e, "w2"))
+    mixed.process_weights_after_loading()
+    assert mixed.w13_packed is None and mixed.w2_packed is not None
+    # The int8 kernel on x for gate / up vs float GEMMs: within the activations' error.
+    got = mixed(x, logits)
+    assert (got - want).norm() <= INT8_REL_TOL * want.norm()
+
+
 def test_mixed_float_and_packed_experts_of_one_projection_is_an_error() -> None:
     layer = FusedMoE(E, TOP_K, H, I, renormalize=True, ep_rank=0, ep_size=1)
     raw = random_blocks("Q8_0", I, H, 0)
