@@ -19,7 +19,8 @@ Mixture-of-experts layers (Mixtral, Qwen2/3-MoE, MoE and dense layers mixed) tak
 op runs the router's linear, select_experts' routing and the C++ fused_moe kernel in place of
 the dense MLP -- what FusedMoE does for steps of this size -- where that kernel takes the
 experts (dtypes, top_k * 8 pairs) and is switched on (else the step runs layer by layer).
-LoRA steps of MoE models run layer by layer.
+GGUF experts kept packed take moe.cpp's fused_moe_packed instead (one gate|up stack: gate and
+up of two types run layer by layer). LoRA steps of MoE models run layer by layer.
 """
 from __future__ import annotations
 
@@ -77,15 +78,18 @@ def _moe_why_not(mlp: Any, act: torch.dtype) -> Optional[str]:
     experts = mlp.experts
     if experts.ep_size != 1:
         return "expert parallelism"
-    if experts.packed:
-        return "packed GGUF experts (the op's moe_mlp reads float expert stacks)"
     if not _streams(mlp.gate, act) or mlp.gate.bias is not None:
         return "a router weight the small-batch kernel cannot stream"
     w13, w2 = experts.w13_weight, experts.w2_weight
-    if not moe_ops.kernel_takes(torch.empty(0, dtype=act), w13, w2,
-                                experts.top_k * SMALL_BATCH_MAX_ROWS):
+    if experts.packed:       # GGUF blocks: the packed op (moe.cpp fused_moe_packed)
+        if len(experts.w13_packed or ()) != 1 or experts.w2_packed is None:
+            return "packed GGUF experts with gate and up of two types or float stacks beside"
+        if moe_ops.packed_kernel() is None:
+            return "the C++ packed MoE op is disabled or not built"
+    elif not moe_ops.kernel_takes(torch.empty(0, dtype=act), w13, w2,
+                                  experts.top_k * SMALL_BATCH_MAX_ROWS):
         return "experts the C++ MoE kernel does not take (dtype, top_k x 8 rows)"
-    if not moe_ops.kernel_built():
+    elif not moe_ops.kernel_built():
         return "the C++ MoE kernel is disabled or not built"
     shared = getattr(mlp, "shared_expert", None)
     if shared is not None and not all(_streams(m, act) for m in (
@@ -213,6 +217,11 @@ class FusedDecodeStack:
         slot = {"router_w": mlp.gate.linear_weight.streamed(),
                 "w13": experts.w13_weight, "w2": experts.w2_weight,
                 "moe_cfg": torch.tensor([experts.top_k, int(experts.renormalize)])}
+        if experts.packed:       # one gate|up stack (_moe_why_not), types and rows in cfg
+            w13, w2 = experts.w13_packed[0], experts.w2_packed
+            slot |= {"w13": w13.packed, "w2": w2.packed, "moe_cfg": torch.tensor(
+                [experts.top_k, int(experts.renormalize), w13.fmt.ggml_type, w2.fmt.ggml_type,
+                 w2.shape[1]])}
         if shared is not None:
             slot |= {"shared_gate_up_w": shared.gate_up_proj.linear_weight.streamed(),
                      "shared_down_w": shared.down_proj.linear_weight.streamed(),

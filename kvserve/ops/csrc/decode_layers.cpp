@@ -212,6 +212,16 @@ const c10::TypedOperatorHandle<MoeSig>& moe_op() {
   return handle;
 }
 
+using MoePackedSig = at::Tensor(const at::Tensor&, at::TensorList, at::IntArrayRef,
+                                const at::Tensor&, int64_t, int64_t, const at::Tensor&,
+                                const at::Tensor&);
+
+// GGUF experts kept packed (uint8 stacks; cfg [top_k, renormalise, w13 type, w2 type, inter]).
+const c10::TypedOperatorHandle<MoePackedSig>& moe_packed_op() {
+  static const auto handle = find_op<MoePackedSig>("kvserve::fused_moe_packed");
+  return handle;
+}
+
 // A MoE layer's feed-forward block, x [T, hidden] (normed) -> [T, hidden]: MixtralMoE /
 // QwenMoE.forward with the same ops in the same order -- the router's small_batch_linear,
 // routing.select_experts (float32 softmax over all experts, topk, the optional
@@ -223,8 +233,13 @@ at::Tensor moe_mlp(const Ops& op, const at::Tensor& x, const Opt* w) {
   const at::Tensor probs = op.linear.call(x, *w[kRouterW], none).to(at::kFloat).softmax(-1);
   auto [weights, ids] = probs.topk(cfg[0], -1);
   if (cfg[1] != 0) weights = weights.div(weights.sum(-1, true));
-  at::Tensor out = moe_op().call(x.contiguous(), *w[kW13], *w[kW2], weights.contiguous(),
-                                 ids.contiguous());
+  at::Tensor out =
+      w[kW13]->scalar_type() == at::kByte
+          ? moe_packed_op().call(x.to(at::kFloat).contiguous(), {*w[kW13]}, {cfg[2]}, *w[kW2],
+                                 cfg[3], cfg[4], weights.contiguous(), ids.contiguous())
+                .to(x.scalar_type())
+          : moe_op().call(x.contiguous(), *w[kW13], *w[kW2], weights.contiguous(),
+                          ids.contiguous());
   if (!w[kSharedGateUpW].has_value()) return out;
   const at::Tensor gate = op.linear.call(x, *w[kSharedGateW], none).sigmoid();
   const at::Tensor act = op.silu_and_mul.call(op.linear.call(x, *w[kSharedGateUpW], none));
@@ -330,9 +345,11 @@ void check_layer_args(const std::vector<Opt>& w, const std::vector<Opt>& qparts,
                   "decode_layers: layer ", l, " has neither a weight nor packed parts for slot ",
                   s);
     TORCH_CHECK(!moe || (lw[kW13].has_value() && lw[kW2].has_value() && lw[kMoeCfg].has_value() &&
-                         lw[kMoeCfg]->scalar_type() == at::kLong && lw[kMoeCfg]->numel() == 2 &&
+                         lw[kMoeCfg]->scalar_type() == at::kLong &&
+                         lw[kMoeCfg]->numel() == (lw[kW13]->scalar_type() == at::kByte ? 5 : 2) &&
                          lw[kMoeCfg]->is_contiguous()),
-                "decode_layers: MoE layer ", l, " lacks its expert stacks or [top_k, renormalise]");
+                "decode_layers: MoE layer ", l, " lacks its expert stacks or [top_k, renormalise"
+                "(, w13 type, w2 type, inter: packed)]");
     TORCH_CHECK(!moe || !with_lora, "decode_layers: LoRA on a MoE layer runs layer by layer");
   }
 }
