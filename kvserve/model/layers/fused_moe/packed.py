@@ -23,8 +23,9 @@ fused_moe_packed: the same kernel calls in the same order, bit-identical to the 
 here for top-2) because the loop's op calls cost more than the kernel at batch 1: one small
 Mixtral layer (8 experts of 512 x 512, top-2, Q8_0, 2 threads, loaded Zen 3), 0.15 ms in C++,
 0.43 ms as the loop, 0.31 ms for only its 4 quant_linear calls from Python (benchmarks/moe.py
---kernel-sweep --gguf Q8_0 Q4_K; Q4_K 0.10 / 0.24 / 0.15 ms). The loop stays for prefill,
-expert parallelism (ids -1), float stacks beside packed ones and builds without the op.
+--kernel-sweep --gguf Q8_0 Q4_K; Q4_K 0.10 / 0.24 / 0.15 ms). The fused all-layers decode op
+calls the same op (decode_layers.cpp moe_mlp) where gate|up is one stack. The loop stays for
+prefill, expert parallelism (ids -1), float stacks beside packed ones, builds without the op.
 """
 from __future__ import annotations
 
