@@ -169,6 +169,33 @@ def test_expert_parallel_ranks_and_float_gate_up_beside_packed_down() -> None:
     assert (got - want).norm() <= INT8_REL_TOL * want.norm()
 
 
+@torch.inference_mode()
+def test_tensor_parallel_shards_of_packed_experts_sum_to_the_layer(monkeypatch) -> None:
+    """TP=2: each rank keeps its block-aligned half of every expert's rows (gate / up) and
+    columns (down); the ranks' partial sums (reduce_results off) add up to the whole layer."""
+    from kvserve.distributed import parallel_state
+
+    types = ("Q8_0", "Q8_0", "Q4_1")
+    whole, raws = _experts(types, seed=6)
+    x = torch.randn(3, H, generator=torch.Generator().manual_seed(7))
+    logits = torch.randn(3, E, generator=torch.Generator().manual_seed(8))
+    parts = []
+    for rank in range(2):
+        monkeypatch.setattr(parallel_state._TP_STATE, "rank", rank)
+        monkeypatch.setattr(parallel_state._TP_STATE, "world_size", 2)
+        layer = FusedMoE(E, TOP_K, H, I, renormalize=True, reduce_results=False, ep_rank=0,
+                         ep_size=1)
+        for e in range(E):
+            for which, raw, q in zip(("w1", "w3", "w2"), raws, types):
+                param = layer.w2_weight if which == "w2" else layer.w13_weight
+                shape = (H, I) if which == "w2" else (I, H)
+                layer.weight_loader(param, QuantizedRows(q, raw[e], shape), (e, which))
+        layer.process_weights_after_loading()
+        assert layer.w2_packed.shape == (H, I // 2)
+        parts.append(layer(x, logits))
+    torch.testing.assert_close(parts[0] + parts[1], whole(x, logits), rtol=1e-5, atol=1e-5)
+
+
 def test_mixed_float_and_packed_experts_of_one_projection_is_an_error() -> None:
     layer = FusedMoE(E, TOP_K, H, I, renormalize=True, ep_rank=0, ep_size=1)
     raw = random_blocks("Q8_0", I, H, 0)
