@@ -279,7 +279,8 @@ def ensure_moe_gguf(ckpt: str, qtype: str) -> str:
         if t.dim() < 2 or gname.endswith("ffn_gate_inp.weight"):
             w.add_tensor(gname, t.float().numpy())
         else:
-            w.add_tensor(gname, _gguf_blocks(t, qtype, i), raw_dtype=gguf.GGMLQuantizationType[qtype])
+            w.add_tensor(gname, _gguf_blocks(t, qtype, i),
+                         raw_dtype=gguf.GGMLQuantizationType[qtype])
     for i, (gname, ts) in enumerate(sorted(stacks.items())):
         w.add_tensor(gname, _gguf_blocks(torch.stack(ts), qtype, 10_000 + i),
                      raw_dtype=gguf.GGMLQuantizationType[qtype])
@@ -350,8 +351,8 @@ def gguf_decode(size: str, qtypes: list[str], args: argparse.Namespace) -> list[
 def packed_sweep(size: str, qtypes: list[str], tokens: tuple[int, ...] = (1, 2, 4, 8),
                  layers: int = 8) -> list[dict]:
     """One layer's decode step with packed experts: fused_experts_packed (the model's path,
-    the C++ op) against the same in torch ops (the Python loop), only the int8 kernel calls (the floor of any fused C++ variant calling
-    the same kernel) and the float32 C++ kernel on the dequantized experts; weights of
+    the C++ op) against the same in torch ops (the Python loop), only the int8 kernel calls it
+    makes from Python, and the float32 C++ kernel on the dequantized experts; weights of
     `layers` layers cycled so each call reads its experts from memory."""
     from kvserve.model.layers.fused_moe import select_experts
     from kvserve.model.layers.fused_moe.packed import (PackedExperts, _experts_loop,

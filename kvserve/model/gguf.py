@@ -414,7 +414,8 @@ def iterate_gguf_weights(path: str, hf_config: dict, packed: bool = False,
     view of the file; kept packed by the layers) instead. The data is read through a memory
     map at the offsets the reader found (see `read_gguf_metadata`). Stacked experts come one
     expert at a time, dequantized or (`packed`, see the module doc) as raw blocks; the names
-    `skip` gives (other expert-parallel ranks' experts) are not read. Logs in one line what stays packed and what does not."""
+    `skip` gives (other expert-parallel ranks' experts) are not read. Logs in one line what
+    stays packed and what does not."""
     import gguf
     from gguf.quants import dequantize
 
