@@ -25,9 +25,12 @@ GGUF files without llama-cpp-python.
 
 `--quantized-files demo a.gguf b.gguf` (issue 29) runs both engines on the same quantized
 files instead (kvserve keeping them packed, its default for a .gguf): batch-1 decode tok/s and
-prompt processing of --prompt-len tokens (alternating rounds), the resident memory each engine
-adds by loading (RSS after load and warm-up, both in this process: kvserve with
-multiprocessing=False), and the perplexity of each over a fixed text (the same token ids).
+prompt processing of --prompt-len tokens (alternating rounds), kvserve's weight memory (every
+storage its model holds), the resident memory each engine adds by loading (RSS after load and
+warm-up), and the perplexity of each over a fixed text (the same token ids). Each engine runs
+in a process of its own, as its users run it: kvserve in-process there with the
+GOMP_SPINCOUNT its import sets (as its engine core gets it), llama.cpp with the OpenMP
+environment this script was started with.
 `--kvserve-only` there adds kvserve's dequantized float32 path (--quantization
 gguf-dequantized) as the reference instead of llama.cpp.
 """
@@ -37,6 +40,10 @@ import argparse
 import json
 import os
 import sys
+
+# The OpenMP settings this script was started with, before `import kvserve` adds its own
+# GOMP_SPINCOUNT: llama.cpp's worker runs with these (as llama.cpp runs for its users).
+_USER_OMP_ENV = {k: os.environ.get(k) for k in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
 import time
 from typing import Any, Optional
 
@@ -267,6 +274,60 @@ class LlamaCppRunner:
         self.llm.close()
 
 
+class LlamaCppBatchRunner:
+    """llama.cpp decoding many sequences at once, as llama-server runs its parallel slots: one
+    llama_batch per step holding every sequence's next token (the prompts first, in n_batch
+    chunks, logits at each prompt's last token only), a unified KV cache, greedy."""
+
+    N_BATCH = 2048
+
+    def __init__(self, llm: Any, n_seq: int, n_ctx_per_seq: int, n_threads: int) -> None:
+        import llama_cpp
+
+        self._lib = lib = llama_cpp
+        params = lib.llama_context_default_params()
+        params.n_ctx = n_seq * n_ctx_per_seq
+        params.n_batch, params.n_ubatch, params.n_seq_max = self.N_BATCH, 512, n_seq
+        params.n_threads = params.n_threads_batch = n_threads
+        params.kv_unified = True
+        self.ctx = lib.llama_init_from_model(llm._model.model, params)
+        if not self.ctx:
+            raise RuntimeError("llama.cpp: could not create the batched context")
+        self.batch = lib.llama_batch_init(self.N_BATCH, 0, 1)
+        self.n_vocab = llm.n_vocab()
+
+    def _decode(self, entries: list[tuple[int, int, int, bool]]) -> np.ndarray:
+        """entries (seq, pos, token, wants logits) -> argmax of each logits row, in order."""
+        b = self.batch
+        for i, (seq, pos, tok, logits) in enumerate(entries):
+            b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = tok, pos, 1, logits
+            b.seq_id[i][0] = seq
+        b.n_tokens = len(entries)
+        if self._lib.llama_decode(self.ctx, b) != 0:
+            raise RuntimeError("llama_decode failed")
+        n_out = sum(e[3] for e in entries)
+        ptr = self._lib.llama_get_logits(self.ctx)
+        return np.ctypeslib.as_array(ptr, shape=(n_out, self.n_vocab)).argmax(-1)
+
+    def run(self, prompts: list[list[int]], num_tokens: int) -> float:
+        """Seconds to generate num_tokens greedy tokens for every prompt."""
+        self._lib.llama_memory_clear(self._lib.llama_get_memory(self.ctx), True)
+        start = time.perf_counter()
+        entries = [(s, p, t, p == len(ids) - 1) for s, ids in enumerate(prompts)
+                   for p, t in enumerate(ids)]
+        nxt: list[int] = []
+        for i in range(0, len(entries), self.N_BATCH):
+            nxt.extend(self._decode(entries[i:i + self.N_BATCH]).tolist())
+        for step in range(num_tokens - 1):
+            nxt = self._decode([(s, len(ids) + step, nxt[s], True)
+                                for s, ids in enumerate(prompts)]).tolist()
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        self._lib.llama_batch_free(self.batch)
+        self._lib.llama_free(self.ctx)
+
+
 def measure_offline(model: str, dtype: str, args: argparse.Namespace) -> dict[str, Any]:
     """kvserve offline throughput: --offline-requests random-token prompts of
     --decode-prompt-len tokens, --decode-tokens greedy output tokens each, all submitted at
@@ -428,72 +489,189 @@ def _llamacpp_perplexity(path: str, ids: list[int], threads: int) -> float:
     return float(np.exp(-np.mean([logp[i - 1, t] for i, t in enumerate(ids) if i > 0])))
 
 
+class _KvserveSide:
+    """kvserve on a quantized file, in-process inside its worker (see _quant_worker)."""
+
+    def __init__(self, path: str, opts: dict[str, Any]) -> None:
+        from kvserve import LLM
+        from kvserve.benchmarks.datasets import perplexity_text, prompt_perplexity
+        from kvserve.benchmarks.latency import measure_prefill_throughput, random_token_prompts
+        from kvserve.model.loader import weight_memory_bytes
+
+        self.opts = opts
+        extra = {"quantization": "gguf-dequantized"} if opts["dequantized"] else {}
+        self.llm = LLM(path, max_model_len=opts["ctx"], max_num_seqs=max(1, opts["offline"]),
+                       enable_prefix_caching=False, multiprocessing=False, **extra)
+        ppl, ids = prompt_perplexity(self.llm, perplexity_text(1))
+        measure_prefill_throughput(self.llm, opts["prompt_len"], 1)                # warm-up
+        n = opts["num_iters"]
+        runner = self.llm.llm_engine.engine_core.engine_core.model_executor.worker.model_runner
+        self.setup = {
+            "ppl": ppl, "ids": ids, "weight_bytes": weight_memory_bytes(runner.model),
+            "pp": [p["prompt_token_ids"] for p in random_token_prompts(
+                self.llm, n + 1, opts["prompt_len"], seed=11)],
+            "dec": [p["prompt_token_ids"] for p in random_token_prompts(
+                self.llm, n, opts["decode_prompt_len"], seed=13)],
+            "off": [p["prompt_token_ids"] for p in random_token_prompts(
+                self.llm, opts["offline"], opts["decode_prompt_len"], seed=17)]}
+
+    def decode(self, i: int) -> float:
+        from kvserve.benchmarks.latency import measure_decode_throughput
+        return measure_decode_throughput(self.llm, 1, self.opts["decode_prompt_len"],
+                                         self.opts["decode_tokens"], 1,
+                                         seed=1000 + 10 * i)["decode_tokens_per_second"]
+
+    def prefill(self, i: int) -> float:
+        from kvserve.benchmarks.latency import measure_prefill_throughput
+        return measure_prefill_throughput(self.llm, self.opts["prompt_len"], 1,
+                                          seed=2000 + 10 * i)["prefill_tokens_per_second"]
+
+    def offline(self, i: int) -> float:
+        """Generated tokens/s of all --offline-requests prompts submitted at once."""
+        from kvserve import SamplingParams
+        params = SamplingParams(temperature=0.0, ignore_eos=True, detokenize=False,
+                                max_tokens=self.opts["decode_tokens"])
+        prompts = [{"prompt_token_ids": ids} for ids in self.setup["off"]]
+        start = time.perf_counter()
+        outs = self.llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+        return sum(len(o.outputs[0].token_ids) for o in outs) / elapsed
+
+    def close(self) -> None:
+        self.llm.shutdown()
+
+
+class _LlamaCppSide:
+    """llama.cpp on the same file and token ids, in its worker."""
+
+    def __init__(self, path: str, opts: dict[str, Any]) -> None:
+        self.opts = opts
+        self.setup = {"ppl": _llamacpp_perplexity(path, opts["ids"], opts["threads"])}
+        self.runner = LlamaCppRunner(path, opts["ctx"], opts["threads"])
+        self.batch_runner: Optional[LlamaCppBatchRunner] = None
+        self.runner.prefill(opts["pp"][-1])                                        # warm-up
+
+    def decode(self, i: int) -> float:
+        tokens = self.opts["decode_tokens"]
+        return tokens / self.runner.greedy(self.opts["dec"][i], tokens + 1)[1]
+
+    def prefill(self, i: int) -> float:
+        return self.opts["prompt_len"] / self.runner.prefill(self.opts["pp"][i])
+
+    def offline(self, i: int) -> float:
+        if self.batch_runner is None:
+            self.batch_runner = LlamaCppBatchRunner(self.runner.llm, len(self.opts["off"]),
+                                                    self.opts["ctx"], self.opts["threads"])
+        tokens = self.opts["decode_tokens"]
+        return len(self.opts["off"]) * tokens / self.batch_runner.run(self.opts["off"], tokens)
+
+    def close(self) -> None:
+        if self.batch_runner is not None:
+            self.batch_runner.close()
+        self.runner.close()
+
+
+def _quant_worker(kind: str, path: str, opts: dict[str, Any], conn: Any) -> None:
+    """One engine in a process of its own: its own OpenMP runtime and spin setting (kvserve's
+    as it ships, llama.cpp's default), and its own resident memory. Answers the parent's
+    (method, round) calls with tokens/s until ("close", None)."""
+    torch.set_num_threads(opts["threads"])
+    rss0 = _rss_bytes()
+    side = _KvserveSide(path, opts) if kind == "kvserve" else _LlamaCppSide(path, opts)
+    conn.send({**side.setup, "rss_bytes": _rss_bytes() - rss0})
+    while True:
+        method, arg = conn.recv()
+        if method == "close":
+            side.close()
+            return
+        conn.send(getattr(side, method)(arg))
+
+
+def _start_worker(kind: str, path: str, opts: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
+    """(process, pipe, its setup reply). llama.cpp's worker gets the environment the user ran
+    this script with (kvserve's import sets GOMP_SPINCOUNT for its own processes only)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_quant_worker, args=(kind, path, opts, child), daemon=True)
+    saved = {k: os.environ.get(k) for k in _USER_OMP_ENV}
+    try:
+        if kind == "llamacpp":
+            _set_env(_USER_OMP_ENV)
+        proc.start()
+    finally:
+        _set_env(saved)
+    return proc, parent, _recv(proc, parent)
+
+
+def _recv(proc: Any, conn: Any) -> Any:
+    """The worker's reply; an error if it died first (its traceback is on stderr)."""
+    while not conn.poll(1.0):
+        if not proc.is_alive():
+            raise RuntimeError(f"benchmark worker {proc.name} exited with code {proc.exitcode}")
+    return conn.recv()
+
+
+def _set_env(values: dict[str, Optional[str]]) -> None:
+    for key, value in values.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
 def bench_quantized(path: str, args: argparse.Namespace) -> dict[str, Any]:
-    """One quantized file, both engines loaded, alternating rounds (see bench_dtype)."""
-    from kvserve import LLM
-    from kvserve.benchmarks.datasets import perplexity_text, prompt_perplexity
-    from kvserve.benchmarks.latency import (measure_decode_throughput,
-                                            measure_prefill_throughput, random_token_prompts)
+    """One quantized file, each engine in its own process, taking turns round by round (the
+    order alternating), so a drift of the machine lands on both."""
+    import kvserve  # noqa: F401  (its GOMP_SPINCOUNT, inherited by its worker as by its engine core)
 
     threads = torch.get_num_threads()
-    ctx = max(args.prompt_len, args.decode_prompt_len + args.decode_tokens) + 32
-    entry: dict[str, Any] = {"file": path, "weights": weights_label(path, "gguf"),
-                             "file_bytes": os.path.getsize(path), "threads": threads}
     peer = "dequantized" if args.kvserve_only else "llamacpp"
-    rss0 = _rss_bytes()
-    llm = LLM(path, max_model_len=ctx, max_num_seqs=1, enable_prefix_caching=False,
-              multiprocessing=False)
-    other = None
+    # (1024: room for the perplexity text as well)
+    opts = {"ctx": max(args.prompt_len, args.decode_prompt_len + args.decode_tokens, 1024) + 32,
+            "threads": threads, "prompt_len": args.prompt_len, "num_iters": args.num_iters,
+            "decode_prompt_len": args.decode_prompt_len, "decode_tokens": args.decode_tokens,
+            "dequantized": False, "offline": args.offline_requests}
+    entry: dict[str, Any] = {"file": path, "weights": weights_label(path, "gguf"),
+                             "file_bytes": os.path.getsize(path), "threads": threads,
+                             "peer": peer, "gomp_spincount_kvserve": os.environ.get("GOMP_SPINCOUNT"),
+                             "gomp_spincount_peer": _USER_OMP_ENV["GOMP_SPINCOUNT"]}
+    workers = {}
     try:
-        entry["kvserve_ppl"], ids = prompt_perplexity(llm, perplexity_text(1))
-        measure_prefill_throughput(llm, args.prompt_len, 1)                   # warm-up
-        entry["kvserve_rss_bytes"] = _rss_bytes() - rss0
-        rss1 = _rss_bytes()
-        if args.kvserve_only:
-            other = LLM(path, quantization="gguf-dequantized", max_model_len=ctx, max_num_seqs=1,
-                        enable_prefix_caching=False, multiprocessing=False)
-            entry["dequantized_ppl"] = prompt_perplexity(other, perplexity_text(1))[0]
-            measure_prefill_throughput(other, args.prompt_len, 1)
-            sides = {"dequantized_decode": lambda i: measure_decode_throughput(
-                        other, 1, args.decode_prompt_len, args.decode_tokens, 1,
-                        seed=1000 + 10 * i)["decode_tokens_per_second"],
-                     "dequantized_prefill": lambda i: measure_prefill_throughput(
-                        other, args.prompt_len, 1, seed=2000 + 10 * i)["prefill_tokens_per_second"]}
-        else:
-            entry["llamacpp_ppl"] = _llamacpp_perplexity(path, ids, threads)
-            other = LlamaCppRunner(path, ctx, threads)
-            pp = [p["prompt_token_ids"] for p in
-                  random_token_prompts(llm, args.num_iters + 1, args.prompt_len, seed=11)]
-            dec = [p["prompt_token_ids"] for p in
-                   random_token_prompts(llm, args.num_iters, args.decode_prompt_len, seed=13)]
-            other.prefill(pp[-1])                                            # warm-up
-            sides = {"llamacpp_decode": lambda i: args.decode_tokens / other.greedy(
-                        dec[i], args.decode_tokens + 1)[1],
-                     "llamacpp_prefill": lambda i: args.prompt_len / other.prefill(pp[i])}
-        entry[f"{peer}_rss_bytes"] = _rss_bytes() - rss1
-        sides.update({
-            "kvserve_decode": lambda i: measure_decode_throughput(
-                llm, 1, args.decode_prompt_len, args.decode_tokens, 1,
-                seed=1000 + 10 * i)["decode_tokens_per_second"],
-            "kvserve_prefill": lambda i: measure_prefill_throughput(
-                llm, args.prompt_len, 1, seed=2000 + 10 * i)["prefill_tokens_per_second"]})
-        rounds: dict[str, list[float]] = {name: [] for name in sides}
+        workers["kvserve"] = _start_worker("kvserve", path, opts)
+        setup = workers["kvserve"][2]
+        peer_opts = {**opts, "dequantized": True} if args.kvserve_only else {
+            **opts, "ids": setup["ids"], "pp": setup["pp"], "dec": setup["dec"],
+            "off": setup["off"]}
+        workers[peer] = _start_worker("kvserve" if args.kvserve_only else "llamacpp", path,
+                                      peer_opts)
+        for name, (_, _, reply) in workers.items():
+            entry.update({f"{name}_ppl": reply["ppl"], f"{name}_rss_bytes": reply["rss_bytes"]})
+            if "weight_bytes" in reply:
+                entry[f"{name}_weight_bytes"] = reply["weight_bytes"]
+        kinds = ("decode", "prefill") + (("offline",) if args.offline_requests else ())
+        rounds: dict[str, list[float]] = {f"{n}_{w}": [] for n in workers for w in kinds}
         for i in range(args.num_iters):
-            for what in ("decode", "prefill"):
-                order = [n for n in sides if n.endswith(what)]
-                for name in (order if i % 2 else order[::-1]):
-                    rounds[name].append(sides[name](i))
+            for what in kinds:
+                for name in (list(workers) if i % 2 else list(workers)[::-1]):
+                    proc, conn, _ = workers[name]
+                    conn.send((what, i))
+                    rounds[f"{name}_{what}"].append(_recv(proc, conn))
     finally:
-        llm.shutdown()
-        if other is not None:
-            other.shutdown() if args.kvserve_only else other.close()
+        for proc, conn, _ in workers.values():
+            if proc.is_alive():
+                conn.send(("close", None))
+            proc.join(timeout=60)
+            if proc.is_alive():
+                proc.kill()
     for name, values in rounds.items():
         entry[f"{name}_tok_s"] = max(values)
         entry[f"{name}_rounds"] = values
-    for what in ("decode", "prefill"):
+    for what in kinds:
         entry[f"{what}_ratio"] = float(np.median(
             [a / b for a, b in zip(rounds[f"kvserve_{what}"], rounds[f"{peer}_{what}"])]))
-    entry["peer"] = peer
+    entry["offline_requests"] = args.offline_requests
     return entry
 
 
@@ -502,8 +680,8 @@ def format_quantized(result: dict[str, Any]) -> str:
     name = "llama.cpp" if peer == "llamacpp" else "kvserve dequantized f32"
     lines = [f"Machine: {result['machine']}", f"Load average at start: {result['loadavg']}", "",
              f"| file (type) | MB | decode tok/s kvserve / {name} | ratio | prompt {result['prompt_len']} "
-             f"tok/s kvserve / {name} | ratio | RSS MB kvserve / {name} | perplexity kvserve / "
-             f"{name} |", "|---|---|---|---|---|---|---|---|"]
+             f"tok/s kvserve / {name} | ratio | kvserve weights MB | RSS MB kvserve / {name} | "
+             f"perplexity kvserve / {name} |", "|---|---|---|---|---|---|---|---|---|"]
     for path, e in result["files"].items():
         mb = 2 ** 20
         lines.append(
@@ -511,8 +689,16 @@ def format_quantized(result: dict[str, Any]) -> str:
             f"{e['kvserve_decode_tok_s']:.1f} / {e[peer + '_decode_tok_s']:.1f} | "
             f"{e['decode_ratio']:.2f}x | {e['kvserve_prefill_tok_s']:.0f} / "
             f"{e[peer + '_prefill_tok_s']:.0f} | {e['prefill_ratio']:.2f}x | "
+            f"{e['kvserve_weight_bytes'] / mb:.1f} | "
             f"{e['kvserve_rss_bytes'] / mb:.0f} / {e[peer + '_rss_bytes'] / mb:.0f} | "
             f"{e['kvserve_ppl']:.3f} / {e[peer + '_ppl']:.3f} |")
+    offline = [(p, e) for p, e in result["files"].items() if e.get("offline_requests")]
+    if offline:
+        lines += ["", f"| file | offline, {offline[0][1]['offline_requests']} requests: generated "
+                      f"tok/s kvserve / {name} | ratio |", "|---|---|---|"]
+        lines += [f"| {os.path.basename(p)} | {e['kvserve_offline_tok_s']:.1f} / "
+                  f"{e[peer + '_offline_tok_s']:.1f} | {e['offline_ratio']:.2f}x |"
+                  for p, e in offline]
     return "\n".join(lines)
 
 
@@ -551,7 +737,9 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-iters", type=int, default=3,
                    help="Rounds; in each, the two engines take turns (the order alternates).")
     p.add_argument("--offline-requests", type=int, default=0,
-                   help="Also measure kvserve offline throughput on this many requests.")
+                   help="Also measure offline throughput on this many requests (kvserve alone; with "
+                        "--quantized-files against llama.cpp decoding them as parallel sequences, "
+                        "as llama-server's slots do).")
     p.add_argument("--kvserve-only", action="store_true",
                    help="Measure kvserve only (no llama-cpp-python needed).")
     p.add_argument("--export-only", action="store_true",

@@ -11,7 +11,7 @@ import contextlib
 import json
 import logging
 import os
-from typing import Callable, Iterable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 from safetensors import safe_open
@@ -128,7 +128,33 @@ def build_and_load(build: Callable[[], nn.Module], weights: Iterable[tuple[str, 
             process()
     if device.type == "cpu":
         move_weights_to_huge_pages(model)
+    logger.info("Model weights take %.1f MiB in memory.", weight_memory_bytes(model) / 2**20)
     return model.eval()
+
+
+def weight_memory_bytes(model: nn.Module) -> int:
+    """Bytes of the distinct tensor storages the model holds: parameters, buffers and each
+    layer's weight object (packed GGUF blocks, prepacked or small-batch copies). A tied head
+    or a table shared by layers counts once."""
+    storages: dict[int, int] = {}
+
+    def visit(obj: Any, depth: int) -> None:
+        if isinstance(obj, torch.Tensor):
+            if obj.device.type != "meta":
+                storage = obj.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+        elif depth > 0 and isinstance(obj, (list, tuple)):
+            for item in obj:
+                visit(item, depth - 1)
+        elif depth > 0 and hasattr(obj, "__dict__") and not isinstance(obj, (nn.Module, type)):
+            for item in vars(obj).values():     # weight objects: dataclasses of tensors
+                visit(item, depth - 1)
+
+    for module in model.modules():
+        for tensor in list(module.parameters(recurse=False)) + list(module.buffers(recurse=False)):
+            visit(tensor, 0)
+        visit(getattr(module, "linear_weight", None), 3)
+    return sum(storages.values())
 
 
 def apply_weight_plan(model: nn.Module, act_dtype: torch.dtype, device: torch.device,
