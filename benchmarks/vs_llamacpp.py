@@ -496,7 +496,6 @@ class _KvserveSide:
         from kvserve import LLM
         from kvserve.benchmarks.datasets import perplexity_text, prompt_perplexity
         from kvserve.benchmarks.latency import measure_prefill_throughput, random_token_prompts
-        from kvserve.model.loader import weight_memory_bytes
 
         self.opts = opts
         extra = {"quantization": "gguf-dequantized"} if opts["dequantized"] else {}
@@ -507,7 +506,7 @@ class _KvserveSide:
         n = opts["num_iters"]
         runner = self.llm.llm_engine.engine_core.engine_core.model_executor.worker.model_runner
         self.setup = {
-            "ppl": ppl, "ids": ids, "weight_bytes": weight_memory_bytes(runner.model),
+            "ppl": ppl, "ids": ids, "weight_bytes": runner.model.weight_bytes,
             "pp": [p["prompt_token_ids"] for p in random_token_prompts(
                 self.llm, n + 1, opts["prompt_len"], seed=11)],
             "dec": [p["prompt_token_ids"] for p in random_token_prompts(

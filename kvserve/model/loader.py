@@ -128,14 +128,16 @@ def build_and_load(build: Callable[[], nn.Module], weights: Iterable[tuple[str, 
             process()
     if device.type == "cpu":
         move_weights_to_huge_pages(model)
-    logger.info("Model weights take %.1f MiB in memory.", weight_memory_bytes(model) / 2**20)
+    # Counted now, before the KV cache or step buffers exist (benchmarks read it back).
+    model.weight_bytes = weight_memory_bytes(model)
+    logger.info("Model weights take %.1f MiB in memory.", model.weight_bytes / 2**20)
     return model.eval()
 
 
 def weight_memory_bytes(model: nn.Module) -> int:
-    """Bytes of the distinct tensor storages the model holds: parameters, buffers and each
-    layer's weight object (packed GGUF blocks, prepacked or small-batch copies). A tied head
-    or a table shared by layers counts once."""
+    """Bytes of the distinct tensor storages the model holds: parameters, buffers and the
+    weight objects its modules keep (packed GGUF blocks and expert stacks, prepacked or
+    small-batch copies). A tied head or a table shared by layers counts once."""
     storages: dict[int, int] = {}
 
     def visit(obj: Any, depth: int) -> None:
@@ -153,7 +155,9 @@ def weight_memory_bytes(model: nn.Module) -> int:
     for module in model.modules():
         for tensor in list(module.parameters(recurse=False)) + list(module.buffers(recurse=False)):
             visit(tensor, 0)
-        visit(getattr(module, "linear_weight", None), 3)
+        for name, value in vars(module).items():
+            if not name.startswith("_"):
+                visit(value, 3)
     return sum(storages.values())
 
 
