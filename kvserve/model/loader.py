@@ -142,9 +142,13 @@ def weight_memory_bytes(model: nn.Module) -> int:
 
     def visit(obj: Any, depth: int) -> None:
         if isinstance(obj, torch.Tensor):
-            if obj.device.type != "meta":
+            if obj.device.type == "meta":
+                return
+            try:
                 storage = obj.untyped_storage()
                 storages[storage.data_ptr()] = storage.nbytes()
+            except NotImplementedError:     # oneDNN's prepacked (opaque) weights
+                storages[id(obj)] = obj.numel() * obj.element_size()
         elif depth > 0 and isinstance(obj, (list, tuple)):
             for item in obj:
                 visit(item, depth - 1)
