@@ -84,9 +84,9 @@ def keep_packed(quantization: Optional[str], *, device: str, quant_kernel: bool)
     """Whether a GGUF file's block-quantized tensors (ops.quant.PACKED_TYPES) stay packed: on
     CPU with the int8 kernel built (a decode step then streams 0.56-1.06 bytes a weight instead
     of float32's 4; benchmarks/quant_kernels.py), unless --quantization gguf-dequantized. The
-    kernel-less fallback dequantizes per call, slower than dequantizing once at load. CUDA has
-    no packed kernels yet (issue 29 part 3): dequantized there."""
-    return quantization == GGUF and device == "cpu" and quant_kernel
+    kernel-less fallback dequantizes per call, slower than dequantizing once at load. On CUDA
+    the Triton kernels (ops/triton/quant.py) take the same packed blocks."""
+    return quantization == GGUF and ((device == "cpu" and quant_kernel) or device == "cuda")
 
 
 class CpuLinearWeight:
@@ -194,7 +194,7 @@ def make_packed_weight(weight: torch.nn.Parameter, act_dtype: torch.dtype) -> Pa
 
     def flush() -> None:
         if run:
-            pieces.append(QuantizedRows.pack(run))
+            pieces.append(QuantizedRows.pack(run).to(weight.device))   # packed on the CPU
             run.clear()
 
     for start, part in quant:

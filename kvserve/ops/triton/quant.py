@@ -18,13 +18,15 @@ A step of either kernel dequantizes a tile of 256 weights per row in registers (
 `kk` the column of each (x is loaded at the same columns, so the order never matters): w = d *
 q (- m) as gguf.quants computes it, d and m float16 -> float32. The GEMV multiplies it with up
 to GEMV_MAX_ROWS rows of x (x in its dtype, widened) accumulating in float32; the GEMM casts the
-tile to x's dtype (float32 x: IEEE float32 dots, no TF32) for tl.dot with a [BM, 256] x tile.
+tile to x's dtype (float32 x: IEEE float32 dots, no TF32) for tl.dot with a [BM, 256] x tile
+(bf16 under the interpreter: both widened, see _interpreting).
 
 CUDA-graph safe: grids and workspaces depend only on shapes; nothing reads device data on the
 host. On CPU the kernels run under Triton's interpreter (tests); the model uses them on CUDA.
 """
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -209,7 +211,7 @@ def _gemv_kernel(x_ptr, p, bias_ptr, out_ptr, N, K, nb, tiles, tiles_per_split, 
 @triton.jit
 def _gemm_kernel(x_ptr, p, bias_ptr, out_ptr, M, N, K, nb, tiles, stride_x, stride_o,
                  QT: tl.constexpr, GBB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr):
+                 HAS_BIAS: tl.constexpr, DOT_F32: tl.constexpr):
     """out[BM rows, BN cols] = x @ W^T: per tile, W's [BN, 256] dequantized and cast to x's
     dtype, then tl.dot with x's [BM, 256] at the same columns (float32 accumulation)."""
     pid = tl.program_id(0)
@@ -225,7 +227,10 @@ def _gemm_kernel(x_ptr, p, bias_ptr, out_ptr, M, N, K, nb, tiles, stride_x, stri
         k = t * 256 + kk
         xt = tl.load(x_ptr + m[:, None].to(tl.int64) * stride_x + k[None, :],
                      mask=mmask[:, None] & (k < K)[None, :], other=0.0)
-        acc = tl.dot(xt, tl.trans(w.to(xt.dtype)), acc=acc, input_precision=PRECISION)
+        if DOT_F32:
+            acc = tl.dot(xt.to(tl.float32), tl.trans(w), acc=acc, input_precision="ieee")
+        else:
+            acc = tl.dot(xt, tl.trans(w.to(xt.dtype)), acc=acc)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + n, mask=n < N, other=0.0).to(tl.float32)[None, :]
     out = out_ptr + m[:, None].to(tl.int64) * stride_o + n[None, :]
@@ -249,6 +254,12 @@ def _dequant_kernel(p, ids_ptr, out_ptr, R, N, K, nb, stride_o, QT: tl.constexpr
 
 # ------------------------------------------------------------------------------------------
 # launchers
+
+def _interpreting() -> bool:
+    """Triton's CPU interpreter (TRITON_INTERPRET=1): its tl.dot on bfloat16 operands returns
+    wrong values (as attention/ops/common.py found), so there the bf16 tile is widened."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
 
 def _check(packed: torch.Tensor, fmt: BlockFormat, n: int, k: int) -> tuple[int, int]:
     """(blocks per row, tiles per row) after checking the packed shape."""
@@ -324,7 +335,8 @@ def quant_matmul(x: torch.Tensor, packed: torch.Tensor, fmt: BlockFormat, n: int
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
     _gemm_kernel[grid](x, packed, b, out, m, n, k, nb, tiles, x.stride(0), out.stride(0),
                        QT=qt, GBB=gbb, BM=bm, BN=bn, HAS_BIAS=bias is not None,
-                       PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+                       DOT_F32=x.dtype == torch.float32 or (x.dtype == torch.bfloat16
+                                                            and _interpreting()),
                        num_warps=warps)
     return out
 
