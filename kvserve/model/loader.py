@@ -21,7 +21,7 @@ from kvserve.config import ModelConfig
 from kvserve.model.file_checks import check_safetensors_files
 from kvserve.model.huge_pages import move_weights_to_huge_pages
 from kvserve.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from kvserve.model.layers.linear import LinearBase
+from kvserve.model.layers.linear import LinearBase, quantize_linear_weights_fp8
 from kvserve.model.registry import get_model_class
 from kvserve.ops import cpu_isa, linear
 from kvserve.ops.cpu_weight import (CpuLinearWeight, WeightPlan, choose_weight_plan, keep_packed,
@@ -121,6 +121,9 @@ def build_and_load(build: Callable[[], nn.Module], weights: Iterable[tuple[str, 
         raise ValueError(f"Checkpoint {model_config.model!r} has no weights for "
                          f"{len(never_loaded)} parameter(s) of {type(model).__name__}: {shown}")
     apply_weight_plan(model, model_config.dtype, device, plan)
+    if model_config.quantization == "fp8":      # checked at config resolution (ops.fp8)
+        logger.info("fp8: %d linear weights cast to float8_e4m3fn (per-channel scales).",
+                    quantize_linear_weights_fp8(model))
     # Work that needs the loaded weights (vLLM's hook name), e.g. building the fused op.
     for module in model.modules():
         process = getattr(module, "process_weights_after_loading", None)
