@@ -44,138 +44,143 @@ Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 6, 7, 8, 12, 13, 14
 
 
 @triton.jit
-def _f16(p, off, mask):
-    """The float16 at byte offset `off` (even), as float32; 0 where masked."""
-    return tl.load((p + off).to(tl.pointer_type(tl.float16)), mask=mask, other=0.0).to(tl.float32)
+def _f16(p, blk, GBB: tl.constexpr, POS: tl.constexpr, idx, mask):
+    """The float16 at byte POS + 2 idx of group-blocks `blk`, as float32 (0 where masked).
+    Addressed in 2-byte units from a float16 base, so that the 8 rows' scales of a group are
+    consecutive elements to Triton's pointer analysis (coalesced, vectorizable loads)."""
+    ph = p.to(tl.pointer_type(tl.float16))
+    return tl.load(ph + blk * (GBB // 2) + POS // 2 + idx, mask=mask, other=0.0).to(tl.float32)
 
 
 @triton.jit
-def _u32(p, off, mask):
-    """The little-endian 32-bit word at byte offset `off` (a multiple of 4); 0 where masked."""
-    return tl.load((p + off).to(tl.pointer_type(tl.int32)), mask=mask, other=0)
+def _u32(p, blk, GBB: tl.constexpr, POS: tl.constexpr, idx, mask):
+    """The little-endian 32-bit word `idx` from byte POS (a multiple of 4) of group-blocks
+    `blk` (0 where masked); in 4-byte units, as _f16."""
+    pw = p.to(tl.pointer_type(tl.int32))
+    return tl.load(pw + blk * (GBB // 4) + POS // 4 + idx, mask=mask, other=0)
 
 
 @triton.jit
-def _u8(p, off, mask):
-    return tl.load(p + off, mask=mask, other=0).to(tl.int32)
+def _u8(p, blk, GBB: tl.constexpr, POS: tl.constexpr, idx, mask):
+    return tl.load(p + blk * GBB + POS + idx, mask=mask, other=0)
 
 
 @triton.jit
-def _q4_family(p, rb, r, rmask, blk0, nb, QT: tl.constexpr, GBB: tl.constexpr):
+def _q4_family(p, gblk, r, rmask, blk0, nb, QT: tl.constexpr, GBB: tl.constexpr):
     """Q4_0 / Q4_1 / Q5_0 / Q5_1: 8 blocks [BN, 8 blocks, 4 words, 8 nibbles]. Word u of a
     block holds bytes 4u..4u+3; nibble slot (i, h): byte i, low (h = 0: weight 4u + i) or high
     (h = 1: weight 4u + i + 16). Q5's high bits (packing's reordered u32): weight j = 4c + i at
-    bit 8i + c, i.e. slot (i, h) of word u at bit 8i + 4h + u."""
+    bit 8i + c, i.e. slot (i, h) of word u at bit 8i + 4h + u. Field byte offsets (formats.py):
+    d 0; Q4_1 / Q5_1's m 16; qh 16 (Q5_0) / 32 (Q5_1); quants 16 / 32 / 48 / 64."""
     b = blk0 + tl.arange(0, 8)[None, :, None, None]
     u = tl.arange(0, 4)[None, None, :, None]
     slot = tl.arange(0, 8)[None, None, None, :]
     shift = 8 * (slot % 4) + 4 * (slot // 4)
     kk = 32 * (b - blk0) + 4 * u + slot % 4 + 16 * (slot // 4)
     mask = rmask & (b < nb)
-    gb = rb + b.to(tl.int64) * GBB
-    d = _f16(p, gb + 2 * r, mask)
+    blk = gblk + b
+    d = _f16(p, blk, GBB, 0, r, mask)
     if QT == 2:
-        qs = 16
-    elif QT == 3:
-        qs = 32
-    elif QT == 6:
-        qs = 48
-    else:
-        qs = 64
-    q = (_u32(p, gb + qs + 32 * u + 4 * r, mask) >> shift) & 15
-    if QT == 6:
-        q = q | (((_u32(p, gb + 16 + 4 * r, mask) >> (shift + u)) & 1) << 4)
-    if QT == 7:
-        q = q | (((_u32(p, gb + 32 + 4 * r, mask) >> (shift + u)) & 1) << 4)
-    if QT == 2:
+        q = (_u32(p, blk, GBB, 16, 8 * u + r, mask) >> shift) & 15
         w = d * (q - 8).to(tl.float32)
+    elif QT == 3:
+        q = (_u32(p, blk, GBB, 32, 8 * u + r, mask) >> shift) & 15
+        w = d * q.to(tl.float32) + _f16(p, blk, GBB, 16, r, mask)
     elif QT == 6:
+        q = (_u32(p, blk, GBB, 48, 8 * u + r, mask) >> shift) & 15
+        q = q | (((_u32(p, blk, GBB, 16, r, mask) >> (shift + u)) & 1) << 4)
         w = d * (q - 16).to(tl.float32)
     else:
-        w = d * q.to(tl.float32) + _f16(p, gb + 16 + 2 * r, mask)
+        q = (_u32(p, blk, GBB, 64, 8 * u + r, mask) >> shift) & 15
+        q = q | (((_u32(p, blk, GBB, 32, r, mask) >> (shift + u)) & 1) << 4)
+        w = d * q.to(tl.float32) + _f16(p, blk, GBB, 16, r, mask)
     return w, kk
 
 
 @triton.jit
-def _q8_0(p, rb, r, rmask, blk0, nb):
+def _q8_0(p, gblk, r, rmask, blk0, nb):
     """Q8_0: 8 blocks [BN, 8 blocks, 8 words, 4 int8]: word u byte i is weight 4u + i."""
     b = blk0 + tl.arange(0, 8)[None, :, None, None]
     u = tl.arange(0, 8)[None, None, :, None]
     i = tl.arange(0, 4)[None, None, None, :]
     mask = rmask & (b < nb)
-    gb = rb + b.to(tl.int64) * 272
-    d = _f16(p, gb + 2 * r, mask)
-    q = (_u32(p, gb + 16 + 32 * u + 4 * r, mask) << (24 - 8 * i)) >> 24   # sign-extended
+    blk = gblk + b
+    d = _f16(p, blk, 272, 0, r, mask)
+    q = (_u32(p, blk, 272, 16, 8 * u + r, mask) << (24 - 8 * i)) >> 24   # sign-extended
     return d * q.to(tl.float32), 32 * (b - blk0) + 4 * u + i
 
 
 @triton.jit
-def _k_quant(p, rb, r, rmask, blk0, QT: tl.constexpr, GBB: tl.constexpr):
+def _k_quant(p, gblk, r, rmask, blk0, QT: tl.constexpr, GBB: tl.constexpr):
     """Q4_K / Q5_K: one super-block [BN, 4 (c), 8 (v), 8 nibble slots]: quant word u = 8c + v,
     slot (i, h) is weight 64c + 4v + i + 32h of sub-block 2c + h (llama.cpp's 32-byte runs,
     low nibbles then high). The scales are stored decoded (formats.py): scale s of row r at
     byte 32 + 8s + r, min s at 96 + 16(s // 2) + 2r + s % 2. Q5_K's high bit of weight j is bit
-    j // 32 of qh byte j % 32: word v, bit 8i + 2c + h."""
+    j // 32 of qh byte j % 32 (qh at byte 160): word v, bit 8i + 2c + h. Quants at 160 / 416."""
     c = tl.arange(0, 4)[None, :, None, None]
     v = tl.arange(0, 8)[None, None, :, None]
     slot = tl.arange(0, 8)[None, None, None, :]
     i = slot % 4
     h = slot // 4
-    gb = rb + blk0 * GBB
+    blk = gblk + blk0
     if QT == 12:
-        qs = 160
+        q = (_u32(p, blk, GBB, 160, 8 * (8 * c + v) + r, rmask) >> (8 * i + 4 * h)) & 15
     else:
-        qs = 416
-    q = (_u32(p, gb + qs + 32 * (8 * c + v) + 4 * r, rmask) >> (8 * i + 4 * h)) & 15
-    if QT == 13:
-        qh = _u32(p, gb + 160 + 32 * v + 4 * r, rmask)
+        q = (_u32(p, blk, GBB, 416, 8 * (8 * c + v) + r, rmask) >> (8 * i + 4 * h)) & 15
+        qh = _u32(p, blk, GBB, 160, 8 * v + r, rmask)
         q = q | (((qh >> (8 * i + 2 * c + h)) & 1) << 4)
-    s = 2 * c + h
-    sc = _u8(p, gb + 32 + 8 * s + r, rmask).to(tl.float32)
-    mn = _u8(p, gb + 96 + 16 * c + 2 * r + h, rmask).to(tl.float32)
-    d = _f16(p, gb + 2 * r, rmask)
-    dmin = _f16(p, gb + 16 + 2 * r, rmask)
+    sc = _u8(p, blk, GBB, 32, 8 * (2 * c + h) + r, rmask).to(tl.float32)
+    mn = _u8(p, blk, GBB, 96, 16 * c + 2 * r + h, rmask).to(tl.float32)
+    d = _f16(p, blk, GBB, 0, r, rmask)
+    dmin = _f16(p, blk, GBB, 16, r, rmask)
     return (d * sc) * q.to(tl.float32) - dmin * mn, 64 * c + 4 * v + i + 32 * h
 
 
 @triton.jit
-def _q6_k(p, rb, r, rmask, blk0):
+def _q6_k(p, gblk, r, rmask, blk0):
     """Q6_K: one super-block [BN, 2 halves, 16 (v), 8 slots]: ql word u = 16 * half + v, slot
     (i, nib) is weight 128 half + 64 nib + 4v + i; its 2 high bits are in qh byte 32 half + 4 (v
     % 8) + i at bit 2 (2 nib + v // 8); its int8 scale is group (weight // 16), stored
-    [group // 2][row][group % 2] at byte 16."""
+    [group // 2][row][group % 2] at byte 16. d at 0, ql at 144, qh at 1168."""
     hf = tl.arange(0, 2)[None, :, None, None]
     v = tl.arange(0, 16)[None, None, :, None]
     slot = tl.arange(0, 8)[None, None, None, :]
     i = slot % 4
     nib = slot // 4
-    gb = rb + blk0 * 1680
-    ql = (_u32(p, gb + 144 + 32 * (16 * hf + v) + 4 * r, rmask) >> (8 * i + 4 * nib)) & 15
-    qh = _u32(p, gb + 1168 + 32 * (8 * hf + v % 8) + 4 * r, rmask)
+    blk = gblk + blk0
+    ql = (_u32(p, blk, 1680, 144, 8 * (16 * hf + v) + r, rmask) >> (8 * i + 4 * nib)) & 15
+    qh = _u32(p, blk, 1680, 1168, 8 * (8 * hf + v % 8) + r, rmask)
     q = (ql | (((qh >> (8 * i + 4 * nib + 2 * (v // 8))) & 3) << 4)) - 32
     kk = 128 * hf + 64 * nib + 4 * v + i
     g = kk // 16
-    sc = tl.load(p + gb + 16 + 16 * (g // 2) + 2 * r + g % 2, mask=rmask, other=0)
-    d = _f16(p, gb + 2 * r, rmask)
+    sc = _u8(p, blk, 1680, 16, 16 * (g // 2) + 2 * r + g % 2, rmask)
+    d = _f16(p, blk, 1680, 0, r, rmask)
     return (d * sc.to(tl.int8, bitcast=True).to(tl.float32)) * q.to(tl.float32), kk
 
 
 @triton.jit
-def _tile(p, n, N, nb, t, QT: tl.constexpr, GBB: tl.constexpr, BN: tl.constexpr):
+def _tile(p, n, N, nb, t, QT: tl.constexpr, GBB: tl.constexpr, BN: tl.constexpr,
+          WHOLE_GROUPS: tl.constexpr):
     """Tile t (weights [256 t, 256 t + 256) of each row) of rows n [BN], dequantized: (w [BN,
-    256] float32, kk [256]: the column within the tile of each). Rows >= N give 0."""
+    256] float32, kk [256]: the column within the tile of each). Rows >= N give 0, except
+    with WHOLE_GROUPS (n: whole 8-row groups, as the matmuls take them): then the padding rows
+    of the last group are read too (they are in memory; their outputs are never stored), so
+    that the mask is constant over a group and the loads of its 8 rows vectorize."""
     n4 = n[:, None, None, None]
     r = n4 % 8
-    rb = (n4 // 8).to(tl.int64) * nb * GBB
-    rmask = n4 < N
-    if QT == 8:
-        w, kk = _q8_0(p, rb, r, rmask, 8 * t, nb)
-    elif QT == 12 or QT == 13:
-        w, kk = _k_quant(p, rb, r, rmask, t, QT, GBB)
-    elif QT == 14:
-        w, kk = _q6_k(p, rb, r, rmask, t)
+    gblk = (n4 // 8).to(tl.int64) * nb          # the row group's first group-block
+    if WHOLE_GROUPS:
+        rmask = (n4 // 8) < (N + 7) // 8
     else:
-        w, kk = _q4_family(p, rb, r, rmask, 8 * t, nb, QT, GBB)
+        rmask = n4 < N
+    if QT == 8:
+        w, kk = _q8_0(p, gblk, r, rmask, 8 * t, nb)
+    elif QT == 12 or QT == 13:
+        w, kk = _k_quant(p, gblk, r, rmask, t, QT, GBB)
+    elif QT == 14:
+        w, kk = _q6_k(p, gblk, r, rmask, t)
+    else:
+        w, kk = _q4_family(p, gblk, r, rmask, 8 * t, nb, QT, GBB)
     return tl.reshape(w, (BN, 256)), tl.reshape(kk, (256,))
 
 
@@ -195,7 +200,7 @@ def _gemv_kernel(x_ptr, p, bias_ptr, out_ptr, N, K, nb, tiles, tiles_per_split, 
     t0 = pid_s * tiles_per_split
     t1 = tl.minimum(t0 + tiles_per_split, tiles)
     for t in range(t0, t1):
-        w, kk = _tile(p, n, N, nb, t, QT, GBB, BN)
+        w, kk = _tile(p, n, N, nb, t, QT, GBB, BN, True)
         k = t * 256 + kk
         kmask = k < K
         for m in tl.static_range(M):
@@ -223,7 +228,7 @@ def _gemm_kernel(x_ptr, p, bias_ptr, out_ptr, M, N, K, nb, tiles, stride_x, stri
     mmask = m < M
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for t in range(0, tiles):
-        w, kk = _tile(p, n, N, nb, t, QT, GBB, BN)
+        w, kk = _tile(p, n, N, nb, t, QT, GBB, BN, True)
         k = t * 256 + kk
         xt = tl.load(x_ptr + m[:, None].to(tl.int64) * stride_x + k[None, :],
                      mask=mmask[:, None] & (k < K)[None, :], other=0.0)
@@ -246,7 +251,7 @@ def _dequant_kernel(p, ids_ptr, out_ptr, R, N, K, nb, stride_o, QT: tl.constexpr
     t = tl.program_id(1)
     n = tl.load(ids_ptr + j, mask=j < R, other=-1)
     n = tl.where(n < 0, N, n)          # out of range: a masked (zero) row
-    w, kk = _tile(p, n.to(tl.int32), N, nb, t, QT, GBB, BN)
+    w, kk = _tile(p, n.to(tl.int32), N, nb, t, QT, GBB, BN, False)
     k = t * 256 + kk
     tl.store(out_ptr + j[:, None].to(tl.int64) * stride_o + k[None, :],
              w.to(out_ptr.dtype.element_ty), mask=(j < R)[:, None] & (k < K)[None, :])
