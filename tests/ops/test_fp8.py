@@ -160,3 +160,27 @@ def test_cuda_scaled_mm_path() -> None:
         assert y.dtype == dtype
         ref, bound = _reference(x, w_q, scale, None)
         assert ((y.double() - ref).abs() <= 8e-3 * bound + 1e-9).all()
+
+
+@pytest.mark.skipif(not CUDA or fp8.fp8_unsupported_reason("cuda") is not None,
+                    reason="needs a CUDA GPU with fp8")
+def test_engine_serves_fp8_close_to_bf16(tiny_llama) -> None:
+    """--quantization fp8 through the engine (CUDA graphs on): every generated token is in
+    the bf16 run's top 3 at its first divergence, and the first token's logprob is close."""
+    from kvserve import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3)
+    prompts = ["Hello, my name is", "The capital of France is"]
+    outs = []
+    for quant in (None, "fp8"):
+        with LLM(tiny_llama, dtype="bfloat16", device="cuda", max_model_len=256,
+                 multiprocessing=False, quantization=quant) as llm:
+            outs.append(llm.generate(prompts, params, use_tqdm=False))
+    for ref, got in zip(*outs):
+        r, g = ref.outputs[0], got.outputs[0]
+        assert abs(r.logprobs[0][r.token_ids[0]].logprob
+                   - g.logprobs[0][g.token_ids[0]].logprob) < 0.3
+        for i, (a, b) in enumerate(zip(r.token_ids, g.token_ids)):
+            if a != b:
+                assert b in r.logprobs[i] and a in g.logprobs[i], (i, a, b)
+                break

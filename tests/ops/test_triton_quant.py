@@ -162,3 +162,27 @@ def test_packed_weight_on_cuda_uses_the_kernels() -> None:
         assert np.array_equal(w.dequantize_rows(ids).cpu().numpy(), ref[[44, 3]])
         big = torch.randn(300, k, device=DEVICE, dtype=torch.float16)
         _check(w.matmul(big), big, ref, torch.float16)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
+def test_gguf_stays_packed_on_cuda_and_generates_like_dequantized(tiny_llama, tmp_path,
+                                                                  qtype: str) -> None:
+    """A GGUF file on CUDA (CUDA graphs on): its blocks stay packed (the Triton kernels, the
+    embedding too) and greedy float32 decoding equals --quantization gguf-dequantized's on
+    the same file (the same weights; only the summation order differs)."""
+    from kvserve import LLM, SamplingParams
+    from tests.model.gguf_files import write_gguf
+
+    path = write_gguf(tiny_llama, str(tmp_path / f"tiny-{qtype}.gguf"), qtype)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3)
+    prompts = ["Hello, my name is", "The capital of France is"]
+    outs = []
+    for quant in ("gguf", "gguf-dequantized"):
+        with LLM(path, dtype="float32", device="cuda", max_model_len=256,
+                 multiprocessing=False, quantization=quant) as llm:
+            outs.append(llm.generate(prompts, params, use_tqdm=False))
+    for a, b in zip(*outs):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert all(abs(x[k].logprob - y[k].logprob) < 1e-3 for k in x.keys() & y.keys())
