@@ -191,22 +191,33 @@ def _gemv_kernel(x_ptr, p, bias_ptr, out_ptr, N, K, nb, tiles, tiles_per_split, 
                  SPLIT: tl.constexpr):
     """out[m, n] = sum_k x[m, k] w[n, k] for BN rows n and all M rows of x; with SPLIT > 1,
     program (n-block, s) covers tiles [s * tiles_per_split, ...) and writes float32 partials
-    to out[s] (summed by the caller)."""
+    to out[s] (summed by the caller). One row (decode): products accumulate elementwise in a
+    [BN, 256] tile, reduced across the threads once at the end; more rows: reduced per tile
+    (M such tiles would not fit in registers)."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     n = pid_n * BN + tl.arange(0, BN)
     rows = tl.arange(0, MP)
-    acc = tl.zeros((MP, BN), dtype=tl.float32)
     t0 = pid_s * tiles_per_split
     t1 = tl.minimum(t0 + tiles_per_split, tiles)
-    for t in range(t0, t1):
-        w, kk = _tile(p, n, N, nb, t, QT, GBB, BN, True)
-        k = t * 256 + kk
-        kmask = k < K
-        for m in tl.static_range(M):
-            xm = tl.load(x_ptr + m * stride_x + k, mask=kmask, other=0.0).to(tl.float32)
-            part = tl.sum(w * xm[None, :], axis=1)
-            acc += tl.where(rows[:, None] == m, part[None, :], 0.0)
+    if M == 1:
+        acc2 = tl.zeros((BN, 256), dtype=tl.float32)
+        for t in range(t0, t1):
+            w, kk = _tile(p, n, N, nb, t, QT, GBB, BN, True)
+            k = t * 256 + kk
+            x1 = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+            acc2 += w * x1[None, :]
+        acc = tl.sum(acc2, axis=1)[None, :]
+    else:
+        acc = tl.zeros((MP, BN), dtype=tl.float32)
+        for t in range(t0, t1):
+            w, kk = _tile(p, n, N, nb, t, QT, GBB, BN, True)
+            k = t * 256 + kk
+            kmask = k < K
+            for m in tl.static_range(M):
+                xm = tl.load(x_ptr + m * stride_x + k, mask=kmask, other=0.0).to(tl.float32)
+                part = tl.sum(w * xm[None, :], axis=1)
+                acc += tl.where(rows[:, None] == m, part[None, :], 0.0)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + n, mask=n < N, other=0.0).to(tl.float32)[None, :]
     out = out_ptr + pid_s.to(tl.int64) * stride_split + rows[:, None] * stride_o + n[None, :]
