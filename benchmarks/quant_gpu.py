@@ -22,7 +22,7 @@ Goals on an H100: Q4_K_M / Q8_0 and fp8 batch-1 decode >= 60% of the limit; fp8 
 throughput >= 1.3x bf16's. About 3-4 minutes (the first run also builds the files).
 
     python benchmarks/quant_gpu.py [--model-dir DIR] [--variants bf16 fp8 Q8_0 Q4_K_M]
-        [--num-prompts 256] [--skip-kernels] [--skip-e2e] [--output-json results/quant_gpu.json]
+        [--num-prompts 200] [--skip-kernels] [--skip-e2e] [--output-json results/quant_gpu.json]
 
 `--smoke`: tiny shapes and a tiny model, on CPU under TRITON_INTERPRET=1 when no GPU is there
 (GGUF files load through the CPU path there; fp8 records its start-up error): checks that the
@@ -403,7 +403,7 @@ def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     p.add_argument("--types", nargs="+", default=list(PACKED_TYPES), choices=PACKED_TYPES,
                    help="packed types of the kernel-level GEMV table")
-    p.add_argument("--num-prompts", type=int, default=256)
+    p.add_argument("--num-prompts", type=int, default=200)
     p.add_argument("--min-prompt-len", type=int, default=128)
     p.add_argument("--max-prompt-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=128)

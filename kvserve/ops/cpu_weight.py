@@ -13,7 +13,8 @@
 
 "tiled": the kernel's layout of the weight it streams (ops.linear.tile_weight; same bits, a
 faster stream), taken wherever the kernel has it. `choose_weight_plan` is the one policy (one
-plan per model); `make_weight` applies it to a weight. On CUDA every weight is plain.
+plan per model); `make_weight` applies it to a weight. On CUDA every weight is plain, except
+GGUF blocks (packed, Triton kernels) and --quantization fp8's (ops/fp8.py).
 
 Layers call `matmul(x, bias)`; the fused small-step op asks `streamed()` for the weight the
 kernel reads (None: prepacked only); embeddings call `rows(ids)` (a tied LM head and its

@@ -5,8 +5,8 @@
 
 Weights: one scale per output channel (row), w_scale[n] = max|w[n]| / 448, w_q = w / w_scale
 rounded to e4m3 (saturated at +-448, e4m3fn's largest finite value). Activations: dynamic, one
-scale per token (row of x), made on the device every call, as vLLM's fp8 path does with its
-per-token activation quantization. The matmul is torch._scaled_mm with both row-wise scales:
+scale per token (row of x), made on the device every call (one Triton kernel on CUDA), as
+vLLM's fp8 path does with its per-token activation quantization. The matmul is torch._scaled_mm with both row-wise scales:
 y = (x_q @ w_q^T) * x_scale * w_scale^T, float32 accumulation in fp8 tensor cores (compute
 capability >= 8.9: Ada, Hopper); where _scaled_mm cannot take the shape (K or N not a multiple
 of 16) the fp8 blocks are dequantized to x's dtype for F.linear (same values, no fp8 speed).
@@ -81,7 +81,11 @@ def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (x_q float8 [M, K], x_scale float32 [M, 1]): dynamic per-token scales."""
+    """x [M, K] -> (x_q float8 [M, K], x_scale float32 [M, 1]): dynamic per-token scales.
+    On CUDA one Triton kernel (ops/triton/fp8.py: the same bits as these torch ops)."""
+    if x.is_cuda:
+        from kvserve.ops.triton.fp8 import quantize_rows
+        return quantize_rows(x)
     return _quantize_rows(x)
 
 

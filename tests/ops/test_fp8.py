@@ -14,9 +14,14 @@ x_deq @ w_deq^T in float64, float32 output 1e-5 and bfloat16 output 8e-3 (its ro
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from torch import nn
+
+if not torch.cuda.is_available():   # before the Triton kernel is defined (on import)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from kvserve.config import ModelConfig, resolve_quantization
 from kvserve.ops import fp8
@@ -62,6 +67,26 @@ def test_activations_are_scaled_per_token() -> None:
     back = fp8.dequantize(x_q, s)
     assert ((back - x).abs() <= torch.maximum(x.abs() / 16, s * 2.0 ** -10) * (1 + 1e-6)).all()
     assert (back[4] == 0).all()
+
+
+def test_triton_activation_quantization_equals_torch() -> None:
+    """The CUDA path's one-kernel per-token quantization (ops/triton/fp8.py; interpreted on
+    CPU) gives torch's values bit for bit: rows of very different ranges, an all-zero row,
+    subnormal-range values, exact ties, a strided x (its other columns NaN)."""
+    pytest.importorskip("triton")
+    from kvserve.ops.triton.fp8 import quantize_rows
+    dev = "cuda" if CUDA else "cpu"
+    g = torch.Generator().manual_seed(9)
+    buf = torch.full((6, 120), float("nan"))
+    buf[:, :100] = torch.randn(6, 100, generator=g) * torch.logspace(-4, 4, 6).unsqueeze(1)
+    buf[2, :100] = 0.0
+    buf[3, :8] = torch.tensor([448.0, 0.001, -0.001, 1e-5, 17.0, 18.0, -19.0, 240.0])
+    for dtype in (torch.float32, torch.bfloat16):
+        x = buf.to(dtype)[:, :100]
+        q, s = quantize_rows(x.to(dev))
+        rq, rs = fp8._quantize_rows(x)
+        assert torch.equal(s.cpu(), rs)
+        assert torch.equal(q.cpu().view(torch.uint8), rq.view(torch.uint8)), dtype
 
 
 def _reference(x: torch.Tensor, w_q: torch.Tensor, scale: torch.Tensor,

@@ -18,6 +18,9 @@ FMA makes 8 float32 ones, and the dequantization is paid per call). The float pa
 x on another device and builds without the kernel (not x86-64, no compiler,
 KVSERVE_DISABLE_CPU_KERNELS=1), where the chunks are dequantized with torch ops.
 
+On CUDA (the packed tensor moved there with `to`, same layout) matmul, dequantize and
+dequantize_rows run the Triton kernels of ops/triton/quant.py, x in its own dtype.
+
 It is shaped to become a variant of the CPU weight object (ops/cpu_weight.py): `matmul(x)`, the
 bytes a step streams (`streamable`, `nbytes`), and `shard` for tensor parallelism.
 """
