@@ -58,9 +58,9 @@ MODEL_CONFIG: dict[str, Any] = dict(
 MODEL_NAME = "llama-1b-random-bf16-v1"          # the same checkpoint as benchmarks/gpu.py's
 SMOKE_CONFIG: dict[str, Any] = dict(
     arch="llama", hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=2,
-    intermediate_size=512, vocab_size=512, max_position_embeddings=1024,
+    intermediate_size=512, vocab_size=1024, max_position_embeddings=1024,
     tie_word_embeddings=False, dtype="bfloat16", seed=0)
-SMOKE_NAME = "llama-smoke-random-bf16-v1"
+SMOKE_NAME = "llama-smoke-random-bf16-v2"   # vocab past the tokenizer, as the 1B
 GOAL_BATCH1, GOAL_FP8_SPEEDUP = 0.60, 1.3
 VARIANTS = ("bf16", "fp8", "Q8_0", "Q4_K_M")
 
