@@ -96,9 +96,11 @@ def load_model(model_config: ModelConfig, device: torch.device,
     """Build the model for `model_config` on `device` and load this TP rank's weights
     (`plan`: the weights' variant; None: choose_weight_plan's choice)."""
     model_cls = get_model_class(model_config.architecture)
+    hf = model_config.hf_config
     packed = model_config.is_gguf and keep_packed(
         model_config.quantization, device=device.type,
-        quant_kernel=device.type == "cpu" and quant_kernel.ops() is not None)
+        quant_kernel=device.type == "cpu" and quant_kernel.ops() is not None,
+        moe=bool(hf.get("num_local_experts") or hf.get("num_experts")))
     skip = getattr(model_cls, "checkpoint_skip", None)    # MoE: other EP ranks' experts
     weights = checkpoint_weights(model_config, packed,     # fails before allocating anything
                                  skip(model_config) if skip is not None else None)

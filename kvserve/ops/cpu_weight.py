@@ -81,13 +81,16 @@ def choose_weight_plan(weight_dtype: torch.dtype, act_dtype: torch.dtype, *, dev
     return WeightPlan(PREPACKED_WITH_COPY if copy else PREPACKED)
 
 
-def keep_packed(quantization: Optional[str], *, device: str, quant_kernel: bool) -> bool:
+def keep_packed(quantization: Optional[str], *, device: str, quant_kernel: bool,
+                moe: bool = False) -> bool:
     """Whether a GGUF file's block-quantized tensors (ops.quant.PACKED_TYPES) stay packed: on
     CPU with the int8 kernel built (a decode step then streams 0.56-1.06 bytes a weight instead
     of float32's 4; benchmarks/quant_kernels.py), unless --quantization gguf-dequantized. The
     kernel-less fallback dequantizes per call, slower than dequantizing once at load. On CUDA
-    the Triton kernels (ops/triton/quant.py) take the same packed blocks."""
-    return quantization == GGUF and ((device == "cpu" and quant_kernel) or device == "cuda")
+    the Triton kernels (ops/triton/quant.py) take the same packed blocks, for dense models
+    (`moe`: a MoE model's packed experts have no CUDA path yet; its file is dequantized)."""
+    return quantization == GGUF and ((device == "cpu" and quant_kernel)
+                                     or (device == "cuda" and not moe))
 
 
 class CpuLinearWeight:
