@@ -22,7 +22,8 @@ Goals on an H100: Q4_K_M / Q8_0 and fp8 batch-1 decode >= 60% of the limit; fp8 
 throughput >= 1.3x bf16's. About 3-4 minutes (the first run also builds the files).
 
     python benchmarks/quant_gpu.py [--model-dir DIR] [--variants bf16 fp8 Q8_0 Q4_K_M]
-        [--num-prompts 200] [--skip-kernels] [--skip-e2e] [--output-json results/quant_gpu.json]
+        [--num-prompts 200] [--skip-kernels] [--gemv-sweep] [--skip-e2e]
+        [--output-json results/quant_gpu.json]
 
 `--smoke`: tiny shapes and a tiny model, on CPU under TRITON_INTERPRET=1 when no GPU is there
 (GGUF files load through the CPU path there; fp8 records its start-up error): checks that the
@@ -63,6 +64,8 @@ SMOKE_CONFIG: dict[str, Any] = dict(
 SMOKE_NAME = "llama-smoke-random-bf16-v2"   # vocab past the tokenizer, as the 1B
 GOAL_BATCH1, GOAL_FP8_SPEEDUP = 0.60, 1.3
 VARIANTS = ("bf16", "fp8", "Q8_0", "Q4_K_M")
+# --gemv-sweep: (rows per program, K splits) timed beside the default (_gemv_config's).
+GEMV_SWEEP = ((8, 1), (8, 2), (8, 4), (16, 1), (16, 2), (32, 1))
 
 
 # ------------------------------------------------------------------------------------------
@@ -284,6 +287,11 @@ def kernel_bench(cfg: dict[str, Any], args: argparse.Namespace, bw: Optional[flo
                 assert torch.allclose(outs[0].float(), ref, rtol=2e-2, atol=2e-2 * float(
                     ref.abs().max()))
             row[name] = _bw_entry(w0.nbytes, s, bw)
+            for gcfg in (GEMV_SWEEP if args.gemv_sweep else ()):
+                s = _time_graph([lambda w=w, o=o: quant_matmul(x1, w.packed, w.fmt, n, out=o,
+                                                               gemv_config=gcfg)
+                                 for w, o in zip(ws, outs)], args.iters, dev)
+                row[f"{name}@{gcfg[0]}x{gcfg[1]}"] = _bw_entry(w0.nbytes, s, bw)
             del ws, outs
         wb = [torch.randn(n, k, device=dev, dtype=dt) * 0.02
               for _ in range(_copies(n * k * 2, args.smoke))]
@@ -411,6 +419,8 @@ def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--iters", type=int, default=20, help="graph replays per kernel timing")
     p.add_argument("--skip-kernels", action="store_true")
+    p.add_argument("--gemv-sweep", action="store_true",
+                   help="also time the GEMV at each of GEMV_SWEEP's (rows, K splits)")
     p.add_argument("--skip-e2e", action="store_true")
     p.add_argument("--output-json", default=None)
     p.add_argument("--smoke", action="store_true",

@@ -288,13 +288,19 @@ def _check(packed: torch.Tensor, fmt: BlockFormat, n: int, k: int) -> tuple[int,
     return nb, -(-k // TILE)
 
 
+# Programs the GEMV aims for: a decode step is bound by the bytes in flight, so every SM of a
+# large GPU (H100: 132) should hold several programs. Not tuned on a GPU yet: benchmarks/
+# quant_gpu.py --gemv-sweep times the alternatives.
+GEMV_PROGRAMS = 1024
+
+
 def _gemv_config(n: int, tiles: int) -> tuple[int, int]:
-    """(rows per program, K splits): enough programs to fill a large GPU (~132 SMs x 4) from
-    the n / BN row blocks, splitting K where the rows alone are too few."""
-    bn = 16 if n >= 16 * 512 else 8
+    """(rows per program, K splits): GEMV_PROGRAMS programs from the n / BN row blocks where
+    there are that many, else K split (in halves, each part >= 2 tiles) until there are."""
+    bn = 16 if n >= 16 * GEMV_PROGRAMS else 8
     programs = -(-n // bn)
     split = 1
-    while programs * split < 512 and split * 2 <= tiles and tiles // (split * 2) >= 2:
+    while programs * split < GEMV_PROGRAMS and tiles // (split * 2) >= 2:
         split *= 2
     return bn, split
 
@@ -305,12 +311,13 @@ def _gemm_config(m: int) -> tuple[int, int, int]:
 
 
 def quant_matmul(x: torch.Tensor, packed: torch.Tensor, fmt: BlockFormat, n: int,
-                 bias: Optional[torch.Tensor] = None,
-                 out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                 bias: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
+                 gemv_config: Optional[tuple[int, int]] = None) -> torch.Tensor:
     """y [M, N] = x [M, K] @ W^T (+ bias) in x's dtype, W the [n, K] weight in `packed`
     (formats.py's layout). x needs a contiguous last dim (its rows may be strided: only the
     first K columns are read); `out` ([M, N] of x's dtype, last dim contiguous) is written
-    instead of a new tensor."""
+    instead of a new tensor. `gemv_config`: (rows per program, K splits) in place of
+    _gemv_config's (benchmarks)."""
     if x.dim() != 2:
         raise ValueError(f"quant_matmul: x must be [M, K], got {tuple(x.shape)}")
     m, k = x.shape
@@ -329,19 +336,20 @@ def quant_matmul(x: torch.Tensor, packed: torch.Tensor, fmt: BlockFormat, n: int
     qt, gbb = fmt.ggml_type, fmt.group_block_bytes
     b = bias if bias is not None else x
     if m <= GEMV_MAX_ROWS:
-        bn, split = _gemv_config(n, tiles)
+        bn, split = gemv_config or _gemv_config(n, tiles)
+        warps = 4 if bn <= 16 else 8
         per = -(-tiles // split)
         mp = 1 << (m - 1).bit_length()
         if split == 1:
             _gemv_kernel[(triton.cdiv(n, bn), 1)](
                 x, packed, b, out, n, k, nb, tiles, per, x.stride(0), out.stride(0), 0,
                 M=m, MP=mp, QT=qt, GBB=gbb, BN=bn, HAS_BIAS=bias is not None, SPLIT=1,
-                num_warps=4)
+                num_warps=warps)
             return out
         ws = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
         _gemv_kernel[(triton.cdiv(n, bn), split)](
             x, packed, b, ws, n, k, nb, tiles, per, x.stride(0), n, m * n,
-            M=m, MP=mp, QT=qt, GBB=gbb, BN=bn, HAS_BIAS=False, SPLIT=split, num_warps=4)
+            M=m, MP=mp, QT=qt, GBB=gbb, BN=bn, HAS_BIAS=False, SPLIT=split, num_warps=warps)
         y = ws.sum(0)
         if bias is not None:
             y += bias.float()
