@@ -202,20 +202,30 @@ class ModelConfig:
 
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf")
-QUANTIZATIONS = ("gguf", "gguf-dequantized")
+QUANTIZATIONS = ("gguf", "gguf-dequantized", "fp8")
 
 
-def resolve_quantization(quantization: Optional[str], gguf: bool, device: str) -> Optional[str]:
+def resolve_quantization(quantization: Optional[str], gguf: bool, device: str,
+                         gpu_capability: Optional[tuple[int, int]] = None) -> Optional[str]:
     """vLLM's --quantization: "gguf" is implied by a GGUF file (its block-quantized tensors
-    stay packed on CPU); "gguf-dequantized" (kvserve's) dequantizes them at load instead.
-    Checkpoint formats other than GGUF are not quantized here."""
+    stay packed); "gguf-dequantized" (kvserve's) dequantizes them at load instead; "fp8"
+    (vLLM's online fp8) casts a 16-bit checkpoint's linear weights to e4m3 at load, on a GPU
+    with fp8 (ops.fp8; `gpu_capability` overrides the device's, for tests)."""
     if quantization in (None, "", "none"):
         return "gguf" if gguf else None
     if quantization not in QUANTIZATIONS:
         where = "on CPU " if device == "cpu" else ""
         raise ValueError(f"quantization={quantization!r} is not supported {where}by kvserve; "
-                         f"supported: {', '.join(QUANTIZATIONS)} (GGUF files; 'gguf' is implied "
-                         f"by a .gguf path).")
+                         f"supported: {', '.join(QUANTIZATIONS)} (gguf: GGUF files, implied "
+                         f"by a .gguf path; fp8: 16-bit checkpoints on an fp8 GPU).")
+    if quantization == "fp8":
+        if gguf:
+            raise ValueError("--quantization fp8 quantizes a 16-bit checkpoint at load; a GGUF "
+                             "file is quantized already (its blocks stay packed without the "
+                             "flag).")
+        from kvserve.ops.fp8 import check_fp8_supported
+        check_fp8_supported(device, gpu_capability)
+        return quantization
     if not gguf:
         raise ValueError(f"quantization={quantization!r} needs a GGUF model (a .gguf file or "
                          f"--load-format gguf).")

@@ -31,8 +31,10 @@ _HELP = {
     "served_model_name": "Model name(s) the API accepts; the first is the one reported "
                          "(defaults to the model argument).",
     "quantization": "gguf (implied by a .gguf model: its Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/"
-                    "Q6_K tensors stay packed on CPU, int8 kernels) or gguf-dequantized "
-                    "(dequantize them at load: the float path).",
+                    "Q6_K tensors stay packed: int8 kernels on CPU, Triton on CUDA) or gguf-dequantized "
+                    "(dequantize them at load: the float path); fp8 (a 16-bit checkpoint's "
+                    "linear weights cast to float8 e4m3 at load, per-channel scales, on a GPU "
+                    "with fp8: compute capability >= 8.9).",
     "dtype": "Weight and activation dtype: auto, float32, bfloat16, float16.",
     "max_model_len": "Context length (prompt + output). Defaults to the model's max_position_embeddings.",
     "block_size": "Tokens per KV cache block.",

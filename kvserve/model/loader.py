@@ -21,7 +21,7 @@ from kvserve.config import ModelConfig
 from kvserve.model.file_checks import check_safetensors_files
 from kvserve.model.huge_pages import move_weights_to_huge_pages
 from kvserve.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from kvserve.model.layers.linear import LinearBase
+from kvserve.model.layers.linear import LinearBase, quantize_linear_weights_fp8
 from kvserve.model.registry import get_model_class
 from kvserve.ops import cpu_isa, linear
 from kvserve.ops.cpu_weight import (CpuLinearWeight, WeightPlan, choose_weight_plan, keep_packed,
@@ -96,9 +96,11 @@ def load_model(model_config: ModelConfig, device: torch.device,
     """Build the model for `model_config` on `device` and load this TP rank's weights
     (`plan`: the weights' variant; None: choose_weight_plan's choice)."""
     model_cls = get_model_class(model_config.architecture)
+    hf = model_config.hf_config
     packed = model_config.is_gguf and keep_packed(
         model_config.quantization, device=device.type,
-        quant_kernel=device.type == "cpu" and quant_kernel.ops() is not None)
+        quant_kernel=device.type == "cpu" and quant_kernel.ops() is not None,
+        moe=bool(hf.get("num_local_experts") or hf.get("num_experts")))
     skip = getattr(model_cls, "checkpoint_skip", None)    # MoE: other EP ranks' experts
     weights = checkpoint_weights(model_config, packed,     # fails before allocating anything
                                  skip(model_config) if skip is not None else None)
@@ -121,6 +123,9 @@ def build_and_load(build: Callable[[], nn.Module], weights: Iterable[tuple[str, 
         raise ValueError(f"Checkpoint {model_config.model!r} has no weights for "
                          f"{len(never_loaded)} parameter(s) of {type(model).__name__}: {shown}")
     apply_weight_plan(model, model_config.dtype, device, plan)
+    if model_config.quantization == "fp8":      # checked at config resolution (ops.fp8)
+        logger.info("fp8: %d linear weights cast to float8_e4m3fn (per-channel scales).",
+                    quantize_linear_weights_fp8(model))
     # Work that needs the loaded weights (vLLM's hook name), e.g. building the fused op.
     for module in model.modules():
         process = getattr(module, "process_weights_after_loading", None)

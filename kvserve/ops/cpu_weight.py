@@ -13,7 +13,8 @@
 
 "tiled": the kernel's layout of the weight it streams (ops.linear.tile_weight; same bits, a
 faster stream), taken wherever the kernel has it. `choose_weight_plan` is the one policy (one
-plan per model); `make_weight` applies it to a weight. On CUDA every weight is plain.
+plan per model); `make_weight` applies it to a weight. On CUDA every weight is plain, except
+GGUF blocks (packed, Triton kernels) and --quantization fp8's (ops/fp8.py).
 
 Layers call `matmul(x, bias)`; the fused small-step op asks `streamed()` for the weight the
 kernel reads (None: prepacked only); embeddings call `rows(ids)` (a tied LM head and its
@@ -80,13 +81,16 @@ def choose_weight_plan(weight_dtype: torch.dtype, act_dtype: torch.dtype, *, dev
     return WeightPlan(PREPACKED_WITH_COPY if copy else PREPACKED)
 
 
-def keep_packed(quantization: Optional[str], *, device: str, quant_kernel: bool) -> bool:
+def keep_packed(quantization: Optional[str], *, device: str, quant_kernel: bool,
+                moe: bool = False) -> bool:
     """Whether a GGUF file's block-quantized tensors (ops.quant.PACKED_TYPES) stay packed: on
     CPU with the int8 kernel built (a decode step then streams 0.56-1.06 bytes a weight instead
     of float32's 4; benchmarks/quant_kernels.py), unless --quantization gguf-dequantized. The
-    kernel-less fallback dequantizes per call, slower than dequantizing once at load. CUDA has
-    no packed kernels yet (issue 29 part 3): dequantized there."""
-    return quantization == GGUF and device == "cpu" and quant_kernel
+    kernel-less fallback dequantizes per call, slower than dequantizing once at load. On CUDA
+    the Triton kernels (ops/triton/quant.py) take the same packed blocks, for dense models
+    (`moe`: a MoE model's packed experts have no CUDA path yet; its file is dequantized)."""
+    return quantization == GGUF and ((device == "cpu" and quant_kernel)
+                                     or (device == "cuda" and not moe))
 
 
 class CpuLinearWeight:
@@ -194,7 +198,7 @@ def make_packed_weight(weight: torch.nn.Parameter, act_dtype: torch.dtype) -> Pa
 
     def flush() -> None:
         if run:
-            pieces.append(QuantizedRows.pack(run))
+            pieces.append(QuantizedRows.pack(run).to(weight.device))   # packed on the CPU
             run.clear()
 
     for start, part in quant:

@@ -26,6 +26,18 @@ from kvserve.ops.cpu_weight import CpuLinearWeight
 from kvserve.ops.quant.weight import QuantizedRows
 
 
+def quantize_linear_weights_fp8(model: nn.Module) -> int:
+    """--quantization fp8 (vLLM's online fp8): every linear layer's weight object becomes an
+    ops.fp8.Fp8LinearWeight (e4m3, per-channel scales); the LM head and the embeddings are no
+    LinearBase and stay 16-bit, as in vLLM. Returns how many weights were quantized."""
+    from kvserve.ops.fp8 import Fp8LinearWeight
+
+    layers = [m for m in model.modules() if isinstance(m, LinearBase)]
+    for m in layers:
+        m.linear_weight = Fp8LinearWeight(m.weight, m.linear_weight.act_dtype)
+    return len(layers)
+
+
 def divide(numerator: int, denominator: int) -> int:
     if numerator % denominator:
         raise ValueError(f"{numerator} is not divisible by {denominator} (tensor parallel split).")

@@ -18,6 +18,9 @@ FMA makes 8 float32 ones, and the dequantization is paid per call). The float pa
 x on another device and builds without the kernel (not x86-64, no compiler,
 KVSERVE_DISABLE_CPU_KERNELS=1), where the chunks are dequantized with torch ops.
 
+On CUDA (the packed tensor moved there with `to`, same layout) matmul, dequantize and
+dequantize_rows run the Triton kernels of ops/triton/quant.py, x in its own dtype.
+
 It is shaped to become a variant of the CPU weight object (ops/cpu_weight.py): `matmul(x)`, the
 bytes a step streams (`streamable`, `nbytes`), and `shard` for tensor parallelism.
 """
@@ -95,6 +98,9 @@ class PackedQuantWeight:
             raise ValueError(f"x has {x.shape[-1]} features, the weight {k}")
         lead = x.shape[:-1]
         x2 = x.reshape(-1, k)
+        if self.packed.is_cuda:         # the Triton kernels (ops/triton/quant.py), x's dtype
+            from kvserve.ops.triton.quant import quant_matmul
+            return quant_matmul(x2, self.packed, self.fmt, n, bias).reshape(*lead, n)
         xf = x2 if x2.dtype == torch.float32 else x2.float()
         ops = kernel.ops() if x.device.type == "cpu" else None
         rows = xf.shape[0]
@@ -135,6 +141,8 @@ class PackedQuantWeight:
         """Rows [row0, row1) as float32 [rows, K], bit-identical to gguf's dequantizer."""
         n, _ = self.shape
         row1 = n if row1 is None else row1
+        if self.packed.is_cuda:
+            return self.dequantize_rows(torch.arange(row0, row1, device=self.packed.device))
         ops = kernel.ops() if self.packed.device.type == "cpu" else None
         if ops is not None:
             return ops.dequantize(self.packed, self.fmt.ggml_type, n, row0, row1)
@@ -148,6 +156,9 @@ class PackedQuantWeight:
         """The given rows only, float32 [len(ids), K] (an embedding lookup): the C++ row
         decoder on CPU, else torch ops on the gathered blocks (any device); both gguf-exact."""
         ids = ids.reshape(-1).long()
+        if self.packed.is_cuda:         # Triton; no host-side range check (CUDA graphs)
+            from kvserve.ops.triton.quant import dequantize_rows
+            return dequantize_rows(self.packed, self.fmt, *self.shape, ids.to(self.packed.device))
         ops = kernel.ops() if self.packed.device.type == "cpu" else None
         if ops is not None and ids.device.type == "cpu":
             try:
@@ -158,6 +169,10 @@ class PackedQuantWeight:
             raise IndexError(f"row ids outside [0, {self.shape[0]})")
         blocks = packing.unpack_rows(self.packed, ids, self.fmt)             # [R, nb, type_size]
         return packing.dequantize_blocks(blocks, self.fmt).reshape(ids.numel(), self.shape[1])
+
+    def to(self, device: Union[str, torch.device]) -> "PackedQuantWeight":
+        """The same blocks on `device` (the layout is the same on every device)."""
+        return PackedQuantWeight(self.fmt, self.shape, self.packed.to(device))
 
     # ------------------------------------------------------------------ tensor parallelism
     def shard(self, dim: int, rank: int, world: int) -> "PackedQuantWeight":
