@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -143,10 +143,12 @@ def _triton_available() -> bool:
 
 
 def add_lora(y: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor, b_stack: torch.Tensor,
-             groups: list[Group]) -> None:
+             groups: list[Group], out_splits: Sequence[int] = ()) -> None:
     """y[T, out] += per group: (x[g] @ a_stack[slot]^T) @ b_stack[slot]^T, in place.
 
-    a_stack [S, n*R, in], b_stack [S, out, n*R]; groups from LoRAMapping."""
+    a_stack [S, n*R, in], b_stack [S, out, n*R]; groups from LoRAMapping. out_splits: the n
+    fused slices' output sizes when B is block-diagonal over them (LoRALinear.out_splits; the
+    C++ kernel then skips the zero blocks), else ()."""
     if not groups:
         return
     step = step_groups(groups)
@@ -156,7 +158,7 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor, b_stack: t
             if _triton_available():
                 add_lora_triton(y, x, a_stack, b_stack, groups)
                 return
-        elif cpu_lora.fused_delta(y, x, a_stack, b_stack, step.slots_for(groups)):
+        elif cpu_lora.fused_delta(y, x, a_stack, b_stack, step.slots_for(groups), out_splits):
             return
     add_lora_torch(y, x, a_stack, b_stack, groups)
 

@@ -3,8 +3,11 @@
     y            [T, N]     x's dtype, rows contiguous; updated in place
     x            [T, K]     float32 | bfloat16
     a_stack      [S, R, K]  float32 | bfloat16 (bfloat16 also with float32 x)
-    b_stack      [S, N, R]  a_stack's dtype
+    b_stack      [S, N, R]  a_stack's dtype; contiguous, or column-major per slot (a transposed
+                            view of [S, R, N] storage: LoRALinear's, the faster expand)
     token_slots  [T]        int64 on the CPU, -1 = no adapter
+    out_splits   [n] ints   a fused layer's output rows per slice (LoRALinear.out_splits): the
+                            expand then skips B's zero blocks; () = read every column
 
 At decode sizes the torch path (kvserve.lora.punica: two small GEMMs per adapter group, plus
 an index_add when the group's tokens are not contiguous) is dominated by per-op dispatch;
@@ -17,7 +20,7 @@ the caller runs the torch path.
 from __future__ import annotations
 
 import functools
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -64,7 +67,13 @@ def stacks_take(act_dtype: torch.dtype, a_stack: torch.Tensor, b_stack: torch.Te
     return (a_stack.device.type == "cpu" and a_stack.dtype == b_stack.dtype
             and act_dtype in (torch.float32, torch.bfloat16)
             and (a_stack.dtype == act_dtype or a_stack.dtype == torch.bfloat16)
-            and a_stack.is_contiguous() and b_stack.is_contiguous())
+            and a_stack.is_contiguous() and (b_stack.is_contiguous() or b_col_major(b_stack)))
+
+
+def b_col_major(b_stack: torch.Tensor) -> bool:
+    """b_stack [S, N, R] is a transposed view of contiguous [S, R, N] storage."""
+    s, n, r = b_stack.shape
+    return b_stack.stride() == (n * r, 1, n)
 
 
 def kernel_takes(y: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor,
@@ -77,7 +86,7 @@ def kernel_takes(y: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor,
 
 
 def fused_delta(y: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor, b_stack: torch.Tensor,
-                token_slots: torch.Tensor) -> bool:
+                token_slots: torch.Tensor, out_splits: Sequence[int] = ()) -> bool:
     """y += the LoRA delta with the C++ kernel; False (y untouched) where it does not apply."""
     if x.shape[0] > CPU_KERNEL_MAX_TOKENS or not kernel_takes(y, x, a_stack, b_stack):
         return False
@@ -86,5 +95,5 @@ def fused_delta(y: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor, b_stack
     op = _op() if cpu_isa.kernels_enabled() else None
     if op is None:
         return False
-    op(y, x, a_stack, b_stack, token_slots)
+    op(y, x, a_stack, b_stack, token_slots, out_splits)
     return True
