@@ -43,13 +43,14 @@ namespace {
 
 using bf16 = c10::BFloat16;
 constexpr int64_t kRows = 8;                 // weight rows per block (one accumulator each)
-// Multiply-adds of one shrink or expand pass from which it is split over threads (the work
-// pool, work_pool.h). Not OpenMP: a decode step makes two passes per projection (~96 a step),
-// and on a 2-core Zen 3 shared with other jobs an OpenMP region whose second thread was
-// descheduled waited 18-28 ms (16 tokens, 4 adapters) against 0.07-0.6 ms on one thread; the
-// pool's caller takes the chunks a late worker has not started. Below this the hand-off costs
-// about what the second core gains.
-constexpr int64_t kMinMacsParallel = int64_t{1} << 17;
+// Multiply-adds of one shrink or expand pass from which it is split over threads: the work
+// pool (work_pool.h), not OpenMP, whose regions stalled 18-28 ms each on a 2-core Zen 3 shared
+// with other jobs (a decode step makes ~96 passes). Decode-sized passes (<= 16 tokens on the
+// 110M Llama's shapes: 0.2-1.2M MACs, 25-100 us) stay on one thread: there a second thread
+// gained ~25% on an idle core but lost more when the pool's worker was preempted holding a
+// chunk (per-step A/B in one engine, 4 adapters, load 5-7: one thread 0.999x base, the pool
+// 0.969x). 64-token passes (up to 4M MACs) split.
+constexpr int64_t kMinMacsParallel = int64_t{1} << 22;
 
 inline float to_f(float v) { return v; }
 inline float to_f(bf16 v) { return static_cast<float>(v); }
