@@ -131,6 +131,11 @@ class LoRALinear(_SlotStacks):
 
     def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y (the base layer's x @ W^T, this rank's part) plus this step's LoRA deltas."""
+        if self.mapping.static:     # CUDA-graph mode: every slot, whatever adapter it holds
+            if x.shape[0] == self.mapping.num_tokens:
+                add_lora(y, x.reshape(-1, x.shape[-1]), self.a_stack, self.b_stack,
+                         self.mapping.groups, self.out_splits)
+            return y
         groups = _targeting(self.mapping.groups, self.has)
         if not groups or x.shape[0] != self.mapping.num_tokens:
             return y
@@ -225,6 +230,8 @@ class LoRAEmbedding(_SlotStacks):
 
     def apply(self, input_ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """out [T, H] (the base lookup, all ranks' rows) plus each token's adapter delta."""
+        if self.mapping.static:
+            return self._apply_static(input_ids, out)
         groups = _targeting(self.mapping.groups, self.has)
         if not groups or input_ids.shape[0] != self.mapping.num_tokens:
             return out
@@ -234,6 +241,20 @@ class LoRAEmbedding(_SlotStacks):
                 out[g] += delta
             else:
                 out.index_add_(0, g, delta)
+        return out
+
+
+    def _apply_static(self, input_ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """apply in CUDA-graph mode: the lookup of every token in its slot's A^T (slot -1 reads
+        slot 0's row, then masked), one masked expand per slot: shapes only, no host reads."""
+        slots = self.mapping.groups.token_slots
+        if input_ids.shape[0] != slots.shape[0]:
+            return out
+        shrunk = self.a_stack[slots.clamp(min=0), input_ids]            # [T, R]
+        zero = torch.zeros((), dtype=out.dtype, device=out.device)
+        for slot in range(self.a_stack.shape[0]):
+            delta = (shrunk @ self.b_stack[slot].t()).to(out.dtype)
+            out.add_(torch.where((slots == slot)[:, None], delta, zero))
         return out
 
 
