@@ -209,7 +209,8 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor, b_stack: t
 
 
 def add_lora_static(y: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor,
-                    b_stack: torch.Tensor, step: LoRAGroups, out_splits: Sequence[int] = ()) -> None:
+                    b_stack: torch.Tensor, step: LoRAGroups,
+                    out_splits: Sequence[int] = ()) -> None:
     """add_lora in static (CUDA-graph) mode: what it launches depends on shapes only, never on
     the slot values (step.token_slots is read by device code). CUDA: the Triton kernels; CPU
     (the capture path run eagerly, tests): the C++ kernel where it applies, else one masked

@@ -83,11 +83,13 @@ def test_static_capture_path_equals_eager_lora(loaded, kernel: bool) -> None:
             want = []
             for slots, ins in zip(steps, inputs):
                 _normal(mgr, slots)
-                want.append([layer.apply(x[:n], y[:n].clone()) for layer, (x, y) in zip(layers, ins)])
+                want.append([layer.apply(x[:n], y[:n].clone())
+                             for layer, (x, y) in zip(layers, ins)])
             # "Capture" once: the static mapping a bucket's graph holds.
             runner.static_inputs(b)
             captured = mgr.mapping.groups
-            assert captured.static and captured.token_slots.data_ptr() == runner.lora_slots.buf.data_ptr()
+            assert captured.static
+            assert captured.token_slots.data_ptr() == runner.lora_slots.buf.data_ptr()
             for slots, ins, ref in zip(steps, inputs, want):
                 _normal(mgr, slots)                     # prepare_step, then run()'s refill
                 runner.fill_lora(n, b)

@@ -15,11 +15,13 @@
 // The tokens are grouped by slot first, so each adapter's A and B are streamed once per
 // group, not once per token. Shrink: per group and block of 8 rows of A, every token of the
 // group takes 8 dot products over K (one accumulator each) into a float32 buffer s [T, R].
-// Expand: per group and block of 8 rows of B, every token takes 8 dot products over R with
-// its s row, added to y. Eight accumulators are reduced together (hsum8x8: 7 shuffles for 8
-// sums). Work items (group, block) are split over threads on the work pool (work_pool.h)
-// once a pass has enough work to pay for the hand-off. Everything accumulates in float32; a bfloat16 y is
-// rounded once after the add.
+// Expand, B column-major per slot (LoRALinear's and LoRALogits' stacks): per group and block
+// of 16 outputs, an axpy over r (4 tokens per pass share each load of B), reading only the
+// block's slice columns (out_splits). B row-major (any other caller): per group and block of
+// 8 rows of B, every token takes 8 dot products over R with its s row, reduced together
+// (hsum8x8: 7 shuffles for 8 sums). Either way added to y. Work items (group, block) are
+// split over threads on the work pool (work_pool.h) once a pass has enough work to pay for
+// the hand-off. Everything accumulates in float32; a bfloat16 y is rounded once after the add.
 //
 // AVX2 (+FMA, F16C; the avx2 tier and every tier above: AVX-512 builds take the same code):
 // 8 lanes, bf16 widened in registers (vec_avx2.h). generic: plain loops the compiler may
@@ -112,7 +114,8 @@ inline void axpy_tokens(TX* const* yt, const float* const* st, const TW* bt, int
   for (int64_t r = r0; r < r1; ++r) {
     const TW* row = bt + r * N;
     const __m256 b0 = full || nn >= 8 ? load8(row) : load8(row, nn);
-    const __m256 b1 = full ? load8(row + 8) : (nn > 8 ? load8(row + 8, nn - 8) : _mm256_setzero_ps());
+    const __m256 b1 =
+        full ? load8(row + 8) : (nn > 8 ? load8(row + 8, nn - 8) : _mm256_setzero_ps());
     for (int k = 0; k < TK; ++k) {
       const __m256 sv = _mm256_broadcast_ss(st[k] + r);
       acc[k][0] = _mm256_fmadd_ps(b0, sv, acc[k][0]);
@@ -237,7 +240,8 @@ template <typename TX, typename TW>
 void run(TX* y, int64_t y_stride, const TX* x, const TW* a, const TW* b, bool b_col_major,
          const std::vector<int64_t>& order, const std::vector<Group>& groups, int64_t K,
          int64_t R, int64_t N, at::IntArrayRef splits) {
-  const int64_t G = static_cast<int64_t>(groups.size()), tokens = static_cast<int64_t>(order.size());
+  const int64_t G = static_cast<int64_t>(groups.size());
+  const int64_t tokens = static_cast<int64_t>(order.size());
   std::vector<float> s(static_cast<size_t>(order.size() * R));   // by position in `order`
   const int64_t r_blocks = (R + kRows - 1) / kRows;
   for_items(G * r_blocks, tokens * R * K, [&](int64_t i0, int64_t i1) {
