@@ -31,7 +31,8 @@ import torch
 
 from kvserve.lora.punica import LoRAMapping, add_lora
 from kvserve.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from kvserve.model.layers.linear import LinearBase, RowParallelLinear
+from kvserve.model.layers.linear import (LinearBase, MergedColumnParallelLinear,
+                                         QKVParallelLinear, RowParallelLinear)
 from kvserve.ops import lora as cpu_lora
 
 ShardId = Optional[Union[int, str]]
@@ -56,6 +57,15 @@ class SortedTokens:
 
     def clear(self) -> None:
         self.perm, self.groups = None, []
+
+
+def b_stack_zeros(slots: int, out: int, rank: int, dtype: torch.dtype,
+                  device: torch.device) -> torch.Tensor:
+    """A zero B stack [slots, out, rank] stored column-major per slot (a transposed view of
+    [slots, rank, out]): the C++ kernel's expand then reads each rank column as a run of
+    outputs (an axpy over the rank, no horizontal sums); torch's matmul and the Triton kernels
+    take it by its strides. Allocated once: loading an adapter copies into its slot."""
+    return torch.zeros(slots, rank, out, dtype=dtype, device=device).transpose(1, 2)
 
 
 class _SlotStacks:
@@ -85,8 +95,9 @@ class LoRALinear(_SlotStacks):
         weight = base.weight
         self.a_stack = torch.zeros(max_loras, n * max_rank, base.input_size,
                                    dtype=weight.dtype, device=weight.device)
-        self.b_stack = torch.zeros(max_loras, base.output_size, n * max_rank,
-                                   dtype=weight.dtype, device=weight.device)
+        self.b_stack = b_stack_zeros(max_loras, base.output_size, n * max_rank, weight.dtype,
+                                     weight.device)
+        self.out_splits = _out_splits(base, n)
         self.has = [False] * max_loras          # slot -> its adapter targets this layer
         # The same as a tensor, kept in step: the fused small-step C++ op reads it.
         self.has_mask = torch.zeros(max_loras, dtype=torch.bool)
@@ -120,18 +131,38 @@ class LoRALinear(_SlotStacks):
 
     def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y (the base layer's x @ W^T, this rank's part) plus this step's LoRA deltas."""
+        if self.mapping.static:     # CUDA-graph mode: every slot, whatever adapter it holds
+            if x.shape[0] == self.mapping.num_tokens:
+                add_lora(y, x.reshape(-1, x.shape[-1]), self.a_stack, self.b_stack,
+                         self.mapping.groups, self.out_splits)
+            return y
         groups = _targeting(self.mapping.groups, self.has)
         if not groups or x.shape[0] != self.mapping.num_tokens:
             return y
         x = x.reshape(-1, x.shape[-1])
         st = self.sorted_tokens
         if st is None or st.perm is None or _kernel_groups_tokens(x):
-            add_lora(y, x, self.a_stack, self.b_stack, groups)
+            add_lora(y, x, self.a_stack, self.b_stack, groups, self.out_splits)
             return y
         xs = x[st.perm]
         ys = torch.zeros(xs.shape[0], y.shape[-1], dtype=y.dtype, device=y.device)
-        add_lora(ys, xs, self.a_stack, self.b_stack, _targeting(st.groups, self.has))
+        add_lora(ys, xs, self.a_stack, self.b_stack, _targeting(st.groups, self.has),
+                 self.out_splits)
         return y.index_put_((st.perm,), ys, accumulate=True)
+
+
+def _out_splits(base: LinearBase, n: int) -> tuple[int, ...]:
+    """This rank's output rows of each of the n fused slices, in the order set_slot fills B
+    (its block-diagonal layout, which the C++ kernel's expand exploits); () for one slice."""
+    if n <= 1:
+        return ()
+    if isinstance(base, QKVParallelLinear):
+        splits = (base.q_size, base.kv_size, base.kv_size)
+    elif isinstance(base, MergedColumnParallelLinear):
+        splits = tuple(size // base.tp_size for size in base.output_sizes)
+    else:
+        return ()
+    return splits if len(splits) == n and sum(splits) == base.output_size else ()
 
 
 def _kernel_groups_tokens(x: torch.Tensor) -> bool:
@@ -199,6 +230,8 @@ class LoRAEmbedding(_SlotStacks):
 
     def apply(self, input_ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """out [T, H] (the base lookup, all ranks' rows) plus each token's adapter delta."""
+        if self.mapping.static:
+            return self._apply_static(input_ids, out)
         groups = _targeting(self.mapping.groups, self.has)
         if not groups or input_ids.shape[0] != self.mapping.num_tokens:
             return out
@@ -208,6 +241,20 @@ class LoRAEmbedding(_SlotStacks):
                 out[g] += delta
             else:
                 out.index_add_(0, g, delta)
+        return out
+
+
+    def _apply_static(self, input_ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """apply in CUDA-graph mode: the lookup of every token in its slot's A^T (slot -1 reads
+        slot 0's row, then masked), one masked expand per slot: shapes only, no host reads."""
+        slots = self.mapping.groups.token_slots
+        if input_ids.shape[0] != slots.shape[0]:
+            return out
+        shrunk = self.a_stack[slots.clamp(min=0), input_ids]            # [T, R]
+        zero = torch.zeros((), dtype=out.dtype, device=out.device)
+        for slot in range(self.a_stack.shape[0]):
+            delta = (shrunk @ self.b_stack[slot].t()).to(out.dtype)
+            out.add_(torch.where((slots == slot)[:, None], delta, zero))
         return out
 
 
@@ -223,8 +270,7 @@ class LoRALogits(_SlotStacks):
         device = base.weight.device
         self.a_stack = torch.zeros(max_loras, max_rank, base.embedding_dim, dtype=dtype,
                                    device=device)
-        self.b_stack = torch.zeros(max_loras, base.shard_size, max_rank, dtype=dtype,
-                                   device=device)
+        self.b_stack = b_stack_zeros(max_loras, base.shard_size, max_rank, dtype, device)
         self.has = [False] * max_loras
 
     def set_slot(self, slot: int,

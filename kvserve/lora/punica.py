@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -52,14 +52,19 @@ class LoRAGroups(list):
             items.append(item)
         super().__init__(items)
         self.token_slots = token_slots
+        # Static (CUDA-graph) mode: the groups are every slot, and nothing is derived from the
+        # slot values on the host; the kernels read token_slots, a view of a buffer that is
+        # refilled in place before each replay (StaticLoRASlots).
+        self.static = False
         self._subsets: dict[tuple[int, ...], torch.Tensor] = {}
         self._meta: dict[tuple[int, int], Any] = {}
+        self._captured: set[tuple[int, int]] = set()
 
     def slots_for(self, groups: list[Group]) -> torch.Tensor:
         """token_slots with the slots outside `groups` (a subset of this step's) set to -1.
         On CUDA the full tensor: a slot a layer's adapter does not target has zero A and B
         there, so its delta is an exact 0, and nothing is derived on the host mid-forward."""
-        if len(groups) == len(self) or self.token_slots.is_cuda:
+        if len(groups) == len(self) or self.token_slots.is_cuda or self.static:
             return self.token_slots
         key = tuple(sorted(int(g[0]) for g in groups))
         slots = self._subsets.get(key)
@@ -73,9 +78,12 @@ class LoRAGroups(list):
         key = (token_slots.data_ptr(), num_slots)
         meta = self._meta.get(key)
         # A CUDA graph being captured must compute the grouping itself (from the slots buffer a
-        # replay reads), not reuse tensors computed before the capture (a warm-up's).
-        if meta is None or (token_slots.is_cuda and torch.cuda.is_current_stream_capturing()):
+        # replay reads), once, not reuse tensors computed before the capture (a warm-up's).
+        capturing = token_slots.is_cuda and torch.cuda.is_current_stream_capturing()
+        if meta is None or (capturing and key not in self._captured):
             meta = self._meta[key] = _triton().lora_meta(token_slots, num_slots)
+            if capturing:
+                self._captured.add(key)
         return meta
 
 
@@ -122,8 +130,42 @@ class LoRAMapping:
         view.copy_(host)
         return view
 
+    def set_static(self, token_slots: torch.Tensor, num_slots: int) -> None:
+        """Static (CUDA-graph) mode: every slot is a group and token_slots [T] (a view of
+        StaticLoRASlots' buffer) is read by the kernels as it is at replay time. Every LoRA
+        layer then adds its delta, whatever adapters the slots hold then (an empty slot, or
+        one whose adapter does not target the layer, has zero A and B: an exact 0)."""
+        self.num_tokens = int(token_slots.shape[0])
+        self.groups = LoRAGroups([(slot, slice(0, 0)) for slot in range(num_slots)], token_slots)
+        self.groups.static = True
+
+    @property
+    def static(self) -> bool:
+        return bool(getattr(self.groups, "static", False))
+
     def clear(self) -> None:
         self.groups, self.num_tokens = [], 0
+
+
+class StaticLoRASlots:
+    """The per-token adapter slots a captured CUDA graph reads: one buffer for the largest
+    bucket, allocated once; view(b) is what a bucket's graph is captured with, fill() refills
+    it in place before a replay (never reallocated: the graph holds its address). The rows
+    past the real batch are -1, no adapter: padding rows get no delta."""
+
+    def __init__(self, max_tokens: int, device: torch.device) -> None:
+        self.buf = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
+
+    def view(self, num_tokens: int) -> torch.Tensor:
+        return self.buf[:num_tokens]
+
+    def fill(self, token_slots: torch.Tensor, padded: int) -> None:
+        """token_slots [n] (the step's, on the buffer's device or the host) into rows [0, n),
+        -1 into [n, padded): device-side copies, no host sync."""
+        n = int(token_slots.shape[0])
+        self.buf[:n].copy_(token_slots, non_blocking=True)
+        if padded > n:
+            self.buf[n:padded].fill_(-1)
 
 
 @functools.lru_cache(maxsize=1)
@@ -143,22 +185,48 @@ def _triton_available() -> bool:
 
 
 def add_lora(y: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor, b_stack: torch.Tensor,
-             groups: list[Group]) -> None:
+             groups: list[Group], out_splits: Sequence[int] = ()) -> None:
     """y[T, out] += per group: (x[g] @ a_stack[slot]^T) @ b_stack[slot]^T, in place.
 
-    a_stack [S, n*R, in], b_stack [S, out, n*R]; groups from LoRAMapping."""
+    a_stack [S, n*R, in], b_stack [S, out, n*R]; groups from LoRAMapping. out_splits: the n
+    fused slices' output sizes when B is block-diagonal over them (LoRALinear.out_splits; the
+    C++ kernel then skips the zero blocks), else ()."""
     if not groups:
         return
     step = step_groups(groups)
+    if step is not None and step.static:
+        add_lora_static(y, x, a_stack, b_stack, step, out_splits)
+        return
     if (step is not None and y.dim() == 2
             and x.shape[0] == step.token_slots.shape[0] == y.shape[0]):
         if y.is_cuda:
             if _triton_available():
                 add_lora_triton(y, x, a_stack, b_stack, groups)
                 return
-        elif cpu_lora.fused_delta(y, x, a_stack, b_stack, step.slots_for(groups)):
+        elif cpu_lora.fused_delta(y, x, a_stack, b_stack, step.slots_for(groups), out_splits):
             return
     add_lora_torch(y, x, a_stack, b_stack, groups)
+
+
+def add_lora_static(y: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor,
+                    b_stack: torch.Tensor, step: LoRAGroups,
+                    out_splits: Sequence[int] = ()) -> None:
+    """add_lora in static (CUDA-graph) mode: what it launches depends on shapes only, never on
+    the slot values (step.token_slots is read by device code). CUDA: the Triton kernels; CPU
+    (the capture path run eagerly, tests): the C++ kernel where it applies, else one masked
+    torch delta per slot (S x the work: a fallback)."""
+    slots = step.token_slots
+    if y.is_cuda and _triton_available():
+        ops = _triton()
+        meta = step.triton_meta(slots, a_stack.shape[0])
+        ops.lora_expand(y, ops.lora_shrink(x, a_stack, meta), b_stack, meta)
+        return
+    if not y.is_cuda and cpu_lora.fused_delta(y, x, a_stack, b_stack, slots, out_splits):
+        return
+    for slot in range(a_stack.shape[0]):
+        delta = (x @ a_stack[slot].t()) @ b_stack[slot].t()
+        y.add_(torch.where((slots == slot)[:, None], delta, torch.zeros((), dtype=delta.dtype,
+                                                                         device=delta.device)))
 
 
 def add_lora_torch(y: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor,

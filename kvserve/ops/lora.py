@@ -3,8 +3,11 @@
     y            [T, N]     x's dtype, rows contiguous; updated in place
     x            [T, K]     float32 | bfloat16
     a_stack      [S, R, K]  float32 | bfloat16 (bfloat16 also with float32 x)
-    b_stack      [S, N, R]  a_stack's dtype
+    b_stack      [S, N, R]  a_stack's dtype; contiguous, or column-major per slot (a transposed
+                            view of [S, R, N] storage: LoRALinear's, the faster expand)
     token_slots  [T]        int64 on the CPU, -1 = no adapter
+    out_splits   [n] ints   a fused layer's output rows per slice (LoRALinear.out_splits): the
+                            expand then skips B's zero blocks; () = read every column
 
 At decode sizes the torch path (kvserve.lora.punica: two small GEMMs per adapter group, plus
 an index_add when the group's tokens are not contiguous) is dominated by per-op dispatch;
@@ -17,17 +20,20 @@ the caller runs the torch path.
 from __future__ import annotations
 
 import functools
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 
 from kvserve.ops import cpu_isa
 from kvserve.ops.build import CpuKernel
 
-# Largest token count sent to the kernel. benchmarks/lora_kernels.py (demo model's shapes, 4
-# adapters, rank 16, tokens interleaved, one thread, EPYC Zen 3 under heavy load): the kernel
-# is 1.2x torch at 1 token, 2.8x at 8, 1.8x at 32, 1.3x at 64, 0.9x at 128.
-CPU_KERNEL_MAX_TOKENS = 64
+# Largest token count sent to the kernel; torch's grouped GEMMs above. With column-major B (its
+# expand an axpy over the rank) and the work pool the kernel beat them at every prompt size
+# measured, and torch's OpenMP GEMMs stall on a shared CPU: one layer's delta of the 110M
+# Llama (4 adapters, rank 16, 16 requests' tokens contiguous, EPYC Zen 3 2 cores at load 4-5,
+# interleaved in one process; min / median ms) at 64 tokens 2.3 / 14 vs 13 / 94, at 128
+# 9.1 / 18 vs 37 / 600, at 256 27 / 36 vs 154 / 227, at 640 37 / 56 vs 513 / 2817.
+CPU_KERNEL_MAX_TOKENS = 1024
 _KERNEL = CpuKernel("lora.cpp", op="lora_fused", isa_op="lora_isa",
                     what="multi-LoRA shrink+expand", fallback="the torch grouped matmuls")
 cpu_kernel: Callable[[], Optional[Callable[..., None]]] = _KERNEL.get
@@ -64,7 +70,13 @@ def stacks_take(act_dtype: torch.dtype, a_stack: torch.Tensor, b_stack: torch.Te
     return (a_stack.device.type == "cpu" and a_stack.dtype == b_stack.dtype
             and act_dtype in (torch.float32, torch.bfloat16)
             and (a_stack.dtype == act_dtype or a_stack.dtype == torch.bfloat16)
-            and a_stack.is_contiguous() and b_stack.is_contiguous())
+            and a_stack.is_contiguous() and (b_stack.is_contiguous() or b_col_major(b_stack)))
+
+
+def b_col_major(b_stack: torch.Tensor) -> bool:
+    """b_stack [S, N, R] is a transposed view of contiguous [S, R, N] storage."""
+    s, n, r = b_stack.shape
+    return b_stack.stride() == (n * r, 1, n)
 
 
 def kernel_takes(y: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor,
@@ -77,7 +89,7 @@ def kernel_takes(y: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor,
 
 
 def fused_delta(y: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor, b_stack: torch.Tensor,
-                token_slots: torch.Tensor) -> bool:
+                token_slots: torch.Tensor, out_splits: Sequence[int] = ()) -> bool:
     """y += the LoRA delta with the C++ kernel; False (y untouched) where it does not apply."""
     if x.shape[0] > CPU_KERNEL_MAX_TOKENS or not kernel_takes(y, x, a_stack, b_stack):
         return False
@@ -86,5 +98,5 @@ def fused_delta(y: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor, b_stack
     op = _op() if cpu_isa.kernels_enabled() else None
     if op is None:
         return False
-    op(y, x, a_stack, b_stack, token_slots)
+    op(y, x, a_stack, b_stack, token_slots, out_splits)
     return True

@@ -8,17 +8,28 @@ of the bucket (slot -1: no KV write; seq_len 0: attends to nothing) and replays 
 graph. Mixed steps, and batches above the largest bucket, run eagerly.
 
     static rows: [ r0 r1 r2 | pad pad pad ... ]   bucket 8 for 3 decodes; outputs [:3] used
+
+With LoRA on (--enable-lora) the graphs hold every LoRA layer's delta in its capturable form
+(LoRAMapping.set_static: the Triton shrink / expand over every slot, the grouping computed on
+the device from a static slots buffer, StaticLoRASlots). Before a replay that buffer is
+refilled in place with the step's per-token slots, padding rows -1 (no adapter); the adapter
+stacks are allocated once, and loading an adapter copies into its slot, so a graph captured
+before any adapter was loaded serves every later one. The LM head's LoRA runs after the
+replay, eagerly, on the rows being scored (compute_logits is not in the graph).
 """
 from __future__ import annotations
 
 import bisect
 import logging
 import time
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from kvserve.attention.backends.triton import TritonAttentionMetadata
+
+if TYPE_CHECKING:
+    from kvserve.lora.manager import LoRAModelManager
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +51,8 @@ class CUDAGraphRunner:
     """Captured decode forwards, one per bucket, over shared static input buffers."""
 
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor],
-                 sizes: list[int], max_blocks_per_req: int, device: torch.device) -> None:
+                 sizes: list[int], max_blocks_per_req: int, device: torch.device,
+                 lora: "Optional[LoRAModelManager]" = None) -> None:
         self.model, self.kv_caches, self.sizes = model, kv_caches, sorted(sizes)
         b, mb = self.sizes[-1], max_blocks_per_req
         self.input_ids = torch.zeros(b, dtype=torch.long, device=device)
@@ -51,6 +63,12 @@ class CUDAGraphRunner:
         self.block_table = torch.zeros(b, mb, dtype=torch.int32, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
+        self.replays = 0
+        self.lora = lora
+        self.lora_slots = None
+        if lora is not None:
+            from kvserve.lora.punica import StaticLoRASlots
+            self.lora_slots = StaticLoRASlots(b, device)
 
     def _metadata(self, b: int) -> TritonAttentionMetadata:
         return TritonAttentionMetadata(
@@ -65,21 +83,48 @@ class CUDAGraphRunner:
 
         t0 = time.perf_counter()
         before = torch.cuda.mem_get_info()[0]
-        for b in tqdm(sorted(self.sizes, reverse=True), desc="Capturing CUDA graphs (decode, FULL)"):
-            meta = self._metadata(b)
-            # Warm-up outside the graph: Triton compiles (and autotunes) here, not in capture.
-            self.model(self.input_ids[:b], self.positions[:b], self.kv_caches, meta)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                out = self.model(self.input_ids[:b], self.positions[:b], self.kv_caches, meta)
-            if self.pool is None:
-                self.pool = graph.pool()
-            self.graphs[b] = (graph, out)
+        try:
+            for b in tqdm(sorted(self.sizes, reverse=True),
+                          desc="Capturing CUDA graphs (decode, FULL)"):
+                self.static_inputs(b)
+                meta = self._metadata(b)
+                # Warm-up outside the graph: Triton compiles (and autotunes) here, not in capture.
+                self.model(self.input_ids[:b], self.positions[:b], self.kv_caches, meta)
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool):
+                    out = self.model(self.input_ids[:b], self.positions[:b], self.kv_caches, meta)
+                if self.pool is None:
+                    self.pool = graph.pool()
+                self.graphs[b] = (graph, out)
+        finally:
+            if self.lora is not None:      # eager steps set their own mapping
+                self.lora.mapping.clear()
         torch.cuda.synchronize()
         logger.info("Graph capturing finished in %.1f s, took %.2f GiB (%d sizes, up to %d).",
                     time.perf_counter() - t0, (before - torch.cuda.mem_get_info()[0]) / 2**30,
                     len(self.sizes), self.sizes[-1])
+
+    def static_inputs(self, b: int) -> None:
+        """Bucket b's LoRA inputs for a capture (or an eager run of the captured code): the
+        mapping in static mode over the first b rows of the slots buffer."""
+        if self.lora is not None:
+            assert self.lora_slots is not None
+            self.lora.sorted_tokens.clear()
+            self.lora.mapping.set_static(self.lora_slots.view(b), self.lora.config.max_loras)
+
+    def fill_lora(self, n: int, b: int) -> None:
+        """The step's per-token slots (prepare_step's mapping, already on the device) into the
+        static buffer in place; rows [n, b) -1. A step without adapter tokens: all -1."""
+        if self.lora_slots is None:
+            return
+        assert self.lora is not None
+        groups = self.lora.mapping.groups
+        slots = getattr(groups, "token_slots", None)
+        if slots is None or self.lora.mapping.num_tokens != n:
+            self.lora_slots.buf[:b].fill_(-1)
+        else:
+            self.lora_slots.fill(slots, b)
 
     def can_run(self, meta: object, num_tokens: int) -> bool:
         return (isinstance(meta, TritonAttentionMetadata) and meta.decode_only
@@ -101,6 +146,8 @@ class CUDAGraphRunner:
         if b > n:     # padding rows: write nothing, attend to nothing
             self.slot_mapping[n:b].fill_(-1)
             self.seq_lens[n:b].fill_(0)
+        self.fill_lora(n, b)
         graph, out = self.graphs[b]
         graph.replay()
+        self.replays += 1
         return out[:n]

@@ -156,14 +156,16 @@ class ModelRunner:
         from kvserve.worker.cuda_graph import CUDAGraphRunner, capture_sizes
         if (self.device.type != "cuda" or self.attn_backend.name != "TRITON_ATTN"
                 or self.config.parallel_config.pipeline_parallel_size > 1
-                or self.kv_cache_groups or self.lora_manager is not None):
+                or self.kv_cache_groups):
             # Graphs hold one whole-model decode step: not with PP stages; sliding windows
-            # take the torch path; LoRA's per-step slot grouping is not captured yet (eager).
+            # take the torch path.
             return
         sizes = capture_sizes(self.config.scheduler_config.max_num_seqs)
         assert self.model is not None
+        # With LoRA the graphs include every LoRA layer (static slots buffer, cuda_graph.py).
         self.cuda_graphs = CUDAGraphRunner(self.model, self.kv_caches, sizes,
-                                           self.max_blocks_per_req, self.device)
+                                           self.max_blocks_per_req, self.device,
+                                           lora=self.lora_manager)
         self.cuda_graphs.capture()
 
     def _forward(self, step: StepInputs, intermediate: Optional[IntermediateTensors] = None) -> Any:

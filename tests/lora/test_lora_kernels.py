@@ -170,23 +170,97 @@ def test_cpu_kernel_matches_reference(cpu_op, dtype: torch.dtype, wdtype: torch.
     _check(out, add_lora_reference(y, x, a, b, torch.from_numpy(slots)), y, slots)
 
 
+def _fused_case(T: int, K: int, rank: int, splits: list[int], dtype: torch.dtype,
+                seed: int) -> tuple[torch.Tensor, ...]:
+    """A fused layer's stacks as LoRALinear lays them out: B block-diagonal over the slices
+    (slice i's rows use columns [i*rank, (i+1)*rank) only) and column-major per slot."""
+    n, N = len(splits), sum(splits)
+    x, a, _, y = _case(T, K, n * rank, N, dtype, dtype, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    b = torch.zeros(UNUSED + 1, n * rank, N).transpose(1, 2)
+    row = 0
+    for i, size in enumerate(splits):
+        b[:, row:row + size, i * rank:(i + 1) * rank] = torch.randn(UNUSED + 1, size, rank,
+                                                                    generator=g)
+        row += size
+    b[UNUSED] = float("nan")
+    return x, a, b.to(dtype), y
+
+
+def _grouped_reference(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                       slots: np.ndarray) -> torch.Tensor:
+    """add_lora_reference's float64 delta per slot group (no [T, N, R] gather: large N)."""
+    out = y.double().clone()
+    for slot in set(slots[slots >= 0].tolist()):
+        idx = torch.from_numpy(np.flatnonzero(slots == slot))
+        out[idx] += (x[idx].double() @ a[slot].double().t()) @ b[slot].double().t()
+    return out
+
+
 @needs_cpu_kernel
-def test_cpu_kernel_two_threads_and_torch_path_agree(cpu_op) -> None:
-    """The demo model's gate/up shape at decode batch 8 (enough work to split over threads):
-    kernel on 1 and 2 threads, and the torch path, all equal the reference."""
-    x, a, b, y = _case(8, 576, 32, 3072, torch.float32, torch.float32, seed=7)
-    slots = np.array([0, 1, 2, 0, -1, 1, 2, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("splits", [[48, 16, 16], [37, 21, 11], [20, 20]])
+def test_cpu_kernel_fused_slices_column_major(cpu_op, dtype: torch.dtype,
+                                              splits: list[int]) -> None:
+    """LoRALinear's layout (column-major B, out_splits naming the slices; boundaries on and off
+    the 16-column blocks, a short last block): the reference, and the same bits as the kernel
+    reading every column (the skipped products are exact zeros)."""
+    T = 9
+    x, a, b, y = _fused_case(T, 40, 8, splits, dtype, seed=len(splits) + splits[-1])
+    assert cpu_lora.b_col_major(b) and cpu_lora.stacks_take(dtype, a, b)
+    slots = _slots(T, seed=T)
     st = torch.from_numpy(slots)
     want = add_lora_reference(y, x, a, b, st)
+    outs = []
+    for bb, sp in ((b, splits), (b, []), (b.contiguous(), [])):
+        out = y.clone()
+        cpu_op(out, x, a, bb, st, sp)
+        _check(out, want, y, slots)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+
+
+@needs_cpu_kernel
+def test_cpu_kernel_on_the_work_pool(cpu_op) -> None:
+    """64 tokens of a wide fused layer: the expand (> 4M multiply-adds) is split over the work
+    pool on 2 threads -- the reference, and the same bits as on one thread."""
+    splits = [4000, 4000, 11]
+    x, a, b, y = _fused_case(64, 40, 16, splits, torch.float32, seed=5)
+    slots = _slots(64, seed=5)
+    st = torch.from_numpy(slots)
+    want = _grouped_reference(y, x, a, b, slots)
     threads = torch.get_num_threads()
+    outs = []
     try:
         for n in (1, 2):
             torch.set_num_threads(n)
             out = y.clone()
-            cpu_op(out, x, a, b, st)
+            cpu_op(out, x, a, b, st, splits)
             _check(out, want, y, slots)
+            outs.append(out)
     finally:
         torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1])
+
+
+@needs_cpu_kernel
+def test_cpu_kernel_rejects_bad_splits(cpu_op) -> None:
+    x, a, b, y = _fused_case(3, 16, 8, [8, 8], torch.float32, seed=0)
+    with pytest.raises(RuntimeError, match="out_splits"):
+        cpu_op(y, x, a, b, torch.tensor([0, 1, -1]), [8, 9])
+
+
+@needs_cpu_kernel
+def test_cpu_kernel_torch_path_agree_on_lora_layout(cpu_op) -> None:
+    """The demo model's gate/up shape at decode batch 8 in LoRALinear's layout: the kernel and
+    the torch path (which takes the column-major B by its strides) equal the reference."""
+    x, a, b, y = _fused_case(8, 576, 16, [1536, 1536], torch.float32, seed=7)
+    slots = np.array([0, 1, 2, 0, -1, 1, 2, 2])
+    st = torch.from_numpy(slots)
+    want = add_lora_reference(y, x, a, b, st)
+    out = y.clone()
+    cpu_op(out, x, a, b, st, [1536, 1536])
+    _check(out, want, y, slots)
     mapping = LoRAMapping()
     mapping.set(slots, torch.device("cpu"))
     ref_torch = y.clone()

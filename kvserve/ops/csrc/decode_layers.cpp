@@ -127,7 +127,7 @@ const Ops& ops() {
 }
 
 using LoraSig = void(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                      const at::Tensor&);
+                      const at::Tensor&, at::IntArrayRef);
 
 // Looked up on the first LoRA step only: lora.cpp's library is loaded where LoRA is on.
 const c10::TypedOperatorHandle<LoraSig>& lora_op() {
@@ -184,7 +184,9 @@ struct LoraStep {
 
 // y += the LoRA delta of projection `p` (its A, B, has at lw[p], lw[p + 1], lw[p + 2]) for
 // the tokens whose slot's adapter targets it: LoRALinear.apply's work on the layer path.
-void add_lora(at::Tensor& y, const at::Tensor& x, const Opt* lw, int64_t p, const LoraStep& st) {
+// splits: the fused slices' output sizes (LoRALinear.out_splits), or {} for o / down.
+void add_lora(at::Tensor& y, const at::Tensor& x, const Opt* lw, int64_t p, const LoraStep& st,
+              at::IntArrayRef splits = {}) {
   if (lw == nullptr || !st.slots.has_value()) return;
   const at::Tensor& slots = *st.slots;
   const bool* has = lw[p + 2]->data_ptr<bool>();
@@ -200,7 +202,7 @@ void add_lora(at::Tensor& y, const at::Tensor& x, const Opt* lw, int64_t p, cons
     int64_t* u = use.data_ptr<int64_t>();
     for (int64_t t = 0; t < T; ++t) u[t] = s[t] >= 0 && has[s[t]] ? s[t] : -1;
   }
-  lora_op().call(y, x, *lw[p], *lw[p + 1], use);
+  lora_op().call(y, x, *lw[p], *lw[p + 1], use, splits);
 }
 
 using MoeSig = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
@@ -282,8 +284,8 @@ at::Tensor attention(const Ops& op, const at::Tensor& x, const Opt* w, const Qua
                      const Opt* lw, const LoraStep& st, const at::Tensor& positions, at::Tensor& kv_cache,
                      const Meta& m, const at::Tensor& cos, const at::Tensor& sin, const Dims& d) {
   at::Tensor qkv = project(op, x, w, kQkvW, kQkvB, ql, kPQkv);
-  add_lora(qkv, x, lw, kQkvA, st);
   const int64_t q_size = d.H * d.D, kv_size = d.Hkv * d.D;
+  add_lora(qkv, x, lw, kQkvA, st, {q_size, kv_size, kv_size});
   at::Tensor q = qkv.narrow(1, 0, q_size);
   at::Tensor k = qkv.narrow(1, q_size, kv_size);
   const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size);
@@ -410,7 +412,8 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
       continue;
     }
     at::Tensor gate_up = project(op, hidden, lw, kGateUpW, kGateUpB, ql, kPGateUp);
-    add_lora(gate_up, hidden, ll, kGateUpA, st);
+    const int64_t inter = gate_up.size(1) / 2;
+    add_lora(gate_up, hidden, ll, kGateUpA, st, {inter, inter});
     const at::Tensor act = op.silu_and_mul.call(gate_up);
     hidden = project(op, act, lw, kDownW, kDownB, ql, kPDown);
     add_lora(hidden, act, ll, kDownA, st);

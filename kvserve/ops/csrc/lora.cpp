@@ -7,15 +7,21 @@
 //   a_stack      [S, R, K]    float32 | bfloat16, contiguous (R = fused slices x max rank)
 //   b_stack      [S, N, R]    a_stack's dtype, contiguous (the LoRA scaling folded in)
 //   token_slots  [T]          int64, -1 = no adapter (the row of y is not touched)
+//   out_splits   [n] ints     a fused layer's output rows per slice (q, k, v; gate, up), summing
+//                             to N, n dividing R: slice i's rows of B use only columns
+//                             [i R/n, (i+1) R/n) (the others must be zero), so the expand reads
+//                             only those; [] (or one) = every column
 //
 // The tokens are grouped by slot first, so each adapter's A and B are streamed once per
 // group, not once per token. Shrink: per group and block of 8 rows of A, every token of the
 // group takes 8 dot products over K (one accumulator each) into a float32 buffer s [T, R].
-// Expand: per group and block of 8 rows of B, every token takes 8 dot products over R with
-// its s row, added to y. Eight accumulators are reduced together (hsum8x8: 7 shuffles for 8
-// sums). Work items (group, block) are split over threads with at::parallel_for once there
-// is enough work to pay for the fork. Everything accumulates in float32; a bfloat16 y is
-// rounded once after the add.
+// Expand, B column-major per slot (LoRALinear's and LoRALogits' stacks): per group and block
+// of 16 outputs, an axpy over r (4 tokens per pass share each load of B), reading only the
+// block's slice columns (out_splits). B row-major (any other caller): per group and block of
+// 8 rows of B, every token takes 8 dot products over R with its s row, reduced together
+// (hsum8x8: 7 shuffles for 8 sums). Either way added to y. Work items (group, block) are
+// split over threads on the work pool (work_pool.h) once a pass has enough work to pay for
+// the hand-off. Everything accumulates in float32; a bfloat16 y is rounded once after the add.
 //
 // AVX2 (+FMA, F16C; the avx2 tier and every tier above: AVX-512 builds take the same code):
 // 8 lanes, bf16 widened in registers (vec_avx2.h). generic: plain loops the compiler may
@@ -28,22 +34,25 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
 #include "vec_avx2.h"
+#include "work_pool.h"
 
 namespace {
 
 using bf16 = c10::BFloat16;
 constexpr int64_t kRows = 8;                 // weight rows per block (one accumulator each)
-// Minimum multiply-adds per thread's share: below this the fork/join costs more than the
-// second core gains. 2M keeps decode-sized calls (<= 16 tokens on the 110M Llama's shapes,
-// 0.6-2.1M MACs a region) on one thread: a decode step makes two regions per projection
-// (~96 a step), and on a 2-core Zen 3 shared with other jobs a region whose second thread is
-// descheduled waited 18-28 ms (median of 200 calls, 16 tokens, 4 adapters) against 0.07-0.6 ms
-// on one thread; the larger regions of 64-token calls (4x the MACs) still split.
-constexpr int64_t kMinMacsPerTask = int64_t{1} << 21;
+// Multiply-adds of one shrink or expand pass from which it is split over threads: the work
+// pool (work_pool.h), not OpenMP, whose regions stalled 18-28 ms each on a 2-core Zen 3 shared
+// with other jobs (a decode step makes ~96 passes). Decode-sized passes (<= 16 tokens on the
+// 110M Llama's shapes: 0.2-1.2M MACs, 25-100 us) stay on one thread: there a second thread
+// gained ~25% on an idle core but lost more when the pool's worker was preempted holding a
+// chunk (per-step A/B in one engine, 4 adapters, load 5-7: one thread 0.999x base, the pool
+// 0.969x). 64-token passes (up to 4M MACs) split.
+constexpr int64_t kMinMacsParallel = int64_t{1} << 22;
 
 inline float to_f(float v) { return v; }
 inline float to_f(bf16 v) { return static_cast<float>(v); }
@@ -88,6 +97,55 @@ void dot8rows(const TW* const* w, const TV* v, int64_t n, float* out) {
 }
 #endif
 
+// Column-major B (b_stack [S, N, R] with strides (N R, 1, N): LoRALinear's layout, a
+// transposed view of [S, R, N] storage). The expand is then per block of 16 output columns
+// an axpy over r, y[t, n0:n0+16] += sum_r s[t, r] B^T[r, n0:n0+16], for up to 4 tokens at a
+// time: 2 loads of B per r shared by the tokens, no horizontal sums, y updated by vectors.
+// Lane order: each output sums its r in order, one accumulator (float32).
+constexpr int64_t kCols = 16;
+
+#if defined(KVS_AVX2)
+template <int TK, typename TX, typename TW>
+inline void axpy_tokens(TX* const* yt, const float* const* st, const TW* bt, int64_t N,
+                        int64_t r0, int64_t r1, int64_t nn) {
+  __m256 acc[TK][2];
+  for (int k = 0; k < TK; ++k) acc[k][0] = acc[k][1] = _mm256_setzero_ps();
+  const bool full = nn == kCols;
+  for (int64_t r = r0; r < r1; ++r) {
+    const TW* row = bt + r * N;
+    const __m256 b0 = full || nn >= 8 ? load8(row) : load8(row, nn);
+    const __m256 b1 =
+        full ? load8(row + 8) : (nn > 8 ? load8(row + 8, nn - 8) : _mm256_setzero_ps());
+    for (int k = 0; k < TK; ++k) {
+      const __m256 sv = _mm256_broadcast_ss(st[k] + r);
+      acc[k][0] = _mm256_fmadd_ps(b0, sv, acc[k][0]);
+      acc[k][1] = _mm256_fmadd_ps(b1, sv, acc[k][1]);
+    }
+  }
+  for (int k = 0; k < TK; ++k) {
+    if (full) {
+      store8(yt[k], _mm256_add_ps(load8(yt[k]), acc[k][0]));
+      store8(yt[k] + 8, _mm256_add_ps(load8(yt[k] + 8), acc[k][1]));
+    } else {
+      const int64_t n0 = std::min<int64_t>(nn, 8), n1 = nn - n0;
+      store8(yt[k], _mm256_add_ps(load8(yt[k], n0), acc[k][0]), n0);
+      if (n1 > 0) store8(yt[k] + 8, _mm256_add_ps(load8(yt[k] + 8, n1), acc[k][1]), n1);
+    }
+  }
+}
+#else
+template <int TK, typename TX, typename TW>
+inline void axpy_tokens(TX* const* yt, const float* const* st, const TW* bt, int64_t N,
+                        int64_t r0, int64_t r1, int64_t nn) {
+  for (int k = 0; k < TK; ++k) {
+    float acc[kCols] = {};
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t j = 0; j < nn; ++j) acc[j] += to_f(bt[r * N + j]) * st[k][r];
+    for (int64_t j = 0; j < nn; ++j) yt[k][j] = static_cast<TX>(to_f(yt[k][j]) + acc[j]);
+  }
+}
+#endif
+
 struct Group {
   int64_t slot, begin, end;   // tokens order[begin:end] use this slot
 };
@@ -99,17 +157,94 @@ inline void block_rows(const TW* base, int64_t blk, int64_t rows, int64_t n, con
   for (int j = 0; j < kRows; ++j) w[j] = base + std::min(blk * kRows + j, rows - 1) * n;
 }
 
+// Expand columns per block of 8 rows of B: a fused layer's B is block-diagonal (slice i's
+// output rows use only its R / n columns, the rest is zero: LoRALinear's layout), so a block
+// inside one slice reads only those columns -- the same float sums, as the skipped products
+// are exact zeros (and, R / n a multiple of 8, in the same lanes: bit-identical). A block
+// across a slice boundary reads every column.
+struct ColRange {
+  int64_t begin, size;
+};
+
+std::vector<ColRange> expand_columns(at::IntArrayRef splits, int64_t N, int64_t R,
+                                     int64_t rows) {
+  const int64_t n_blocks = (N + rows - 1) / rows;
+  std::vector<ColRange> cols(static_cast<size_t>(n_blocks), ColRange{0, R});
+  const int64_t n = static_cast<int64_t>(splits.size());
+  if (n <= 1) return cols;
+  const int64_t width = R / n;
+  int64_t row0 = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t row1 = row0 + splits[i];
+    for (int64_t blk = (row0 + rows - 1) / rows; blk * rows + rows <= row1; ++blk)
+      cols[blk] = ColRange{i * width, width};
+    if (row1 == N && row1 % rows != 0 && row1 - row1 % rows >= row0)  // a short last block
+      cols[row1 / rows] = ColRange{i * width, width};
+    row0 = row1;
+  }
+  return cols;
+}
+
+// fn(i0, i1) over [0, n) items, on the work pool when the call has enough multiply-adds
+// (`macs` in all) for the second thread to pay off, else inline.
+template <typename F>
+void for_items(int64_t n, int64_t macs, const F& fn) {
+  const int threads = macs >= kMinMacsParallel ? at::get_num_threads() : 1;
+  if (threads <= 1 || n <= 1) {
+    fn(0, n);
+    return;
+  }
+  const int64_t chunk = std::max<int64_t>(1, (n + 4 * threads - 1) / (4 * threads));
+  const int64_t chunks = (n + chunk - 1) / chunk;
+  const std::function<void(int64_t)> body = [&](int64_t c) {
+    fn(c * chunk, std::min(n, (c + 1) * chunk));
+  };
+  WorkPool::get().run(chunks, threads, body);
+}
+
+// The expand of column-major B: items (group, block of kCols output columns).
 template <typename TX, typename TW>
-void run(TX* y, int64_t y_stride, const TX* x, const TW* a, const TW* b,
-         const std::vector<int64_t>& order, const std::vector<Group>& groups, int64_t T, int64_t K,
-         int64_t R, int64_t N) {
+void expand_col_major(TX* y, int64_t y_stride, const TW* b, const float* s,
+                      const std::vector<int64_t>& order, const std::vector<Group>& groups,
+                      int64_t R, int64_t N, at::IntArrayRef splits, int64_t width, int64_t tokens) {
+  const std::vector<ColRange> cols = expand_columns(splits, N, R, kCols);
+  const int64_t n_blocks = static_cast<int64_t>(cols.size());
+  for_items(static_cast<int64_t>(groups.size()) * n_blocks, tokens * N * width,
+            [&](int64_t i0, int64_t i1) {
+    TX* yt[4];
+    const float* st[4];
+    for (int64_t i = i0; i < i1; ++i) {
+      const Group& g = groups[i / n_blocks];
+      const int64_t blk = i % n_blocks, n0 = blk * kCols, nn = std::min(kCols, N - n0);
+      const ColRange c = cols[blk];
+      const TW* bt = b + g.slot * N * R + n0;     // B^T[r, n0 + j] at bt[r * N + j]
+      for (int64_t p = g.begin; p < g.end; p += 4) {
+        const int64_t tk = std::min<int64_t>(4, g.end - p);
+        for (int64_t k = 0; k < tk; ++k) {
+          yt[k] = y + order[p + k] * y_stride + n0;
+          st[k] = s + (p + k) * R;
+        }
+        const int64_t r1 = c.begin + c.size;
+        switch (tk) {
+          case 4: axpy_tokens<4>(yt, st, bt, N, c.begin, r1, nn); break;
+          case 3: axpy_tokens<3>(yt, st, bt, N, c.begin, r1, nn); break;
+          case 2: axpy_tokens<2>(yt, st, bt, N, c.begin, r1, nn); break;
+          default: axpy_tokens<1>(yt, st, bt, N, c.begin, r1, nn); break;
+        }
+      }
+    }
+  });
+}
+
+template <typename TX, typename TW>
+void run(TX* y, int64_t y_stride, const TX* x, const TW* a, const TW* b, bool b_col_major,
+         const std::vector<int64_t>& order, const std::vector<Group>& groups, int64_t K,
+         int64_t R, int64_t N, at::IntArrayRef splits) {
   const int64_t G = static_cast<int64_t>(groups.size());
-  const int64_t tokens_per_group = std::max<int64_t>(1, T / std::max<int64_t>(G, 1));
-  std::vector<float> s(static_cast<size_t>(T * R));
+  const int64_t tokens = static_cast<int64_t>(order.size());
+  std::vector<float> s(static_cast<size_t>(order.size() * R));   // by position in `order`
   const int64_t r_blocks = (R + kRows - 1) / kRows;
-  at::parallel_for(0, G * r_blocks,
-                   std::max<int64_t>(1, kMinMacsPerTask / (kRows * K * tokens_per_group)),
-                   [&](int64_t i0, int64_t i1) {
+  for_items(G * r_blocks, tokens * R * K, [&](int64_t i0, int64_t i1) {
     const TW* w[kRows];
     float out[kRows];
     for (int64_t i = i0; i < i1; ++i) {
@@ -117,26 +252,29 @@ void run(TX* y, int64_t y_stride, const TX* x, const TW* a, const TW* b,
       const int64_t blk = i % r_blocks, r0 = blk * kRows, nr = std::min(kRows, R - r0);
       block_rows(a + g.slot * R * K, blk, R, K, w);
       for (int64_t p = g.begin; p < g.end; ++p) {
-        const int64_t t = order[p];
-        dot8rows(w, x + t * K, K, out);
-        std::copy(out, out + nr, s.data() + t * R + r0);
+        dot8rows(w, x + order[p] * K, K, out);
+        std::copy(out, out + nr, s.data() + p * R + r0);
       }
     }
   });
-  const int64_t n_blocks = (N + kRows - 1) / kRows;
-  at::parallel_for(0, G * n_blocks,
-                   std::max<int64_t>(1, kMinMacsPerTask / (kRows * R * tokens_per_group)),
-                   [&](int64_t i0, int64_t i1) {
+  const int64_t width = splits.size() > 1 ? R / static_cast<int64_t>(splits.size()) : R;
+  if (b_col_major) {
+    expand_col_major(y, y_stride, b, s.data(), order, groups, R, N, splits, width, tokens);
+    return;
+  }
+  const std::vector<ColRange> cols = expand_columns(splits, N, R, kRows);
+  const int64_t n_blocks = static_cast<int64_t>(cols.size());
+  for_items(G * n_blocks, tokens * N * width, [&](int64_t i0, int64_t i1) {
     const TW* w[kRows];
     float out[kRows];
     for (int64_t i = i0; i < i1; ++i) {
       const Group& g = groups[i / n_blocks];
       const int64_t blk = i % n_blocks, n0 = blk * kRows, nn = std::min(kRows, N - n0);
-      block_rows(b + g.slot * N * R, blk, N, R, w);
+      const ColRange c = cols[blk];
+      block_rows(b + g.slot * N * R + c.begin, blk, N, R, w);
       for (int64_t p = g.begin; p < g.end; ++p) {
-        const int64_t t = order[p];
-        dot8rows(w, s.data() + t * R, R, out);
-        TX* yt = y + t * y_stride + n0;
+        dot8rows(w, s.data() + p * R + c.begin, c.size, out);
+        TX* yt = y + order[p] * y_stride + n0;
         for (int64_t j = 0; j < nn; ++j) yt[j] = static_cast<TX>(to_f(yt[j]) + out[j]);
       }
     }
@@ -144,7 +282,8 @@ void run(TX* y, int64_t y_stride, const TX* x, const TW* a, const TW* b,
 }
 
 void lora_fused(at::Tensor& y, const at::Tensor& x, const at::Tensor& a_stack,
-                const at::Tensor& b_stack, const at::Tensor& token_slots) {
+                const at::Tensor& b_stack, const at::Tensor& token_slots,
+                at::IntArrayRef out_splits) {
   TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && a_stack.dim() == 3 && b_stack.dim() == 3 &&
                   token_slots.dim() == 1,
               "lora_fused: expected y [T, N], x [T, K], a_stack [S, R, K], b_stack [S, N, R], "
@@ -155,12 +294,24 @@ void lora_fused(at::Tensor& y, const at::Tensor& x, const at::Tensor& a_stack,
                   a_stack.size(2) == K && b_stack.size(0) == S && b_stack.size(2) == R,
               "lora_fused: shapes do not match: y ", y.sizes(), ", x ", x.sizes(), ", a_stack ",
               a_stack.sizes(), ", b_stack ", b_stack.sizes(), ", token_slots ", token_slots.sizes());
-  TORCH_CHECK(x.is_contiguous() && a_stack.is_contiguous() && b_stack.is_contiguous() &&
-                  y.stride(1) == 1 && token_slots.scalar_type() == at::kLong,
-              "lora_fused: x, a_stack, b_stack must be contiguous, y's rows contiguous, "
-              "token_slots int64");
+  // B row-major (contiguous) or column-major per slot (a transposed view of [S, R, N]).
+  const bool b_col_major = !b_stack.is_contiguous() && b_stack.stride(0) == N * R &&
+                           b_stack.stride(1) == 1 && b_stack.stride(2) == N;
+  TORCH_CHECK(x.is_contiguous() && a_stack.is_contiguous() &&
+                  (b_stack.is_contiguous() || b_col_major) && y.stride(1) == 1 &&
+                  token_slots.scalar_type() == at::kLong,
+              "lora_fused: x, a_stack must be contiguous, b_stack contiguous or a transposed "
+              "view of [S, R, N] storage, y's rows contiguous, token_slots int64");
   TORCH_CHECK(y.scalar_type() == x.scalar_type() && a_stack.scalar_type() == b_stack.scalar_type(),
               "lora_fused: y must have x's dtype and b_stack a_stack's");
+  int64_t split_sum = 0;
+  for (const int64_t v : out_splits) {
+    TORCH_CHECK(v >= 0, "lora_fused: out_splits ", out_splits, " has a negative size");
+    split_sum += v;
+  }
+  TORCH_CHECK(out_splits.size() <= 1 ||
+                  (split_sum == N && R % static_cast<int64_t>(out_splits.size()) == 0),
+              "lora_fused: out_splits ", out_splits, " must sum to N = ", N, " and divide R = ", R);
   if (T == 0 || R == 0 || N == 0) return;
   // Tokens sorted by slot (stable), grouped; slot -1 dropped.
   const int64_t* slots = token_slots.data_ptr<int64_t>();
@@ -183,13 +334,13 @@ void lora_fused(at::Tensor& y, const at::Tensor& x, const at::Tensor& a_stack,
   const int64_t ys = y.stride(0);
   if (xt == at::kFloat && wt == at::kFloat)
     run(y.data_ptr<float>(), ys, x.data_ptr<float>(), a_stack.data_ptr<float>(),
-        b_stack.data_ptr<float>(), order, groups, T, K, R, N);
+        b_stack.data_ptr<float>(), b_col_major, order, groups, K, R, N, out_splits);
   else if (xt == at::kFloat && wt == at::kBFloat16)
     run(y.data_ptr<float>(), ys, x.data_ptr<float>(), a_stack.data_ptr<bf16>(),
-        b_stack.data_ptr<bf16>(), order, groups, T, K, R, N);
+        b_stack.data_ptr<bf16>(), b_col_major, order, groups, K, R, N, out_splits);
   else if (xt == at::kBFloat16 && wt == at::kBFloat16)
     run(y.data_ptr<bf16>(), ys, x.data_ptr<bf16>(), a_stack.data_ptr<bf16>(),
-        b_stack.data_ptr<bf16>(), order, groups, T, K, R, N);
+        b_stack.data_ptr<bf16>(), b_col_major, order, groups, K, R, N, out_splits);
   else
     TORCH_CHECK(false, "lora_fused: unsupported dtypes x ", xt, ", stacks ", wt);
 }
@@ -207,7 +358,7 @@ std::string isa() {
 // A fragment: paged_attention.cpp owns TORCH_LIBRARY(kvserve).
 TORCH_LIBRARY_FRAGMENT(kvserve, m) {
   m.def("lora_fused(Tensor(a!) y, Tensor x, Tensor a_stack, Tensor b_stack, "
-        "Tensor token_slots) -> ()");
+        "Tensor token_slots, int[] out_splits=[]) -> ()");
   m.def("lora_isa() -> str", &isa);
 }
 
