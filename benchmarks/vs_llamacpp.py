@@ -499,7 +499,10 @@ class _KvserveSide:
 
         self.opts = opts
         extra = {"quantization": "gguf-dequantized"} if opts["dequantized"] else {}
+        # A KV cache sized for the workload (512 MiB holds 64 offline requests of the demo),
+        # not the default share of the machine's memory, so the RSS column compares engines.
         self.llm = LLM(path, max_model_len=opts["ctx"], max_num_seqs=max(1, opts["offline"]),
+                       kv_cache_memory=(512 if opts["offline"] else 128) << 20,
                        enable_prefix_caching=False, multiprocessing=False, **extra)
         ppl, ids = prompt_perplexity(self.llm, perplexity_text(1))
         measure_prefill_throughput(self.llm, opts["prompt_len"], 1)                # warm-up
