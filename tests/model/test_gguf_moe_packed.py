@@ -304,26 +304,9 @@ def test_expert_stacks_hold_the_files_bytes(packed_moe_gguf) -> None:
 def test_fused_decode_op_runs_packed_experts_bit_identically(packed_moe_gguf) -> None:
     """Small steps of a packed-experts model run all layers in the one C++ call (moe_mlp ->
     fused_moe_packed) with logits and KV caches equal bit for bit to the layer path."""
-    from kvserve.attention.backends.cpu import CpuAttentionBackend
-    from kvserve.model.layers.attention import bind_attention_backend
-    from tests.model.test_gguf_packed import _load_with_config
-    from tests.model.test_model import Seq, assert_steps_bit_identical, blocks_for, shuffled_blocks
+    from tests.model.test_gguf_packed import run_fused_and_layer_steps
 
-    models = []
-    for _ in range(2):
-        model, cfg = _load_with_config(packed_moe_gguf("qwen3_moe-Q8_0"))
-        bind_attention_backend(model, CpuAttentionBackend(torch.device("cpu")))
-        models.append(model)
-    fused, plain = models
-    plain.model._fused_decode_decided = True         # the layer-by-layer path
-    pool = shuffled_blocks(2)
-    gen = torch.Generator().manual_seed(3)
-    a, b = (Seq(torch.randint(0, cfg.vocab_size, (16,), generator=gen), blocks_for(16, pool))
-            for _ in range(2))
-    schedule = [([], [(a, 0, 9)]),                      # 9 tokens: the dequantized GEMMs
-                ([(a, 9)], [(b, 0, 5)]),                # a decode and a prefill chunk
-                ([(a, 10), (b, 5)], []), ([(b, 6)], [])]  # batch 2, batch 1
-    assert_steps_bit_identical(fused, plain, cfg, torch.float32, schedule)
+    fused = run_fused_and_layer_steps(packed_moe_gguf("qwen3_moe-Q8_0"))
     stack = fused.model._fused_decode
     assert stack is not None and stack.has_moe, "the packed experts did not take the op"
     assert fused.model.layers[0].mlp.experts.w13_packed is not None

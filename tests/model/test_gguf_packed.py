@@ -149,14 +149,24 @@ def test_fused_decode_runs_packed_weights_bit_identically(files) -> None:
     projections through kvserve::quant_linear; the mixed file's q|k|v is two parts of two
     types, its other projections one) with logits and KV caches equal bit for bit to the
     layer-by-layer path. (The shipped Q4_1 file takes the same code path with one part each.)"""
-    name = "mixed"
+    fused = run_fused_and_layer_steps(files["mixed"])
+    stack = fused.model._fused_decode
+    assert stack is not None and stack.quant_parts, "the packed stack did not take the op"
+    parts_of_qkv = sum(p is not None for p in stack.quant_parts[:3])
+    assert parts_of_qkv == 2, parts_of_qkv
+
+
+def run_fused_and_layer_steps(path: str) -> torch.nn.Module:
+    """Two float32 loads of the GGUF file at `path`, one taking the fused decode op and one the
+    layer-by-layer path, through a schedule of prefill, mixed, batch-2 and batch-1 steps with
+    logits and KV caches asserted bit-identical; returns the fused model."""
     from kvserve.attention.backends.cpu import CpuAttentionBackend
     from kvserve.model.layers.attention import bind_attention_backend
     from tests.model.test_model import Seq, assert_steps_bit_identical, blocks_for, shuffled_blocks
 
     models = []
     for _ in range(2):
-        model, cfg = _load_with_config(files[name])
+        model, cfg = _load_with_config(path)
         bind_attention_backend(model, CpuAttentionBackend(torch.device("cpu")))
         models.append(model)
     fused, plain = models
@@ -169,10 +179,7 @@ def test_fused_decode_runs_packed_weights_bit_identically(files) -> None:
                 ([(a, 9)], [(b, 0, 5)]),                # a decode and a prefill chunk
                 ([(a, 10), (b, 5)], []), ([(b, 6)], [])]  # batch 2, batch 1
     assert_steps_bit_identical(fused, plain, cfg, torch.float32, schedule)
-    stack = fused.model._fused_decode
-    assert stack is not None and stack.quant_parts, "the packed stack did not take the op"
-    parts_of_qkv = sum(p is not None for p in stack.quant_parts[:3])
-    assert parts_of_qkv == 2, parts_of_qkv
+    return fused
 
 
 def _tensor_bytes(path: str) -> int:
