@@ -60,13 +60,23 @@ def _experts(types: tuple[str, str, str], seed: int = 0) -> tuple[FusedMoE, list
     raws = []
     for j, (which, qtype) in enumerate(zip(("w1", "w3", "w2"), types)):
         n, k = (H, I) if which == "w2" else (I, H)
-        raw = random_blocks(qtype, E * n, k, seed + j).reshape(E, n, -1)
-        raws.append(raw)
-        param = layer.w2_weight if which == "w2" else layer.w13_weight
-        for e in range(E):
-            assert layer.weight_loader(param, QuantizedRows(qtype, raw[e], (n, k)), (e, which))
-    layer.process_weights_after_loading()
+        raws.append(random_blocks(qtype, E * n, k, seed + j).reshape(E, n, -1))
+    assert all(_load_blocks(layer, raws, types))
     return layer, raws
+
+
+def _load_blocks(layer: FusedMoE, raws: list[np.ndarray], types: tuple[str, str, str]
+                 ) -> list[bool]:
+    """Every expert's gate / up / down blocks through the layer's weight loader, then
+    process_weights_after_loading; the loader's answers (False: another EP rank's expert)."""
+    loaded = []
+    for e in range(E):
+        for which, raw, q in zip(("w1", "w3", "w2"), raws, types):
+            param = layer.w2_weight if which == "w2" else layer.w13_weight
+            shape = (H, I) if which == "w2" else (I, H)
+            loaded.append(layer.weight_loader(param, QuantizedRows(q, raw[e], shape), (e, which)))
+    layer.process_weights_after_loading()
+    return loaded
 
 
 def _dequantized(raws: list[np.ndarray], types: tuple[str, str, str]) -> list[torch.Tensor]:
@@ -146,12 +156,7 @@ def test_expert_parallel_ranks_and_float_gate_up_beside_packed_down() -> None:
     halves = []
     for rank in range(2):
         layer = FusedMoE(E, TOP_K, H, I, renormalize=True, ep_rank=rank, ep_size=2)
-        for e in range(E):
-            for which, raw, q in zip(("w1", "w3", "w2"), raws, types):
-                param = layer.w2_weight if which == "w2" else layer.w13_weight
-                shape = (H, I) if which == "w2" else (I, H)
-                layer.weight_loader(param, QuantizedRows(q, raw[e], shape), (e, which))
-        layer.process_weights_after_loading()
+        _load_blocks(layer, raws, types)
         assert layer.w2_packed.num_experts == E // 2
         halves.append(layer(x, logits))
     torch.testing.assert_close(halves[0] + halves[1], want, rtol=1e-6, atol=1e-6)
@@ -185,12 +190,7 @@ def test_tensor_parallel_shards_of_packed_experts_sum_to_the_layer(monkeypatch) 
         monkeypatch.setattr(parallel_state._TP_STATE, "world_size", 2)
         layer = FusedMoE(E, TOP_K, H, I, renormalize=True, reduce_results=False, ep_rank=0,
                          ep_size=1)
-        for e in range(E):
-            for which, raw, q in zip(("w1", "w3", "w2"), raws, types):
-                param = layer.w2_weight if which == "w2" else layer.w13_weight
-                shape = (H, I) if which == "w2" else (I, H)
-                layer.weight_loader(param, QuantizedRows(q, raw[e], shape), (e, which))
-        layer.process_weights_after_loading()
+        _load_blocks(layer, raws, types)
         assert layer.w2_packed.shape == (H, I // 2)
         parts.append(layer(x, logits))
     torch.testing.assert_close(parts[0] + parts[1], whole(x, logits), rtol=1e-5, atol=1e-5)
