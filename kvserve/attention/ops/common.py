@@ -1,16 +1,11 @@
 """Small helpers shared by the Triton kernels' Python wrappers."""
 from __future__ import annotations
 
-import os
-
 import torch
 
+from kvserve.ops.triton import interpreting
+
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def interpreting() -> bool:
-    """Whether Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def next_pow2(n: int) -> int:

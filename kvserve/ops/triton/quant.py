@@ -19,14 +19,13 @@ A step of either kernel dequantizes a tile of 256 weights per row in registers (
 q (- m) as gguf.quants computes it, d and m float16 -> float32. The GEMV multiplies it with up
 to GEMV_MAX_ROWS rows of x (x in its dtype, widened) accumulating in float32; the GEMM casts the
 tile to x's dtype (float32 x: IEEE float32 dots, no TF32) for tl.dot with a [BM, 256] x tile
-(bf16 under the interpreter: both widened, see _interpreting).
+(bf16 under the interpreter: both widened, see the _gemm_kernel launch).
 
 CUDA-graph safe: grids and workspaces depend only on shapes; nothing reads device data on the
 host. On CPU the kernels run under Triton's interpreter (tests); the model uses them on CUDA.
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
@@ -34,6 +33,7 @@ import triton
 import triton.language as tl
 
 from kvserve.ops.quant.formats import ROW_GROUP, BlockFormat
+from kvserve.ops.triton import interpreting
 
 __all__ = ["GEMV_MAX_ROWS", "quant_matmul", "dequantize_rows"]
 
@@ -271,12 +271,6 @@ def _dequant_kernel(p, ids_ptr, out_ptr, R, N, K, nb, stride_o, QT: tl.constexpr
 # ------------------------------------------------------------------------------------------
 # launchers
 
-def _interpreting() -> bool:
-    """Triton's CPU interpreter (TRITON_INTERPRET=1): its tl.dot on bfloat16 operands returns
-    wrong values (as attention/ops/common.py found), so there the bf16 tile is widened."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 def _check(packed: torch.Tensor, fmt: BlockFormat, n: int, k: int) -> tuple[int, int]:
     """(blocks per row, tiles per row) after checking the packed shape."""
     fmt.check_k(k)
@@ -359,8 +353,10 @@ def quant_matmul(x: torch.Tensor, packed: torch.Tensor, fmt: BlockFormat, n: int
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
     _gemm_kernel[grid](x, packed, b, out, m, n, k, nb, tiles, x.stride(0), out.stride(0),
                        QT=qt, GBB=gbb, BM=bm, BN=bn, HAS_BIAS=bias is not None,
+                       # Triton's interpreter computes tl.dot on bfloat16 operands wrongly
+                       # (attention/ops/common.py found it too): there the bf16 tile widens.
                        DOT_F32=x.dtype == torch.float32 or (x.dtype == torch.bfloat16
-                                                            and _interpreting()),
+                                                            and interpreting()),
                        num_warps=warps)
     return out
 
