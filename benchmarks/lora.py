@@ -84,15 +84,15 @@ def run_kvserve(llm: LLM, prompts: list[list[int]], output_len: int,
 
 
 def run_peft(model_path: str, adapters: list[str], prompts: list[list[int]], output_len: int,
-             batch_size: int) -> float:
+             batch_size: int, device: str = "cpu", dtype: str = "float32") -> float:
     """PEFT's generate, left-padded batches, request i with adapter i mod len(adapters)."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
     model = PeftModel.from_pretrained(model, adapters[0], adapter_name="a0")
     for i, path in enumerate(adapters[1:], 1):
         model.load_adapter(path, adapter_name=f"a{i}")
-    model.eval()
+    model.to(device).eval()
     names = [f"a{i % len(adapters)}" for i in range(len(prompts))]
     start, produced = time.perf_counter(), 0
     for b in range(0, len(prompts), batch_size):
@@ -104,7 +104,7 @@ def run_peft(model_path: str, adapters: list[str], prompts: list[list[int]], out
             ids[row, width - len(p):] = torch.tensor(p)
             mask[row, width - len(p):] = 1
         with torch.inference_mode():
-            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=output_len,
+            out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=output_len,
                                  min_new_tokens=output_len, do_sample=False, pad_token_id=0,
                                  adapter_names=names[b:b + batch_size])
         produced += (out.shape[1] - width) * len(batch)
@@ -126,7 +126,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import json
     vocab = json.load(open(os.path.join(model, "config.json")))["vocab_size"]
     prompts = make_prompts(args.num_prompts, vocab, tuple(args.prompt_len))
-    engine = dict(dtype="float32", max_model_len=512, multiprocessing=False)
+    dtype = "bfloat16" if args.device == "cuda" else "float32"
+    engine = dict(dtype=dtype, max_model_len=512, multiprocessing=False, device=args.device)
     result: dict[str, Any] = _Results()
     result["machine"] = machine_description()
     result["load_average"] = os.getloadavg()
@@ -159,7 +160,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if not args.skip_peft:
         n = min(4, max(counts))
         result[f"peft_{n}_adapters_tok_s"] = run_peft(
-            model, paths[:n], prompts[:args.peft_prompts], args.output_len, args.hf_batch_size)
+            model, paths[:n], prompts[:args.peft_prompts], args.output_len, args.hf_batch_size,
+            args.device, dtype)
         result["kvserve_vs_peft"] = result[f"adapters_{n}_tok_s"] / result[f"peft_{n}_adapters_tok_s"]
     result["load_average_end"] = os.getloadavg()
     return result
@@ -182,6 +184,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=2,
                    help="alternating rounds of base requests and each adapter count")
     p.add_argument("--skip-peft", action="store_true")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="cuda: kvserve and PEFT on the GPU, both bfloat16 (CPU: float32)")
     p.add_argument("--output-json", default=None)
     return p
 

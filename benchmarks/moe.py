@@ -134,6 +134,15 @@ def param_bytes(size: str, dtype: str) -> dict[str, int]:
             "total_bytes": total * per_el, "active_bytes": active * per_el}
 
 
+def read_bandwidth_gb_s(device: str) -> float:
+    """The bandwidth batch-1 decode is read against: the CPU's measured read bandwidth, or
+    on CUDA a device-to-device copy's (bytes read + written, as benchmarks/gpu.py counts)."""
+    if device == "cuda":
+        from gpu import copy_bandwidth_gb_s
+        return copy_bandwidth_gb_s()
+    return measure_memory_bandwidth(256)["read_gb_s"]
+
+
 def kvserve_round(path: str, dtype: str, requests: list, args: argparse.Namespace,
                   kernel: bool = True) -> dict:
     """One kvserve run; `kernel`: the C++ fused-experts kernel for decode steps, else the
@@ -147,7 +156,7 @@ def kvserve_round(path: str, dtype: str, requests: list, args: argparse.Namespac
     moe_ops.set_kernel_enabled(kernel)
     llm = LLM(path, dtype=dtype, max_model_len=max(lens) + 80, max_num_seqs=len(requests),
               kv_cache_memory=kv_cache_bytes_for(path, math_dtype(dtype), lens + [96]), seed=0,
-              multiprocessing=False)
+              multiprocessing=False, device=args.device)
     try:
         elapsed, out = run_kvserve(requests, llm, temperature=0.0)
         b1 = measure_decode_throughput(llm, 1, 32, args.batch1_tokens, num_iters=2)
@@ -160,7 +169,7 @@ def kvserve_round(path: str, dtype: str, requests: list, args: argparse.Namespac
 
 
 def hf_round(path: str, dtype: str, requests: list, args: argparse.Namespace) -> dict:
-    hf = load_hf_model(path, getattr(torch, math_dtype(dtype)), "cpu")
+    hf = load_hf_model(path, getattr(torch, math_dtype(dtype)), args.device)
     try:
         elapsed, out = run_hf(requests, hf, args.hf_batch_size)
         b1 = hf_batch1_decode(hf, 32, args.batch1_tokens, SIZES[args.size]["vocab_size"], 2)
@@ -177,9 +186,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {"machine": machine_description(), "size": args.size,
                               "omp_env": omp_env(),
                               "dtype": args.dtype, **param_bytes(args.size, args.dtype),
-                              "read_gb_s": measure_memory_bandwidth(256)["read_gb_s"],
+                              "read_gb_s": read_bandwidth_gb_s(args.device),
                               "rounds": []}
     sides = {"kernel": True, "torch": False}
+    if args.device == "cuda":       # the switch picks the CPU's C++ kernel; CUDA runs Triton
+        sides = {"kernel": True}
     sides = {name: flag for name, flag in sides.items() if args.moe_path in (name, "both")}
     for r in range(args.rounds):      # alternating: drift on a shared host hits all sides
         rd = {f"kvserve_{name}": kvserve_round(path, args.dtype, requests, args, flag)
@@ -476,6 +487,8 @@ def make_parser() -> argparse.ArgumentParser:
                         "without bf16 math)")
     p.add_argument("--model-dir", default=DEFAULT_MODEL_DIR)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="cuda: kvserve and HF both on the GPU (use --dtype bfloat16)")
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--hf-batch-size", type=int, default=8)

@@ -448,18 +448,27 @@ def main(argv: Optional[list[str]] = None) -> int:
     result["copy_bandwidth_gb_s"] = bw
     if not args.skip_kernels:
         result["kernels"] = _guarded(lambda: kernel_bench(cfg, args, bw))
+        _save(result, args.output_json, "kernels")
     if not args.skip_e2e:
         ckpt = ensure_random_checkpoint(name, cfg, args.model_dir)
         requests = make_requests(args.num_prompts, args.min_prompt_len, args.max_prompt_len,
                                  args.output_len, cfg["vocab_size"])
-        result["models"] = {v: _guarded(lambda v=v: model_bench(v, ckpt, args, requests, bw))
-                            for v in args.variants}
+        result["models"] = {}
+        for v in args.variants:
+            result["models"][v] = _guarded(lambda v=v: model_bench(v, ckpt, args, requests, bw))
+            _save(result, args.output_json, v)
     summarize(result)
-    if args.output_json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.output_json)), exist_ok=True)
-        with open(args.output_json, "w") as f:
-            json.dump(result, f, indent=2, default=str)
     return 0
+
+
+def _save(result: dict[str, Any], path: Optional[str], done: str) -> None:
+    """The JSON so far, after each part: a run stopped by a time limit keeps what it had."""
+    print(f"[{done} done] {json.dumps(result.get('models', {}).get(done, ''), default=str)}",
+          flush=True)
+    if path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(result, f, indent=2, default=str)
 
 
 def _guarded(fn: Callable[[], Any]) -> Any:
