@@ -11,8 +11,9 @@ torch on the GPU; the values read back through gguf's own dequantizer are checke
 1. kernel level: the GEMV (batch 1) on the 1B's linear shapes for every packed type, captured
    in a CUDA graph over enough weight copies that nothing stays in L2: GB/s of the packed bytes
    and % of the measured device-to-device copy bandwidth; bf16 F.linear and fp8 (_scaled_mm +
-   its per-token quantization) beside it; the tl.dot kernel at M = 512 in TFLOP/s next to bf16
-   cuBLAS;
+   its per-token quantization) beside it; at M = 16, 64, 512 rows the packed weights'
+   default path (dequantized to bf16, then cuBLAS) and the tl.dot kernel, in TFLOP/s next to
+   bf16 cuBLAS and fp8;
 2. batch-1 decode (prefill excluded) of the model as bf16, fp8, Q8_0 and Q4_K_M: tok/s, the
    bytes a step streams (linear weights and the LM head in the layout kvserve keeps; the
    embedding is one row) and % of the limit copy bandwidth / those bytes;
@@ -23,7 +24,7 @@ throughput >= 1.3x bf16's. About 3-4 minutes (the first run also builds the file
 
     python benchmarks/quant_gpu.py [--model-dir DIR] [--variants bf16 fp8 Q8_0 Q4_K_M]
         [--num-prompts 200] [--skip-kernels] [--gemv-sweep] [--skip-e2e]
-        [--output-json results/quant_gpu.json]
+        [--async-scheduling] [--output-json results/quant_gpu.json]
 
 `--smoke`: tiny shapes and a tiny model, on CPU under TRITON_INTERPRET=1 when no GPU is there
 (GGUF files load through the CPU path there; fp8 records its start-up error): checks that the
@@ -320,21 +321,25 @@ def prefill_bench(cfg: dict[str, Any], args: argparse.Namespace) -> dict[str, An
     from kvserve.ops import fp8
     from kvserve.ops.triton.quant import quant_matmul
 
-    dev, m = args.device, (17 if args.smoke else 512)
+    dev = args.device
     _, n, k = _linear_shapes(cfg)[1 if args.smoke else 2]
-    x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-    flops = 2 * m * n * k
-    out = {"M": m, "N": n, "K": k}
-    for name in ("Q4_K", "Q8_0"):
-        w = _random_packed(name, n, k, dev, seed=2)
-        s = _time_graph([lambda: quant_matmul(x, w.packed, w.fmt, n)], args.iters, dev)
-        out[name] = {"us": s * 1e6, "TFLOP_s": flops / s / 1e12}
+    out: dict[str, Any] = {"N": n, "K": k}
+    packed = {name: _random_packed(name, n, k, dev, seed=2) for name in ("Q4_K", "Q8_0")}
     wb = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
-    s = _time_graph([lambda: torch.nn.functional.linear(x, wb)], args.iters, dev)
-    out["bf16"] = {"us": s * 1e6, "TFLOP_s": flops / s / 1e12}
     wq = fp8.quantize_weight(wb)
-    s = _time_graph([lambda: fp8.fp8_linear(x, *wq)], args.iters, dev)
-    out["fp8"] = {"us": s * 1e6, "TFLOP_s": flops / s / 1e12}
+    for m in ((17,) if args.smoke else (16, 64, 512)):
+        x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+        flops, row = 2 * m * n * k, {}
+        for name, w in packed.items():          # the default (dequantize + cuBLAS), tl.dot
+            for path in ("dequant", "dot"):
+                s = _time_graph([lambda w=w, p=path: quant_matmul(x, w.packed, w.fmt, n, path=p)],
+                                args.iters, dev)
+                row[f"{name}_{path}"] = {"us": s * 1e6, "TFLOP_s": flops / s / 1e12}
+        s = _time_graph([lambda: torch.nn.functional.linear(x, wb)], args.iters, dev)
+        row["bf16"] = {"us": s * 1e6, "TFLOP_s": flops / s / 1e12}
+        s = _time_graph([lambda: fp8.fp8_linear(x, *wq)], args.iters, dev)
+        row["fp8"] = {"us": s * 1e6, "TFLOP_s": flops / s / 1e12}
+        out[f"M{m}"] = row
     return out
 
 
@@ -380,6 +385,8 @@ def model_bench(variant: str, ckpt: str, args: argparse.Namespace, requests: lis
                               max_num_seqs=256, multiprocessing=False)
     if variant == "fp8":
         kw["quantization"] = "fp8"
+    if args.async_scheduling:
+        kw["async_scheduling"] = True
     try:
         llm = LLM(path, **kw)
     except ValueError as e:             # fp8 where the device has none: the start-up error
@@ -422,6 +429,8 @@ def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--gemv-sweep", action="store_true",
                    help="also time the GEMV at each of GEMV_SWEEP's (rows, K splits)")
     p.add_argument("--skip-e2e", action="store_true")
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="the engines of part 2 / 3 with --async-scheduling")
     p.add_argument("--output-json", default=None)
     p.add_argument("--smoke", action="store_true",
                    help="tiny shapes and model; CPU (Triton interpreter) without a GPU")
@@ -496,8 +505,9 @@ def summarize(result: dict[str, Any]) -> None:
         print(f"  GEMV M=1 {label} [{row['N']}x{row['K']}]: " + "; ".join(cells))
     pre = kern.get("prefill")
     if isinstance(pre, dict) and "error" not in pre:
-        print(f"  GEMM M={pre['M']} [{pre['N']}x{pre['K']}]: " + "; ".join(
-            f"{k} {v['TFLOP_s']:.1f} TFLOP/s" for k, v in pre.items() if isinstance(v, dict)))
+        for mk, row in ((k, v) for k, v in pre.items() if isinstance(v, dict)):
+            print(f"  GEMM {mk} [{pre['N']}x{pre['K']}]: " + "; ".join(
+                f"{k} {v['us']:.0f} us {v['TFLOP_s']:.1f} TFLOP/s" for k, v in row.items()))
     models = result.get("models") or {}
     for v, r in models.items():
         if "error" in r:

@@ -7,11 +7,12 @@ a multiple of the kernels' 256-weight tile for the 32-weight types (9 blocks), x
 wider buffer whose unused columns are NaN, and outputs written into NaN-filled buffers.
 
 - dequantize_rows equals gguf's dequantizer bit for bit (float32), for any row ids;
-- the GEMV (M = 1, 3; and a K split) and the tl.dot kernel (M = 11 > GEMV_MAX_ROWS) against
+- the GEMV (M = 1, 3; and a K split), the tl.dot kernel (M = 11 > GEMV_MAX_ROWS) and the
+  dequantize-then-matmul path (path="dequant", the default past DOT_MAX_ROWS) against
   x @ W^T in float64, W gguf's dequantized weight. Tolerance, per element, relative to
   bound = |x| @ |W|^T: float32 x 1e-5 (float32 accumulation of K products; d * q is exact in
-  float32); float16 x 1e-3 and bfloat16 x 8e-3 (the output's rounding, and in the tl.dot
-  kernel the weight tile's rounding to x's dtype: 2^-11 / 2^-8 relative). A wrong scale,
+  float32); float16 x 1e-3 and bfloat16 x 8e-3 (the output's rounding, and past the GEMV
+  the weight's rounding to x's dtype: 2^-11 / 2^-8 relative). A wrong scale,
   nibble or bit is off by far more.
 """
 from __future__ import annotations
@@ -92,10 +93,10 @@ def test_every_type_dequantizes_and_multiplies(name: str) -> None:
     ids = torch.tensor([12, 0, 5, 5, 8, 1], device=DEVICE)     # any order, repeats
     rows = tq.dequantize_rows(w.packed, fmt, N, k, ids)
     assert np.array_equal(rows.cpu().numpy(), ref[ids.cpu().numpy()])
-    for m in (1, 3, 11):                                         # GEMV, GEMV, tl.dot
+    for m, path in ((1, None), (3, None), (11, None), (11, "dequant")):  # GEMV x2, tl.dot, dequant
         x = _x(m, k, torch.float32, seed=m)
         out, buf = _into_nan(m, N, torch.float32)
-        y = tq.quant_matmul(x, w.packed, fmt, N, out=out)
+        y = tq.quant_matmul(x, w.packed, fmt, N, out=out, path=path)
         assert y.data_ptr() == out.data_ptr()
         _check(y, x, ref, torch.float32)
         assert torch.isnan(buf[m:]).all() and torch.isnan(buf[:, N:]).all()   # only out
@@ -109,9 +110,9 @@ def test_16bit_activations_and_bias(name: str, dtype: torch.dtype) -> None:
     k = _k(name)
     w, ref = _weight(name, N, k, seed=3)
     bias = torch.randn(N, generator=torch.Generator().manual_seed(4)).to(dtype).to(DEVICE)
-    for m in (2, 17):
+    for m, path in ((2, None), (17, None), (17, "dequant")):
         x = _x(m, k, dtype, seed=10 + m)
-        y = tq.quant_matmul(x, w.packed, fmt, N, bias=bias)
+        y = tq.quant_matmul(x, w.packed, fmt, N, bias=bias, path=path)
         assert y.dtype == dtype
         _check(y, x, ref, dtype, bias)
 
@@ -141,6 +142,8 @@ def test_bad_inputs_are_value_errors() -> None:
     with pytest.raises(ValueError, match="out must be"):
         tq.quant_matmul(torch.zeros(2, 64, device=DEVICE), w.packed, fmt, 8,
                         out=torch.empty(2, 8, dtype=torch.float16, device=DEVICE))
+    with pytest.raises(ValueError, match="path 'gemv' for 9 rows"):
+        tq.quant_matmul(torch.zeros(9, 64, device=DEVICE), w.packed, fmt, 8, path="gemv")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

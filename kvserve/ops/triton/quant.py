@@ -1,8 +1,13 @@
 """GGUF block-quantized linear kernels of the CUDA path (Triton): the weight stays packed.
 
     quant_matmul(x [M, K], packed, fmt, n, bias, out)  -> y [M, N] in x's dtype
-        M <= GEMV_MAX_ROWS: the GEMV kernel (decode, speculative verification); else the
-        tiled tl.dot kernel (prefill)
+        M <= GEMV_MAX_ROWS: the GEMV kernel (decode, speculative verification); up to
+        DOT_MAX_ROWS the tiled tl.dot kernel (decode batches, short prefills); else the weight
+        dequantized to x's dtype in one pass, then cuBLAS (prefill), as vLLM's GGUF path does
+        for large batches. The tl.dot kernel dequantizes each weight tile once per BM rows of
+        x, so its time grows with M; the dequantizing pass costs the same at any M. On an
+        H100 (benchmarks/quant_gpu.py, bf16 x, [16384, 2048] weight): tl.dot 43-66 / 176-179 /
+        1348-1467 us at M = 16 / 64 / 512, dequantize + cuBLAS 324-344 us at each.
     dequantize_rows(packed, fmt, n, ids [R], dtype)    -> the rows `ids` as [R, K] (embeddings)
 
 Layout: the CPU path's 8-row interleaved one (formats.py, packing.pack_blocks), unchanged, so a
@@ -35,10 +40,13 @@ import triton.language as tl
 from kvserve.ops.quant.formats import ROW_GROUP, BlockFormat
 from kvserve.ops.triton import interpreting
 
-__all__ = ["GEMV_MAX_ROWS", "quant_matmul", "dequantize_rows"]
+__all__ = ["GEMV_MAX_ROWS", "DOT_MAX_ROWS", "quant_matmul", "dequantize_rows"]
 
 # Rows of x up to which the GEMV kernel runs (it dequantizes each weight tile once for all rows).
 GEMV_MAX_ROWS = 8
+# Rows of x up to which the tl.dot kernel runs; past it the whole weight is dequantized once and
+# cuBLAS multiplies (the crossover measured on an H100: see the module docstring).
+DOT_MAX_ROWS = 128
 TILE = 256      # weights per row per step (one super-block; 8 blocks of the 32-weight types)
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 6, 7, 8, 12, 13, 14
 
@@ -306,30 +314,40 @@ def _gemm_config(m: int) -> tuple[int, int, int]:
 
 def quant_matmul(x: torch.Tensor, packed: torch.Tensor, fmt: BlockFormat, n: int,
                  bias: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
-                 gemv_config: Optional[tuple[int, int]] = None) -> torch.Tensor:
+                 gemv_config: Optional[tuple[int, int]] = None,
+                 path: Optional[str] = None) -> torch.Tensor:
     """y [M, N] = x [M, K] @ W^T (+ bias) in x's dtype, W the [n, K] weight in `packed`
     (formats.py's layout). x needs a contiguous last dim (its rows may be strided: only the
     first K columns are read); `out` ([M, N] of x's dtype, last dim contiguous) is written
     instead of a new tensor. `gemv_config`: (rows per program, K splits) in place of
-    _gemv_config's (benchmarks)."""
+    _gemv_config's; `path` ("gemv" up to GEMV_MAX_ROWS rows, "dot", "dequant") in place of
+    the default choice by M (benchmarks, tests)."""
     if x.dim() != 2:
         raise ValueError(f"quant_matmul: x must be [M, K], got {tuple(x.shape)}")
     m, k = x.shape
     nb, tiles = _check(packed, fmt, n, k)
     if x.stride(1) != 1:
         x = x.contiguous()
-    if out is None:
-        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    elif out.shape != (m, n) or out.dtype != x.dtype or out.stride(1) != 1:
+    if out is not None and (out.shape != (m, n) or out.dtype != x.dtype or out.stride(1) != 1):
         raise ValueError(f"quant_matmul: out must be [{m}, {n}] {x.dtype}, got "
                          f"{tuple(out.shape)} {out.dtype}")
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"quant_matmul: bias must be [{n}], got {tuple(bias.shape)}")
+    path = path or ("gemv" if m <= GEMV_MAX_ROWS else "dot" if m <= DOT_MAX_ROWS else "dequant")
+    if path not in ("gemv", "dequant", "dot") or (path == "gemv" and m > GEMV_MAX_ROWS):
+        raise ValueError(f"quant_matmul: path {path!r} for {m} rows; 'gemv' (up to "
+                         f"{GEMV_MAX_ROWS} rows), 'dequant' or 'dot'")
+    if path == "dequant" and m and n:
+        w = _dequantize_all(packed, fmt, n, k, x.dtype)
+        y = torch.nn.functional.linear(x, w, None if bias is None else bias.to(x.dtype))
+        return out.copy_(y) if out is not None else y
+    if out is None:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
     qt, gbb = fmt.ggml_type, fmt.group_block_bytes
     b = bias if bias is not None else x
-    if m <= GEMV_MAX_ROWS:
+    if path == "gemv":
         bn, split = gemv_config or _gemv_config(n, tiles)
         warps = 4 if bn <= 16 else 8
         per = -(-tiles // split)
@@ -359,6 +377,12 @@ def quant_matmul(x: torch.Tensor, packed: torch.Tensor, fmt: BlockFormat, n: int
                                                             and interpreting()),
                        num_warps=warps)
     return out
+
+
+def _dequantize_all(packed: torch.Tensor, fmt: BlockFormat, n: int, k: int,
+                    dtype: torch.dtype) -> torch.Tensor:
+    """The whole [n, k] weight in `dtype` (a transient copy for one product)."""
+    return dequantize_rows(packed, fmt, n, k, torch.arange(n, device=packed.device), dtype)
 
 
 def dequantize_rows(packed: torch.Tensor, fmt: BlockFormat, n: int, k: int, ids: torch.Tensor,
