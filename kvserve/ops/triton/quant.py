@@ -194,21 +194,24 @@ def _tile(p, n, N, nb, t, QT: tl.constexpr, GBB: tl.constexpr, BN: tl.constexpr,
 
 @triton.jit
 def _gemv_kernel(x_ptr, p, bias_ptr, out_ptr, N, K, nb, tiles, tiles_per_split, stride_x,
-                 stride_o, stride_split, M: tl.constexpr, MP: tl.constexpr, QT: tl.constexpr,
+                 stride_o, stride_split, M, MP: tl.constexpr, QT: tl.constexpr,
                  GBB: tl.constexpr, BN: tl.constexpr, HAS_BIAS: tl.constexpr,
                  SPLIT: tl.constexpr):
     """out[m, n] = sum_k x[m, k] w[n, k] for BN rows n and all M rows of x; with SPLIT > 1,
     program (n-block, s) covers tiles [s * tiles_per_split, ...) and writes float32 partials
     to out[s] (summed by the caller). One row (decode): products accumulate elementwise in a
     [BN, 256] tile, reduced across the threads once at the end; more rows: reduced per tile
-    (M such tiles would not fit in registers)."""
+    (M such tiles would not fit in registers). M is a runtime value and MP (M rounded up to a
+    power of two) the compiled one: 4 variants, not 8, and each is compiled when the decode
+    graphs of 1 / 2 / 4 / 8 rows are captured, not by the first prefill of 3 or 5 tokens (on an
+    H100 that compile landed inside a timed 1-token request)."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     n = pid_n * BN + tl.arange(0, BN)
     rows = tl.arange(0, MP)
     t0 = pid_s * tiles_per_split
     t1 = tl.minimum(t0 + tiles_per_split, tiles)
-    if M == 1:
+    if MP == 1:
         acc2 = tl.zeros((BN, 256), dtype=tl.float32)
         for t in range(t0, t1):
             w, kk = _tile(p, n, N, nb, t, QT, GBB, BN, True)
@@ -222,8 +225,9 @@ def _gemv_kernel(x_ptr, p, bias_ptr, out_ptr, N, K, nb, tiles, tiles_per_split, 
             w, kk = _tile(p, n, N, nb, t, QT, GBB, BN, True)
             k = t * 256 + kk
             kmask = k < K
-            for m in tl.static_range(M):
-                xm = tl.load(x_ptr + m * stride_x + k, mask=kmask, other=0.0).to(tl.float32)
+            for m in tl.static_range(MP):      # rows past M reread row M - 1, stored nowhere
+                xm = tl.load(x_ptr + tl.minimum(m, M - 1) * stride_x + k, mask=kmask,
+                             other=0.0).to(tl.float32)
                 part = tl.sum(w * xm[None, :], axis=1)
                 acc += tl.where(rows[:, None] == m, part[None, :], 0.0)
     if HAS_BIAS:
