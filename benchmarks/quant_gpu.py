@@ -48,16 +48,16 @@ if not torch.cuda.is_available():       # before triton's kernels are defined
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.gpu import MODEL_CONFIG as GPU_MODEL_CONFIG  # noqa: E402
+from benchmarks.gpu import MODEL_NAME as GPU_MODEL_NAME  # noqa: E402
 from benchmarks.gpu import batch1_decode, copy_bandwidth_gb_s, make_requests  # noqa: E402
 from benchmarks.roofline import DEFAULT_MODEL_DIR, ensure_random_checkpoint  # noqa: E402
 from kvserve.benchmarks.throughput import run_kvserve  # noqa: E402
 from kvserve.ops.quant import FORMATS, PACKED_TYPES, PackedQuantWeight  # noqa: E402
 
-MODEL_CONFIG: dict[str, Any] = dict(
-    arch="llama", hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8,
-    intermediate_size=8192, vocab_size=8192, max_position_embeddings=4096,
-    tie_word_embeddings=False, dtype="bfloat16", seed=0)
-MODEL_NAME = "llama-1b-random-bf16-v1"          # the same checkpoint as benchmarks/gpu.py's
+# The same checkpoint as benchmarks/gpu.py's (one name, one config: whichever script builds it
+# first, the other finds it as it expects).
+MODEL_CONFIG, MODEL_NAME = GPU_MODEL_CONFIG, GPU_MODEL_NAME
 SMOKE_CONFIG: dict[str, Any] = dict(
     arch="llama", hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=2,
     intermediate_size=512, vocab_size=1024, max_position_embeddings=1024,
