@@ -3,7 +3,7 @@
     lora_meta(token_slots [T], num_slots)  -> LoRAMeta: the tokens sorted by slot, per slot
                                               its count and start (device ops only)
     lora_shrink(x [T, K], a_stack [S, N, K], meta)          -> s [T, N] float32,
-                                              s[t] = A[slot(t)] x[t]   (0 where slot(t) = -1)
+                                              s[t] = A[slot(t)] x[t]   (unset where slot(t) = -1)
     lora_expand(y [T, *], s [T, *], b_stack [S, N, R], meta, y_offset, s_offset)
                                               y[t, y_offset:+N] += B[slot(t)] s[t, s_offset:+R]
 
@@ -11,8 +11,9 @@ The grid is (blocks of BLOCK_M tokens x blocks of columns, slots): program (m, n
 the m-th block of that slot's tokens (gathered through the sorted order) and exits at once
 when the slot has fewer tokens, so one launch serves every adapter of the batch (SGMV; with
 one token per adapter it is BGMV) and each adapter's A / B block is read once per token
-block. A token without adapter (slot -1) is in no slot's group: its s row stays 0 and its y
-row is never touched, and a slot without tokens is never read (NaN there cannot leak).
+block. A token without adapter (slot -1) is in no slot's group: its s row is never written
+nor read (no zero-fill launch per layer) and its y row is never touched, and a slot without
+tokens is never read (NaN there cannot leak).
 
 CUDA-graph safe: the grid depends only on shapes (T, the stack sizes), never on the slot
 values, and lora_meta is argsort / scatter_add / cumsum on the device, so nothing in the
@@ -116,14 +117,15 @@ def _check(what: str, x: torch.Tensor, stack: torch.Tensor, meta: LoRAMeta) -> N
 
 def lora_shrink(x: torch.Tensor, a_stack: torch.Tensor, meta: LoRAMeta,
                 out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """s [T, N] float32 = per token x[t] @ a_stack[slot(t)]^T (rows of slot -1: 0).
-    `out` (zeroed by the caller, [T, >= N] float32) is written instead of a new tensor."""
+    """s [T, N] float32 = per token x[t] @ a_stack[slot(t)]^T; the rows of slot -1 are left
+    as they were (lora_expand never reads them). `out` ([T, >= N] float32) is written instead
+    of a new tensor."""
     _check("lora_shrink", x, a_stack, meta)
     T, K = x.shape
     N = a_stack.shape[1]
     if a_stack.shape[2] != K:
         raise ValueError(f"lora_shrink: x has {K} columns, A {a_stack.shape[2]}")
-    s = torch.zeros(T, N, dtype=torch.float32, device=x.device) if out is None else out
+    s = torch.empty(T, N, dtype=torch.float32, device=x.device) if out is None else out
     if T == 0 or N == 0:
         return s
     bm, bn, bk = _block_m(T), _pow2(N, 16, 64), _pow2(K, 16, 64)
