@@ -54,6 +54,18 @@ constexpr int64_t kRows = 8;                 // weight rows per block (one accum
 // 0.969x). 64-token passes (up to 4M MACs) split.
 constexpr int64_t kMinMacsParallel = int64_t{1} << 22;
 
+// Software prefetch (the same arithmetic, only earlier loads). Decode passes are memory-bound:
+// each adapter's A and B are read once per step, in short runs (an 8-row block of A, 8 rows of
+// 3-8 KB; B's column-major rows read 16 columns at a time), too short or too many streams for
+// the hardware prefetcher. Shrink: the first token's pass over a block of A prefetches the next
+// work item's block, spread over its k steps. Expand: each item prefetches the rows of B of
+// the item kExpandPrefetchBlocks ahead (16 columns further on, or the next group's first ones:
+// 0.97x the time of prefetching within the group only). Same bits out. 110M Llama shapes, 4
+// adapters x 16 tokens, 48 LoRA linears, one thread, EPYC Zen 3 at load 4, with / without
+// alternated in one process: 7.3 / 9.2 ms per step (min), median ratio 0.83.
+constexpr int64_t kExpandPrefetchBlocks = 8;
+inline void prefetch_line(const void* p) { __builtin_prefetch(p, 0, 3); }
+
 inline float to_f(float v) { return v; }
 inline float to_f(bf16 v) { return static_cast<float>(v); }
 
@@ -70,11 +82,16 @@ inline __attribute__((always_inline)) __m256 hsum8x8(const __m256* v) {
 // out[j] = w[j] . v over n values for the 8 rows w[j] (the caller repeats a valid row where
 // a block has fewer than 8).
 template <typename TW, typename TV>
-void dot8rows(const TW* const* w, const TV* v, int64_t n, float* out) {
+void dot8rows(const TW* const* w, const TV* v, int64_t n, float* out, const char* pf = nullptr,
+              int64_t pf_step = 0) {
   __m256 acc[kRows];
   for (int j = 0; j < kRows; ++j) acc[j] = _mm256_setzero_ps();
   int64_t k = 0;
   for (; k + 8 <= n; k += 8) {
+    if (pf != nullptr) {
+      const char* at = pf + (k / 8) * pf_step;
+      for (int64_t c = 0; c < pf_step; c += 64) prefetch_line(at + c);
+    }
     const __m256 xv = load8(v + k);
     for (int j = 0; j < kRows; ++j) acc[j] = _mm256_fmadd_ps(load8(w[j] + k), xv, acc[j]);
   }
@@ -86,7 +103,8 @@ void dot8rows(const TW* const* w, const TV* v, int64_t n, float* out) {
 }
 #else
 template <typename TW, typename TV>
-void dot8rows(const TW* const* w, const TV* v, int64_t n, float* out) {
+void dot8rows(const TW* const* w, const TV* v, int64_t n, float* out, const char* = nullptr,
+              int64_t = 0) {
   for (int j = 0; j < kRows; ++j) {
     const TW* wj = w[j];
     float acc = 0.f;
@@ -218,6 +236,12 @@ void expand_col_major(TX* y, int64_t y_stride, const TW* b, const float* s,
       const int64_t blk = i % n_blocks, n0 = blk * kCols, nn = std::min(kCols, N - n0);
       const ColRange c = cols[blk];
       const TW* bt = b + g.slot * N * R + n0;     // B^T[r, n0 + j] at bt[r * N + j]
+      if (i + kExpandPrefetchBlocks < i1) {   // that item's rows, in this group or the next
+        const int64_t j = i + kExpandPrefetchBlocks, bj = j % n_blocks;
+        const ColRange cj = cols[bj];
+        const TW* bn = b + groups[j / n_blocks].slot * N * R + bj * kCols;
+        for (int64_t r = cj.begin; r < cj.begin + cj.size; ++r) prefetch_line(bn + r * N);
+      }
       for (int64_t p = g.begin; p < g.end; p += 4) {
         const int64_t tk = std::min<int64_t>(4, g.end - p);
         for (int64_t k = 0; k < tk; ++k) {
@@ -251,8 +275,18 @@ void run(TX* y, int64_t y_stride, const TX* x, const TW* a, const TW* b, bool b_
       const Group& g = groups[i / r_blocks];
       const int64_t blk = i % r_blocks, r0 = blk * kRows, nr = std::min(kRows, R - r0);
       block_rows(a + g.slot * R * K, blk, R, K, w);
+      const char* pf = nullptr;
+      int64_t pf_step = 0;
+      if (i + 1 < i1) {   // the next item's block of A (see kExpandPrefetchBlocks)
+        const Group& gn = groups[(i + 1) / r_blocks];
+        const int64_t bn = (i + 1) % r_blocks, rows_n = std::min(kRows, R - bn * kRows);
+        pf = reinterpret_cast<const char*>(a + gn.slot * R * K + bn * kRows * K);
+        const int64_t iters = std::max<int64_t>(1, K / 8);
+        const int64_t bytes = rows_n * K * static_cast<int64_t>(sizeof(TW));
+        pf_step = ((bytes + iters - 1) / iters + 63) / 64 * 64;   // whole lines per k step
+      }
       for (int64_t p = g.begin; p < g.end; ++p) {
-        dot8rows(w, x + order[p] * K, K, out);
+        dot8rows(w, x + order[p] * K, K, out, p == g.begin ? pf : nullptr, pf_step);
         std::copy(out, out + nr, s.data() + p * R + r0);
       }
     }
