@@ -59,16 +59,21 @@ using bf16 = c10::BFloat16;
 constexpr int64_t kMinElemsPerTask = 32768;
 // x rows (pairs of one expert) per pass over a weight row group.
 constexpr int kMaxRowsPerPass = 4;
-// Software prefetch distance along the row streams (bytes); rows of 1-2 KB are short enough
-// that the hardware prefetcher restarts at every row group (linear.cpp's kPairPrefetchBytes).
-constexpr int64_t kPrefetchBytes = 1024;
+// Software prefetch: each weight row's stream prefetches the same columns of the row the next
+// pass reads in its place (`ahead` elements on: the rows of a pass are 1-2 KB, too short for
+// the hardware prefetcher, which restarts at every row group). A fixed byte distance along the
+// row (1 KB before) ran past the row's end for the second half of every pass -- lines the pass
+// was reading anyway -- and so started every pass cold. Standalone GEMV of one expert at batch
+// 1 (bf16, H = I = 1024, 1 thread, Zen 3, loaded host): 2.05-2.98 -> 1.83-2.48 ms.
 
 inline float to_float(float v) { return v; }
 inline float to_float(bf16 v) { return static_cast<float>(v); }
 
 // res[m][r] = x[m] . w[r] over K: MB float32 x rows, R weight rows (any storage).
+// `ahead`: elements from w[r] + k to the line prefetched (the next pass's row r, same column).
 template <typename TW, int MB, int R>
-KVS_INLINE void dots(const float* const* x, const TW* const* w, int64_t K, float (&res)[MB][R]) {
+KVS_INLINE void dots(const float* const* x, const TW* const* w, int64_t K, int64_t ahead,
+                     float (&res)[MB][R]) {
 #if defined(KVS_AVX2)
   using namespace kvs_avx2;
   static_assert(MB * R <= 8, "accumulators, weights and one x vector must fit 16 registers");
@@ -78,7 +83,7 @@ KVS_INLINE void dots(const float* const* x, const TW* const* w, int64_t K, float
   for (; k + 8 <= K; k += 8) {
     if ((k * static_cast<int64_t>(sizeof(TW))) % 64 == 0)
       for (int r = 0; r < R; ++r)
-        _mm_prefetch(reinterpret_cast<const char*>(w[r] + k) + kPrefetchBytes, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(w[r] + k + ahead), _MM_HINT_T0);
     __m256 wv[R];
     for (int r = 0; r < R; ++r) wv[r] = load8(w[r] + k);
     for (int m = 0; m < MB; ++m) {
@@ -148,7 +153,7 @@ KVS_INLINE void gate_up_rows(const float* const* x, const TW* w13e, float* const
       w[2 * j + 1] = w13e + (I + i + j) * H;
     }
     float res[MB][2 * kPairsPerPass];
-    dots<TW, MB, 2 * kPairsPerPass>(x, w, H, res);
+    dots<TW, MB, 2 * kPairsPerPass>(x, w, H, kPairsPerPass * H, res);
     for (int m = 0; m < MB; ++m)
       for (int j = 0; j < kPairsPerPass; ++j)
         act[m][i + j] = silu(res[m][2 * j]) * res[m][2 * j + 1];
@@ -156,7 +161,7 @@ KVS_INLINE void gate_up_rows(const float* const* x, const TW* w13e, float* const
   for (; i < i1; ++i) {
     const TW* w[2] = {w13e + i * H, w13e + (I + i) * H};
     float res[MB][2];
-    dots<TW, MB, 2>(x, w, H, res);
+    dots<TW, MB, 2>(x, w, H, H, res);
     for (int m = 0; m < MB; ++m) act[m][i] = silu(res[m][0]) * res[m][1];
   }
 }
@@ -171,14 +176,14 @@ KVS_INLINE void down_rows(const float* const* act, const TW* w2e, float* const* 
     const TW* w[R];
     for (int r = 0; r < R; ++r) w[r] = w2e + (h + r) * I;
     float res[MB][R];
-    dots<TW, MB, R>(act, w, I, res);
+    dots<TW, MB, R>(act, w, I, R * I, res);
     for (int m = 0; m < MB; ++m)
       for (int r = 0; r < R; ++r) out[m][h + r] += wt[m] * res[m][r];
   }
   for (; h < h1; ++h) {
     const TW* w[1] = {w2e + h * I};
     float res[MB][1];
-    dots<TW, MB, 1>(act, w, I, res);
+    dots<TW, MB, 1>(act, w, I, I, res);
     for (int m = 0; m < MB; ++m) out[m][h] += wt[m] * res[m][0];
   }
 }
