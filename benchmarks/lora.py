@@ -109,8 +109,9 @@ def run_peft(model_path: str, adapters: list[str], prompts: list[list[int]], out
             ids[row, width - len(p):] = torch.tensor(p)
             mask[row, width - len(p):] = 1
         with torch.inference_mode():
-            out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=output_len,
-                                 min_new_tokens=output_len, do_sample=False, pad_token_id=0,
+            out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
+                                 max_new_tokens=output_len, min_new_tokens=output_len,
+                                 do_sample=False, pad_token_id=0,
                                  adapter_names=names[b:b + batch_size])
         produced += (out.shape[1] - width) * len(batch)
     return produced / (time.perf_counter() - start)

@@ -188,9 +188,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                               "dtype": args.dtype, **param_bytes(args.size, args.dtype),
                               "read_gb_s": read_bandwidth_gb_s(args.device),
                               "rounds": []}
-    sides = {"kernel": True, "torch": False}
-    if args.device == "cuda":       # the switch picks the CPU's C++ kernel; CUDA runs Triton
-        sides = {"kernel": True}
+    # The kernel switch picks the CPU's C++ kernel or torch's GEMMs; CUDA always runs Triton.
+    sides = {"kernel": True} if args.device == "cuda" else {"kernel": True, "torch": False}
     sides = {name: flag for name, flag in sides.items() if args.moe_path in (name, "both")}
     for r in range(args.rounds):      # alternating: drift on a shared host hits all sides
         rd = {f"kvserve_{name}": kvserve_round(path, args.dtype, requests, args, flag)

@@ -241,9 +241,12 @@ def _packing_works(dtype: torch.dtype) -> bool:
         got, want = packed_linear(x, packed).float(), F.linear(x, w).float()
         # torch.allclose, not torch.testing.assert_close: the first call of the latter imports
         # torch's DTensor modules, ~0.5-1 s of every engine process's start.
-        if got.shape != want.shape or not torch.allclose(got, want, rtol=2e-2, atol=2e-2):
+        if got.shape != want.shape:
+            raise ValueError(f"prepacked product has shape {tuple(got.shape)}, F.linear "
+                             f"{tuple(want.shape)}")
+        if not torch.allclose(got, want, rtol=2e-2, atol=2e-2):
             raise ValueError(f"prepacked product differs from F.linear by "
-                             f"{(got - want).abs().max().item() if got.shape == want.shape else got.shape}")
+                             f"{(got - want).abs().max().item():.3g}")
         return True
     except Exception as e:
         _log_pack_failure_once(f"{type(e).__name__}: {str(e)[:200]}")
