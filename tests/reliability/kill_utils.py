@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional
@@ -41,6 +42,8 @@ class KillReport:
     exit_code: Optional[int] = None
     leftover_pids: list = field(default_factory=list)
     leftover_shm: list = field(default_factory=list)
+    chunks_at_kill: list = field(default_factory=list)  # per client: a client that finished
+    # anyway had its whole stream made by the engine before the kill (a too-short load)
 
     def error_times(self) -> list[float]:
         return [t for t, o in zip(self.ended_after, self.outcomes) if o.startswith("error")]
@@ -51,7 +54,8 @@ class KillReport:
                 f"got an error, within {worst:.2f} s ({self.outcomes.count('hung')} hung); "
                 f"fresh request "
                 f"{self.fresh_outcome} after {self.fresh_after:.2f} s; exit {self.exit_code}; "
-                f"leftover pids {self.leftover_pids}, shm {self.leftover_shm}")
+                f"leftover pids {self.leftover_pids}, shm {self.leftover_shm}; "
+                f"chunks each client had at the kill {self.chunks_at_kill}")
 
 
 def tree_pids(root_pid: int) -> set[int]:
@@ -104,14 +108,15 @@ def alive(pids: Iterable[int]) -> list[int]:
     return left
 
 
-async def _stream(client: openai.AsyncOpenAI, model: str, i: int, first: asyncio.Event,
-                  ends: dict, last_chunk: dict) -> None:
+async def _stream(client: openai.AsyncOpenAI, model: str, i: int, first: threading.Event,
+                  ends: dict, last_chunk: dict, counts: dict, max_tokens: int) -> None:
     try:
         stream = await client.completions.create(
-            model=model, prompt=f"client {i} tells a long story", max_tokens=MAX_TOKENS,
+            model=model, prompt=f"client {i} tells a long story", max_tokens=max_tokens,
             temperature=0.0, stream=True, extra_body={"ignore_eos": True})
         async for _ in stream:
             last_chunk[i] = time.monotonic()
+            counts[i] = counts.get(i, 0) + 1
             first.set()
         ends[i] = (time.monotonic(), "finished")
     except Exception as e:  # noqa: BLE001 - the error is the outcome
@@ -132,23 +137,33 @@ async def _fresh_request(base_url: str, model: str) -> tuple[float, str]:
 
 async def _load_and_kill(report: KillReport, base_url: str, model: str, victim_pid: int,
                          fresh_delay: float, wait_all_s: float,
-                         trigger: Optional[Callable[[], bool]]) -> None:
+                         trigger: Optional[Callable[[], bool]], max_tokens: int) -> None:
     client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="EMPTY", max_retries=0,
                                 timeout=60)
     ends: dict[int, tuple[float, str]] = {}
     last_chunk: dict[int, float] = {}
-    firsts = [asyncio.Event() for _ in range(CLIENTS)]
-    tasks = [asyncio.ensure_future(_stream(client, model, i, firsts[i], ends, last_chunk))
-             for i in range(CLIENTS)]
-    if trigger is None:        # every client has its first chunk: all are running
-        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in firsts)), 120)
-    else:                      # the moment the caller waits for (a KV transfer in flight)
-        deadline = time.monotonic() + 60
-        while not await asyncio.to_thread(trigger):
-            assert time.monotonic() < deadline, "the kill's trigger never came"
-            await asyncio.sleep(0.01)
-    os.kill(victim_pid, signal.SIGKILL)
-    report.killed_at = time.monotonic()
+    counts: dict[int, int] = {}
+    # Threading events, and the kill from a thread: a client that parses chunks slower than a
+    # tiny model makes them reads its backlog without yielding to the event loop, so a kill
+    # waiting on the loop came after ~175 chunks of each stream (and, on CI, after the engine
+    # had finished them all).
+    firsts = [threading.Event() for _ in range(CLIENTS)]
+    tasks = [asyncio.ensure_future(_stream(client, model, i, firsts[i], ends, last_chunk,
+                                           counts, max_tokens)) for i in range(CLIENTS)]
+    def kill_when_ready() -> None:
+        if trigger is None:        # every client has its first chunk: all are running
+            assert all(e.wait(max(0.0, deadline - time.monotonic())) for e in firsts), \
+                "not every client got a first chunk"
+        else:                      # the moment the caller waits for (a KV transfer in flight)
+            while not trigger():
+                assert time.monotonic() < deadline, "the kill's trigger never came"
+                time.sleep(0.01)
+        os.kill(victim_pid, signal.SIGKILL)
+        report.killed_at = time.monotonic()
+        report.chunks_at_kill = [counts.get(i, 0) for i in range(CLIENTS)]
+
+    deadline = time.monotonic() + (120 if trigger is None else 60)
+    await asyncio.to_thread(kill_when_ready)
     await asyncio.sleep(fresh_delay)
     fresh = asyncio.ensure_future(_fresh_request(base_url, model))
     # Bounded: a hung client shows as a missing end, not as a hung test.
@@ -171,14 +186,15 @@ def kill_under_load(kind: str, base_url: str, model: str, server_pid: int, victi
                     wait_exit: Callable[[float], Optional[int]], fresh_delay: float = 0.2,
                     keep_alive_wait: Optional[float] = None,
                     wait_all_s: float = CLIENT_DEADLINE_S + 10,
-                    trigger: Optional[Callable[[], bool]] = None) -> KillReport:
+                    trigger: Optional[Callable[[], bool]] = None,
+                    max_tokens: int = MAX_TOKENS) -> KillReport:
     """Kill `victim_pid` under CLIENTS streams; then wait for the server (`wait_exit(timeout)`
     returns its exit code, None if it is still running) and look for leftovers. With
     `keep_alive_wait` (a server told to stay up) only wait that long and return."""
     report = KillReport(kind)
     pids = tree_pids(server_pid) | tree_pids(victim_pid)
     asyncio.run(_load_and_kill(report, base_url, model, victim_pid, fresh_delay, wait_all_s,
-                               trigger))
+                               trigger, max_tokens))
     report.exit_code = wait_exit(keep_alive_wait if keep_alive_wait is not None else 30.0)
     if keep_alive_wait is not None:     # told to stay up: the caller stops it and checks
         print(report.line(), flush=True)

@@ -29,7 +29,12 @@ from tests.reliability.kill_utils import (assert_clean_failure, find_process, ki
 
 pytestmark = pytest.mark.timeout(300)
 
-BASE_ARGS = [*SERVER_ENGINE_ARGS, "--uvicorn-log-level", "warning", "--disable-uvicorn-access-log"]
+# The tiny model's whole 512 positions (the last --max-model-len wins): on a loaded 2-core CI
+# machine the API server can fall behind the engine by a whole 220-token stream, so the engine
+# had finished every request when the kill came (all 6 clients "finished"; CI, stop 41).
+BASE_ARGS = [*SERVER_ENGINE_ARGS, "--uvicorn-log-level", "warning", "--disable-uvicorn-access-log",
+             "--max-model-len", "512"]
+MAX_TOKENS = 480
 SETUPS = {
     "engine_core": [],
     "tp_worker": ["-tp", "2"],
@@ -87,8 +92,13 @@ def _kill(servers: dict[str, RemoteServer], kind: str, **kw) -> "object":
     srv = servers[kind]
     victim = find_process(srv.proc.pid, VICTIMS[kind](srv.proc.pid))
     model = httpx.get(srv.url_for("/v1/models"), timeout=10).json()["data"][0]["id"]
+    # One request first, as any client before: the server's first-request work (tokenizer,
+    # detokenizer, first steps) then does not slow the streams the kill must interrupt.
+    warm = httpx.post(srv.url_for("/v1/completions"), timeout=120,
+                      json={"model": model, "prompt": "hi", "max_tokens": 4, "stream": True})
+    assert warm.status_code == 200, warm.text
     return kill_under_load(kind, srv.base_url, model, srv.proc.pid, victim.pid,
-                           _wait_exit(srv), **kw)
+                           _wait_exit(srv), max_tokens=MAX_TOKENS, **kw)
 
 
 @pytest.mark.parametrize("kind", ["engine_core", "tp_worker", "pp_stage", "dp_engine",
