@@ -1,7 +1,9 @@
 """A random Mixtral-style mixture-of-experts model: kvserve `LLM.generate` against Hugging Face
-`generate`, alternating rounds; offline throughput and batch-1 decode tokens/s; the weight bytes
-a batch-1 decode step must read (the ACTIVE parameters: attention, router, top-k experts, LM
-head; not the other experts) against the total, and the bandwidth each decode rate implies.
+`generate` and against its dense equivalent on kvserve (a Llama of the same attention and depth
+whose MLP is top_k experts wide: the same active parameters), alternating rounds; offline
+throughput and batch-1 decode tokens/s; the weight bytes a batch-1 decode step must read (the
+ACTIVE parameters: attention, router, top-k experts, LM head; not the other experts) against
+the total, and the bandwidth each decode rate implies.
 
 Sizes (--size): "full" is issue 30's ~1B total / ~200M active (hidden 1024, 16 layers, 16
 experts of intermediate 1024, top-2, vocab 32000); "small" (the default: a loaded 2-core
@@ -10,6 +12,7 @@ machine builds and runs it in minutes) is hidden 512, 8 layers, 8 experts of 512
     python benchmarks/moe.py [--size small|full] [--dtype float32|bfloat16|auto] [--rounds 2]
         [--num-prompts 16] [--output-len 32] [--hf-batch-size 8] [--output-json out.json]
         [--moe-path kernel|torch|both]      # kvserve's decode experts (default: both, in turn)
+        [--no-dense]                        # skip the dense equivalent
     python benchmarks/moe.py --kernel-sweep [--size ...]   # one layer: kernel vs torch GEMMs
     python benchmarks/moe.py --gguf Q8_0 [Q4_0 Q4_K ...] [--size ...] [--rounds 3]
         # the checkpoint as a GGUF file of that type (every matrix; router, norms F32):
@@ -86,6 +89,32 @@ def ensure_moe_checkpoint(size: str, dtype: str, model_dir: str) -> str:
     return path
 
 
+def ensure_dense_checkpoint(size: str, dtype: str, model_dir: str) -> str:
+    """The MoE's dense equivalent: a random Llama of the same attention, vocabulary and depth
+    whose one MLP has top_k x the expert width (the same active parameters but the router's),
+    built once. What the MoE's speed is read against: a dense model that reads as much."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from kvserve.model.demo import train_demo_tokenizer
+
+    path = os.path.join(model_dir, f"mixtral-{size}-dense-equivalent-{dtype}-v1")
+    if os.path.isfile(os.path.join(path, "model.safetensors")):
+        return path
+    c = SIZES[size]
+    config = LlamaConfig(hidden_size=c["hidden_size"], num_hidden_layers=c["num_hidden_layers"],
+                         num_attention_heads=c["num_attention_heads"],
+                         num_key_value_heads=c["num_key_value_heads"],
+                         intermediate_size=c["num_experts_per_tok"] * c["intermediate_size"],
+                         vocab_size=c["vocab_size"], max_position_embeddings=2048,
+                         bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    tmp = path + f".tmp-{os.getpid()}"
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).to(getattr(torch, dtype)).save_pretrained(tmp)
+    train_demo_tokenizer(tmp, model_max_length=2048)
+    os.replace(tmp, path)
+    return path
+
+
 def checkpoint_dtype(dtype: str) -> str:
     """The checkpoint's dtype for --dtype ("auto": a bf16 checkpoint)."""
     return "bfloat16" if dtype == "auto" else dtype
@@ -130,8 +159,10 @@ def param_bytes(size: str, dtype: str) -> dict[str, int]:
     per_el = torch.finfo(getattr(torch, checkpoint_dtype(dtype))).bits // 8
     total = layers * (attn + router + c["num_local_experts"] * expert) + embed + lm_head
     active = layers * (attn + router + c["num_experts_per_tok"] * expert) + lm_head
+    dense = active - layers * router      # the dense equivalent's batch-1 bytes
     return {"total_params": total, "active_params": active,
-            "total_bytes": total * per_el, "active_bytes": active * per_el}
+            "total_bytes": total * per_el, "active_bytes": active * per_el,
+            "dense_active_bytes": dense * per_el}
 
 
 def read_bandwidth_gb_s(device: str) -> float:
@@ -190,10 +221,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                               "rounds": []}
     # The kernel switch picks the CPU's C++ kernel or torch's GEMMs; CUDA always runs Triton.
     sides = {"kernel": True} if args.device == "cuda" else {"kernel": True, "torch": False}
-    sides = {name: flag for name, flag in sides.items() if args.moe_path in (name, "both")}
+    sides = {name: (path, flag) for name, flag in sides.items()
+             if args.moe_path in (name, "both")}
+    if args.dense:
+        dense = ensure_dense_checkpoint(args.size, checkpoint_dtype(args.dtype), args.model_dir)
+        sides["dense"] = (dense, True)
     for r in range(args.rounds):      # alternating: drift on a shared host hits all sides
-        rd = {f"kvserve_{name}": kvserve_round(path, args.dtype, requests, args, flag)
-              for name, flag in sides.items()}
+        rd = {f"kvserve_{name}": kvserve_round(p, args.dtype, requests, args, flag)
+              for name, (p, flag) in sides.items()}
         rd["hf"] = hf_round(path, args.dtype, requests, args)
         rd["uptime"] = uptime()
         result["rounds"].append(rd)
@@ -212,8 +247,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             continue
         result[f"{side}_throughput_ratio"] = med[side]["output_tok_s"] / med["hf"]["output_tok_s"]
         result[f"{side}_batch1_ratio"] = med[side]["batch1_tok_s"] / med["hf"]["batch1_tok_s"]
-        result[f"{side}_batch1_implied_gb_s"] = (med[side]["batch1_tok_s"]
-                                                 * result["active_bytes"] / 1e9)
+        nbytes = result["dense_active_bytes" if side == "kvserve_dense" else "active_bytes"]
+        result[f"{side}_batch1_implied_gb_s"] = med[side]["batch1_tok_s"] * nbytes / 1e9
+        if side != "kvserve_dense" and "kvserve_dense" in med:
+            result[f"{side}_vs_dense"] = {
+                m: med[side][m] / med["kvserve_dense"][m] for m in ("output_tok_s", "batch1_tok_s")}
     return result
 
 
@@ -496,6 +534,9 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--moe-path", choices=["kernel", "torch", "both"], default="both",
                    help="kvserve's decode experts: the C++ kernel, the grouped torch GEMMs, "
                         "or each in turn in every round")
+    p.add_argument("--no-dense", dest="dense", action="store_false",
+                   help="skip the dense equivalent (a Llama of the same active parameters, on "
+                        "kvserve in every round)")
     p.add_argument("--kernel-sweep", action="store_true",
                    help="only time one layer's experts: C++ kernel vs grouped torch GEMMs")
     p.add_argument("--gguf", nargs="+", default=None, metavar="TYPE",
@@ -541,6 +582,10 @@ def main(argv: Optional[list[str]] = None) -> int:
               f"batch-1 decode {result['median'][side]['batch1_tok_s']:.1f} tok/s "
               f"({result[f'{side}_batch1_ratio']:.2f}x HF) -> {gb_s:.1f} GB/s implied = "
               f"{100 * gb_s / result['read_gb_s']:.0f}% of the measured read bandwidth")
+        if f"{side}_vs_dense" in result:
+            vs = result[f"{side}_vs_dense"]
+            print(f"    vs the dense equivalent on kvserve: offline {vs['output_tok_s']:.2f}x, "
+                  f"batch-1 {vs['batch1_tok_s']:.2f}x")
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(result, f, indent=2)

@@ -9,6 +9,8 @@ same), never over tokens.
 """
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from kvserve.ops.fused import silu_and_mul
@@ -25,6 +27,26 @@ def group_by_expert(topk_ids: torch.Tensor, num_experts: int
     if counts[0]:
         order = order[counts[0]:]
     return order, order // topk_ids.shape[1], counts[1:]
+
+
+_scratch = threading.local()
+
+
+def widened(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """One expert's 16-bit weight in `dtype`, written into a buffer this thread reuses (valid
+    until its next call with that shape). `w.to(dtype)` allocates a fresh 8 MB (a 1024 x 2048
+    gate_up) per expert per step, page-faulted anew each time (glibc hands such blocks back to
+    the OS): the conversion took 2.4 ms instead of 1.3 (one Zen 3 thread)."""
+    if w.dtype == dtype:
+        return w
+    bufs = getattr(_scratch, "bufs", None)
+    if bufs is None:
+        bufs = _scratch.bufs = {}
+    key = (tuple(w.shape), dtype, w.device)
+    buf = bufs.get(key)
+    if buf is None:
+        buf = bufs[key] = torch.empty(w.shape, dtype=dtype, device=w.device)
+    return buf.copy_(w)
 
 
 def fused_experts_torch(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
@@ -44,7 +66,7 @@ def fused_experts_torch(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torc
             continue
         seg = slice(start, start + n)
         # bf16 experts with float32 x (layer.py keeps them 16-bit): widened per expert.
-        w13e, w2e = w13[expert].to(x.dtype), w2[expert].to(x.dtype)
+        w13e, w2e = widened(w13[expert], x.dtype), widened(w2[expert], x.dtype)
         act = silu_and_mul(torch.mm(x[seg], w13e.t()))
         torch.mm(act, w2e.t(), out=rows[seg])
         start += n
