@@ -66,6 +66,24 @@ def test_kernel_matches_float64(kernel, dtype: torch.dtype, k: int, n: int) -> N
 
 
 @needs_compiler
+@pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16-widened"])
+@pytest.mark.parametrize("tiled", [False, True], ids=["plain", "tiled"])
+def test_rows_do_not_depend_on_the_batch(kernel, w_dtype: torch.dtype, tiled: bool) -> None:
+    # float32 x: every row of a 2..17-row x gets the same bits as in the 17-row one. x rows go
+    # in balanced chunks, so no chunk of a multi-row x has one row (a one-row chunk of a bf16
+    # weight splits its even / odd products: other bits; 9 rows as 8 + 1 did).
+    x, w, _ = make_case(17, 96, 40, torch.float32, bias=False)
+    w = w.to(w_dtype)
+    if tiled:
+        w = kl.tile_weight(w, torch.float32)
+        if w is None:
+            pytest.skip("no tiled layout for this weight on this tier")
+    full = kernel(x, w, None)
+    for m in range(2, 17):
+        assert torch.equal(kernel(x[:m].contiguous(), w, None), full[:m]), m
+
+
+@needs_compiler
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 def test_lm_head_shape(kernel, dtype: torch.dtype) -> None:
     x, w, _ = make_case(1, 768, 32000, dtype, bias=False)

@@ -503,12 +503,20 @@ void chunk(const TX* x, const TW* w, const TX* bias, TX* out, int64_t n0, int64_
 // take chunks of 4: a chunk of 5-8 rows reads one weight row per pass (rows_per_pass), 4 passes
 // over the group's interleaved tiles, where chunks of <= 4 read 2-4 adjacent rows per pass.
 // Same chain per output, so the same bits. 49 linears of the 110M Llama, Zen 4, avx2 tier, 5-8
-// rows, time against 8-row chunks: float16 0.83-0.91, float32 0.89-0.99. (bf16 pairs keep 8:
-// a 1-row chunk splits their even / odd products, other bits, and 6-7 rows were not faster.)
+// rows, time against 8-row chunks: float16 0.83-0.91, float32 0.89-0.99.
+//
+// bf16 pairs (float32 x, bf16 weight, AVX2) take chunks of <= 4 as well: an 8-row chunk reads
+// one weight row per pass (16 FMAs against 17 loads), a 2-4-row one two (10 loads), and the
+// chains (S = 1) are the same. x rows are split into balanced chunks (e.g. 9 rows as 3 + 3 + 3,
+// not 4 + 4 + 1) so that no chunk of a multi-row x has one row, whose bf16-pair chains (S = 2)
+// would give other bits than its neighbours'. One Zen 3 thread (loaded host, two alternating
+// runs), tiled bf16 weights, time of 8-row chunks over these at 8 / 12 / 16 rows: [1536, 1024]
+// 1.44-1.60x, [1024, 1024] 1.54-1.91x, [32000, 1024] 1.20-1.40x, [5632, 2048] 1.16-1.98x,
+// [2048, 768] 0.93-1.39x.
 template <typename TX, typename TW, bool Tiled>
 constexpr int64_t chunk_rows() {
-  if constexpr (Tiled && path_of<TX, TW>() == Path::kAvx2 &&
-                (kVectorF32<TX, TW> || kWidenedF16<TX, TW>))
+  if constexpr (path_of<TX, TW>() == Path::kAvx2 &&
+                ((Tiled && (kVectorF32<TX, TW> || kWidenedF16<TX, TW>)) || kPairedBf16<TX, TW>))
     return 4;
   return kMaxChunk;
 }
@@ -538,9 +546,11 @@ void run(const TX* x, const TW* w, const TX* bias, TX* out, int64_t M, int64_t N
       const int64_t n0 = g * kGroupRows, n1 = std::min(N, n0 + kGroupRows);
       // All x chunks against this group while its rows are in L1.
       constexpr int64_t cs = chunk_rows<TX, TW, Tiled>();
-      for (int64_t m0 = 0; m0 < M; m0 += cs) {
-        const int64_t mb = std::min(cs, M - m0);
+      const int64_t chunks = (M + cs - 1) / cs;
+      for (int64_t c = 0, m0 = 0; c < chunks; ++c) {
+        const int64_t mb = (M - m0) / (chunks - c);     // balanced: sizes differ by <= 1
         kChunks[mb - 1](x + m0 * K, w, bias, out + m0 * N, n0, n1, N, K);
+        m0 += mb;
       }
     }
   });
