@@ -13,8 +13,9 @@ computed by one of (add_lora picks; never a loop over requests):
 - CUDA: the Triton kernels (kvserve/ops/triton/lora.py), one shrink and one expand launch
   for all adapters: static shapes, no host syncs, so a CUDA graph can capture them (the
   slots live in a buffer that set() refills in place between replays);
-- CPU, up to ops.lora.CPU_KERNEL_MAX_TOKENS tokens: the C++ kernel (csrc/lora.cpp), one call;
-- otherwise (prefill-size batches on CPU, other dtypes, no kernels: KVSERVE_DISABLE_CPU_KERNELS
+- CPU, up to ops.lora.CPU_KERNEL_MAX_TOKENS tokens (decode and prefill steps): the C++ kernel
+  (csrc/lora.cpp), one call;
+- otherwise (steps over that on CPU, other dtypes, no kernels: KVSERVE_DISABLE_CPU_KERNELS
   or a failed build, no Triton): two torch matmuls per group (at most --max-loras of them).
 """
 from __future__ import annotations

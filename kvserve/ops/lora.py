@@ -12,8 +12,9 @@
 At decode sizes the torch path (kvserve.lora.punica: two small GEMMs per adapter group, plus
 an index_add when the group's tokens are not contiguous) is dominated by per-op dispatch;
 the kernel does every group's shrink and expand in one call, streaming each adapter's A and
-B once. Up to CPU_KERNEL_MAX_TOKENS tokens it runs; above that torch's GEMMs (which reuse
-each weight block over many tokens) are as fast or faster. Where the kernel cannot be used
+B once; prefill-sized calls run register tiles of each adapter's tokens over its A and B (one
+GEMM per adapter segment, punica's SGMV). Up to CPU_KERNEL_MAX_TOKENS tokens (beyond any
+default step) it runs, above that the torch path. Where the kernel cannot be used
 (other dtypes, a failed build, KVSERVE_DISABLE_CPU_KERNELS) `fused_delta` returns False and
 the caller runs the torch path.
 """
@@ -32,8 +33,13 @@ from kvserve.ops.build import CpuKernel
 # measured, and torch's OpenMP GEMMs stall on a shared CPU: one layer's delta of the 110M
 # Llama (4 adapters, rank 16, 16 requests' tokens contiguous, EPYC Zen 3 2 cores at load 4-5,
 # interleaved in one process; min / median ms) at 64 tokens 2.3 / 14 vs 13 / 94, at 128
-# 9.1 / 18 vs 37 / 600, at 256 27 / 36 vs 154 / 227, at 640 37 / 56 vs 513 / 2817.
-CPU_KERNEL_MAX_TOKENS = 1024
+# 9.1 / 18 vs 37 / 600, at 256 27 / 36 vs 154 / 227, at 640 37 / 56 vs 513 / 2817. Since its
+# prefill-sized calls run register tiles of tokens (csrc/lora.cpp, kTiledMinTokens) it wins by
+# 3-10x up to 4096 tokens too (gate_up / qkv of that Llama, 4 adapters, requests of 64-256
+# tokens interleaved, load ~3, min ms; torch = LoRALinear's gather, grouped GEMMs, scatter):
+# 2 threads at 2048 tokens 12.4 / 6.8 vs 172 / 112, at 4096 39 / 15 vs 385 / 203; one thread
+# at 4096 22 / 15 vs 121 / 62. So the whole default token budget (8192) takes the kernel.
+CPU_KERNEL_MAX_TOKENS = 16384
 _KERNEL = CpuKernel("lora.cpp", op="lora_fused", isa_op="lora_isa",
                     what="multi-LoRA shrink+expand", fallback="the torch grouped matmuls")
 cpu_kernel: Callable[[], Optional[Callable[..., None]]] = _KERNEL.get

@@ -200,12 +200,13 @@ def _grouped_reference(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: tor
 @needs_cpu_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("splits", [[48, 16, 16], [37, 21, 11], [20, 20]])
+@pytest.mark.parametrize("T", [9, 43])     # the per-block (decode) and the tiled (prefill) passes
 def test_cpu_kernel_fused_slices_column_major(cpu_op, dtype: torch.dtype,
-                                              splits: list[int]) -> None:
+                                              splits: list[int], T: int) -> None:
     """LoRALinear's layout (column-major B, out_splits naming the slices; boundaries on and off
     the 16-column blocks, a short last block): the reference, and the same bits as the kernel
-    reading every column (the skipped products are exact zeros)."""
-    T = 9
+    reading every column (the skipped products are exact zeros). 43 tokens in 3 slots leave
+    partial tiles of tokens (4 in the shrink, 6 in the expand) and of rows (3)."""
     x, a, b, y = _fused_case(T, 40, 8, splits, dtype, seed=len(splits) + splits[-1])
     assert cpu_lora.b_col_major(b) and cpu_lora.stacks_take(dtype, a, b)
     slots = _slots(T, seed=T)
@@ -282,6 +283,9 @@ def test_add_lora_dispatch(cpu_op, monkeypatch: pytest.MonkeyPatch) -> None:
         fn(want, x, a, b, mapping.groups)
         return got, want
 
+    # The boundary moved down (the real one, 16384, makes large tensors): the dispatch reads it
+    # per call.
+    monkeypatch.setattr(cpu_lora, "CPU_KERNEL_MAX_TOKENS", 64)
     small = cpu_lora.CPU_KERNEL_MAX_TOKENS
     kernel = lambda y, x, a, b, g: cpu_op(y, x, a, b, g.token_slots)   # noqa: E731
     assert torch.equal(*run(small, kernel))

@@ -21,7 +21,8 @@
 // 8 rows of B, every token takes 8 dot products over R with its s row, reduced together
 // (hsum8x8: 7 shuffles for 8 sums). Either way added to y. Work items (group, block) are
 // split over threads on the work pool (work_pool.h) once a pass has enough work to pay for
-// the hand-off. Everything accumulates in float32; a bfloat16 y is rounded once after the add.
+// the hand-off. Prefill-sized calls (more than kTiledMinTokens tokens) take tiles of tokens
+// instead (shrink_tiled, expand_tiled below). Everything accumulates in float32; a bfloat16 y is rounded once after the add.
 //
 // AVX2 (+FMA, F16C; the avx2 tier and every tier above: AVX-512 builds take the same code):
 // 8 lanes, bf16 widened in registers (vec_avx2.h). generic: plain loops the compiler may
@@ -123,12 +124,14 @@ void dot8rows(const TW* const* w, const TV* v, int64_t n, float* out, const char
 constexpr int64_t kCols = 16;
 
 #if defined(KVS_AVX2)
-template <int TK, typename TX, typename TW>
-inline void axpy_tokens(TX* const* yt, const float* const* st, const TW* bt, int64_t N,
-                        int64_t r0, int64_t r1, int64_t nn) {
+// FULL (nn == 16) is its own instantiation: with the partial loads' memcpy in the loop the
+// compiler kept the accumulators on the stack, stored on every r (3x slower expands).
+template <int TK, bool FULL, typename TX, typename TW>
+inline void axpy_tokens_n(TX* const* yt, const float* const* st, const TW* bt, int64_t N,
+                          int64_t r0, int64_t r1, int64_t nn) {
   __m256 acc[TK][2];
   for (int k = 0; k < TK; ++k) acc[k][0] = acc[k][1] = _mm256_setzero_ps();
-  const bool full = nn == kCols;
+  constexpr bool full = FULL;
   for (int64_t r = r0; r < r1; ++r) {
     const TW* row = bt + r * N;
     const __m256 b0 = full || nn >= 8 ? load8(row) : load8(row, nn);
@@ -150,6 +153,15 @@ inline void axpy_tokens(TX* const* yt, const float* const* st, const TW* bt, int
       if (n1 > 0) store8(yt[k] + 8, _mm256_add_ps(load8(yt[k] + 8, n1), acc[k][1]), n1);
     }
   }
+}
+
+template <int TK, typename TX, typename TW>
+inline void axpy_tokens(TX* const* yt, const float* const* st, const TW* bt, int64_t N,
+                        int64_t r0, int64_t r1, int64_t nn) {
+  if (nn == kCols)
+    axpy_tokens_n<TK, true>(yt, st, bt, N, r0, r1, nn);
+  else
+    axpy_tokens_n<TK, false>(yt, st, bt, N, r0, r1, nn);
 }
 #else
 template <int TK, typename TX, typename TW>
@@ -260,13 +272,154 @@ void expand_col_major(TX* y, int64_t y_stride, const TW* b, const float* s,
   });
 }
 
+// ------------------------------------------------------------------ prefill-sized calls
+// Above kTiledMinTokens tokens (prefill chunks; the fused decode op's steps, <= 16 rows, keep
+// the per-block passes above) each work item is a tile of one group's tokens that runs over
+// the whole of A (shrink) or of B (expand), not a block of A or B that runs over every token
+// of the group: register tiles reuse each load of A / B across tokens and each load of x / s
+// across rows (the per-block shrink loads 9 vectors per 8 FMAs, this one 7 per 12), and y is
+// written row after row (the per-block expand's pass over 16 columns of every row of a group
+// touched a new page per token: gate_up's rows are 16 KB). A and B (<= 256 KB per slot on the
+// 110M Llama) stay in L2 across a group's tiles.
+constexpr int64_t kTiledMinTokens = 16;
+constexpr int64_t kShrinkTokens = 4, kShrinkRows = 3, kExpandTokens = 6;
+
+struct Tile {
+  int64_t slot, begin, end;   // positions [begin, end) of `order`, all of one slot
+};
+
+std::vector<Tile> group_tiles(const std::vector<Group>& groups, int64_t size) {
+  std::vector<Tile> tiles;
+  for (const Group& g : groups)
+    for (int64_t p = g.begin; p < g.end; p += size)
+      tiles.push_back({g.slot, p, std::min(g.end, p + size)});
+  return tiles;
+}
+
+// s[t][j] = x[t] . w[j] over K for TT tokens and RR rows of A: TT * RR accumulators (<= 12,
+// with the RR rows' vectors: 15 of the 16 registers).
+#if defined(KVS_AVX2)
+template <int TT, int RR, typename TX, typename TW>
+inline void shrink_tile(const TX* const* xt, const TW* const* w, int64_t K, float* s,
+                        int64_t s_stride) {
+  __m256 acc[TT][RR];
+  for (int t = 0; t < TT; ++t)
+    for (int j = 0; j < RR; ++j) acc[t][j] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    __m256 wv[RR];
+    for (int j = 0; j < RR; ++j) wv[j] = load8(w[j] + k);
+    for (int t = 0; t < TT; ++t) {
+      const __m256 xv = load8(xt[t] + k);
+      for (int j = 0; j < RR; ++j) acc[t][j] = _mm256_fmadd_ps(wv[j], xv, acc[t][j]);
+    }
+  }
+  if (k < K) {
+    __m256 wv[RR];
+    for (int j = 0; j < RR; ++j) wv[j] = load8(w[j] + k, K - k);
+    for (int t = 0; t < TT; ++t) {
+      const __m256 xv = load8(xt[t] + k, K - k);
+      for (int j = 0; j < RR; ++j) acc[t][j] = _mm256_fmadd_ps(wv[j], xv, acc[t][j]);
+    }
+  }
+  for (int t = 0; t < TT; ++t)
+    for (int j = 0; j < RR; ++j) s[t * s_stride + j] = hsum8(acc[t][j]);
+}
+#else
+template <int TT, int RR, typename TX, typename TW>
+inline void shrink_tile(const TX* const* xt, const TW* const* w, int64_t K, float* s,
+                        int64_t s_stride) {
+  for (int t = 0; t < TT; ++t)
+    for (int j = 0; j < RR; ++j) {
+      float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+      for (int64_t k = 0; k < K; ++k) acc += to_f(w[j][k]) * to_f(xt[t][k]);
+      s[t * s_stride + j] = acc;
+    }
+}
+#endif
+
+// One tile's shrink: its TT tokens against every row of the slot's A (a [R, K]).
+template <int TT, typename TX, typename TW>
+void shrink_tile_rows(const TX* const* xt, const TW* a, int64_t R, int64_t K, float* s) {
+  for (int64_t r0 = 0; r0 < R; r0 += kShrinkRows) {
+    const TW* w[kShrinkRows];
+    for (int64_t j = 0; j < kShrinkRows; ++j) w[j] = a + std::min(r0 + j, R - 1) * K;
+    switch (std::min(kShrinkRows, R - r0)) {
+      case 3: shrink_tile<TT, 3>(xt, w, K, s + r0, R); break;
+      case 2: shrink_tile<TT, 2>(xt, w, K, s + r0, R); break;
+      default: shrink_tile<TT, 1>(xt, w, K, s + r0, R); break;
+    }
+  }
+}
+
 template <typename TX, typename TW>
-void run(TX* y, int64_t y_stride, const TX* x, const TW* a, const TW* b, bool b_col_major,
-         const std::vector<int64_t>& order, const std::vector<Group>& groups, int64_t K,
-         int64_t R, int64_t N, at::IntArrayRef splits) {
+void shrink_tiled(const TX* x, const TW* a, const std::vector<int64_t>& order,
+                  const std::vector<Group>& groups, int64_t K, int64_t R, float* s) {
+  const std::vector<Tile> tiles = group_tiles(groups, kShrinkTokens);
+  const int64_t tokens = static_cast<int64_t>(order.size());
+  for_items(static_cast<int64_t>(tiles.size()), tokens * R * K, [&](int64_t i0, int64_t i1) {
+    const TX* xt[kShrinkTokens];
+    for (int64_t i = i0; i < i1; ++i) {
+      const Tile& tl = tiles[i];
+      const int64_t tt = tl.end - tl.begin;
+      for (int64_t t = 0; t < tt; ++t) xt[t] = x + order[tl.begin + t] * K;
+      const TW* as = a + tl.slot * R * K;
+      float* st = s + tl.begin * R;
+      switch (tt) {
+        case 4: shrink_tile_rows<4>(xt, as, R, K, st); break;
+        case 3: shrink_tile_rows<3>(xt, as, R, K, st); break;
+        case 2: shrink_tile_rows<2>(xt, as, R, K, st); break;
+        default: shrink_tile_rows<1>(xt, as, R, K, st); break;
+      }
+    }
+  });
+}
+
+// The expand of column-major B per tile of up to kExpandTokens tokens: each 16-column block of
+// the tile's y rows in turn (axpy_tokens: 6 tokens x 16 columns = 12 accumulators).
+template <typename TX, typename TW>
+void expand_tiled(TX* y, int64_t y_stride, const TW* b, const float* s,
+                  const std::vector<int64_t>& order, const std::vector<Group>& groups, int64_t R,
+                  int64_t N, at::IntArrayRef splits, int64_t width) {
+  const std::vector<ColRange> cols = expand_columns(splits, N, R, kCols);
+  const int64_t n_blocks = static_cast<int64_t>(cols.size());
+  const std::vector<Tile> tiles = group_tiles(groups, kExpandTokens);
+  const int64_t tokens = static_cast<int64_t>(order.size());
+  for_items(static_cast<int64_t>(tiles.size()), tokens * N * width, [&](int64_t i0, int64_t i1) {
+    TX* yt[kExpandTokens];
+    const float* st[kExpandTokens];
+    for (int64_t i = i0; i < i1; ++i) {
+      const Tile& tl = tiles[i];
+      const int64_t tk = tl.end - tl.begin;
+      const TW* bs = b + tl.slot * N * R;   // B^T[r, n] at bs[r * N + n]
+      for (int64_t blk = 0; blk < n_blocks; ++blk) {
+        const int64_t n0 = blk * kCols, nn = std::min(kCols, N - n0);
+        for (int64_t k = 0; k < tk; ++k) {
+          yt[k] = y + order[tl.begin + k] * y_stride + n0;
+          st[k] = s + (tl.begin + k) * R;
+        }
+        const int64_t r0 = cols[blk].begin, r1 = r0 + cols[blk].size;
+        switch (tk) {
+          case 6: axpy_tokens<6>(yt, st, bs + n0, N, r0, r1, nn); break;
+          case 5: axpy_tokens<5>(yt, st, bs + n0, N, r0, r1, nn); break;
+          case 4: axpy_tokens<4>(yt, st, bs + n0, N, r0, r1, nn); break;
+          case 3: axpy_tokens<3>(yt, st, bs + n0, N, r0, r1, nn); break;
+          case 2: axpy_tokens<2>(yt, st, bs + n0, N, r0, r1, nn); break;
+          default: axpy_tokens<1>(yt, st, bs + n0, N, r0, r1, nn); break;
+        }
+      }
+    }
+  });
+}
+
+// The shrink of decode-sized calls: items (group, block of 8 rows of A), each over the group's
+// tokens, prefetching the next item's block.
+template <typename TX, typename TW>
+void shrink_blocks(const TX* x, const TW* a, const std::vector<int64_t>& order,
+                   const std::vector<Group>& groups, int64_t K, int64_t R, float* s) {
   const int64_t G = static_cast<int64_t>(groups.size());
   const int64_t tokens = static_cast<int64_t>(order.size());
-  std::vector<float> s(static_cast<size_t>(order.size() * R));   // by position in `order`
   const int64_t r_blocks = (R + kRows - 1) / kRows;
   for_items(G * r_blocks, tokens * R * K, [&](int64_t i0, int64_t i1) {
     const TW* w[kRows];
@@ -287,11 +440,29 @@ void run(TX* y, int64_t y_stride, const TX* x, const TW* a, const TW* b, bool b_
       }
       for (int64_t p = g.begin; p < g.end; ++p) {
         dot8rows(w, x + order[p] * K, K, out, p == g.begin ? pf : nullptr, pf_step);
-        std::copy(out, out + nr, s.data() + p * R + r0);
+        std::copy(out, out + nr, s + p * R + r0);
       }
     }
   });
+}
+
+template <typename TX, typename TW>
+void run(TX* y, int64_t y_stride, const TX* x, const TW* a, const TW* b, bool b_col_major,
+         const std::vector<int64_t>& order, const std::vector<Group>& groups, int64_t K,
+         int64_t R, int64_t N, at::IntArrayRef splits) {
+  const int64_t G = static_cast<int64_t>(groups.size());
+  const int64_t tokens = static_cast<int64_t>(order.size());
+  std::vector<float> s(static_cast<size_t>(order.size() * R));   // by position in `order`
+  const bool tiled = tokens > kTiledMinTokens;
+  if (tiled)
+    shrink_tiled(x, a, order, groups, K, R, s.data());
+  else
+    shrink_blocks(x, a, order, groups, K, R, s.data());
   const int64_t width = splits.size() > 1 ? R / static_cast<int64_t>(splits.size()) : R;
+  if (b_col_major && tiled) {
+    expand_tiled(y, y_stride, b, s.data(), order, groups, R, N, splits, width);
+    return;
+  }
   if (b_col_major) {
     expand_col_major(y, y_stride, b, s.data(), order, groups, R, N, splits, width, tokens);
     return;
