@@ -63,6 +63,11 @@ class InputBatch:
         self._settings: Optional[tuple[tuple[int, bytes], _RowSettings]] = None
 
     @property
+    def version(self) -> int:
+        """Bumped by every add and remove: rows looked up at one version stay valid."""
+        return self._version
+
+    @property
     def num_reqs(self) -> int:
         return len(self.req_ids)
 
