@@ -67,8 +67,11 @@ class _ScheduledOrder:
 
     def __post_init__(self) -> None:
         self.arange = np.arange(len(self.rows))
+
+    def freeze(self) -> "_ScheduledOrder":
         for a in (self.rows, self.qlens, self.arange):
             a.flags.writeable = False
+        return self
 
 
 class ModelRunner:
@@ -414,7 +417,7 @@ class ModelRunner:
             rows, qlens = rows[order], qlens[order]
             req_ids = [req_ids[i] for i in order]
         result = _ScheduledOrder(ib.version, req_ids, rows, qlens, num_decodes)
-        self._last_order = result if num_decodes == n else None
+        self._last_order = result.freeze() if num_decodes == n else None
         return result
 
     def _prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
