@@ -156,6 +156,15 @@ class InputBatch:
         self.eos_token_ids[dst] = self.eos_token_ids[src]
         self.output_token_ids[dst] = self.output_token_ids[src]
 
+    def append_one_each(self, rows: np.ndarray, tokens: list[int]) -> None:
+        """append_token(rows[i], tokens[i]) for every i, rows distinct (a step's samples)."""
+        n = self.num_tokens[rows]
+        self.token_ids[rows, n] = tokens
+        self.num_tokens[rows] = n + 1
+        outputs = self.output_token_ids
+        for row, token in zip(rows.tolist(), tokens):
+            outputs[row].append(token)
+
     def append_token(self, row: int, token: int) -> None:
         n = self.num_tokens[row]
         self.token_ids[row, n] = token

@@ -272,13 +272,22 @@ class ModelRunner:
         if self.async_tokens is not None and self._sample_async(step, logits, sample_idx):
             return
         tokens, lps = self._sample_tokens(logits, layout, sample_rows)
-        for s, (i, row) in enumerate(zip(sample_idx, sample_rows)):
-            if self.append_sampled_tokens:
-                for tok in tokens[s]:
-                    self.input_batch.append_token(int(row), tok)
-            sampled_lists[i] = tokens[s]
-            if lps[s] is not None:
-                logprobs[step.req_ids[i]] = lps[s]
+        ib = self.input_batch
+        if self.append_sampled_tokens:
+            if layout.draft_token_ids:
+                for row, toks in zip(sample_rows.tolist(), tokens):
+                    for tok in toks:
+                        ib.append_token(row, tok)
+            else:    # one token a request: vectorised
+                ib.append_one_each(sample_rows, [t[0] for t in tokens])
+        if len(sample_idx) == len(sampled_lists):   # every request samples (a decode step)
+            sampled_lists[:] = tokens
+        else:
+            for s, i in enumerate(sample_idx.tolist()):
+                sampled_lists[i] = tokens[s]
+        for s, lp in enumerate(lps):
+            if lp is not None:
+                logprobs[step.req_ids[sample_idx[s]]] = lp
 
     def _scored_rows(self, hidden: torch.Tensor, logits_indices: np.ndarray) -> torch.Tensor:
         """hidden's rows at logits_indices (increasing). Rows 0..n-1 (a decode step without
