@@ -29,7 +29,8 @@ import torch
 import torch.nn as nn
 
 from kvserve.sample.metadata import SamplingMetadata
-from kvserve.sample.sampler import apply_sampling_transforms, gather_logprobs, process_logits
+from kvserve.sample.sampler import (apply_sampling_transforms, argmax, gather_logprobs,
+                                    process_logits)
 
 _SAMPLING_EPS = 1e-5
 PLACEHOLDER_TOKEN_ID = -1
@@ -131,7 +132,7 @@ class RejectionSampler(nn.Module):
         device = logits.device
         target_idx, bonus_idx = spec.target_logits_indices, spec.bonus_logits_indices
         draft = spec.draft_token_ids
-        greedy_tokens = logits.argmax(dim=-1)                       # [N]
+        greedy_tokens = argmax(logits)                                 # [N]
         greedy_row = metadata.temperature.to(device) < _SAMPLING_EPS  # [N]
 
         accepted = draft == greedy_tokens[target_idx]
@@ -149,8 +150,8 @@ class RejectionSampler(nn.Module):
                 rand_accept = uniform * q_draft < p_draft
                 residual = (probs[target_idx] - draft_probs).clamp_min_(0.0)
             # Exponential race: argmax(w / E) picks i with probability w_i / sum(w).
-            rand_recovered = residual.div_(expo[target_idx]).argmax(dim=-1)
-            rand_bonus = (probs[bonus_idx] / expo[bonus_idx]).argmax(dim=-1)
+            rand_recovered = argmax(residual.div_(expo[target_idx]))
+            rand_bonus = argmax(probs[bonus_idx] / expo[bonus_idx])
             g_draft = greedy_row[target_idx]
             accepted = torch.where(g_draft, accepted, rand_accept)
             recovered = torch.where(g_draft, recovered, rand_recovered)

@@ -14,6 +14,7 @@ from __future__ import annotations
 from itertools import chain
 from typing import Optional
 
+import numpy as np
 import torch
 import torch.nn as nn
 
@@ -42,7 +43,7 @@ class Sampler(nn.Module):
     @staticmethod
     def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         """Processed float32 logits [B, V] -> token ids [B] int64."""
-        greedy = None if metadata.all_random else logits.argmax(dim=-1)
+        greedy = None if metadata.all_random else argmax(logits)
         if metadata.all_greedy:
             assert greedy is not None
             return greedy
@@ -52,6 +53,17 @@ class Sampler(nn.Module):
             return sampled
         temperature = metadata.temperature.to(logits.device, non_blocking=True)
         return torch.where(temperature < _SAMPLING_EPS, greedy, sampled)
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(dim=-1): the first maximum of each row, NaN counting as the maximum. On CPU
+    numpy's argmax does the same (same index, ties and NaN included) many times faster:
+    torch's took 92 us for one 49,152-wide row (SmolLM2's vocabulary) and 1.3 ms for 16 rows
+    (Zen 3, one thread; several ms with two), numpy's 7 and 136 us."""
+    if (x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64) or x.dim() != 2
+            or x.requires_grad):
+        return x.argmax(dim=-1)
+    return torch.from_numpy(x.numpy().argmax(axis=-1).astype(np.int64, copy=False))
 
 
 # ---------------------------------------------------------------- constraints and penalties
@@ -227,7 +239,7 @@ def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -
         q[i].exponential_(generator=generator)
     # An exact 0 draw would make 0/0 = NaN on a masked token, and argmax picks NaN.
     q.clamp_min_(torch.finfo(q.dtype).tiny)
-    return probs.div_(q).argmax(dim=-1)
+    return argmax(probs.div_(q))
 
 
 # ---------------------------------------------------------------- logprobs

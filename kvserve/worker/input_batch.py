@@ -63,6 +63,11 @@ class InputBatch:
         self._settings: Optional[tuple[tuple[int, bytes], _RowSettings]] = None
 
     @property
+    def version(self) -> int:
+        """Bumped by every add and remove: rows looked up at one version stay valid."""
+        return self._version
+
+    @property
     def num_reqs(self) -> int:
         return len(self.req_ids)
 
@@ -150,6 +155,15 @@ class InputBatch:
         self.generators[dst] = self.generators[src]
         self.eos_token_ids[dst] = self.eos_token_ids[src]
         self.output_token_ids[dst] = self.output_token_ids[src]
+
+    def append_one_each(self, rows: np.ndarray, tokens: list[int]) -> None:
+        """append_token(rows[i], tokens[i]) for every i, rows distinct (a step's samples)."""
+        n = self.num_tokens[rows]
+        self.token_ids[rows, n] = tokens
+        self.num_tokens[rows] = n + 1
+        outputs = self.output_token_ids
+        for row, token in zip(rows.tolist(), tokens):
+            outputs[row].append(token)
 
     def append_token(self, row: int, token: int) -> None:
         n = self.num_tokens[row]

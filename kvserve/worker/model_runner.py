@@ -55,6 +55,25 @@ class StepInputs:
     sample_mask: np.ndarray       # [num_reqs] bool: this request samples a token this step
 
 
+@dataclass
+class _ScheduledOrder:
+    """ModelRunner._scheduled_order's result, kept for the next step while every request
+    decodes (num_decodes == len(rows))."""
+    version: int                  # InputBatch.version it was built at (rows are valid then)
+    req_ids: list[str]
+    rows: np.ndarray
+    qlens: np.ndarray
+    num_decodes: int
+
+    def __post_init__(self) -> None:
+        self.arange = np.arange(len(self.rows))
+
+    def freeze(self) -> "_ScheduledOrder":
+        for a in (self.rows, self.qlens, self.arange):
+            a.flags.writeable = False
+        return self
+
+
 class ModelRunner:
     def __init__(self, config: KVServeConfig, device: torch.device) -> None:
         self.config = config
@@ -91,6 +110,7 @@ class ModelRunner:
             device=device, num_kv_cache_groups=max(1, len(self.kv_cache_groups)))
         # Inputs to the device without a sync: one pinned buffer, one copy (CUDA).
         self.staging = PinnedStaging(device)
+        self._last_order: Optional[_ScheduledOrder] = None   # see _scheduled_order
         # Async scheduling: sampled ids go to the host without a sync (worker/async_output.py).
         self.async_tokens: Optional[AsyncTokenState] = (
             AsyncTokenState(self.input_batch, device, self.append_sampled_tokens, self.staging)
@@ -252,13 +272,22 @@ class ModelRunner:
         if self.async_tokens is not None and self._sample_async(step, logits, sample_idx):
             return
         tokens, lps = self._sample_tokens(logits, layout, sample_rows)
-        for s, (i, row) in enumerate(zip(sample_idx, sample_rows)):
-            if self.append_sampled_tokens:
-                for tok in tokens[s]:
-                    self.input_batch.append_token(int(row), tok)
-            sampled_lists[i] = tokens[s]
-            if lps[s] is not None:
-                logprobs[step.req_ids[i]] = lps[s]
+        ib = self.input_batch
+        if self.append_sampled_tokens:
+            if layout.draft_token_ids:
+                for row, toks in zip(sample_rows.tolist(), tokens):
+                    for tok in toks:
+                        ib.append_token(row, tok)
+            else:    # one token a request: vectorised
+                ib.append_one_each(sample_rows, [t[0] for t in tokens])
+        if len(sample_idx) == len(sampled_lists):   # every request samples (a decode step)
+            sampled_lists[:] = tokens
+        else:
+            for s, i in enumerate(sample_idx.tolist()):
+                sampled_lists[i] = tokens[s]
+        for s, lp in enumerate(lps):
+            if lp is not None:
+                logprobs[step.req_ids[sample_idx[s]]] = lp
 
     def _scored_rows(self, hidden: torch.Tensor, logits_indices: np.ndarray) -> torch.Tensor:
         """hidden's rows at logits_indices (increasing). Rows 0..n-1 (a decode step without
@@ -377,24 +406,44 @@ class ModelRunner:
         rows = np.repeat(first, counts) + offset
         return apply_grammar_bitmask(logits, so.grammar_bitmask, rows)
 
-    def _prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
-        ib, bs, dev = self.input_batch, self.block_size, self.device
+    def _scheduled_order(self, so: SchedulerOutput) -> _ScheduledOrder:
+        """The step's requests in flattened order: single-token queries (decodes) first, as
+        they share one batched attention call. A decode loop's steps schedule the same
+        requests in the same order over the same batch: they reuse the last step's arrays
+        (read-only, so that a consumer that wrote to them would fail at once)."""
+        ib = self.input_batch
         req_ids = list(so.num_scheduled_tokens)
-        rows = np.fromiter((ib.req_id_to_index[r] for r in req_ids), np.int64, len(req_ids))
-        qlens = np.fromiter((so.num_scheduled_tokens[r] for r in req_ids), np.int64, len(req_ids))
-        # Single-token queries (decodes) first: they share one batched attention call.
-        order = np.argsort(qlens != 1, kind="stable")
-        rows, qlens = rows[order], qlens[order]
-        req_ids = [req_ids[i] for i in order]
-        num_decodes = int((qlens == 1).sum())
+        cached = self._last_order
+        if (cached is not None and cached.version == ib.version and cached.req_ids == req_ids
+                and max(so.num_scheduled_tokens.values()) == 1):
+            return cached
+        n = len(req_ids)
+        rows = np.fromiter((ib.req_id_to_index[r] for r in req_ids), np.int64, n)
+        qlens = np.fromiter(so.num_scheduled_tokens.values(), np.int64, n)
+        num_decodes = int(np.count_nonzero(qlens == 1))
+        if num_decodes < n:
+            order = np.argsort(qlens != 1, kind="stable")
+            rows, qlens = rows[order], qlens[order]
+            req_ids = [req_ids[i] for i in order]
+        result = _ScheduledOrder(ib.version, req_ids, rows, qlens, num_decodes)
+        self._last_order = result.freeze() if num_decodes == n else None
+        return result
 
-        ends = np.cumsum(qlens)
-        starts = ends - qlens
-        total = int(ends[-1])
-        tok_req = np.repeat(np.arange(len(rows)), qlens)
+    def _prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
+        ib, bs = self.input_batch, self.block_size
+        sched = self._scheduled_order(so)
+        req_ids, rows, qlens, num_decodes = sched.req_ids, sched.rows, sched.qlens, sched.num_decodes
         computed = ib.num_computed_tokens[rows]
-        positions = computed[tok_req] + (np.arange(total) - starts[tok_req])
-        tok_rows = rows[tok_req]
+        if num_decodes == len(rows):
+            # One token a request: token i is request i's, at its first uncomputed position.
+            starts = tok_req = sched.arange
+            positions, tok_rows = computed, rows
+        else:
+            ends = np.cumsum(qlens)
+            starts = ends - qlens
+            tok_req = np.repeat(np.arange(len(rows)), qlens)
+            positions = computed[tok_req] + (np.arange(int(ends[-1])) - starts[tok_req])
+            tok_rows = rows[tok_req]
         input_ids = ib.token_ids[tok_rows, positions]
         slot_mapping = ib.block_table[tok_rows, positions // bs] * bs + positions % bs
         seq_lens = computed + qlens

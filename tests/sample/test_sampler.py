@@ -456,3 +456,19 @@ def test_caller_logits_not_modified(device):
     md = make_metadata(params, vocab, device, prompts=[[1, 2], [3]], outputs=[[4], [5]])
     Sampler()(logits, md)
     assert torch.equal(logits, before)
+
+
+def test_cpu_argmax_is_torch_argmax() -> None:
+    """The sampler's CPU argmax (numpy) picks what torch's does: the first maximum, NaN
+    counting as the maximum, on strided rows too."""
+    from kvserve.sample.sampler import argmax
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 4, (64, 300), generator=g).to(torch.float32)   # many ties
+    x[3, 7] = x[3, 200] = float("nan")
+    x[4] = float("-inf")
+    x[5, :] = 1.0
+    x[6, 10] = x[6, 20] = float("inf")
+    for t in (x, x.double(), x[:, 5:250], x.t().contiguous().t()[:, ::2]):
+        got = argmax(t)
+        assert got.dtype == torch.int64
+        assert torch.equal(got, t.argmax(dim=-1))
