@@ -42,8 +42,9 @@ class KillReport:
     exit_code: Optional[int] = None
     leftover_pids: list = field(default_factory=list)
     leftover_shm: list = field(default_factory=list)
-    chunks_at_kill: list = field(default_factory=list)  # per client: a client that finished
-    # anyway had its whole stream made by the engine before the kill (a too-short load)
+    # Chunks each client had when the kill came: a client that finished anyway had its whole
+    # stream made before the kill (a too-short load, not a server fault).
+    chunks_at_kill: list = field(default_factory=list)
 
     def error_times(self) -> list[float]:
         return [t for t, o in zip(self.ended_after, self.outcomes) if o.startswith("error")]
@@ -150,6 +151,8 @@ async def _load_and_kill(report: KillReport, base_url: str, model: str, victim_p
     firsts = [threading.Event() for _ in range(CLIENTS)]
     tasks = [asyncio.ensure_future(_stream(client, model, i, firsts[i], ends, last_chunk,
                                            counts, max_tokens)) for i in range(CLIENTS)]
+    deadline = time.monotonic() + (120 if trigger is None else 60)
+
     def kill_when_ready() -> None:
         if trigger is None:        # every client has its first chunk: all are running
             assert all(e.wait(max(0.0, deadline - time.monotonic())) for e in firsts), \
@@ -162,7 +165,6 @@ async def _load_and_kill(report: KillReport, base_url: str, model: str, victim_p
         report.killed_at = time.monotonic()
         report.chunks_at_kill = [counts.get(i, 0) for i in range(CLIENTS)]
 
-    deadline = time.monotonic() + (120 if trigger is None else 60)
     await asyncio.to_thread(kill_when_ready)
     await asyncio.sleep(fresh_delay)
     fresh = asyncio.ensure_future(_fresh_request(base_url, model))

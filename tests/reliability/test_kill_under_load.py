@@ -29,9 +29,9 @@ from tests.reliability.kill_utils import (assert_clean_failure, find_process, ki
 
 pytestmark = pytest.mark.timeout(300)
 
-# The tiny model's whole 512 positions (the last --max-model-len wins): on a loaded 2-core CI
-# machine the API server can fall behind the engine by a whole 220-token stream, so the engine
-# had finished every request when the kill came (all 6 clients "finished"; CI, stop 41).
+# Margin beside kill_utils' kill from a thread (the fix): the tiny model's whole 512 positions
+# (the last --max-model-len wins), so a late kill still finds the streams running. On CI (stop
+# 41) the kill came after the engine had finished all six 220-token streams.
 BASE_ARGS = [*SERVER_ENGINE_ARGS, "--uvicorn-log-level", "warning", "--disable-uvicorn-access-log",
              "--max-model-len", "512"]
 MAX_TOKENS = 480
