@@ -7,8 +7,9 @@
 //            e = topk_ids[t, j]
 //
 // dtypes: x float32 with float32 or bfloat16 weights (bf16 widened to float32 in registers),
-// or x bfloat16 with bfloat16 weights (x widened once); all math and the intermediate
-// activation in float32, the output rounded once to x's dtype.
+// or x bfloat16 with bfloat16 weights (x widened once; on dpbf16, below, not widened and the
+// intermediate activation rounded to bf16); the math in float32, the output rounded once to
+// x's dtype.
 //
 // With few (token, expert) pairs the op is a stream over the routed experts' weights, so its
 // speed is the memory bandwidth. The pairs are grouped by expert (on the host: T * k is
@@ -25,6 +26,10 @@
 //
 // Vector path: AVX2 + FMA (vec_avx2.h; 8 lanes, several weight rows per pass so the FMA
 // chains are independent); bf16 weights are widened with a shift. Other tiers: plain loops.
+// bf16 x with bf16 weights on a tier with AVX-512 BF16: _mm512_dpbf16_ps straight on the
+// stored pairs (x not widened; the intermediate activation rounded to bf16, as torch's bf16
+// GEMMs and transformers round it). At 16 decode rows of the 1B MoE (2 pairs an expert) the
+// widening AVX2 path was compute-bound: 2.93 ms a layer, 32 GB/s of a 46 GB/s host (Zen 5).
 // Larger batches (prefill) are better served by GEMMs: the Python side sends only small
 // steps here (kvserve/ops/moe.py).
 
@@ -41,6 +46,7 @@
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "vec_avx2.h"
@@ -57,8 +63,14 @@ using bf16 = c10::BFloat16;
 // Minimum weight elements per parallel task: below it the fork / join costs more than the
 // second core gains.
 constexpr int64_t kMinElemsPerTask = 32768;
-// x rows (pairs of one expert) per pass over a weight row group.
-constexpr int kMaxRowsPerPass = 4;
+// x rows (pairs of one expert) per pass over a weight row group: an expert with more pairs is
+// streamed once per chunk of them (6 MB an expert of the 1B MoE: not cache-resident). 8 with
+// dpbf16 (32 registers; 4 weight rows a pass up to 4 x rows, 2 beyond): 128 pairs of that MoE
+// 4.08 -> 3.3 ms a layer (Zen 5).
+template <typename TX>
+constexpr int max_rows_per_pass() {
+  return std::is_same<TX, float>::value ? 4 : 8;
+}
 // Software prefetch: each weight row's stream prefetches the same columns of the row the next
 // pass reads in its place (`ahead` elements on: the rows of a pass are 1-2 KB, too short for
 // the hardware prefetcher, which restarts at every row group). A fixed byte distance along the
@@ -107,6 +119,62 @@ KVS_INLINE void dots(const float* const* x, const TW* const* w, int64_t K, int64
 #endif
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#define KVS_MOE_DPBF16 1
+// res[m][r] = x[m] . w[r] over K, bf16 x and weights: dpbf16 (products exact in float32), 16
+// float32 lanes an accumulator, the K % 32 tail by masked loads.
+template <int MB, int R>
+KVS_INLINE void dots_dp(const bf16* const* x, const bf16* const* w, int64_t K, int64_t ahead,
+                        float (&res)[MB][R]) {
+  static_assert(MB * R <= 16, "accumulators, weights and one x vector must fit 32 registers");
+  __m512 acc[MB * R];
+  for (int i = 0; i < MB * R; ++i) acc[i] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    for (int r = 0; r < R; ++r)
+      _mm_prefetch(reinterpret_cast<const char*>(w[r] + k + ahead), _MM_HINT_T0);
+    __m512bh wv[R];
+    for (int r = 0; r < R; ++r) wv[r] = (__m512bh)_mm512_loadu_si512(w[r] + k);
+    for (int m = 0; m < MB; ++m) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x[m] + k);
+      for (int r = 0; r < R; ++r) acc[m * R + r] = _mm512_dpbf16_ps(acc[m * R + r], xv, wv[r]);
+    }
+  }
+  if (k < K) {
+    const __mmask32 mask = static_cast<__mmask32>((1ull << (K - k)) - 1);
+    __m512bh wv[R];
+    for (int r = 0; r < R; ++r) wv[r] = (__m512bh)_mm512_maskz_loadu_epi16(mask, w[r] + k);
+    for (int m = 0; m < MB; ++m) {
+      const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x[m] + k);
+      for (int r = 0; r < R; ++r) acc[m * R + r] = _mm512_dpbf16_ps(acc[m * R + r], xv, wv[r]);
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int r = 0; r < R; ++r) res[m][r] = _mm512_reduce_add_ps(acc[m * R + r]);
+}
+#endif
+
+// dots for x (or the activation) of storage TX: bf16 x only with bf16 weights on dpbf16.
+template <typename TX, typename TW, int MB, int R>
+KVS_INLINE void dots_any(const TX* const* x, const TW* const* w, int64_t K, int64_t ahead,
+                         float (&res)[MB][R]) {
+  if constexpr (std::is_same<TX, float>::value) {
+    dots<TW, MB, R>(x, w, K, ahead, res);
+  } else {
+#if defined(KVS_MOE_DPBF16)
+    static_assert(std::is_same<TW, bf16>::value, "bf16 x goes with bf16 weights");
+    dots_dp<MB, R>(x, w, K, ahead, res);
+#endif
+  }
+}
+
+// Weight rows a pass reads: more for one x row (independent streams), fewer where the
+// accumulators (MB * R) would not fit the registers (16 AVX2, 32 AVX-512).
+template <typename TX, int MB>
+constexpr int pass_rows() {
+  return std::is_same<TX, float>::value ? (MB == 1 ? 4 : 2) : (MB <= 4 ? 4 : 2);
+}
+
 inline float silu(float g) { return g / (1.f + std::exp(-g)); }
 
 // The (token, expert) pairs grouped by expert: pairs [start[g], start[g + 1]) use expert[g].
@@ -140,11 +208,11 @@ Groups group_pairs(const int64_t* ids, const float* weights, int64_t T, int64_t 
   return g;
 }
 
-// Pass 1 for one expert's pairs [p0, p0 + MB) and rows [i0, i1): act[p, i].
-template <typename TW, int MB>
-KVS_INLINE void gate_up_rows(const float* const* x, const TW* w13e, float* const* act, int64_t i0,
+// Pass 1 for one expert's pairs [p0, p0 + MB) and rows [i0, i1): act[p, i] (stored as TX).
+template <typename TX, typename TW, int MB>
+KVS_INLINE void gate_up_rows(const TX* const* x, const TW* w13e, TX* const* act, int64_t i0,
                              int64_t i1, int64_t I, int64_t H) {
-  constexpr int kPairsPerPass = MB == 1 ? 2 : 1;   // 4 weight rows for 1 x row, 2 for more
+  constexpr int kPairsPerPass = pass_rows<TX, MB>() / 2;
   int64_t i = i0;
   for (; i + kPairsPerPass <= i1; i += kPairsPerPass) {
     const TW* w[2 * kPairsPerPass];
@@ -153,50 +221,55 @@ KVS_INLINE void gate_up_rows(const float* const* x, const TW* w13e, float* const
       w[2 * j + 1] = w13e + (I + i + j) * H;
     }
     float res[MB][2 * kPairsPerPass];
-    dots<TW, MB, 2 * kPairsPerPass>(x, w, H, kPairsPerPass * H, res);
+    dots_any<TX, TW, MB, 2 * kPairsPerPass>(x, w, H, kPairsPerPass * H, res);
     for (int m = 0; m < MB; ++m)
       for (int j = 0; j < kPairsPerPass; ++j)
-        act[m][i + j] = silu(res[m][2 * j]) * res[m][2 * j + 1];
+        act[m][i + j] = static_cast<TX>(silu(res[m][2 * j]) * res[m][2 * j + 1]);
   }
   for (; i < i1; ++i) {
     const TW* w[2] = {w13e + i * H, w13e + (I + i) * H};
     float res[MB][2];
-    dots<TW, MB, 2>(x, w, H, H, res);
-    for (int m = 0; m < MB; ++m) act[m][i] = silu(res[m][0]) * res[m][1];
+    dots_any<TX, TW, MB, 2>(x, w, H, H, res);
+    for (int m = 0; m < MB; ++m) act[m][i] = static_cast<TX>(silu(res[m][0]) * res[m][1]);
   }
 }
 
 // Pass 2 for one expert's pairs and rows [h0, h1): out[token, h] += weight * (w2 row . act).
-template <typename TW, int MB>
-KVS_INLINE void down_rows(const float* const* act, const TW* w2e, float* const* out,
+template <typename TX, typename TW, int MB>
+KVS_INLINE void down_rows(const TX* const* act, const TW* w2e, float* const* out,
                           const float* wt, int64_t h0, int64_t h1, int64_t I) {
-  constexpr int R = MB == 1 ? 4 : 2;
+  constexpr int R = pass_rows<TX, MB>();
   int64_t h = h0;
   for (; h + R <= h1; h += R) {
     const TW* w[R];
     for (int r = 0; r < R; ++r) w[r] = w2e + (h + r) * I;
     float res[MB][R];
-    dots<TW, MB, R>(act, w, I, R * I, res);
+    dots_any<TX, TW, MB, R>(act, w, I, R * I, res);
     for (int m = 0; m < MB; ++m)
       for (int r = 0; r < R; ++r) out[m][h + r] += wt[m] * res[m][r];
   }
   for (; h < h1; ++h) {
     const TW* w[1] = {w2e + h * I};
     float res[MB][1];
-    dots<TW, MB, 1>(act, w, I, I, res);
+    dots_any<TX, TW, MB, 1>(act, w, I, I, res);
     for (int m = 0; m < MB; ++m) out[m][h] += wt[m] * res[m][0];
   }
 }
 
-// Calls fn.template operator()<MB>(pairs offset) over a group's pairs in chunks of <= 4.
-template <typename Fn>
+// Calls fn(std::integral_constant<int, MB>, pairs offset) over a group's pairs in chunks of at
+// most Max (4 or 8). A row's dot products do not depend on the chunk it is in.
+template <int Max, int MB = 1, typename Fn>
+KVS_INLINE void call_chunk(int64_t n, int64_t p, Fn&& fn) {
+  if constexpr (MB == Max) fn(std::integral_constant<int, MB>{}, p);
+  else if (n == MB) fn(std::integral_constant<int, MB>{}, p);
+  else call_chunk<Max, MB + 1>(n, p, fn);
+}
+
+template <int Max, typename Fn>
 KVS_INLINE void for_chunks(int64_t p0, int64_t p1, Fn&& fn) {
   for (int64_t p = p0; p < p1;) {
-    const int64_t n = std::min<int64_t>(kMaxRowsPerPass, p1 - p);
-    if (n == 1) fn(std::integral_constant<int, 1>{}, p);
-    else if (n == 2) fn(std::integral_constant<int, 2>{}, p);
-    else if (n == 3) fn(std::integral_constant<int, 3>{}, p);
-    else fn(std::integral_constant<int, 4>{}, p);
+    const int64_t n = std::min<int64_t>(Max, p1 - p);
+    call_chunk<Max>(n, p, fn);
     p += n;
   }
 }
@@ -213,31 +286,31 @@ inline bool split_by_expert(int64_t groups, int64_t threads) {
 }
 
 // Both passes for groups [g0, g1): act rows, then rows[p] = weight_p * w2[e] @ act[p].
-template <typename TW>
-KVS_INLINE void run_groups(const float* xf, const TW* w13, const TW* w2, const Groups& g,
-                           float* act, float* rows, int64_t g0, int64_t g1, int64_t H, int64_t I) {
+template <typename TX, typename TW>
+KVS_INLINE void run_groups(const TX* xf, const TW* w13, const TW* w2, const Groups& g, TX* act,
+                           float* rows, int64_t g0, int64_t g1, int64_t H, int64_t I) {
   for (int64_t gi = g0; gi < g1; ++gi) {
     const TW* w13e = w13 + g.expert[gi] * 2 * I * H;
     const TW* w2e = w2 + g.expert[gi] * H * I;
-    for_chunks(g.start[gi], g.start[gi + 1], [&](auto mb, int64_t p) {
+    for_chunks<max_rows_per_pass<TX>()>(g.start[gi], g.start[gi + 1], [&](auto mb, int64_t p) {
       constexpr int MB = decltype(mb)::value;
-      const float* x[MB];
-      float* a[MB];
+      const TX* x[MB];
+      TX* a[MB];
       float* o[MB];
       for (int m = 0; m < MB; ++m) {
         x[m] = xf + g.token[p + m] * H;
         a[m] = act + (p + m) * I;
         o[m] = rows + (p + m) * H;
       }
-      gate_up_rows<TW, MB>(x, w13e, a, 0, I, I, H);
-      down_rows<TW, MB>(a, w2e, o, g.weight.data() + p, 0, H, I);
+      gate_up_rows<TX, TW, MB>(x, w13e, a, 0, I, I, H);
+      down_rows<TX, TW, MB>(a, w2e, o, g.weight.data() + p, 0, H, I);
     });
   }
 }
 
-template <typename TW>
-KVS_NOINLINE void run_by_expert(const float* xf, const TW* w13, const TW* w2, const Groups& g,
-                                float* act, float* rows, int64_t H, int64_t I) {
+template <typename TX, typename TW>
+KVS_NOINLINE void run_by_expert(const TX* xf, const TW* w13, const TW* w2, const Groups& g,
+                                TX* act, float* rows, int64_t H, int64_t I) {
   const int64_t G = static_cast<int64_t>(g.expert.size());
   at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
     run_groups(xf, w13, w2, g, act, rows, g0, g1, H, I);
@@ -256,8 +329,8 @@ void sum_rows(const Groups& g, const float* rows, float* outf, int64_t H) {
   }
 }
 
-template <typename TW>
-KVS_NOINLINE void run(const float* xf, const TW* w13, const TW* w2, const Groups& g, float* act,
+template <typename TX, typename TW>
+KVS_NOINLINE void run(const TX* xf, const TW* w13, const TW* w2, const Groups& g, TX* act,
                       float* rows, int64_t H, int64_t I) {
   const int64_t G = static_cast<int64_t>(g.expert.size());
   // Pass 1 over the intermediate rows: each row is 2 weight rows of H per routed expert.
@@ -265,15 +338,15 @@ KVS_NOINLINE void run(const float* xf, const TW* w13, const TW* w2, const Groups
   at::parallel_for(0, I, grain1, [&](int64_t i0, int64_t i1) {
     for (int64_t gi = 0; gi < G; ++gi) {
       const TW* w13e = w13 + g.expert[gi] * 2 * I * H;
-      for_chunks(g.start[gi], g.start[gi + 1], [&](auto mb, int64_t p) {
+      for_chunks<max_rows_per_pass<TX>()>(g.start[gi], g.start[gi + 1], [&](auto mb, int64_t p) {
         constexpr int MB = decltype(mb)::value;
-        const float* x[MB];
-        float* a[MB];
+        const TX* x[MB];
+        TX* a[MB];
         for (int m = 0; m < MB; ++m) {
           x[m] = xf + g.token[p + m] * H;
           a[m] = act + (p + m) * I;
         }
-        gate_up_rows<TW, MB>(x, w13e, a, i0, i1, I, H);
+        gate_up_rows<TX, TW, MB>(x, w13e, a, i0, i1, I, H);
       });
     }
   });
@@ -282,18 +355,29 @@ KVS_NOINLINE void run(const float* xf, const TW* w13, const TW* w2, const Groups
   at::parallel_for(0, H, grain2, [&](int64_t h0, int64_t h1) {
     for (int64_t gi = 0; gi < G; ++gi) {
       const TW* w2e = w2 + g.expert[gi] * H * I;
-      for_chunks(g.start[gi], g.start[gi + 1], [&](auto mb, int64_t p) {
+      for_chunks<max_rows_per_pass<TX>()>(g.start[gi], g.start[gi + 1], [&](auto mb, int64_t p) {
         constexpr int MB = decltype(mb)::value;
-        const float* a[MB];
+        const TX* a[MB];
         float* o[MB];
         for (int m = 0; m < MB; ++m) {
           a[m] = act + (p + m) * I;
           o[m] = rows + (p + m) * H;
         }
-        down_rows<TW, MB>(a, w2e, o, g.weight.data() + p, h0, h1, I);
+        down_rows<TX, TW, MB>(a, w2e, o, g.weight.data() + p, h0, h1, I);
       });
     }
   });
+}
+
+// Both splits over x of storage TX (float32, or bf16 on dpbf16) and weights TW.
+template <typename TX, typename TW>
+void run_split(bool by_expert, const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2,
+               const Groups& g, at::Tensor& act, float* rows, int64_t H, int64_t I) {
+  const TX* xp = x.data_ptr<TX>();
+  TX* a = act.data_ptr<TX>();
+  const TW *w13p = w13.data_ptr<TW>(), *w2p = w2.data_ptr<TW>();
+  if (by_expert) run_by_expert<TX, TW>(xp, w13p, w2p, g, a, rows, H, I);
+  else run<TX, TW>(xp, w13p, w2p, g, a, rows, H, I);
 }
 
 at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2,
@@ -327,24 +411,26 @@ at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& w13, const at::Tenso
                 ")");
   if (T == 0 || H == 0) return at::empty({T, H}, x.options());
   const Groups g = group_pairs(ids, topk_weights.data_ptr<float>(), T, k, E);
-  const at::Tensor xf = xt == at::kFloat ? x : x.to(at::kFloat);
-  at::Tensor act = at::empty({T * k, I}, x.options().dtype(at::kFloat));
+#if defined(KVS_MOE_DPBF16)
+  const bool dp = xt == at::kBFloat16 && wt == at::kBFloat16;
+#else
+  const bool dp = false;
+#endif
+  const at::Tensor xf = xt == at::kFloat || dp ? x : x.to(at::kFloat);
+  at::Tensor act = at::empty({T * k, I}, x.options().dtype(dp ? at::kBFloat16 : at::kFloat));
   // Each pair's weighted row (zeros: pass 2 accumulates into it), then summed per token.
   at::Tensor rows = at::zeros({T * k, H}, x.options().dtype(at::kFloat));
   at::Tensor outf = at::zeros({T, H}, x.options().dtype(at::kFloat));
   const auto groups = static_cast<int64_t>(g.expert.size());
   const bool by_expert =
       split_by_expert(groups, at::in_parallel_region() ? 1 : at::get_num_threads());
-  float *a = act.data_ptr<float>(), *r = rows.data_ptr<float>();
-  if (wt == at::kFloat) {
-    const float *w13p = w13.data_ptr<float>(), *w2p = w2.data_ptr<float>();
-    if (by_expert) run_by_expert<float>(xf.data_ptr<float>(), w13p, w2p, g, a, r, H, I);
-    else run<float>(xf.data_ptr<float>(), w13p, w2p, g, a, r, H, I);
-  } else {
-    const bf16 *w13p = w13.data_ptr<bf16>(), *w2p = w2.data_ptr<bf16>();
-    if (by_expert) run_by_expert<bf16>(xf.data_ptr<float>(), w13p, w2p, g, a, r, H, I);
-    else run<bf16>(xf.data_ptr<float>(), w13p, w2p, g, a, r, H, I);
-  }
+  float* r = rows.data_ptr<float>();
+#if defined(KVS_MOE_DPBF16)
+  if (dp) run_split<bf16, bf16>(by_expert, xf, w13, w2, g, act, r, H, I);
+  else
+#endif
+  if (wt == at::kFloat) run_split<float, float>(by_expert, xf, w13, w2, g, act, r, H, I);
+  else run_split<float, bf16>(by_expert, xf, w13, w2, g, act, r, H, I);
   sum_rows(g, r, outf.data_ptr<float>(), H);
   return xt == at::kFloat ? outf : outf.to(xt);
 }
@@ -437,7 +523,9 @@ at::Tensor fused_moe_packed(const at::Tensor& x, at::TensorList w13, at::IntArra
 }
 
 std::string isa() {
-#if defined(KVS_AVX2)
+#if defined(KVS_MOE_DPBF16)
+  return "avx512_bf16 (dpbf16 for bf16 x and weights; else avx2 fma, bf16 weights widened)";
+#elif defined(KVS_AVX2)
   return "avx2 (fma; bf16 weights widened to f32 in registers)";
 #else
   return "generic";
