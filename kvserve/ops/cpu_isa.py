@@ -3,7 +3,8 @@
     generic      any x86-64 (SSE2 baseline): portable loops
     avx2         AVX2 + FMA + F16C: 8-lane float32, bf16/fp16 widened in registers
     avx512       + AVX-512 F/BW/VL/DQ
-    avx512_bf16  + AVX512_BF16 (dpbf16 dot products, native bf16 rounding)
+    avx512_bf16  + AVX512_BF16 and AVX512_VNNI (dpbf16 and vpdpbusd dot products, native bf16
+                 rounding; every CPU with BF16 has VNNI: Cooper Lake, Sapphire Rapids, Zen 4/5)
 
 Each kernel is compiled per tier with that tier's explicit flags (never -march=native), so a
 build is valid on every CPU of its tier and the on-disk cache is keyed by tier. The host's
@@ -27,7 +28,7 @@ _TIER_CPU_FLAGS = {
     "avx2": frozenset({"avx2", "fma", "f16c"}),
     "avx512": frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq"}),
     "avx512_bf16": frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl",
-                              "avx512dq", "avx512_bf16"}),
+                              "avx512dq", "avx512_bf16", "avx512_vnni"}),
 }
 _TIER_CFLAGS = {
     "generic": [],
@@ -35,7 +36,7 @@ _TIER_CFLAGS = {
     "avx512": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl",
                "-mavx512dq"],
     "avx512_bf16": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl",
-                    "-mavx512dq", "-mavx512bf16"],
+                    "-mavx512dq", "-mavx512bf16", "-mavx512vnni"],
 }
 
 

@@ -31,7 +31,10 @@ def test_tiers_from_flags() -> None:
     assert cpu_isa.supported_tiers(frozenset({"sse2"})) == ["generic"]
     assert cpu_isa.supported_tiers(frozenset(AVX2 - {"f16c"})) == ["generic"]   # all three
     assert cpu_isa.supported_tiers(frozenset(AVX2)) == ["generic", "avx2"]
-    assert cpu_isa.supported_tiers(frozenset(AVX512 | {"avx512_bf16"})) == list(cpu_isa.TIERS)
+    assert cpu_isa.supported_tiers(frozenset(AVX512 | {"avx512_bf16", "avx512_vnni"})) == \
+        list(cpu_isa.TIERS)
+    # The bf16 tier builds the int8 kernels with vpdpbusd: VNNI is part of it.
+    assert cpu_isa.supported_tiers(frozenset(AVX512 | {"avx512_bf16"}))[-1] == "avx512"
     assert cpu_isa.supported_tiers(frozenset(AVX2 | {"avx512f"})) == ["generic", "avx2"]
 
 

@@ -362,6 +362,42 @@ def test_demo_model_tensors(ops, smollm2_gguf: str) -> None:
         check_close(w.matmul(torch.from_numpy(x)), ref, bound, name)
 
 
+def _kernel_outputs(path: str) -> None:
+    """Every packed type's int8 kernel at M = 1, 3, 4, 13 on fixed random blocks, saved."""
+    out = {}
+    for name in PACKED_TYPES:
+        n, k = 40, 512
+        w = PackedQuantWeight.from_gguf(name, make_raw(name, n, k, seed=3), (n, k))
+        x = torch.from_numpy(activations(13, k, seed=3))
+        for m in (1, 3, 4, 13):
+            out[f"{name} M={m}"] = kernel.ops().linear(x[:m].contiguous(), w.packed,
+                                                       w.fmt.ggml_type, n)
+    torch.save(out, path)
+
+
+@needs_kernel
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(not cpu_isa.is_x86_64() or "avx512_vnni" not in cpu_isa.cpu_flags()
+                    or cpu_isa.selected_tier() != "avx512_bf16",
+                    reason="the VNNI build needs the avx512_bf16 tier (AVX-512 VNNI)")
+def test_vnni_path_gives_the_avx2_bits(tmp_path) -> None:
+    """vpdpbusd (int32 sums of 4 products) and maddubs + madd (int16 pair sums) are both exact
+    integer sums here, so the VNNI build must give the AVX2 build's bits for every type."""
+    assert "vnni" in (kernel.isa() or "")
+    _kernel_outputs(str(tmp_path / "vnni.pt"))
+    code = (f"import sys; sys.path.insert(0, {REPO!r}); from tests.ops.test_quant_linear "
+            f"import _kernel_outputs; _kernel_outputs({str(tmp_path / 'avx2.pt')!r})")
+    env = dict(os.environ, **{cpu_isa.ISA_ENV: "avx2"})
+    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True,
+                          text=True, timeout=580)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    vnni, avx2 = torch.load(tmp_path / "vnni.pt"), torch.load(tmp_path / "avx2.pt")
+    assert vnni.keys() == avx2.keys()
+    for key in vnni:
+        assert torch.isfinite(vnni[key]).all(), key
+        assert torch.equal(vnni[key], avx2[key]), key
+
+
 # ------------------------------------------------------------------ the other tier
 
 OTHER_TIERS = [t for t in cpu_isa.supported_tiers() if t != cpu_isa.selected_tier()][:1] \

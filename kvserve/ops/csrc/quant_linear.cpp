@@ -336,6 +336,14 @@ QL_INLINE __m256i bcast4(const int8_t* p) {   // x's 4 int8 values at p, in ever
 QL_INLINE __m256i udot(__m256i u, __m256i s) {   // lane r: sum of its 4 u8 x s8 products
   return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
 }
+// AVX-512 VNNI (the avx512_bf16 tier): vpdpbusd adds the 4 u8 x s8 products of each lane
+// into an int32 in one instruction, where AVX2 needs maddubs (int16 pair sums), madd and an
+// add. The sums are exact integers either way (maddubs never saturates here: |w| x |x| pairs
+// stay under 2^15, see kFlush), so both paths give the same bits; sub-block scales multiply
+// the int32 sums (mullo) instead of riding in madd's int16 pairs.
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define QL_VNNI 1
+#endif
 // Bit `bit` of every byte moved to bit `to` (0x10 or 0x30 masks keep it / them).
 template <int kShiftRight, int kMask>
 QL_INLINE __m256i bit_at4(__m256i v) {
@@ -364,14 +372,20 @@ QL_INLINE void group_block_legacy(const uint8_t* gb, const XQ& x, int64_t m0, in
     for (int m = 0; m < MB; ++m) {
       __m256i xv = bcast4(x.q + (m0 + m) * x.K + b * 32 + 4 * c);
       if constexpr (kSigned) xv = _mm256_sign_epi8(xv, w);
+#if defined(QL_VNNI)
+      sumi[m] = _mm256_dpbusd_epi32(sumi[m], u, xv);
+#else
       s16[m] = _mm256_add_epi16(s16[m], _mm256_maddubs_epi16(u, xv));
+#endif
     }
   };
   auto flush = [&]() {
+#if !defined(QL_VNNI)
     for (int m = 0; m < MB; ++m) {
       sumi[m] = _mm256_add_epi32(sumi[m], _mm256_madd_epi16(s16[m], _mm256_set1_epi16(1)));
       s16[m] = _mm256_setzero_si256();
     }
+#endif
   };
   if constexpr (QT == kQ8_0) {
 #pragma GCC unroll 8
@@ -432,11 +446,15 @@ QL_INLINE void group_block_k45(const uint8_t* gb, const XQ& x, int64_t m0, int64
   __m256 fs[MB], fm[MB];
   for (int m = 0; m < MB; ++m) fs[m] = fm[m] = _mm256_setzero_ps();
   for (int j = 0; j < 4; ++j) {
-    const auto scale = [&](int s) {
-      return dup16(_mm256_cvtepu8_epi32(
-          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(gb + kKScales + 8 * s))));
+    const auto scale32 = [&](int s) {   // lane r: sub-block s's 6-bit scale of row r
+      return _mm256_cvtepu8_epi32(
+          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(gb + kKScales + 8 * s)));
     };
-    const __m256i s_lo = scale(2 * j), s_hi = scale(2 * j + 1);
+#if defined(QL_VNNI)
+    const __m256i s_lo = scale32(2 * j), s_hi = scale32(2 * j + 1);
+#else
+    const __m256i s_lo = dup16(scale32(2 * j)), s_hi = dup16(scale32(2 * j + 1));
+#endif
     __m256i slo[MB], shi[MB];
     for (int m = 0; m < MB; ++m) slo[m] = shi[m] = _mm256_setzero_si256();
 #pragma GCC unroll 8
@@ -451,10 +469,21 @@ QL_INLINE void group_block_k45(const uint8_t* gb, const XQ& x, int64_t m0, int64
       }
       for (int m = 0; m < MB; ++m) {
         const int8_t* xb = x.q + (m0 + m) * x.K + b * 256 + 64 * j + 4 * c;
+#if defined(QL_VNNI)
+        slo[m] = _mm256_dpbusd_epi32(slo[m], lo, bcast4(xb));
+        shi[m] = _mm256_dpbusd_epi32(shi[m], hi, bcast4(xb + 32));
+#else
         slo[m] = _mm256_add_epi32(slo[m], _mm256_madd_epi16(_mm256_maddubs_epi16(lo, bcast4(xb)), s_lo));
         shi[m] = _mm256_add_epi32(shi[m], _mm256_madd_epi16(_mm256_maddubs_epi16(hi, bcast4(xb + 32)), s_hi));
+#endif
       }
     }
+#if defined(QL_VNNI)
+    for (int m = 0; m < MB; ++m) {
+      slo[m] = _mm256_mullo_epi32(slo[m], s_lo);
+      shi[m] = _mm256_mullo_epi32(shi[m], s_hi);
+    }
+#endif
     // mins [pair j][row][2]: lane r holds (min 2j, min 2j + 1) as two int16.
     const __m256i mp = _mm256_cvtepu8_epi16(
         _mm_loadu_si128(reinterpret_cast<const __m128i*>(gb + kKMins + 16 * j)));
@@ -492,14 +521,20 @@ QL_INLINE void group_block_q6k(const uint8_t* gb, const XQ& x, int64_t m0, int64
     for (int t = 0; t < 4; ++t) {
       const int p = 4 * h + t;                       // x's 32-block; groups 2p and 2p + 1
       const __m256i pr = pairs(p);
+#if !defined(QL_VNNI)
       const __m256i s_a = _mm256_blend_epi16(pr, _mm256_slli_epi32(pr, 16), 0xAA);
       const __m256i s_b = _mm256_blend_epi16(_mm256_srli_epi32(pr, 16), pr, 0xAA);
+#endif
       __m256i sumi[MB];
       for (int m = 0; m < MB; ++m) {
         const int32_t* bs = x.s + (m0 + m) * x.ns + b * 16 + 2 * p;
         sumi[m] = _mm256_slli_epi32(_mm256_madd_epi16(pr, pair16(bs[0], bs[1])), 5);
         sumi[m] = _mm256_sub_epi32(_mm256_setzero_si256(), sumi[m]);
       }
+#if defined(QL_VNNI)
+      __m256i ta[MB], tb[MB];
+      for (int m = 0; m < MB; ++m) ta[m] = tb[m] = _mm256_setzero_si256();
+#endif
 #pragma GCC unroll 8
       for (int c = 0; c < 8; ++c) {
         const __m256i lb = load32(gb + kQ6Ql + 32 * ((2 * h + (t & 1)) * 8 + c));
@@ -508,11 +543,27 @@ QL_INLINE void group_block_q6k(const uint8_t* gb, const XQ& x, int64_t m0, int64
                                  : _mm256_and_si256(_mm256_srli_epi16(lb, 4), m4);
         const __m256i q = _mm256_or_si256(
             lo, _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(qh, 2 * t), 4), m3));
+#if defined(QL_VNNI)
+        for (int m = 0; m < MB; ++m) {   // the two 16-groups' sums apart, scaled below
+          const __m256i xv = bcast4(x.q + (m0 + m) * x.K + b * 256 + 128 * h + 32 * t + 4 * c);
+          if (c < 4) ta[m] = _mm256_dpbusd_epi32(ta[m], q, xv);
+          else tb[m] = _mm256_dpbusd_epi32(tb[m], q, xv);
+        }
+#else
         const __m256i sv = c < 4 ? s_a : s_b;
         for (int m = 0; m < MB; ++m)
           sumi[m] = _mm256_add_epi32(sumi[m], _mm256_madd_epi16(_mm256_maddubs_epi16(
               q, bcast4(x.q + (m0 + m) * x.K + b * 256 + 128 * h + 32 * t + 4 * c)), sv));
+#endif
       }
+#if defined(QL_VNNI)
+      // lane r's int8 scales of groups 2p and 2p + 1, sign-extended from pr's int16 halves
+      const __m256i sa = _mm256_srai_epi32(_mm256_slli_epi32(pr, 16), 16);
+      const __m256i sb = _mm256_srai_epi32(pr, 16);
+      for (int m = 0; m < MB; ++m)
+        sumi[m] = _mm256_add_epi32(sumi[m], _mm256_add_epi32(_mm256_mullo_epi32(ta[m], sa),
+                                                             _mm256_mullo_epi32(tb[m], sb)));
+#endif
       for (int m = 0; m < MB; ++m)
         fs[m] = _mm256_fmadd_ps(_mm256_set1_ps(x.d[(m0 + m) * x.nd + b * 8 + p]),
                                 _mm256_cvtepi32_ps(sumi[m]), fs[m]);
@@ -931,7 +982,9 @@ at::Tensor quant_dequantize_ids(const at::Tensor& packed, int64_t qtype, int64_t
 }
 
 std::string isa() {
-#if defined(__AVX512F__) && defined(KVS_AVX2)
+#if defined(QL_VNNI)
+  return "avx512 vnni (vpdpbusd int8 dot products, 8 lanes)";
+#elif defined(__AVX512F__) && defined(KVS_AVX2)
   return "avx512 tier (int8 dot products on the avx2 maddubs/madd path)";
 #elif defined(KVS_AVX2)
   return "avx2 (maddubs/madd int8 dot products)";
