@@ -138,13 +138,13 @@ def dequant_speed(args: argparse.Namespace, ops: Any) -> list[dict[str, Any]]:
 
 
 def _portable_dequantized_matmul(ops: Any, w: PackedQuantWeight, x: torch.Tensor) -> torch.Tensor:
-    """PackedQuantWeight._dequantized_matmul with the portable dequantizer (same chunks)."""
+    """PackedQuantWeight.dequantized_matmul with the portable dequantizer (same chunks)."""
     n, k = w.shape
     step = max(8, qweight.CHUNK_ELEMS // k // 8 * 8)
     y = torch.empty(x.shape[0], n)
     for r0 in range(0, n, step):
         r1 = min(n, r0 + step)
-        y[:, r0:r1] = torch.mm(x, ops.dequantize_generic(w.packed, w.fmt.ggml_type, n, r0, r1).t())
+        y[:, r0:r1] = kl.mm_t(x, ops.dequantize_generic(w.packed, w.fmt.ggml_type, n, r0, r1))
     return y
 
 
@@ -164,7 +164,7 @@ def large_batches(args: argparse.Namespace, ops: Any) -> list[dict[str, Any]]:
             for m in args.large_rows:
                 x = torch.randn(m, k)
                 fns = {"int8": lambda i: ops.linear(x, ws[i % 2].packed, fmt.ggml_type, n),
-                       "deq": lambda i: ws[i % 2]._dequantized_matmul(x)}
+                       "deq": lambda i: ws[i % 2].dequantized_matmul(x)}
                 if prepacked[0] is not None:
                     fns["f32"] = lambda i: kl.packed_linear(x, prepacked[i % 2])
                 if args.dequant:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import os
+from typing import Optional
 
 import numpy as np
 import pytest
@@ -250,19 +251,33 @@ def test_greedy_chat_says_paris(files) -> None:
     assert "Paris" in out[0].outputs[0].text, out[0].outputs[0].text
 
 
-def _greedy_chat(path: str, quantization: str) -> list[int]:
+def _greedy_chat(path: str, quantization: str, logprobs: Optional[int] = None):
     with LLM(path, quantization=quantization, **ENGINE) as llm:
         out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
-                       SamplingParams(max_tokens=16, temperature=0), use_tqdm=False)
-    return list(out[0].outputs[0].token_ids)
+                       SamplingParams(max_tokens=16, temperature=0, logprobs=logprobs),
+                       use_tqdm=False)
+    return out[0].outputs[0]
+
+
+def _agreed_until_near_tie(a, b, top: int) -> int:
+    """Greedy tokens of two runs equal, up to a first difference where each side's token is in
+    the other's top-`top` (a near-tie); the number of equal tokens."""
+    for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)):
+        if x != y:
+            assert x in b.logprobs[i] and y in a.logprobs[i], (i, x, y, a.logprobs[i],
+                                                              b.logprobs[i])
+            return i
+    return min(len(a.token_ids), len(b.token_ids))
 
 
 @pytest.mark.parametrize("ftype", ["Q4_K_M", "Q8_0"])
 def test_llamacpp_quantized_files(smollm2_gguf: str, ftype: str) -> None:
     """Files made by llama.cpp's quantizer: the K-quants (and Q5_0) stay packed, perplexity within
-    1% of the same file dequantized to float32, and the greedy chat answer is float32's token
-    for token. (Not "Paris": on these files the float32 path and llama.cpp itself answer
-    "L'Étoile ..." greedily, the demo's near-tie turned by the requantization.)"""
+    1% of the same file dequantized to float32, and the greedy chat answer is float32's: its
+    first 5 tokens equal, then equal or a near-tie (the int8 activations of decode steps are not
+    float32's: on Q4_K_M they part at token 5, 0.06 nats apart, once the prompt's GEMMs moved
+    from MKL to oneDNN). (Not "Paris": on these files the float32 path and llama.cpp itself
+    answer "L'Étoile ..." greedily, the demo's near-tie turned by the requantization.)"""
     from kvserve.model.gguf import read_gguf_metadata
 
     path = llamacpp_file(smollm2_gguf, ftype)
@@ -271,7 +286,8 @@ def test_llamacpp_quantized_files(smollm2_gguf: str, ftype: str) -> None:
         assert {"Q4_K", "Q6_K", "Q5_0"} <= types, types
     packed, float32 = _perplexity(path, "gguf"), _perplexity(path, "gguf-dequantized")
     assert abs(packed / float32 - 1) < 0.01, (ftype, packed, float32)
-    assert _greedy_chat(path, "gguf") == _greedy_chat(path, "gguf-dequantized")
+    packed, float32 = _greedy_chat(path, "gguf", 3), _greedy_chat(path, "gguf-dequantized", 3)
+    assert _agreed_until_near_tie(packed, float32, top=3) >= 5
 
 
 def test_quantization_flag() -> None:

@@ -7,7 +7,7 @@ matmul on CPU with the kernel built runs the int8 kernel up to INT8_MAX_ROWS row
 speculative verification: x quantized per block to int8 exactly as llama.cpp quantizes it for
 this weight type, integer dot products): a stream over the packed bytes (0.56 - 1.06 bytes a
 weight instead of float32's 4). Larger batches (prefill) take the weight dequantized
-CHUNK_ELEMS floats at a time into a float32 temporary for torch's GEMM (_dequantized_matmul),
+CHUNK_ELEMS floats at a time into a float32 temporary for torch's GEMM (dequantized_matmul),
 x unquantized, so a prompt's hidden states are those of the dequantized float32 model. Why,
 measured: the int8 activations of the prompt's layers moved the demo's first answer token by
 0.2 nats on a near-tie ("L'Etoile" for "The capital of France is Paris."), and the logits by
@@ -32,7 +32,7 @@ from typing import Optional, Union
 import numpy as np
 import torch
 
-from kvserve.ops.linear import SMALL_BATCH_MAX_ROWS
+from kvserve.ops.linear import SMALL_BATCH_MAX_ROWS, mm_t
 from kvserve.ops.quant import kernel, packing
 from kvserve.ops.quant.formats import ROW_GROUP, BlockFormat, block_format
 
@@ -108,7 +108,7 @@ class PackedQuantWeight:
             y = (self._precise_linear(ops, xf.contiguous()) if precise
                  else ops.linear(xf.contiguous(), self.packed, self.fmt.ggml_type, n))
         else:
-            y = self._dequantized_matmul(xf)
+            y = self.dequantized_matmul(xf)
         if bias is not None:
             y = y + bias.float()
         return y.to(x.dtype).reshape(*lead, n)
@@ -125,16 +125,17 @@ class PackedQuantWeight:
         y = ops.linear(torch.cat((x, x - xq)), self.packed, self.fmt.ggml_type, self.shape[0])
         return y[:m] + y[m:]
 
-    def _dequantized_matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x @ W^T with W dequantized CHUNK_ELEMS floats at a time into float32."""
+    def dequantized_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W^T with W dequantized CHUNK_ELEMS floats at a time into float32 (the GEMMs:
+        ops.linear.mm_t)."""
         n, k = self.shape
         step = max(ROW_GROUP, CHUNK_ELEMS // k // ROW_GROUP * ROW_GROUP)
         if step >= n:
-            return torch.mm(x, self.dequantize().t())
+            return mm_t(x, self.dequantize())
         y = torch.empty(x.shape[0], n, dtype=torch.float32, device=x.device)
         for r0 in range(0, n, step):       # chunks of the weight, not rows or blocks
             r1 = min(n, r0 + step)
-            y[:, r0:r1] = torch.mm(x, self.dequantize(r0, r1).t())
+            y[:, r0:r1] = mm_t(x, self.dequantize(r0, r1))
         return y
 
     def dequantize(self, row0: int = 0, row1: Optional[int] = None) -> torch.Tensor:

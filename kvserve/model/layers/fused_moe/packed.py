@@ -37,9 +37,10 @@ import torch
 from kvserve.model.layers.fused_moe.torch_moe import group_by_expert
 from kvserve.ops import moe as moe_ops
 from kvserve.ops.fused import silu_and_mul
+from kvserve.ops.linear import mm_t
 from kvserve.ops.quant import kernel as quant_kernel
 from kvserve.ops.quant import weight as quant_weight
-from kvserve.ops.quant.formats import ROW_GROUP, BlockFormat, block_format
+from kvserve.ops.quant.formats import BlockFormat, block_format
 from kvserve.ops.quant.weight import PackedQuantWeight, QuantizedRows
 
 
@@ -92,30 +93,17 @@ class PackedExperts:
 ExpertStack = Union[PackedExperts, torch.Tensor]
 
 
-def _dequantized_mm(x: torch.Tensor, w: PackedQuantWeight) -> torch.Tensor:
-    """x @ W^T with W dequantized (gguf-exact) CHUNK_ELEMS floats at a time: PackedQuantWeight's
-    large-batch arithmetic, so prefill equals the dequantized float model's."""
-    n, k = w.shape
-    step = max(ROW_GROUP, quant_weight.CHUNK_ELEMS // k // ROW_GROUP * ROW_GROUP)
-    if step >= n:
-        return torch.mm(x, w.dequantize().t())
-    y = torch.empty(x.shape[0], n, dtype=torch.float32, device=x.device)
-    for r0 in range(0, n, step):           # chunks of the weight, not rows
-        r1 = min(n, r0 + step)
-        y[:, r0:r1] = torch.mm(x, w.dequantize(r0, r1).t())
-    return y
-
-
 def expert_matmul(w: ExpertStack, e: int, x: torch.Tensor, int8_ops: Optional[object]
                   ) -> torch.Tensor:
     """x [n, K] float32 @ expert e's W^T -> [n, N] float32: the int8 kernel on its packed blocks
     (`int8_ops`: kernel.ops(), a decode-sized step), else the dequantized GEMM; a float stack
     widened per expert."""
     if isinstance(w, torch.Tensor):
-        return torch.mm(x, w[e].to(torch.float32).t())
+        return mm_t(x, w[e].to(torch.float32))
     if int8_ops is not None:
         return int8_ops.linear(x, w.packed[e], w.fmt.ggml_type, w.shape[0])
-    return _dequantized_mm(x, w.expert(e))
+    # PackedQuantWeight's large-batch arithmetic, so prefill equals the dequantized model's.
+    return w.expert(e).dequantized_matmul(x)
 
 
 def int8_step(x: torch.Tensor) -> Optional[object]:

@@ -14,6 +14,7 @@ import threading
 import torch
 
 from kvserve.ops.fused import silu_and_mul
+from kvserve.ops.linear import mm_t
 
 
 def group_by_expert(topk_ids: torch.Tensor, num_experts: int
@@ -67,8 +68,8 @@ def fused_experts_torch(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torc
         seg = slice(start, start + n)
         # bf16 experts with float32 x (layer.py keeps them 16-bit): widened per expert.
         w13e, w2e = widened(w13[expert], x.dtype), widened(w2[expert], x.dtype)
-        act = silu_and_mul(torch.mm(x[seg], w13e.t()))
-        torch.mm(act, w2e.t(), out=rows[seg])
+        act = silu_and_mul(mm_t(x[seg], w13e))
+        rows[seg] = mm_t(act, w2e)
         start += n
     rows.mul_(weights.unsqueeze(1))
     out = torch.zeros(num_tokens, hidden, dtype=hidden_states.dtype, device=x.device)
