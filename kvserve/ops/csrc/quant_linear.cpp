@@ -18,11 +18,14 @@
 // int8 blocks stay in L1. Work items are groups of 8 output rows (WorkPool chunks of them);
 // a group's blocks are one sequential stream, and lane r of every vector is row r, so there are
 // no per-row scalar scale conversions and no horizontal sums. x rows are taken 4 at a time while
-// the group is in L1, so larger batches run fast here too (1.4-2.3x a dequantized float32
-// GEMM at M = 256); ops/quant/weight.py sends prompts to the float GEMM all the same (why: there).
+// the group is in L1, so larger batches run here too, near oneDNN's float32 GEMM on the
+// dequantized weight (M = 256-512, one Zen 5 thread: the float path takes 1.05-1.28x this
+// kernel's time with VNNI, 0.69-0.84x on AVX2); ops/quant/weight.py sends prompts to the float
+// GEMM (why: there).
 //
 // Paths: AVX2 (avx2 tier and above): maddubs (u8 x s8 -> s16 pairs) and madd (-> s32), signed
-// weights through the sign trick (|w| x sign(x, w)); the portable path: each row-block decoded,
+// weights through the sign trick (|w| x sign(x, w)); AVX-512 VNNI (the avx512_bf16 tier): the
+// same in vpdpbusd (QL_VNNI below); the portable path: each row-block decoded,
 // the same integer math in plain loops. quant_dequantize gives float32 rows (bit-identical to
 // gguf's dequantizer) for the float path (a float32 GEMM on dequantized chunks): on AVX2 a
 // group-block at a time from the packed layout (0.2-0.4 ns a weight, 1 thread, Zen 3; the
@@ -364,8 +367,12 @@ QL_INLINE void group_block_legacy(const uint8_t* gb, const XQ& x, int64_t m0, in
   // |w| <= 16 (Q4_0, Q4_1, Q5_0) keeps 8 chunks under 2^15 (8 x 2 x 16 x 127), Q5_1 (<= 31)
   // 4 chunks, Q8_0 (<= 128) one.
   constexpr int kFlush = QT == kQ8_0 ? 1 : QT == kQ5_1 ? 4 : 8;
-  __m256i sumi[MB], s16[MB];
-  for (int m = 0; m < MB; ++m) sumi[m] = s16[m] = _mm256_setzero_si256();
+  __m256i sumi[MB];
+  for (int m = 0; m < MB; ++m) sumi[m] = _mm256_setzero_si256();
+#if !defined(QL_VNNI)
+  __m256i s16[MB];                         // vpdpbusd sums into sumi directly
+  for (int m = 0; m < MB; ++m) s16[m] = _mm256_setzero_si256();
+#endif
   const __m256i m4 = _mm256_set1_epi8(0xF);
   auto chunk = [&](__m256i w, int c) {     // weights 4c .. 4c + 3 of each row
     const __m256i u = kSigned ? _mm256_sign_epi8(w, w) : w;

@@ -7,14 +7,14 @@ matmul on CPU with the kernel built runs the int8 kernel up to INT8_MAX_ROWS row
 speculative verification: x quantized per block to int8 exactly as llama.cpp quantizes it for
 this weight type, integer dot products): a stream over the packed bytes (0.56 - 1.06 bytes a
 weight instead of float32's 4). Larger batches (prefill) take the weight dequantized
-CHUNK_ELEMS floats at a time into a float32 temporary for torch's GEMM (dequantized_matmul),
+CHUNK_ELEMS floats at a time into a float32 temporary for oneDNN's GEMM (dequantized_matmul),
 x unquantized, so a prompt's hidden states are those of the dequantized float32 model. Why,
 measured: the int8 activations of the prompt's layers moved the demo's first answer token by
 0.2 nats on a near-tie ("L'Etoile" for "The capital of France is Paris."), and the logits by
-0.05 more (hence `precise` for the LM head). The price: at M = 256 the float path takes
-1.4 - 2.3x the int8 kernel's time per linear (benchmarks/quant_kernels.py --large-rows 256,
-1 thread, AVX2 EPYC: maddubs + madd make 32 int8 multiply-adds in two instructions where an
-FMA makes 8 float32 ones, and the dequantization is paid per call). The float path also serves
+0.05 more (hence `precise` for the LM head). The price is small since the GEMMs run on
+oneDNN (ops.linear.mm_t): benchmarks/quant_kernels.py --large-rows 256 512, 1 thread, SmolLM2's
+Q8_0 / Q4_K shapes, Zen 5: the float path takes 0.69-0.84x the int8 kernel's time on the
+avx2 tier and 1.05-1.28x on VNNI (on MKL's sgemm it was 1.4-2.3x on a Zen 3). The float path also serves
 x on another device and builds without the kernel (not x86-64, no compiler,
 KVSERVE_DISABLE_CPU_KERNELS=1), where the chunks are dequantized with torch ops.
 

@@ -34,7 +34,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from kvserve.model.layers.fused_moe.torch_moe import group_by_expert
+from kvserve.model.layers.fused_moe.torch_moe import group_by_expert, widened
 from kvserve.ops import moe as moe_ops
 from kvserve.ops.fused import silu_and_mul
 from kvserve.ops.linear import mm_t
@@ -99,7 +99,7 @@ def expert_matmul(w: ExpertStack, e: int, x: torch.Tensor, int8_ops: Optional[ob
     (`int8_ops`: kernel.ops(), a decode-sized step), else the dequantized GEMM; a float stack
     widened per expert."""
     if isinstance(w, torch.Tensor):
-        return mm_t(x, w[e].to(torch.float32))
+        return mm_t(x, widened(w[e], torch.float32))
     if int8_ops is not None:
         return int8_ops.linear(x, w.packed[e], w.fmt.ggml_type, w.shape[0])
     # PackedQuantWeight's large-batch arithmetic, so prefill equals the dequantized model's.
