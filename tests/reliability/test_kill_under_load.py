@@ -17,7 +17,7 @@ test_kill_expensive.py, behind KVSERVE_KILL_TESTS_EXPENSIVE=1.
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import httpx
 import psutil
@@ -29,12 +29,15 @@ from tests.reliability.kill_utils import (assert_clean_failure, find_process, ki
 
 pytestmark = pytest.mark.timeout(300)
 
-# Margin beside kill_utils' kill from a thread (the fix): the tiny model's whole 512 positions
-# (the last --max-model-len wins), so a late kill still finds the streams running. On CI (stop
-# 41) the kill came after the engine had finished all six 220-token streams.
+# Margin beside kill_utils' kill from a thread (the fix): a long load, so that a late kill still
+# finds the streams running. On CI the kill came after the engine had finished all six streams,
+# first of 220 tokens (stop 41), then of 480 (stop 42: the clients, parsing slower than the tiny
+# model makes chunks, had read 7-57 chunks each and then read the rest after the kill). The
+# tiny model gets 8192 positions here (its other tests keep 512): 8000 tokens a stream.
+MAX_MODEL_LEN = 8192
 BASE_ARGS = [*SERVER_ENGINE_ARGS, "--uvicorn-log-level", "warning", "--disable-uvicorn-access-log",
-             "--max-model-len", "512"]
-MAX_TOKENS = 480
+             "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory", str(64 << 20)]
+MAX_TOKENS = 8000
 SETUPS = {
     "engine_core": [],
     "tp_worker": ["-tp", "2"],
@@ -62,11 +65,12 @@ VICTIMS = {
 
 
 @pytest.fixture(scope="module")
-def servers(tiny_llama: str) -> Iterator[dict[str, RemoteServer]]:
+def servers(make_checkpoint: Callable[..., str]) -> Iterator[dict[str, RemoteServer]]:
+    path = make_checkpoint("llama", max_position_embeddings=MAX_MODEL_LEN)
     started: dict[str, RemoteServer] = {}
 
     def start(kind: str) -> None:
-        started[kind] = RemoteServer(tiny_llama, [*BASE_ARGS, *SETUPS[kind]])
+        started[kind] = RemoteServer(path, [*BASE_ARGS, *SETUPS[kind]])
 
     with ThreadPoolExecutor(len(SETUPS)) as pool:
         futures = [pool.submit(start, kind) for kind in SETUPS]
