@@ -42,10 +42,16 @@ M_ARENA_MAX = -8
 # above its start after 3,000 requests, and its growth over the last pass --
 #   glibc and oneDNN defaults:                       +645 MB, last pass +31 MB
 #   256 KiB thresholds, 4 arenas, 64 oneDNN entries:  +422 MB, last pass +9.6 MB
-#   128 KiB thresholds, 4 arenas, 8 oneDNN entries:   +293 MB, last pass +1.7 MB (kept)
-# with no measurable change in the soak's time (356 / 341 / 352 s, same load).
-MMAP_THRESHOLD_BYTES = 128 * 1024
-TRIM_THRESHOLD_BYTES = 128 * 1024
+#   128 KiB thresholds, 4 arenas, 8 oneDNN entries:   +293 MB, last pass +1.7 MB
+# with no measurable change in the soak's time (356 / 341 / 352 s, same load). But 128 KiB
+# put every prefill activation in fresh mmapped pages, faulted in and zeroed on first touch
+# and given back on free, a few hundred MB of page faults a 2,048-token step: the 1B MoE
+# (benchmarks/moe.py's full model, bf16) prefilled 128 prompts (9,069 tokens) in 8.1-8.6 s in
+# the engine core process against 4.1 s in-process (Zen 5, 2 cores). 32 MiB thresholds
+# (glibc's own upper bound for its dynamic one, here fixed: a freed block does not raise it):
+# 4.5 s.
+MMAP_THRESHOLD_BYTES = 32 << 20
+TRIM_THRESHOLD_BYTES = 32 << 20
 ARENA_MAX = 4
 ONEDNN_PRIMITIVE_CACHE_CAPACITY = 8
 # A step's linears share one input shape (a handful of weight shapes): 64 entries hold several
