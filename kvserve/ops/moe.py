@@ -25,13 +25,17 @@ import torch
 
 from kvserve.ops.build import CpuKernel
 
-# Largest T * k sent to the kernel. benchmarks/moe.py --kernel-sweep (the "small" shapes, 2
-# threads, Zen 3 AVX2, a heavily loaded host: load average 10-14 on 2 cores): the kernel was
-# ahead of the grouped torch GEMMs at every size tried, 2-256 pairs (3-8x f32; bf16 x, whose
-# torch GEMMs are emulated on AVX2, 5-40x, one outlier), so no crossover was seen; the GEMMs'
-# FLOP rate wins at prefill sizes, and 64 keeps every decode batch of <= 32 sequences (top-2)
-# on the kernel. To be re-measured on a quiet host (larger pairs).
-MAX_DECODE_PAIRS = 64
+# Largest T * k sent to the kernel: float32 math (and bf16 x on a tier without dpbf16, which
+# the kernel widens), and bf16 x with bf16 weights on dpbf16. benchmarks/moe.py --kernel-sweep
+# (the full 1B MoE's shapes, 16 experts, top-2; 2 threads, quiet Zen 5; weights from memory),
+# kernel vs grouped torch GEMMs: float32 1.45-2.6x up to 64 pairs, 1.65x at 128, 1.14x at 256,
+# 0.72x at 512; bf16 (dpbf16) 3.0-3.7x up to 64, 2.15x at 128, 1.66x at 256, 1.11x at 512.
+# An expert with more pairs than one pass takes is streamed once (weight tiles, csrc/moe.cpp),
+# which is what keeps the kernel ahead at 8-32 pairs an expert. The old single limit of 64 sent
+# 64-sequence decode steps of that MoE to torch's GEMMs (bf16: 6.9 instead of 3.2 ms a layer);
+# offline 64 prompts 214 -> 551 tok/s.
+MAX_DECODE_PAIRS = 256
+MAX_DECODE_PAIRS_DPBF16 = 512
 
 _KERNEL = CpuKernel("moe.cpp", op="fused_moe", isa_op="fused_moe_isa",
                     what="fused MoE experts (decode)", fallback="grouped torch GEMMs")
@@ -58,6 +62,7 @@ def reset_dispatch() -> None:
     """The process's CPU settings changed: look the ops up again."""
     cpu_kernel.cache_clear()
     packed_kernel.cache_clear()
+    max_decode_pairs.cache_clear()
 
 
 def set_kernel_enabled(enabled: bool) -> None:
@@ -68,15 +73,23 @@ def set_kernel_enabled(enabled: bool) -> None:
     reset_dispatch()
 
 
+@functools.lru_cache(maxsize=4)
+def max_decode_pairs(x_dtype: torch.dtype) -> int:
+    """The largest T * k this kernel build takes for x of this dtype (the crossover with the
+    grouped torch GEMMs, above). Cached: a model asks once per MoE layer per step."""
+    dpbf16 = x_dtype == torch.bfloat16 and (cpu_kernel_isa() or "").startswith("avx512_bf16")
+    return MAX_DECODE_PAIRS_DPBF16 if dpbf16 else MAX_DECODE_PAIRS
+
+
 def kernel_takes(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, num_pairs: int) -> bool:
     """Whether this step goes to the kernel: CPU, a decode-sized step (num_pairs = T * k up to
-    MAX_DECODE_PAIRS), dtypes it has, contiguous weights."""
+    max_decode_pairs), dtypes it has, contiguous weights."""
     wt = w13.dtype
     dtypes_ok = (wt == w2.dtype and (
         (x.dtype == torch.float32 and wt in (torch.float32, torch.bfloat16))
         or (x.dtype == torch.bfloat16 and wt == torch.bfloat16)))
-    return (0 < num_pairs <= MAX_DECODE_PAIRS and x.device.type == "cpu" and dtypes_ok
-            and w13.is_contiguous() and w2.is_contiguous())
+    return (0 < num_pairs <= max_decode_pairs(x.dtype) and x.device.type == "cpu"
+            and dtypes_ok and w13.is_contiguous() and w2.is_contiguous())
 
 
 @functools.lru_cache(maxsize=1)

@@ -74,7 +74,26 @@ def cpu_kernel():
                                                           (5, 2, False), (17, 3, True)])
 def test_cpu_kernel_matches_float64(cpu_kernel, x_dtype, w_dtype, num_tokens, top_k,
                                     renormalize) -> None:
-    x, logits, w13, w2 = make_case(num_tokens, x_dtype, w_dtype, seed=num_tokens * 10 + top_k)
+    _check_against_float64(cpu_kernel, x_dtype, w_dtype, num_tokens, top_k, renormalize)
+
+
+@pytest.mark.parametrize("x_dtype,w_dtype", CPU_DTYPES, ids=["f32", "f32x-bf16w", "bf16"])
+def test_cpu_kernel_weight_tiles(cpu_kernel, x_dtype, w_dtype) -> None:
+    """Rows long enough that an expert's weights are read in several L2 tiles (both passes),
+    and more pairs an expert than one pass takes: every chunk of pairs runs over each tile."""
+    _check_against_float64(cpu_kernel, x_dtype, w_dtype, 37, 2, True, hidden=WIDE_HIDDEN,
+                           inter=WIDE_INTER)
+
+
+# csrc/moe.cpp's tiles are 128 KiB of weight rows: gate | up rows of 2 x 2048 float32 are 16 KB
+# (8-row tiles), bf16 8 KB (16 rows); down rows of 200 are 800 / 400 B (160 / 324 rows).
+WIDE_HIDDEN, WIDE_INTER = 2048, 200
+
+
+def _check_against_float64(cpu_kernel, x_dtype, w_dtype, num_tokens, top_k, renormalize,
+                           **shape) -> None:
+    x, logits, w13, w2 = make_case(num_tokens, x_dtype, w_dtype, seed=num_tokens * 10 + top_k,
+                                   **shape)
     weights, ids = select_experts(logits, top_k, renormalize)
     assert not torch.isin(ids, torch.tensor([2, 4])).any()      # two experts get no tokens
     got = cpu_kernel(x, w13, w2, weights, ids)
@@ -84,7 +103,7 @@ def test_cpu_kernel_matches_float64(cpu_kernel, x_dtype, w_dtype, num_tokens, to
 
 
 @pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16w"])
-@pytest.mark.parametrize("num_tokens", [1, 7, 80])
+@pytest.mark.parametrize("num_tokens", [1, 7, 200])
 def test_dispatch_by_step_size(cpu_kernel, num_tokens: int, w_dtype: torch.dtype) -> None:
     """fused_experts: decode-sized steps go to the kernel, prefill-sized ones to the grouped
     torch GEMMs; both equal the float64 reference, with float32 x and float32 or bf16
@@ -92,7 +111,7 @@ def test_dispatch_by_step_size(cpu_kernel, num_tokens: int, w_dtype: torch.dtype
     x, logits, w13, w2 = make_case(num_tokens, torch.float32, w_dtype, seed=num_tokens)
     weights, ids = select_experts(logits, 2, True)
     takes = moe_ops.kernel_takes(x, w13, w2, ids.numel())
-    assert takes == (num_tokens * 2 <= moe_ops.MAX_DECODE_PAIRS)
+    assert takes == (num_tokens * 2 <= moe_ops.max_decode_pairs(torch.float32))
     got = fused_experts(x, w13, w2, weights, ids)
     torch.testing.assert_close(got.double(), reference_moe(x, logits, w13, w2, 2, True),
                                atol=CPU_TOL[torch.float32], rtol=0)

@@ -63,8 +63,8 @@ using bf16 = c10::BFloat16;
 // Minimum weight elements per parallel task: below it the fork / join costs more than the
 // second core gains.
 constexpr int64_t kMinElemsPerTask = 32768;
-// x rows (pairs of one expert) per pass over a weight row group: an expert with more pairs is
-// streamed once per chunk of them (6 MB an expert of the 1B MoE: not cache-resident). 8 with
+// x rows (pairs of one expert) per pass over a weight row group: an expert with more pairs runs
+// its chunks of them tile by tile (kTileBytes, below), so it is streamed from memory once. 8 with
 // dpbf16 (32 registers; 4 weight rows a pass up to 4 x rows, 2 beyond): 128 pairs of that MoE
 // 4.08 -> 3.17 ms a layer (Zen 5).
 template <typename TX>
@@ -274,6 +274,58 @@ KVS_INLINE void for_chunks(int64_t p0, int64_t p1, Fn&& fn) {
   }
 }
 
+// Weight bytes a tile of rows holds (L2-sized): an expert with more pairs than one pass takes
+// (max_rows_per_pass) runs every chunk of its pairs over a tile before the next tile, so its
+// weights come from memory once and from L2 for the other chunks. Chunk-outer, the whole
+// expert (6 MB in the 1B MoE) was streamed again per chunk: 16 pairs an expert (128 decode
+// rows, top-2, 16 experts) cost two passes' bytes. A tile holds whole passes (a multiple of 4
+// rows), and a row's dot product does not depend on its tile or chunk: same bits.
+constexpr int64_t kTileBytes = 128 * 1024;
+
+inline int64_t tile_rows(int64_t row_bytes) {
+  return std::max<int64_t>(4, kTileBytes / std::max<int64_t>(1, row_bytes) / 4 * 4);
+}
+
+// Pass 1 for group gi's pairs over intermediate rows [i0, i1), tile by tile.
+template <typename TX, typename TW>
+KVS_INLINE void gate_up_group(const TX* xf, const TW* w13e, const Groups& g, int64_t gi, TX* act,
+                              int64_t i0, int64_t i1, int64_t H, int64_t I) {
+  const int64_t tile = tile_rows(2 * H * static_cast<int64_t>(sizeof(TW)));
+  for (int64_t t0 = i0; t0 < i1; t0 += tile) {
+    const int64_t t1 = std::min(i1, t0 + tile);
+    for_chunks<max_rows_per_pass<TX>()>(g.start[gi], g.start[gi + 1], [&](auto mb, int64_t p) {
+      constexpr int MB = decltype(mb)::value;
+      const TX* x[MB];
+      TX* a[MB];
+      for (int m = 0; m < MB; ++m) {
+        x[m] = xf + g.token[p + m] * H;
+        a[m] = act + (p + m) * I;
+      }
+      gate_up_rows<TX, TW, MB>(x, w13e, a, t0, t1, I, H);
+    });
+  }
+}
+
+// Pass 2 for group gi's pairs over hidden rows [h0, h1), tile by tile.
+template <typename TX, typename TW>
+KVS_INLINE void down_group(const TX* act, const TW* w2e, const Groups& g, int64_t gi,
+                           float* rows, int64_t h0, int64_t h1, int64_t H, int64_t I) {
+  const int64_t tile = tile_rows(I * static_cast<int64_t>(sizeof(TW)));
+  for (int64_t t0 = h0; t0 < h1; t0 += tile) {
+    const int64_t t1 = std::min(h1, t0 + tile);
+    for_chunks<max_rows_per_pass<TX>()>(g.start[gi], g.start[gi + 1], [&](auto mb, int64_t p) {
+      constexpr int MB = decltype(mb)::value;
+      const TX* a[MB];
+      float* o[MB];
+      for (int m = 0; m < MB; ++m) {
+        a[m] = act + (p + m) * I;
+        o[m] = rows + (p + m) * H;
+      }
+      down_rows<TX, TW, MB>(a, w2e, o, g.weight.data() + p, t0, t1, I);
+    });
+  }
+}
+
 // Split by expert (one fork / join per call instead of two): when the routed experts divide
 // evenly over the threads (batch-1 top-2 on 2 cores: one expert each) or are many, each thread
 // runs whole experts, both passes, writing each pair's weighted row into rows[p]; the caller
@@ -290,21 +342,8 @@ template <typename TX, typename TW>
 KVS_INLINE void run_groups(const TX* xf, const TW* w13, const TW* w2, const Groups& g, TX* act,
                            float* rows, int64_t g0, int64_t g1, int64_t H, int64_t I) {
   for (int64_t gi = g0; gi < g1; ++gi) {
-    const TW* w13e = w13 + g.expert[gi] * 2 * I * H;
-    const TW* w2e = w2 + g.expert[gi] * H * I;
-    for_chunks<max_rows_per_pass<TX>()>(g.start[gi], g.start[gi + 1], [&](auto mb, int64_t p) {
-      constexpr int MB = decltype(mb)::value;
-      const TX* x[MB];
-      TX* a[MB];
-      float* o[MB];
-      for (int m = 0; m < MB; ++m) {
-        x[m] = xf + g.token[p + m] * H;
-        a[m] = act + (p + m) * I;
-        o[m] = rows + (p + m) * H;
-      }
-      gate_up_rows<TX, TW, MB>(x, w13e, a, 0, I, I, H);
-      down_rows<TX, TW, MB>(a, w2e, o, g.weight.data() + p, 0, H, I);
-    });
+    gate_up_group<TX, TW>(xf, w13 + g.expert[gi] * 2 * I * H, g, gi, act, 0, I, H, I);
+    down_group<TX, TW>(act, w2 + g.expert[gi] * H * I, g, gi, rows, 0, H, H, I);
   }
 }
 
@@ -336,36 +375,14 @@ KVS_NOINLINE void run(const TX* xf, const TW* w13, const TW* w2, const Groups& g
   // Pass 1 over the intermediate rows: each row is 2 weight rows of H per routed expert.
   const int64_t grain1 = std::max<int64_t>(4, kMinElemsPerTask / std::max<int64_t>(1, 2 * H * G));
   at::parallel_for(0, I, grain1, [&](int64_t i0, int64_t i1) {
-    for (int64_t gi = 0; gi < G; ++gi) {
-      const TW* w13e = w13 + g.expert[gi] * 2 * I * H;
-      for_chunks<max_rows_per_pass<TX>()>(g.start[gi], g.start[gi + 1], [&](auto mb, int64_t p) {
-        constexpr int MB = decltype(mb)::value;
-        const TX* x[MB];
-        TX* a[MB];
-        for (int m = 0; m < MB; ++m) {
-          x[m] = xf + g.token[p + m] * H;
-          a[m] = act + (p + m) * I;
-        }
-        gate_up_rows<TX, TW, MB>(x, w13e, a, i0, i1, I, H);
-      });
-    }
+    for (int64_t gi = 0; gi < G; ++gi)
+      gate_up_group<TX, TW>(xf, w13 + g.expert[gi] * 2 * I * H, g, gi, act, i0, i1, H, I);
   });
   // Pass 2 over the hidden rows: each is one weight row of I per routed expert.
   const int64_t grain2 = std::max<int64_t>(4, kMinElemsPerTask / std::max<int64_t>(1, I * G));
   at::parallel_for(0, H, grain2, [&](int64_t h0, int64_t h1) {
-    for (int64_t gi = 0; gi < G; ++gi) {
-      const TW* w2e = w2 + g.expert[gi] * H * I;
-      for_chunks<max_rows_per_pass<TX>()>(g.start[gi], g.start[gi + 1], [&](auto mb, int64_t p) {
-        constexpr int MB = decltype(mb)::value;
-        const TX* a[MB];
-        float* o[MB];
-        for (int m = 0; m < MB; ++m) {
-          a[m] = act + (p + m) * I;
-          o[m] = rows + (p + m) * H;
-        }
-        down_rows<TX, TW, MB>(a, w2e, o, g.weight.data() + p, h0, h1, I);
-      });
-    }
+    for (int64_t gi = 0; gi < G; ++gi)
+      down_group<TX, TW>(act, w2 + g.expert[gi] * H * I, g, gi, rows, h0, h1, H, I);
   });
 }
 
