@@ -43,15 +43,18 @@ M_ARENA_MAX = -8
 #   glibc and oneDNN defaults:                       +645 MB, last pass +31 MB
 #   256 KiB thresholds, 4 arenas, 64 oneDNN entries:  +422 MB, last pass +9.6 MB
 #   128 KiB thresholds, 4 arenas, 8 oneDNN entries:   +293 MB, last pass +1.7 MB
-# with no measurable change in the soak's time (356 / 341 / 352 s, same load). But 128 KiB
-# put every prefill activation in fresh mmapped pages, faulted in and zeroed on first touch
-# and given back on free, a few hundred MB of page faults a 2,048-token step: the 1B MoE
+# with no measurable change in the soak's time (356 / 341 / 352 s, same load). 128 KiB keeps
+# each weight tensor in its own mapping while a model loads (the temporaries of a load are
+# given back, not left as holes in the heap). Once the process serves, `serving_thresholds`
+# raises both to 32 MiB (glibc's own upper bound for its dynamic threshold, here fixed): at
+# 128 KiB every prefill activation was a fresh mapping, faulted in and zeroed on first touch
+# and unmapped on free, a few hundred MB of page faults a 2,048-token step. The 1B MoE
 # (benchmarks/moe.py's full model, bf16) prefilled 128 prompts (9,069 tokens) in 8.1-8.6 s in
-# the engine core process against 4.1 s in-process (Zen 5, 2 cores). 32 MiB thresholds
-# (glibc's own upper bound for its dynamic one, here fixed: a freed block does not raise it):
-# 4.5 s.
-MMAP_THRESHOLD_BYTES = 32 << 20
-TRIM_THRESHOLD_BYTES = 32 << 20
+# the engine core process against 4.1 s in-process, 4.45 s at 32 MiB (Zen 5, 2 cores); the
+# soak's engine core then grew +1.9 MB over 3,000 requests after its warm-up pass.
+MMAP_THRESHOLD_BYTES = 128 * 1024
+TRIM_THRESHOLD_BYTES = 128 * 1024
+SERVING_THRESHOLD_BYTES = 32 << 20
 ARENA_MAX = 4
 ONEDNN_PRIMITIVE_CACHE_CAPACITY = 8
 # A step's linears share one input shape (a handful of weight shapes): 64 entries hold several
@@ -104,3 +107,21 @@ def configure_process_memory(process_name: str) -> str:
     _applied = f"{process_name} memory settings: " + ", ".join(parts)
     logger.info(_applied)
     return _applied
+
+
+def serving_thresholds(process_name: str) -> None:
+    """The model is loaded: raise this process's malloc mmap / trim thresholds to
+    SERVING_THRESHOLD_BYTES for the step-by-step allocations of serving (above). Not where
+    the user set the variable, and not where configure_process_memory did not run."""
+    libc = _libc()
+    if _applied is None or libc is None:
+        return
+    done = []
+    for env_name, param in (("MALLOC_MMAP_THRESHOLD_", M_MMAP_THRESHOLD),
+                            ("MALLOC_TRIM_THRESHOLD_", M_TRIM_THRESHOLD)):
+        if env_name not in os.environ and \
+                libc.mallopt(ctypes.c_int(param), ctypes.c_int(SERVING_THRESHOLD_BYTES)) == 1:
+            done.append(env_name.strip("_").removeprefix("MALLOC_"))
+    if done:
+        logger.info("%s serves: malloc %s %d MiB", process_name, " and ".join(done),
+                    SERVING_THRESHOLD_BYTES >> 20)

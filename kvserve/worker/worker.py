@@ -11,6 +11,7 @@ import torch
 from kvserve.config import KVServeConfig
 from kvserve.core.kv_cache_utils import blocks_per_request
 from kvserve.core.sched_output import ModelRunnerOutput, SchedulerOutput, resolve_runner_output
+from kvserve.utils.memory import serving_thresholds
 from kvserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -104,6 +105,8 @@ class Worker:
             from kvserve.kv_transfer.worker import create_worker_connector
             self.kv_connector = create_worker_connector(self.config, self.model_runner.kv_caches,
                                                         self.model_runner.model)
+        # Model and cache in place: what is allocated from here on lives one step.
+        serving_thresholds(f"Worker rank {self.rank}")
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> Optional[ModelRunnerOutput]:
         assert self.model_runner is not None
