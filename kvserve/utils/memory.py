@@ -5,9 +5,11 @@ Two native caches grow with the variety of step shapes a server sees:
 - glibc's heap: freed blocks under the *dynamic* mmap threshold stay in the heap. The threshold
   rises (up to 32 MiB on 64-bit) each time a large mmapped block is freed, so after a while
   every activation tensor is carved from the heap, and a fragmented heap is never given back.
-  A fixed `M_MMAP_THRESHOLD` keeps large blocks in mmap (returned on free) and switches the
-  dynamic rise off; `M_TRIM_THRESHOLD` gives the top of the heap back sooner; `M_ARENA_MAX`
-  bounds the per-thread arenas (the IO, grammar and tokenizer threads).
+  A fixed `M_MMAP_THRESHOLD` switches the dynamic rise off: 128 KiB while the model loads
+  (large blocks in mmap, returned on free), 32 MiB once it serves (`serving_thresholds`: a
+  step's activations reuse heap memory instead of page-faulting fresh mappings);
+  `M_TRIM_THRESHOLD` likewise; `M_ARENA_MAX` bounds the per-thread arenas (the IO, grammar
+  and tokenizer threads).
 - oneDNN's primitive cache: up to 1024 compiled GEMM kernels by default, one per shape.
 - ideep's (torch's oneDNN wrapper) own per-thread cache of prepared computations, used by the
   prepacked linears: also up to 1024 by default (`LRU_CACHE_CAPACITY`, read at its first use),
