@@ -286,44 +286,45 @@ inline int64_t tile_rows(int64_t row_bytes) {
   return std::max<int64_t>(4, kTileBytes / std::max<int64_t>(1, row_bytes) / 4 * 4);
 }
 
-// Pass 1 for group gi's pairs over intermediate rows [i0, i1), tile by tile.
-template <typename TX, typename TW>
-KVS_INLINE void gate_up_group(const TX* xf, const TW* w13e, const Groups& g, int64_t gi, TX* act,
-                              int64_t i0, int64_t i1, int64_t H, int64_t I) {
-  const int64_t tile = tile_rows(2 * H * static_cast<int64_t>(sizeof(TW)));
-  for (int64_t t0 = i0; t0 < i1; t0 += tile) {
-    const int64_t t1 = std::min(i1, t0 + tile);
-    for_chunks<max_rows_per_pass<TX>()>(g.start[gi], g.start[gi + 1], [&](auto mb, int64_t p) {
-      constexpr int MB = decltype(mb)::value;
-      const TX* x[MB];
-      TX* a[MB];
-      for (int m = 0; m < MB; ++m) {
-        x[m] = xf + g.token[p + m] * H;
-        a[m] = act + (p + m) * I;
-      }
-      gate_up_rows<TX, TW, MB>(x, w13e, a, t0, t1, I, H);
-    });
+// fn(MB constant, first pair, t0, t1) for each tile [t0, t1) of rows [r0, r1) (rows of
+// row_bytes) and, within it, each chunk of group gi's pairs.
+template <typename TX, typename Fn>
+KVS_INLINE void over_tiles(const Groups& g, int64_t gi, int64_t r0, int64_t r1, int64_t row_bytes,
+                           Fn&& fn) {
+  const int64_t tile = tile_rows(row_bytes);
+  for (int64_t t0 = r0; t0 < r1; t0 += tile) {
+    const int64_t t1 = std::min(r1, t0 + tile);
+    for_chunks<max_rows_per_pass<TX>()>(g.start[gi], g.start[gi + 1],
+                                        [&](auto mb, int64_t p) { fn(mb, p, t0, t1); });
   }
 }
 
-// Pass 2 for group gi's pairs over hidden rows [h0, h1), tile by tile.
+// Pass 1 for group gi's pairs over intermediate rows [i0, i1).
+template <typename TX, typename TW>
+KVS_INLINE void gate_up_group(const TX* xf, const TW* w13e, const Groups& g, int64_t gi, TX* act,
+                              int64_t i0, int64_t i1, int64_t H, int64_t I) {
+  over_tiles<TX>(g, gi, i0, i1, 2 * H * sizeof(TW), [&](auto mb, int64_t p, int64_t t0,
+                                                        int64_t t1) {
+    constexpr int MB = decltype(mb)::value;
+    const TX* x[MB];
+    TX* a[MB];
+    for (int m = 0; m < MB; ++m) x[m] = xf + g.token[p + m] * H, a[m] = act + (p + m) * I;
+    gate_up_rows<TX, TW, MB>(x, w13e, a, t0, t1, I, H);
+  });
+}
+
+// Pass 2 for group gi's pairs over hidden rows [h0, h1).
 template <typename TX, typename TW>
 KVS_INLINE void down_group(const TX* act, const TW* w2e, const Groups& g, int64_t gi,
                            float* rows, int64_t h0, int64_t h1, int64_t H, int64_t I) {
-  const int64_t tile = tile_rows(I * static_cast<int64_t>(sizeof(TW)));
-  for (int64_t t0 = h0; t0 < h1; t0 += tile) {
-    const int64_t t1 = std::min(h1, t0 + tile);
-    for_chunks<max_rows_per_pass<TX>()>(g.start[gi], g.start[gi + 1], [&](auto mb, int64_t p) {
-      constexpr int MB = decltype(mb)::value;
-      const TX* a[MB];
-      float* o[MB];
-      for (int m = 0; m < MB; ++m) {
-        a[m] = act + (p + m) * I;
-        o[m] = rows + (p + m) * H;
-      }
-      down_rows<TX, TW, MB>(a, w2e, o, g.weight.data() + p, t0, t1, I);
-    });
-  }
+  over_tiles<TX>(g, gi, h0, h1, I * sizeof(TW), [&](auto mb, int64_t p, int64_t t0,
+                                                   int64_t t1) {
+    constexpr int MB = decltype(mb)::value;
+    const TX* a[MB];
+    float* o[MB];
+    for (int m = 0; m < MB; ++m) a[m] = act + (p + m) * I, o[m] = rows + (p + m) * H;
+    down_rows<TX, TW, MB>(a, w2e, o, g.weight.data() + p, t0, t1, I);
+  });
 }
 
 // Split by expert (one fork / join per call instead of two): when the routed experts divide
