@@ -10,7 +10,8 @@ experts of intermediate 1024, top-2, vocab 32000); "small" (the default: a loade
 machine builds and runs it in minutes) is hidden 512, 8 layers, 8 experts of 512, top-2.
 
     python benchmarks/moe.py [--size small|full] [--dtype float32|bfloat16|auto] [--rounds 2]
-        [--num-prompts 16] [--output-len 32] [--hf-batch-size 8] [--output-json out.json]
+        [--num-prompts 16] [--output-len 32] [--hf-batch-size 8 16 ...] [--output-json out.json]
+        # HF runs every listed batch size each round; its offline figure is the best of them
         [--moe-path kernel|torch|both]      # kvserve's decode experts (default: both, in turn)
         [--no-dense]                        # skip the dense equivalent
     python benchmarks/moe.py --kernel-sweep [--size ...]   # one layer: kernel vs torch GEMMs
