@@ -52,7 +52,7 @@ M_ARENA_MAX = -8
 # 128 KiB every prefill activation was a fresh mapping, faulted in and zeroed on first touch
 # and unmapped on free, a few hundred MB of page faults a 2,048-token step. The 1B MoE
 # (benchmarks/moe.py's full model, bf16) prefilled 128 prompts (9,069 tokens) in 8.1-8.6 s in
-# the engine core process against 4.1 s in-process, 4.45 s at 32 MiB (Zen 5, 2 cores); the
+# the engine core process against 4.1 s in-process, 4.45-5.1 s at 32 MiB (Zen 5, 2 cores); the
 # soak's engine core then grew +1.9 MB over 3,000 requests after its warm-up pass.
 MMAP_THRESHOLD_BYTES = 128 * 1024
 TRIM_THRESHOLD_BYTES = 128 * 1024
