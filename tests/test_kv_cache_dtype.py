@@ -12,7 +12,7 @@ import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve.engine.arg_utils import EngineArgs
-from tests.utils import random_prompts
+from tests.utils import greedy_prefix_near_tie, random_prompts
 
 ENGINE_KW = dict(max_model_len=256, kv_cache_memory=8 << 20, seed=0, multiprocessing=False)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, logprobs=5, ignore_eos=True)
@@ -29,13 +29,12 @@ def assert_close_to(ref: Any, out: Any, name: str) -> int:
     """Tokens equal with logprobs within LOGPROB_ATOL; at a first divergence each side's token
     is in the other's top 5. Returns the positions that matched."""
     a, b = ref.outputs[0], out.outputs[0]
-    for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)):
-        if x != y:
-            assert y in a.logprobs[i] and x in b.logprobs[i], f"{name} pos {i}: {x} vs {y}"
-            return i
-        diff = abs(a.logprobs[i][x].logprob - b.logprobs[i][y].logprob)
+    matched = greedy_prefix_near_tie(a, b, name)
+    for i in range(matched):
+        x = a.token_ids[i]
+        diff = abs(a.logprobs[i][x].logprob - b.logprobs[i][x].logprob)
         assert diff < LOGPROB_ATOL, f"{name} pos {i}: logprob differs by {diff:.4f}"
-    return len(a.token_ids)
+    return matched
 
 
 @pytest.mark.parametrize("backend", ["CPU_ATTN", "TORCH_SDPA"])

@@ -10,7 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Optional
+from typing import Any, Optional
 
 import httpx
 import torch
@@ -103,6 +103,18 @@ def check_greedy_close(ref_tokens: list[int], ref_logprobs: Optional[list[torch.
         return i
     assert len(ours) == len(ref_tokens), f"{name}: lengths {len(ours)} vs {len(ref_tokens)}"
     return n
+
+
+def greedy_prefix_near_tie(a: Any, b: Any, name: str = "") -> int:
+    """Two kvserve runs' greedy CompletionOutputs (with logprobs): tokens equal up to a first
+    difference where each side's token is among the other's returned logprobs (a near-tie, the
+    rule check_greedy_close applies against HF). Returns the number of equal tokens."""
+    for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)):
+        if x != y:
+            assert x in b.logprobs[i] and y in a.logprobs[i], \
+                f"{name} pos {i}: {x} vs {y}, top logprobs {a.logprobs[i]} / {b.logprobs[i]}"
+            return i
+    return min(len(a.token_ids), len(b.token_ids))
 
 
 def assert_same_outputs(a: list[RequestOutput], b: list[RequestOutput], what: str) -> None:

@@ -29,6 +29,7 @@ from kvserve.model.loader import load_model, weight_memory_bytes
 from kvserve.ops import cpu_weight as cw
 from kvserve.ops.quant import kernel as quant_kernel
 from kvserve.ops.quant.weight import QuantizedRows
+from tests.utils import greedy_prefix_near_tie
 
 pytestmark = pytest.mark.skipif(quant_kernel.ops() is None,
                                 reason="the packed GGUF kernel is not built here")
@@ -259,17 +260,6 @@ def _greedy_chat(path: str, quantization: str, logprobs: Optional[int] = None):
     return out[0].outputs[0]
 
 
-def _agreed_until_near_tie(a, b, top: int) -> int:
-    """Greedy tokens of two runs equal, up to a first difference where each side's token is in
-    the other's top-`top` (a near-tie); the number of equal tokens."""
-    for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)):
-        if x != y:
-            assert x in b.logprobs[i] and y in a.logprobs[i], (i, x, y, a.logprobs[i],
-                                                              b.logprobs[i])
-            return i
-    return min(len(a.token_ids), len(b.token_ids))
-
-
 @pytest.mark.parametrize("ftype", ["Q4_K_M", "Q8_0"])
 def test_llamacpp_quantized_files(smollm2_gguf: str, ftype: str) -> None:
     """Files made by llama.cpp's quantizer: the K-quants (and Q5_0) stay packed, perplexity within
@@ -287,7 +277,7 @@ def test_llamacpp_quantized_files(smollm2_gguf: str, ftype: str) -> None:
     packed, float32 = _perplexity(path, "gguf"), _perplexity(path, "gguf-dequantized")
     assert abs(packed / float32 - 1) < 0.01, (ftype, packed, float32)
     packed, float32 = _greedy_chat(path, "gguf", 3), _greedy_chat(path, "gguf-dequantized", 3)
-    assert _agreed_until_near_tie(packed, float32, top=3) >= 5
+    assert greedy_prefix_near_tie(packed, float32, ftype) >= 5
 
 
 def test_quantization_flag() -> None:
