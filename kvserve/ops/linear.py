@@ -259,17 +259,20 @@ def _log_pack_failure_once(why: str) -> None:
                    "small-batch kernel.", why)
 
 
-def mm_t(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def mm_t(x: torch.Tensor, w: torch.Tensor,
+         out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x [M, K] @ w [N, K]^T for a weight made on the fly (dequantized GGUF chunks, widened
     experts): float32 on CPU goes through oneDNN's linear on the plain weight where
     packing_works, since torch.mm / F.linear call MKL's sgemm, which on AMD CPUs runs its
     generic code: 512 x 576 @ 576 x 3072 on one Zen 5 thread 17.4 ms, oneDNN 7.6 ms (its
-    prepacked weight 7.5). Other dtypes and devices: torch.mm (bf16 already reaches oneDNN)."""
+    prepacked weight 7.5). Other dtypes and devices: torch.mm (bf16 already reaches oneDNN),
+    written straight into `out` where given (oneDNN's linear has no out: copied there)."""
     if (x.dtype == w.dtype == torch.float32 and x.device.type == "cpu"
             and packing_works(torch.float32)):
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), w.contiguous(), None, "none",
-                                                  [], "")
-    return torch.mm(x, w.t())
+        y = torch.ops.mkldnn._linear_pointwise(x.contiguous(), w.contiguous(), None, "none",
+                                               [], "")
+        return y if out is None else out.copy_(y)
+    return torch.mm(x, w.t(), out=out)
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor,

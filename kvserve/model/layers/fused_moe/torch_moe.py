@@ -69,7 +69,7 @@ def fused_experts_torch(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torc
         # bf16 experts with float32 x (layer.py keeps them 16-bit): widened per expert.
         w13e, w2e = widened(w13[expert], x.dtype), widened(w2[expert], x.dtype)
         act = silu_and_mul(mm_t(x[seg], w13e))
-        rows[seg] = mm_t(act, w2e)
+        mm_t(act, w2e, out=rows[seg])
         start += n
     rows.mul_(weights.unsqueeze(1))
     out = torch.zeros(num_tokens, hidden, dtype=hidden_states.dtype, device=x.device)
