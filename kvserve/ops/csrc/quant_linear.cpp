@@ -336,9 +336,6 @@ QL_INLINE __m256i bcast4(const int8_t* p) {   // x's 4 int8 values at p, in ever
   std::memcpy(&v, p, 4);
   return _mm256_set1_epi32(v);
 }
-QL_INLINE __m256i udot(__m256i u, __m256i s) {   // lane r: sum of its 4 u8 x s8 products
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
-}
 // AVX-512 VNNI (the avx512_bf16 tier): vpdpbusd adds the 4 u8 x s8 products of each lane
 // into an int32 in one instruction, where AVX2 needs maddubs (int16 pair sums), madd and an
 // add. The sums are exact integers either way (maddubs never saturates here: |w| x |x| pairs
