@@ -485,7 +485,8 @@ def kernel_sweep(size: str, dtypes: list[str],
     """One MoE layer's experts at the size's shapes: the C++ kernel against the grouped torch
     GEMMs per step of T tokens (T * k pairs), weights of `layers` layers cycled so each call
     reads its experts from memory, not cache. The crossover sets ops/moe.py's
-    MAX_DECODE_PAIRS. Also each kernel call's implied GB/s (routed experts' bytes / time)."""
+    MAX_DECODE_PAIRS (float32) and MAX_DECODE_PAIRS_DPBF16 (bf16 on dpbf16). Also each kernel
+    call's implied GB/s (routed experts' bytes / time)."""
     from kvserve.model.layers.fused_moe import fused_experts_torch, select_experts
     from kvserve.ops import moe as moe_ops
 

@@ -5,6 +5,7 @@ activations reuse memory instead of page-faulting fresh mappings. Each case runs
 interpreter: mallopt settings last for the process."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -14,7 +15,7 @@ import pytest
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc mallopt")
 
 PROBE = textwrap.dedent("""
-    import ctypes, os, sys
+    import ctypes, sys
     from kvserve.utils import memory
 
     libc = ctypes.CDLL(None)
@@ -39,7 +40,6 @@ PROBE = textwrap.dedent("""
 
 
 def _probe(phase: str, env: dict[str, str] | None = None) -> tuple[str, str]:
-    import os
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     full_env.update(env or {})
     out = subprocess.run([sys.executable, "-c", PROBE, phase], capture_output=True, text=True,
