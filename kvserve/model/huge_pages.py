@@ -21,6 +21,7 @@ import ctypes
 import ctypes.util
 import functools
 import logging
+import mmap
 from typing import Optional
 
 import torch
@@ -80,8 +81,14 @@ def move_weights_to_huge_pages(model: nn.Module) -> int:
     madvise = _madvise()
     if total < HUGE_PAGE or madvise is None:
         return 0
-    # Untouched until the copies below, so advising it first makes them fault in huge pages.
-    arena = torch.empty(total + HUGE_PAGE, dtype=torch.uint8)
+    # A private anonymous mapping of its own, untouched until the copies below, so advising it
+    # first makes them fault in huge pages. Not torch.empty: under a raised malloc threshold
+    # (utils/memory.serving_thresholds, or glibc's dynamic one) that comes from the heap, and
+    # the advice would outlive the weights on that heap range, reaching whatever is allocated
+    # there later (test_huge_pages saw a later model's plain weights advised).
+    arena = torch.frombuffer(
+        mmap.mmap(-1, total + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS),
+        dtype=torch.uint8)
     base = arena.data_ptr()
     start = _align(base, HUGE_PAGE)
     length = (base + arena.numel()) // HUGE_PAGE * HUGE_PAGE - start
