@@ -503,7 +503,8 @@ class _KvserveSide:
         # not the default share of the machine's memory, so the RSS column compares engines.
         self.llm = LLM(path, max_model_len=opts["ctx"], max_num_seqs=max(1, opts["offline"]),
                        kv_cache_memory=(512 if opts["offline"] else 128) << 20,
-                       enable_prefix_caching=False, multiprocessing=False, **extra)
+                       enable_prefix_caching=False, multiprocessing=False,
+                       dtype=opts.get("dtype", "auto"), **extra)
         ppl, ids = prompt_perplexity(self.llm, perplexity_text(1))
         measure_prefill_throughput(self.llm, opts["prompt_len"], 1)                # warm-up
         n = opts["num_iters"]
@@ -634,8 +635,9 @@ def bench_quantized(path: str, args: argparse.Namespace) -> dict[str, Any]:
     opts = {"ctx": max(args.prompt_len, args.decode_prompt_len + args.decode_tokens, 1024) + 32,
             "threads": threads, "prompt_len": args.prompt_len, "num_iters": args.num_iters,
             "decode_prompt_len": args.decode_prompt_len, "decode_tokens": args.decode_tokens,
-            "dequantized": False, "offline": args.offline_requests}
+            "dequantized": False, "offline": args.offline_requests, "dtype": args.kvserve_dtype}
     entry: dict[str, Any] = {"file": path, "weights": weights_label(path, "gguf"),
+                             "kvserve_dtype": args.kvserve_dtype,
                              "file_bytes": os.path.getsize(path), "threads": threads,
                              "peer": peer, "gomp_spincount_kvserve": os.environ.get("GOMP_SPINCOUNT"),
                              "gomp_spincount_peer": _USER_OMP_ENV["GOMP_SPINCOUNT"]}
@@ -749,6 +751,9 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--quantized-files", nargs="+", default=None,
                    help="Quantized GGUF files ('demo': the demo's Q4_1): both engines on each "
                         "file itself (kvserve keeping it packed); see the module doc.")
+    p.add_argument("--kvserve-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="--quantized-files: kvserve's activation dtype (bfloat16: prompt GEMMs "
+                        "in bf16).")
     p.add_argument("--output-json", default=None)
     return p
 

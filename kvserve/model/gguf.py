@@ -269,9 +269,12 @@ def _rope_scaling(meta: GGUFMetadata) -> Optional[dict]:
                      f"--hf-config-path with a config.json whose rope_scaling kvserve supports.")
 
 
+_FLOAT_TYPES = ("F32", "F16", "BF16")
+
+
 def _torch_dtype_name(meta: GGUFMetadata) -> str:
-    """The run dtype 'auto' picks: the file's float type; float32 for quantized files, which
-    are dequantized exactly into it."""
+    """The file's float type; float32 for quantized files, which are dequantized exactly into
+    it (on a CPU with bf16 math, config.resolve_dtype runs packed files in bfloat16)."""
     types = {t.type_name for t in meta.tensors if len(t.shape) > 1}
     if types == {"BF16"}:
         return "bfloat16"
@@ -311,6 +314,9 @@ def gguf_hf_config(meta: GGUFMetadata) -> dict[str, Any]:
         "tie_word_embeddings": "output.weight" not in names,
         "attention_bias": "blk.0.attn_q.bias" in names,
         "torch_dtype": _torch_dtype_name(meta),
+        # Block-quantized matrices (Q4_0 ... Q6_K): config.resolve_dtype's bf16 rule on CPU.
+        "gguf_block_quantized": any(len(t.shape) > 1 and t.type_name not in _FLOAT_TYPES
+                                    for t in meta.tensors),
     }
     if model_type in _EXPERT_PROJECTIONS:
         config.update(_moe_config(meta, model_type, config["intermediate_size"]))

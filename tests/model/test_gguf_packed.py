@@ -26,7 +26,7 @@ from kvserve import LLM, SamplingParams, envs
 from kvserve.benchmarks.datasets import perplexity_text, prompt_perplexity
 from kvserve.config import ModelConfig
 from kvserve.model.loader import load_model, weight_memory_bytes
-from kvserve.ops import cpu_weight as cw
+from kvserve.ops import cpu_isa, cpu_weight as cw
 from kvserve.ops.quant import kernel as quant_kernel
 from kvserve.ops.quant.weight import QuantizedRows
 from tests.utils import greedy_prefix_near_tie
@@ -109,10 +109,11 @@ def files(smollm2_gguf: str, tmp_path_factory: pytest.TempPathFactory) -> dict[s
             "mixed": _requantize(smollm2_gguf, str(out / "smollm2-mixed.gguf"), _mixed_type)}
 
 
-def _perplexity(path: str, quantization: str) -> float:
-    # Packed: 8-token steps, the int8 path (larger ones take the float GEMM: ops/quant/weight.py).
-    chunks = dict(max_num_batched_tokens=8) if quantization == "gguf" else {}
-    with LLM(path, quantization=quantization, **ENGINE, **chunks) as llm:
+def _perplexity(path: str, quantization: str, dtype: str = "float32") -> float:
+    # Packed float32: 8-token steps, the int8 path (larger ones take the float GEMM:
+    # ops/quant/weight.py). bfloat16: the whole prompt in one step, its bf16 GEMMs.
+    chunks = dict(max_num_batched_tokens=8) if quantization == "gguf" and dtype == "float32" else {}
+    with LLM(path, quantization=quantization, **{**ENGINE, "dtype": dtype}, **chunks) as llm:
         ppl, ids = prompt_perplexity(llm, perplexity_text())
     assert len(ids) >= 200
     return ppl
@@ -128,6 +129,36 @@ def test_perplexity_within_one_percent_of_float32(files, name) -> None:
     packed, float32 = _perplexity(files[name], "gguf"), _perplexity(files[name], "gguf-dequantized")
     assert math.isfinite(packed) and 1.0 < float32 < 100.0
     assert abs(packed / float32 - 1) < 0.01, (name, packed, float32)
+    # bfloat16 activations (dtype auto on a CPU with bf16 math): the prompt's bf16 GEMMs.
+    bf16 = _perplexity(files[name], "gguf", "bfloat16")
+    assert abs(bf16 / float32 - 1) < 0.01, (name, bf16, float32)
+
+
+def _auto_dtype(path: str, isa: str, quantization: str = "gguf") -> torch.dtype:
+    from kvserve.model.gguf import read_gguf_config
+
+    return ModelConfig.from_path(path, tokenizer=None, served_model_name=None, dtype="auto",
+                                 max_model_len=None, seed=0, max_logprobs=20, device="cpu",
+                                 gguf_config=read_gguf_config(path), cpu_isa=isa,
+                                 quantization=quantization).dtype
+
+
+def test_auto_dtype_of_packed_files_is_float32_where_bf16_is_emulated(files) -> None:
+    assert _auto_dtype(files["Q4_1"], "avx2") == torch.float32
+
+
+@pytest.mark.skipif("avx512_bf16" not in cpu_isa.supported_tiers(), reason="no bf16 math here")
+def test_auto_dtype_of_packed_files_is_bf16_on_a_cpu_with_bf16_math(
+        files, tiny_llama: str, tmp_path) -> None:
+    """Block-quantized files kept packed: bfloat16 (as vLLM runs GGUF in 16 bits); dequantized
+    at load, or a float file: the file's dtype, float32."""
+    from tests.model.gguf_files import write_gguf
+
+    assert _auto_dtype(files["Q4_1"], "avx512_bf16") == torch.bfloat16
+    assert _auto_dtype(files["mixed"], "avx512_bf16") == torch.bfloat16
+    assert _auto_dtype(files["Q4_1"], "avx512_bf16", "gguf-dequantized") == torch.float32
+    f32 = write_gguf(tiny_llama, str(tmp_path / "f32.gguf"), "F32")
+    assert _auto_dtype(f32, "avx512_bf16") == torch.float32
 
 
 def _load_with_config(path: str, quantization: str = "gguf") -> tuple[torch.nn.Module, ModelConfig]:

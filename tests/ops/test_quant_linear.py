@@ -284,6 +284,27 @@ def test_large_batches_dequantize_into_a_float_gemm(name: str, m: int,
     check_close(w.matmul(torch.from_numpy(x).view(1, m, -1)).view(m, -1), ref, bound, "large M")
 
 
+@pytest.mark.parametrize("name", ["Q4_0", "Q8_0", "Q4_K", "Q6_K"])
+def test_large_batches_of_bf16_x_run_bf16_gemms(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bfloat16 x above INT8_MAX_ROWS (a prompt of a bf16 model): the weight's chunks rounded to
+    bf16 for bf16 GEMMs, the result bf16. Against float64 on the same rounded inputs: within the
+    bf16 output's rounding (2^-8 of |y|) plus 1e-5 of |x||W|; padding poisoned."""
+    monkeypatch.setattr(qweight, "CHUNK_ELEMS", 8 * 512)
+    monkeypatch.setattr(qweight, "INT8_MAX_ROWS", 8)
+    shape = (37, 512)
+    raw = make_raw(name, *shape)
+    w = PackedQuantWeight.from_gguf(name, raw, shape)
+    poison_padding(w)
+    xb = torch.from_numpy(activations(33, shape[1], seed=5)).bfloat16()
+    wb = torch.from_numpy(dequantize_gguf(raw, FORMATS[name], shape)).bfloat16()
+    x64, w64 = xb.double().numpy(), wb.double().numpy()
+    ref, bound = x64 @ w64.T, np.abs(x64) @ np.abs(w64).T
+    y = w.matmul(xb)
+    assert y.dtype == torch.bfloat16 and y.shape == (33, shape[0])
+    err = np.abs(y.double().numpy() - ref) - 2.0 ** -8 * np.abs(ref) - TOL * bound
+    assert (err <= 0).all(), np.abs(y.double().numpy() - ref).max()
+
+
 @pytest.mark.parametrize("m", [1, 8, 12])
 def test_without_kernels_the_torch_path_is_correct(m: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """No C++ kernel (another CPU, no compiler, disabled): torch dequantization + float GEMM,

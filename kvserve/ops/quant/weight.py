@@ -8,7 +8,9 @@ speculative verification: x quantized per block to int8 exactly as llama.cpp qua
 this weight type, integer dot products): a stream over the packed bytes (0.56 - 1.06 bytes a
 weight instead of float32's 4). Larger batches (prefill) take the weight dequantized
 CHUNK_ELEMS floats at a time into a float32 temporary for oneDNN's GEMM (dequantized_matmul),
-x unquantized, so a prompt's hidden states are those of the dequantized float32 model. Why,
+x unquantized, so a prompt's hidden states are those of the dequantized float32 model; with
+bfloat16 x (a bf16 model: dtype "auto" for a packed file on a CPU with bf16 math,
+config.resolve_dtype) the chunks are rounded to bf16 for bf16 GEMMs, twice float32's rate. Why,
 measured: the int8 activations of the prompt's layers moved the demo's first answer token by
 0.2 nats on a near-tie ("L'Etoile" for "The capital of France is Paris."), and the logits by
 0.05 more (hence `precise` for the LM head). The price is small since the GEMMs run on
@@ -107,8 +109,8 @@ class PackedQuantWeight:
         if ops is not None and 0 < rows and (INT8_MAX_ROWS is None or rows <= INT8_MAX_ROWS):
             y = (self._precise_linear(ops, xf.contiguous()) if precise
                  else ops.linear(xf.contiguous(), self.packed, self.fmt.ggml_type, n))
-        else:
-            y = self.dequantized_matmul(xf)
+        else:       # bf16 activations keep bf16 GEMMs (twice float32's rate); others float32
+            y = self.dequantized_matmul(x2 if x2.dtype == torch.bfloat16 else xf)
         if bias is not None:
             y = y + bias.float()
         return y.to(x.dtype).reshape(*lead, n)
@@ -126,16 +128,16 @@ class PackedQuantWeight:
         return y[:m] + y[m:]
 
     def dequantized_matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x @ W^T with W dequantized CHUNK_ELEMS floats at a time into float32 (the GEMMs:
-        ops.linear.mm_t)."""
+        """x @ W^T with W dequantized CHUNK_ELEMS floats at a time (float32, then x's dtype:
+        float32 or bfloat16) into the GEMMs of ops.linear.mm_t; the result in x's dtype."""
         n, k = self.shape
         step = max(ROW_GROUP, CHUNK_ELEMS // k // ROW_GROUP * ROW_GROUP)
         if step >= n:
-            return mm_t(x, self.dequantize())
-        y = torch.empty(x.shape[0], n, dtype=torch.float32, device=x.device)
+            return mm_t(x, self.dequantize().to(x.dtype))
+        y = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
         for r0 in range(0, n, step):       # chunks of the weight, not rows or blocks
             r1 = min(n, r0 + step)
-            y[:, r0:r1] = mm_t(x, self.dequantize(r0, r1))
+            mm_t(x, self.dequantize(r0, r1).to(x.dtype), out=y[:, r0:r1])
         return y
 
     def dequantize(self, row0: int = 0, row1: Optional[int] = None) -> torch.Tensor:
