@@ -144,6 +144,44 @@ def test_prefill_step_equals_the_dequantized_float_experts(types) -> None:
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("types", TYPE_SETS[:1] + TYPE_SETS[2:3],
+                         ids=["-".join(t) for t in TYPE_SETS[:1] + TYPE_SETS[2:3]])
+@torch.inference_mode()
+def test_bf16_prefill_step_runs_bf16_gemms_on_the_dequantized_experts(types) -> None:
+    """bfloat16 hidden states above INT8_MAX_ROWS (a bf16 model's prefill): each expert's
+    weights rounded to bf16 and bf16 GEMMs, the sum in float32, the result bf16. Against the
+    same arithmetic in float64 on the bf16-rounded inputs: within bf16's rounding of the two
+    GEMMs' outputs (2^-7 of the result's norm); and bit for bit the dense layers' bf16 path
+    (PackedQuantWeight.dequantized_matmul) on each expert's rows."""
+    layer, raws = _experts(types, seed=5)
+    x, weights, ids = _routing(INT8_MAX_ROWS + 13, 2)
+    xb = x.bfloat16()
+    got = fused_experts_packed(xb, *layer.expert_stacks(), weights, ids, E)
+    assert got.dtype == torch.bfloat16
+    shapes = [(I, H), (I, H), (H, I)]
+    mats = [[PackedQuantWeight.from_gguf(q, raw[e], sh) for e in range(E)]
+            for q, raw, sh in zip(types, raws, shapes)]
+    rows = torch.zeros(ids.numel(), H)
+    for e in range(E):
+        pairs = (ids.reshape(-1) == e).nonzero().reshape(-1)
+        if len(pairs):
+            xe = xb[pairs // TOP_K]
+            gate_up = torch.cat([mats[0][e].dequantized_matmul(xe).float(),
+                                 mats[1][e].dequantized_matmul(xe).float()], dim=1)
+            act = silu_and_mul(gate_up).bfloat16()
+            rows[pairs] = mats[2][e].dequantized_matmul(act).float()
+    rows.mul_(weights.reshape(-1, 1).float())
+    assert torch.equal(got, rows.view(-1, TOP_K, H).sum(dim=1).bfloat16()), types
+    g, u, d = (w.bfloat16().double() for w in _dequantized(raws, types))
+    ref = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for j in range(TOP_K):
+            e, xt = int(ids[t, j]), xb[t].double()
+            a = (torch.nn.functional.silu(g[e] @ xt) * (u[e] @ xt)).bfloat16().double()
+            ref[t] += weights[t, j].double() * (d[e] @ a)
+    assert (got.double() - ref).norm() <= 2.0 ** -7 * ref.norm(), types
+
+
 @torch.inference_mode()
 def test_expert_parallel_ranks_and_float_gate_up_beside_packed_down() -> None:
     """EP: two ranks' packed halves sum to the whole layer (ids -1 skipped); a layer whose

@@ -17,7 +17,9 @@ dense layer:
     (kvserve::quant_linear) on the expert's packed blocks, its x rows quantized per block --
     only the routed experts' bytes are read;
   - larger steps (prefill): each used expert's weight dequantized CHUNK_ELEMS floats at a time
-    (gguf-exact) into float32 GEMMs over its tokens -- the dequantized float model's math.
+    (gguf-exact) into float32 GEMMs over its tokens -- the dequantized float model's math; with
+    bfloat16 hidden states (a packed file's dtype "auto" on a CPU with bf16 math) the chunks
+    are rounded to bf16 for bf16 GEMMs, as PackedQuantWeight.matmul does for a dense layer.
 Decode-sized steps of packed stacks run as one C++ op per layer (csrc/moe.cpp
 fused_moe_packed: the same kernel calls in the same order, bit-identical to the torch-op loop
 here for top-2) because the loop's op calls cost more than the kernel at batch 1: one small
@@ -95,15 +97,15 @@ ExpertStack = Union[PackedExperts, torch.Tensor]
 
 def expert_matmul(w: ExpertStack, e: int, x: torch.Tensor, int8_ops: Optional[object]
                   ) -> torch.Tensor:
-    """x [n, K] float32 @ expert e's W^T -> [n, N] float32: the int8 kernel on its packed blocks
-    (`int8_ops`: kernel.ops(), a decode-sized step), else the dequantized GEMM; a float stack
-    widened per expert."""
+    """x [n, K] float32 (or bfloat16, a bf16 model's prefill) @ expert e's W^T -> [n, N]
+    float32: the int8 kernel on its packed blocks (`int8_ops`: kernel.ops(), a decode-sized
+    step), else the dequantized GEMM in x's dtype; a float stack widened per expert."""
     if isinstance(w, torch.Tensor):
-        return mm_t(x, widened(w[e], torch.float32))
+        return mm_t(x.float(), widened(w[e], torch.float32))
     if int8_ops is not None:
-        return int8_ops.linear(x, w.packed[e], w.fmt.ggml_type, w.shape[0])
+        return int8_ops.linear(x.float(), w.packed[e], w.fmt.ggml_type, w.shape[0])
     # PackedQuantWeight's large-batch arithmetic, so prefill equals the dequantized model's.
-    return w.expert(e).dequantized_matmul(x)
+    return w.expert(e).dequantized_matmul(x).float()
 
 
 def int8_step(x: torch.Tensor) -> Optional[object]:
@@ -140,7 +142,10 @@ def _experts_loop(hidden_states: torch.Tensor, w13: Sequence[ExpertStack], w2: E
     """fused_experts_packed in torch ops: a loop over the experts that have tokens."""
     num_tokens, hidden = hidden_states.shape
     order, token_of, counts = group_by_expert(topk_ids, num_experts)
-    x = hidden_states.float().index_select(0, token_of)
+    # bf16 prefill: bf16 GEMMs on packed experts (expert_matmul); else float32 math.
+    bf16 = (hidden_states.dtype == torch.bfloat16 and ops is None
+            and hidden_states.device.type == "cpu")
+    x = (hidden_states if bf16 else hidden_states.float()).index_select(0, token_of)
     # Each pair's row in pair order (token * k + slot; another rank's pairs stay 0), then the
     # k rows of a token weighted and summed: small serial ops. index_add_ (fused_experts_torch)
     # is a parallel region even for one row, whose join can wait milliseconds for a core on
@@ -153,8 +158,9 @@ def _experts_loop(hidden_states: torch.Tensor, w13: Sequence[ExpertStack], w2: E
         xe = x[start:start + n]
         parts = [expert_matmul(w, expert, xe, ops) for w in w13]
         gate_up = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        act = silu_and_mul(gate_up)
         rows.index_copy_(0, order[start:start + n],
-                         expert_matmul(w2, expert, silu_and_mul(gate_up), ops))
+                         expert_matmul(w2, expert, act.to(x.dtype) if bf16 else act, ops))
         start += n
     rows.mul_(topk_weights.reshape(-1, 1).float())
     return rows.view(num_tokens, -1, hidden).sum(dim=1).to(hidden_states.dtype)
