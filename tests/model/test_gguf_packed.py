@@ -161,10 +161,11 @@ def test_auto_dtype_of_packed_files_is_bf16_on_a_cpu_with_bf16_math(
     assert _auto_dtype(f32, "avx512_bf16") == torch.float32
 
 
-def _load_with_config(path: str, quantization: str = "gguf") -> tuple[torch.nn.Module, ModelConfig]:
+def _load_with_config(path: str, quantization: str = "gguf",
+                      dtype: str = "float32") -> tuple[torch.nn.Module, ModelConfig]:
     from kvserve.model.gguf import read_gguf_config
 
-    cfg = ModelConfig.from_path(path, tokenizer=None, served_model_name=None, dtype="float32",
+    cfg = ModelConfig.from_path(path, tokenizer=None, served_model_name=None, dtype=dtype,
                                 max_model_len=None, seed=0, max_logprobs=20, device="cpu",
                                 gguf_config=read_gguf_config(path, "auto", None),
                                 quantization=quantization)
@@ -177,20 +178,22 @@ def _load(path: str, quantization: str = "gguf") -> torch.nn.Module:
 
 @pytest.mark.skipif(quant_kernel.ops() is None, reason="no packed-weight kernel")
 @torch.inference_mode()
-def test_fused_decode_runs_packed_weights_bit_identically(files) -> None:
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_decode_runs_packed_weights_bit_identically(files, dtype: str) -> None:
     """Small steps of a packed GGUF model run all layers in the one C++ call (the packed
     projections through kvserve::quant_linear; the mixed file's q|k|v is two parts of two
     types, its other projections one) with logits and KV caches equal bit for bit to the
-    layer-by-layer path. (The shipped Q4_1 file takes the same code path with one part each.)"""
-    fused = run_fused_and_layer_steps(files["mixed"])
+    layer-by-layer path. (The shipped Q4_1 file takes the same code path with one part each.)
+    bfloat16: the kernel takes bf16 x itself on both paths."""
+    fused = run_fused_and_layer_steps(files["mixed"], dtype)
     stack = fused.model._fused_decode
     assert stack is not None and stack.quant_parts, "the packed stack did not take the op"
     parts_of_qkv = sum(p is not None for p in stack.quant_parts[:3])
     assert parts_of_qkv == 2, parts_of_qkv
 
 
-def run_fused_and_layer_steps(path: str) -> torch.nn.Module:
-    """Two float32 loads of the GGUF file at `path`, one taking the fused decode op and one the
+def run_fused_and_layer_steps(path: str, dtype: str = "float32") -> torch.nn.Module:
+    """Two loads (`dtype`) of the GGUF file at `path`, one taking the fused decode op and one the
     layer-by-layer path, through a schedule of prefill, mixed, batch-2 and batch-1 steps with
     logits and KV caches asserted bit-identical; returns the fused model."""
     from kvserve.attention.backends.cpu import CpuAttentionBackend
@@ -199,7 +202,7 @@ def run_fused_and_layer_steps(path: str) -> torch.nn.Module:
 
     models = []
     for _ in range(2):
-        model, cfg = _load_with_config(path)
+        model, cfg = _load_with_config(path, dtype=dtype)
         bind_attention_backend(model, CpuAttentionBackend(torch.device("cpu")))
         models.append(model)
     fused, plain = models
@@ -211,7 +214,7 @@ def run_fused_and_layer_steps(path: str) -> torch.nn.Module:
     schedule = [([], [(a, 0, 9)]),                      # 9 tokens: the float GEMM path
                 ([(a, 9)], [(b, 0, 5)]),                # a decode and a prefill chunk
                 ([(a, 10), (b, 5)], []), ([(b, 6)], [])]  # batch 2, batch 1
-    assert_steps_bit_identical(fused, plain, cfg, torch.float32, schedule)
+    assert_steps_bit_identical(fused, plain, cfg, cfg.dtype, schedule)
     return fused
 
 

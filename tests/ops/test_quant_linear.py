@@ -284,6 +284,22 @@ def test_large_batches_dequantize_into_a_float_gemm(name: str, m: int,
     check_close(w.matmul(torch.from_numpy(x).view(1, m, -1)).view(m, -1), ref, bound, "large M")
 
 
+@needs_kernel
+@pytest.mark.parametrize("name", ["Q4_1", "Q5_K", "Q6_K"])
+def test_bf16_x_is_widened_and_y_rounded_inside_the_kernel(ops, name: str) -> None:
+    """bfloat16 x (a bf16 model's decode step): the kernel's own widening and rounding give the
+    bits of x.float() -> the float32 kernel -> .to(bfloat16), at 1 and 8 rows."""
+    shape = (37, 512)
+    w = PackedQuantWeight.from_gguf(name, make_raw(name, *shape), shape)
+    for m in (1, 8):
+        xb = torch.from_numpy(activations(m, shape[1], seed=m)).bfloat16()
+        got = ops.linear(xb, w.packed, w.fmt.ggml_type, shape[0])
+        assert got.dtype == torch.bfloat16
+        assert torch.equal(got, ops.linear(xb.float(), w.packed, w.fmt.ggml_type,
+                                           shape[0]).bfloat16())
+        assert torch.equal(w.matmul(xb), got)
+
+
 @pytest.mark.parametrize("name", ["Q4_0", "Q8_0", "Q4_K", "Q6_K"])
 def test_large_batches_of_bf16_x_run_bf16_gemms(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """bfloat16 x above INT8_MAX_ROWS (a prompt of a bf16 model): the weight's chunks rounded to

@@ -165,6 +165,8 @@ at::Tensor project(const Ops& op, const at::Tensor& x, const Opt* w, Slot ws, Sl
     const at::Tensor& t = *parts[i];
     if (meta[2 * i] == kFloatPart)
       return at::linear(x, t.to(x.scalar_type()), with_bias ? bias : Opt());
+    if (!(with_bias && bias.has_value()))    // bf16 x in, bf16 y out: the kernel converts
+      return quant_op().call(x.contiguous(), t, meta[2 * i], meta[2 * i + 1]);
     at::Tensor y = quant_op().call(f32 ? x.contiguous() : x.to(at::kFloat).contiguous(), t,
                                    meta[2 * i], meta[2 * i + 1]);
     if (with_bias && bias.has_value()) y = at::add(y, bias->to(at::kFloat));

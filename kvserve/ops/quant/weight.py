@@ -107,8 +107,10 @@ class PackedQuantWeight:
         ops = kernel.ops() if x.device.type == "cpu" else None
         rows = xf.shape[0]
         if ops is not None and 0 < rows and (INT8_MAX_ROWS is None or rows <= INT8_MAX_ROWS):
+            # bf16 x without a bias: the kernel widens x and rounds y itself (same bits).
+            xk = x2 if x2.dtype == torch.bfloat16 and bias is None and not precise else xf
             y = (self._precise_linear(ops, xf.contiguous()) if precise
-                 else ops.linear(xf.contiguous(), self.packed, self.fmt.ggml_type, n))
+                 else ops.linear(xk.contiguous(), self.packed, self.fmt.ggml_type, n))
         else:       # bf16 activations keep bf16 GEMMs (twice float32's rate); others float32
             y = self.dequantized_matmul(x2 if x2.dtype == torch.bfloat16 else xf)
         if bias is not None:
