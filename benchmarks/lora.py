@@ -23,6 +23,7 @@ cache (the rounds reuse the prompts), and PEFT runs once per round: the vs-PEFT 
 median of each round's 4-adapter run over that round's PEFT run.
 
     python benchmarks/lora.py [--full] [--num-prompts N] [--output-len N] [--adapters 1 4 16]
+        [--lora-dtype auto|bfloat16]
         [--hf-batch-size 16] [--peft-prompts N] [--skip-peft] [--output-json out.json]
 """
 from __future__ import annotations
@@ -146,8 +147,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if warm:
             run_kvserve(llm, prompts, args.output_len, None)
         result["base_only_tok_s"] = run_kvserve(llm, prompts, args.output_len, None)
+    result["lora_dtype"] = args.lora_dtype
     with LLM(model, enable_lora=True, max_loras=max(counts), max_cpu_loras=max(counts),
-             max_lora_rank=RANK, **engine) as llm:
+             max_lora_rank=RANK, lora_dtype=args.lora_dtype, **engine) as llm:
         loras = [LoRARequest(f"a{i}", i + 1, p) for i, p in enumerate(paths)]
         start = time.perf_counter()
         for lr in loras:
@@ -187,6 +189,9 @@ def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default=None, help="checkpoint (default: the benchmark Llama)")
     p.add_argument("--model-dir", default=DEFAULT_MODEL_DIR)
+    p.add_argument("--lora-dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                   help="kvserve's --lora-dtype (bfloat16: half the adapter bytes a step on "
+                        "the float32 model; PEFT keeps float32)")
     p.add_argument("--full", action="store_true",
                    help="the larger workload: 32 prompts of 64..256 tokens, 64 output tokens")
     p.add_argument("--num-prompts", type=int, default=None, help="default 16 (--full: 32)")

@@ -84,7 +84,8 @@ class _SlotStacks:
 class LoRALinear(_SlotStacks):
     def __init__(self, base: LinearBase, modules: list[tuple[str, ShardId]], max_loras: int,
                  max_rank: int, mapping: LoRAMapping,
-                 sorted_tokens: Optional[SortedTokens] = None) -> None:
+                 sorted_tokens: Optional[SortedTokens] = None,
+                 dtype: Optional[torch.dtype] = None) -> None:
         self.base = base
         self.sorted_tokens = sorted_tokens
         self.modules = modules                  # (PEFT module name, the base's shard id)
@@ -93,9 +94,10 @@ class LoRALinear(_SlotStacks):
         self.mapping = mapping
         n = len(modules)
         weight = base.weight
+        dtype = dtype or weight.dtype           # --lora-dtype (lora/config.py stack_dtype)
         self.a_stack = torch.zeros(max_loras, n * max_rank, base.input_size,
-                                   dtype=weight.dtype, device=weight.device)
-        self.b_stack = b_stack_zeros(max_loras, base.output_size, n * max_rank, weight.dtype,
+                                   dtype=dtype, device=weight.device)
+        self.b_stack = b_stack_zeros(max_loras, base.output_size, n * max_rank, dtype,
                                      weight.device)
         self.out_splits = _out_splits(base, n)
         self.has = [False] * max_loras          # slot -> its adapter targets this layer

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from kvserve.lora.config import LoRAConfig
+from kvserve.lora.config import LoRAConfig, stack_dtype
 from kvserve.lora.layers import (LogitsRows, LoRAEmbedding, LoRALinear, LoRALogits, ShardId,
                                  SortedTokens)
 from kvserve.lora.peft_loader import OUTSIDE_LAYERS, LoRAModel, load_adapter
@@ -64,7 +64,9 @@ def wrap_model(model: nn.Module, lora_config: LoRAConfig, mapping: LoRAMapping,
                              f"Llama-family layout.")
         layer_idx = int(parts[parts.index("layers") + 1])
         lora = LoRALinear(module, _FUSED[parts[-1]], lora_config.max_loras,
-                          lora_config.max_lora_rank, mapping, sorted_tokens)
+                          lora_config.max_lora_rank, mapping, sorted_tokens,
+                          stack_dtype(lora_config.lora_dtype, module.weight.dtype,
+                                      module.weight.device))
         module.lora = lora
         layers[(layer_idx, parts[-1])] = lora
     if not layers:
@@ -86,11 +88,13 @@ def _wrap_vocab_layers(model: nn.Module, lora_config: LoRAConfig, mapping: LoRAM
     n, rank = lora_config.max_loras, lora_config.max_lora_rank
     embed = getattr(getattr(model, "model", None), "embed_tokens", None)
     if isinstance(embed, VocabParallelEmbedding):
-        embed.lora = LoRAEmbedding(embed, n, rank, mapping, embed.linear_weight.act_dtype)
+        embed.lora = LoRAEmbedding(embed, n, rank, mapping, stack_dtype(
+            lora_config.lora_dtype, embed.linear_weight.act_dtype, embed.weight.device))
         layers[(OUTSIDE_LAYERS, "embed_tokens")] = embed.lora
     head = getattr(model, "lm_head", None)
     if isinstance(head, ParallelLMHead):
-        head.lora = LoRALogits(head, n, rank, logits_rows, head.linear_weight.act_dtype)
+        head.lora = LoRALogits(head, n, rank, logits_rows, stack_dtype(
+            lora_config.lora_dtype, head.linear_weight.act_dtype, head.weight.device))
         layers[(OUTSIDE_LAYERS, "lm_head")] = head.lora
 
 
@@ -99,7 +103,8 @@ class LoRAModelManager:
                  dtype: torch.dtype, device: torch.device) -> None:
         self.config = lora_config
         self.hf_config = hf_config
-        self.dtype = dtype
+        # Adapters are read in the stacks' dtype (--lora-dtype; auto: the model's).
+        self.dtype = stack_dtype(lora_config.lora_dtype, dtype, device)
         self.device = device
         self.mapping = LoRAMapping()
         self.logits_rows = LogitsRows()

@@ -234,8 +234,10 @@ def add_lora_torch(y: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor,
                    b_stack: torch.Tensor, groups: list[Group]) -> None:
     """add_lora's torch path: two matmuls per group (the fallback everywhere)."""
     for slot, g in groups:
-        shrunk = x[g] @ a_stack[slot].t()
-        delta = shrunk @ b_stack[slot].t()
+        # Stacks of another dtype (--lora-dtype, 16-bit weights beside float32 x): the
+        # matmuls in the stacks' dtype, the delta added in y's.
+        shrunk = x[g].to(a_stack.dtype) @ a_stack[slot].t()
+        delta = (shrunk @ b_stack[slot].t()).to(y.dtype)
         if isinstance(g, slice):
             y[g] += delta
         else:

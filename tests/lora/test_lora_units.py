@@ -30,6 +30,27 @@ def test_grouped_shrink_expand_matches_reference() -> None:
     assert torch.equal(got[5:9], y[5:9])     # base tokens untouched
 
 
+def test_torch_path_takes_bf16_stacks_beside_float32_x() -> None:
+    """add_lora_torch (kernels off, or past the kernel's token limit) with bfloat16 stacks
+    (--lora-dtype bfloat16, or 16-bit weights with float32 math) and float32 x / y: the
+    reference on the same bf16 values, y stays float32."""
+    from kvserve.lora.punica import add_lora_torch
+
+    gen = torch.Generator().manual_seed(1)
+    a = torch.randn(2, 8, 32, generator=gen).bfloat16()
+    b = torch.randn(2, 24, 8, generator=gen).bfloat16()
+    x, y = torch.randn(11, 32, generator=gen), torch.randn(11, 24, generator=gen)
+    slots = np.array([1] * 4 + [-1] * 3 + [0] * 4)
+    mapping = LoRAMapping()
+    mapping.set(slots, torch.device("cpu"))
+    want = add_lora_reference(y, x.bfloat16().float(), a.float(), b.float(),
+                              torch.from_numpy(slots))
+    got = y.clone()
+    add_lora_torch(got, x, a, b, mapping.groups)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=5e-2)
+
+
 def test_scheduler_admits_at_most_max_loras_adapters() -> None:
     from kvserve.config import CacheConfig, SchedulerConfig
     from kvserve.core.request import Request
