@@ -300,6 +300,23 @@ def test_bf16_x_is_widened_and_y_rounded_inside_the_kernel(ops, name: str) -> No
         assert torch.equal(w.matmul(xb), got)
 
 
+def test_precise_logits_of_bf16_x_stay_float32(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The LM head (precise) of a bf16 model: float32 logits, and above INT8_MAX_ROWS (prompt
+    logprobs) float32 GEMMs on the bf16 x's values: within the float path's tolerance of
+    float64, where a bf16 GEMM is off by far more."""
+    monkeypatch.setattr(qweight, "INT8_MAX_ROWS", 8)
+    shape = (37, 512)
+    raw = make_raw("Q6_K", *shape)
+    w = PackedQuantWeight.from_gguf("Q6_K", raw, shape)
+    xb = torch.from_numpy(activations(20, shape[1], seed=9)).bfloat16()
+    ref, bound = float_reference(xb.float().numpy(), raw, "Q6_K", shape)
+    y = w.matmul(xb, precise=True)
+    assert y.dtype == torch.float32 and w.matmul(xb[:3], precise=True).dtype == torch.float32
+    check_close(y, ref, bound, "precise, large M")
+    plain = np.abs(w.matmul(xb).double().numpy() - ref) / bound
+    assert plain.max() > TOL, plain.max()
+
+
 @pytest.mark.parametrize("name", ["Q4_0", "Q8_0", "Q4_K", "Q6_K"])
 def test_large_batches_of_bf16_x_run_bf16_gemms(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """bfloat16 x above INT8_MAX_ROWS (a prompt of a bf16 model): the weight's chunks rounded to

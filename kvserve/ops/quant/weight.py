@@ -92,9 +92,12 @@ class PackedQuantWeight:
     # ------------------------------------------------------------------ math
     def matmul(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None,
                precise: bool = False) -> torch.Tensor:
-        """x [..., K] @ W^T (+ bias) -> [..., N] in x's dtype (the math in float32).
-        `precise` (the LM head): on the int8 path, x's quantization residual is a second int8
-        row (_precise_linear), so the logits carry ~15-bit activations, not 8."""
+        """x [..., K] @ W^T (+ bias) -> [..., N] in x's dtype (the math in float32; bf16
+        GEMMs for bf16 x above INT8_MAX_ROWS). `precise` (the LM head): on the int8 path, x's
+        quantization residual is a second int8 row (_precise_linear), so the logits carry
+        ~15-bit activations, not 8; larger batches (prompt logprobs) take float32 GEMMs; the
+        logits come back float32 whatever x's dtype (the sampler's dtype: a bf16 round trip
+        would undo the residual row)."""
         n, k = self.shape
         if x.shape[-1] != k:
             raise ValueError(f"x has {x.shape[-1]} features, the weight {k}")
@@ -112,10 +115,10 @@ class PackedQuantWeight:
             y = (self._precise_linear(ops, xf.contiguous()) if precise
                  else ops.linear(xk.contiguous(), self.packed, self.fmt.ggml_type, n))
         else:       # bf16 activations keep bf16 GEMMs (twice float32's rate); others float32
-            y = self.dequantized_matmul(x2 if x2.dtype == torch.bfloat16 else xf)
+            y = self.dequantized_matmul(x2 if x2.dtype == torch.bfloat16 and not precise else xf)
         if bias is not None:
             y = y + bias.float()
-        return y.to(x.dtype).reshape(*lead, n)
+        return (y.float() if precise else y.to(x.dtype)).reshape(*lead, n)
 
     def _precise_linear(self, ops, x: torch.Tensor) -> torch.Tensor:
         """W (x_q + r_q): x_q is x's int8 blocks (the kernel's own quantization of x), r_q the
