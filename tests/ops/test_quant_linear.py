@@ -267,18 +267,26 @@ def test_precise_matmul_is_float_accurate(ops, name: str) -> None:
     assert plain.max() > 5e-5, plain.max()
 
 
-@pytest.mark.parametrize("name", PACKED_TYPES)
-@pytest.mark.parametrize("m", [9, 33])
-def test_large_batches_dequantize_into_a_float_gemm(name: str, m: int,
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    """The float path (above INT8_MAX_ROWS, lowered here to 8): float32 chunks of the weight
-    (several: CHUNK_ELEMS is lowered too) into torch's GEMM, x unquantized; padding poisoned."""
+def chunked_weight(name: str, monkeypatch: pytest.MonkeyPatch
+                   ) -> tuple[tuple[int, int], np.ndarray, PackedQuantWeight]:
+    """A (37, 512) weight of `name` with its padding poisoned, INT8_MAX_ROWS lowered to 8 and
+    CHUNK_ELEMS to 8 rows: the large-batch path, in several chunks."""
     monkeypatch.setattr(qweight, "CHUNK_ELEMS", 8 * 512)
     monkeypatch.setattr(qweight, "INT8_MAX_ROWS", 8)
     shape = (37, 512)
     raw = make_raw(name, *shape)
     w = PackedQuantWeight.from_gguf(name, raw, shape)
     poison_padding(w)
+    return shape, raw, w
+
+
+@pytest.mark.parametrize("name", PACKED_TYPES)
+@pytest.mark.parametrize("m", [9, 33])
+def test_large_batches_dequantize_into_a_float_gemm(name: str, m: int,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The float path (above INT8_MAX_ROWS, lowered here to 8): float32 chunks of the weight
+    (several: CHUNK_ELEMS is lowered too) into torch's GEMM, x unquantized; padding poisoned."""
+    shape, raw, w = chunked_weight(name, monkeypatch)
     x = activations(m, shape[1], seed=m)
     ref, bound = float_reference(x, raw, name, shape)
     check_close(w.matmul(torch.from_numpy(x).view(1, m, -1)).view(m, -1), ref, bound, "large M")
@@ -322,12 +330,7 @@ def test_large_batches_of_bf16_x_run_bf16_gemms(name: str, monkeypatch: pytest.M
     """bfloat16 x above INT8_MAX_ROWS (a prompt of a bf16 model): the weight's chunks rounded to
     bf16 for bf16 GEMMs, the result bf16. Against float64 on the same rounded inputs: within the
     bf16 output's rounding (2^-8 of |y|) plus 1e-5 of |x||W|; padding poisoned."""
-    monkeypatch.setattr(qweight, "CHUNK_ELEMS", 8 * 512)
-    monkeypatch.setattr(qweight, "INT8_MAX_ROWS", 8)
-    shape = (37, 512)
-    raw = make_raw(name, *shape)
-    w = PackedQuantWeight.from_gguf(name, raw, shape)
-    poison_padding(w)
+    shape, raw, w = chunked_weight(name, monkeypatch)
     xb = torch.from_numpy(activations(33, shape[1], seed=5)).bfloat16()
     wb = torch.from_numpy(dequantize_gguf(raw, FORMATS[name], shape)).bfloat16()
     x64, w64 = xb.double().numpy(), wb.double().numpy()
