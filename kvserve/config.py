@@ -47,7 +47,7 @@ def _packed_gguf_in_bf16(hf_config: dict, device: str, quantization: Optional[st
     avx512_bf16 tier): bfloat16 activations, as vLLM runs GGUF files in 16 bits. Its prompt
     GEMMs then run bf16 on the dequantized tiles, twice float32's rate (a 0.85B Q4_K 512-token
     prompt 276 -> 485 tok/s, Zen 5), and the decode kernels quantize x to int8 either way;
-    the demo's perplexity moves +0.65% (benchmarks/README.md). Other tiers emulate bf16: float32."""
+    the demo's perplexity moves +0.57% (benchmarks/README.md). Other tiers emulate bf16: float32."""
     if device != "cpu" or quantization != "gguf" or not hf_config.get("gguf_block_quantized"):
         return False
     from kvserve.ops import cpu_isa as isa

@@ -492,7 +492,7 @@ def run_engine_core(handshake_address: str, engine_index: int = 0,
         logging.basicConfig(level=log_level,
                             format=f"%(levelname)s %(asctime)s [EngineCore_{engine_index}] "
                                    f"%(name)s: %(message)s")
-    configure_process_memory("Engine core")
+    configure_process_memory("Engine core", owns_engine=True)
     exiting = False
 
     def signal_handler(signum: int, frame: Any) -> None:

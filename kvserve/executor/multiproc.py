@@ -530,7 +530,7 @@ class WorkerProc:
         """Process entry point: start up, report READY (or the error), serve until told to stop."""
         rank = kwargs["rank"]
         _set_process_name(f"KVSWorker_TP{rank}")
-        configure_process_memory(f"Worker TP{rank}")
+        configure_process_memory(f"Worker TP{rank}", owns_engine=True)
         shutdown_requested = False
 
         def on_sigterm(signum: int, frame: Any) -> None:

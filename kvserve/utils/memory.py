@@ -69,6 +69,7 @@ _MALLOPTS = (("MALLOC_MMAP_THRESHOLD_", M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES),
              ("MALLOC_ARENA_MAX", M_ARENA_MAX, ARENA_MAX))
 
 _applied: Optional[str] = None
+_owns_engine = False
 
 
 def _libc() -> Optional[ctypes.CDLL]:
@@ -79,10 +80,13 @@ def _libc() -> Optional[ctypes.CDLL]:
         return None
 
 
-def configure_process_memory(process_name: str) -> str:
+def configure_process_memory(process_name: str, owns_engine: bool = False) -> str:
     """Apply the settings above to this process (once; later calls return the same summary)
-    and log one line saying what was set. Returns that line."""
-    global _applied
+    and log one line saying what was set. Returns that line. `owns_engine`: the process exists
+    to run one engine core or worker until it exits (serving_thresholds then freezes the GC's
+    start-up heap); not an API server, whose entry point a test may call in its own process."""
+    global _applied, _owns_engine
+    _owns_engine = _owns_engine or owns_engine
     if _applied is not None:
         return _applied
     parts: list[str] = []
@@ -119,13 +123,15 @@ def serving_thresholds(process_name: str) -> None:
 
     Also freezes the start-up heap (gc.collect, then gc.freeze, as vLLM's engine core does):
     the cyclic GC's full collections stop walking the model, tokenizer and config objects, 2.4%
-    -> 1.2% of a demo decode step's perf samples (gc_collect_main, Zen 5). Only in the
-    processes configure_process_memory set up, which live as long as their engine: a frozen
-    object is never collected, so an in-process engine dropped later would keep its cycles."""
+    -> 1.2% of a demo decode step's perf samples (gc_collect_main, Zen 5). Only in an engine
+    core or worker process (configure_process_memory's owns_engine), which lives as long as its
+    engine: a frozen object is never collected, so an in-process engine dropped later (a test
+    that ran `kvserve serve`'s entry point, then more engines) would keep its cycles."""
     if _applied is None:
         return
-    gc.collect()
-    gc.freeze()
+    if _owns_engine:
+        gc.collect()
+        gc.freeze()
     libc = _libc()
     if libc is None:
         return

@@ -32,8 +32,8 @@ PROBE = textwrap.dedent("""
         raise AssertionError("no mapping holds the block")
 
     import gc
-    if sys.argv[1] != "unconfigured":
-        memory.configure_process_memory("probe")
+    if sys.argv[1] != "unconfigured":     # "api": an API server's process, no engine of its own
+        memory.configure_process_memory("probe", owns_engine=sys.argv[1] != "api")
     loading = in_heap(1 << 20)
     if sys.argv[1] != "load":
         memory.serving_thresholds("probe")
@@ -52,10 +52,12 @@ def _probe(phase: str, env: dict[str, str] | None = None) -> tuple[str, str, str
 
 
 def test_blocks_leave_the_heap_while_loading_and_use_it_once_serving() -> None:
-    """And serving freezes the start-up heap for the GC (not before, and not in a process
-    whose memory kvserve did not configure: an in-process engine)."""
+    """And serving freezes the start-up heap for the GC in an engine's own process (not before,
+    not in an API server's process, whose entry point tests call in pytest's, and not where
+    kvserve did not configure memory: an in-process engine)."""
     assert _probe("load") == ("False", "False", "False")
     assert _probe("serve") == ("False", "True", "True")
+    assert _probe("api") == ("False", "True", "False")
     assert _probe("unconfigured")[2] == "False"
 
 
