@@ -159,7 +159,6 @@ at::Tensor project(const Ops& op, const at::Tensor& x, const Opt* w, Slot ws, Sl
   int64_t n = 0;
   while (n < kParts && meta[2 * n] != kNoPart) ++n;
   const Opt& bias = w[bs];
-  const bool f32 = x.scalar_type() == at::kFloat;
   // One part: its matmul with the bias (PackedQuantWeight.matmul adds it in float32).
   auto part = [&](int64_t i, bool with_bias) -> at::Tensor {
     const at::Tensor& t = *parts[i];
@@ -167,10 +166,9 @@ at::Tensor project(const Ops& op, const at::Tensor& x, const Opt* w, Slot ws, Sl
       return at::linear(x, t.to(x.scalar_type()), with_bias ? bias : Opt());
     if (!(with_bias && bias.has_value()))    // bf16 x in, bf16 y out: the kernel converts
       return quant_op().call(x.contiguous(), t, meta[2 * i], meta[2 * i + 1]);
-    at::Tensor y = quant_op().call(f32 ? x.contiguous() : x.to(at::kFloat).contiguous(), t,
-                                   meta[2 * i], meta[2 * i + 1]);
-    if (with_bias && bias.has_value()) y = at::add(y, bias->to(at::kFloat));
-    return f32 ? y : y.to(x.scalar_type());
+    const at::Tensor y = quant_op().call(x.to(at::kFloat).contiguous(), t, meta[2 * i],
+                                         meta[2 * i + 1]);
+    return at::add(y, bias->to(at::kFloat)).to(x.scalar_type());
   };
   if (n == 1) return part(0, true);
   std::vector<at::Tensor> ys;

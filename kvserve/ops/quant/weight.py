@@ -106,16 +106,18 @@ class PackedQuantWeight:
         if self.packed.is_cuda:         # the Triton kernels (ops/triton/quant.py), x's dtype
             from kvserve.ops.triton.quant import quant_matmul
             return quant_matmul(x2, self.packed, self.fmt, n, bias).reshape(*lead, n)
-        xf = x2 if x2.dtype == torch.float32 else x2.float()
+        # bf16 x stays bf16 (the kernel widens it and rounds y itself, same bits; the large
+        # path's GEMMs run bf16, twice float32's rate) except for the LM head; others float32.
+        keep_bf16 = x2.dtype == torch.bfloat16 and not precise
+        xs = x2 if keep_bf16 or x2.dtype == torch.float32 else x2.float()
         ops = kernel.ops() if x.device.type == "cpu" else None
-        rows = xf.shape[0]
+        rows = x2.shape[0]
         if ops is not None and 0 < rows and (INT8_MAX_ROWS is None or rows <= INT8_MAX_ROWS):
-            # bf16 x without a bias: the kernel widens x and rounds y itself (same bits).
-            xk = x2 if x2.dtype == torch.bfloat16 and bias is None and not precise else xf
-            y = (self._precise_linear(ops, xf.contiguous()) if precise
+            xk = xs if bias is None else xs.float()     # a bias is added to float32 y
+            y = (self._precise_linear(ops, xs.contiguous()) if precise
                  else ops.linear(xk.contiguous(), self.packed, self.fmt.ggml_type, n))
-        else:       # bf16 activations keep bf16 GEMMs (twice float32's rate); others float32
-            y = self.dequantized_matmul(x2 if x2.dtype == torch.bfloat16 and not precise else xf)
+        else:
+            y = self.dequantized_matmul(xs)
         if bias is not None:
             y = y + bias.float()
         return (y.float() if precise else y.to(x.dtype)).reshape(*lead, n)
