@@ -41,6 +41,16 @@ def resolve_dtype(dtype: Any, hf_config: dict, device: str, quantization: Option
     return _DTYPES[dtype]
 
 
+# The CPU kernel tier with native bf16 math; below it bf16 is emulated (~4x float32's time).
+BF16_MATH_TIER = "avx512_bf16"
+
+
+def _kernel_tier(cpu_isa: Optional[str]) -> Optional[str]:
+    """The CPU kernel tier `cpu_isa` (CpuConfig.cpu_isa) means; None: this process's setting."""
+    from kvserve.ops import cpu_isa as isa
+    return isa.selected_tier() if cpu_isa is None else isa.resolve_tier(cpu_isa)
+
+
 def _packed_gguf_in_bf16(hf_config: dict, device: str, quantization: Optional[str],
                          cpu_isa: Optional[str]) -> bool:
     """dtype "auto" for a block-quantized GGUF file kept packed, on a CPU with bf16 math (the
@@ -50,9 +60,7 @@ def _packed_gguf_in_bf16(hf_config: dict, device: str, quantization: Optional[st
     the demo's perplexity moves +0.57% (benchmarks/README.md). Other tiers emulate bf16: float32."""
     if device != "cpu" or quantization != "gguf" or not hf_config.get("gguf_block_quantized"):
         return False
-    from kvserve.ops import cpu_isa as isa
-    tier = isa.selected_tier() if cpu_isa is None else isa.resolve_tier(cpu_isa)
-    if tier != "avx512_bf16":
+    if _kernel_tier(cpu_isa) != BF16_MATH_TIER:
         return False
     logger.info("dtype=auto: a block-quantized GGUF file on a CPU with bf16 math: activations "
                 "and the KV cache are bfloat16 (--dtype float32 keeps float32).")
@@ -74,9 +82,8 @@ def resolve_weight_dtype(dtype: Any, hf_config: dict, device: str,
     stored = _DTYPES.get(name.replace("torch.", ""))
     if stored not in (torch.bfloat16, torch.float16):
         return None
-    from kvserve.ops import cpu_isa as isa
-    tier = isa.selected_tier() if cpu_isa is None else isa.resolve_tier(cpu_isa)
-    if tier == "avx512_bf16":
+    tier = _kernel_tier(cpu_isa)
+    if tier == BF16_MATH_TIER:
         return None
     logger.info("dtype=auto: %s checkpoint on a CPU without bf16 math (kernel tier %s): weights "
                 "stay %s in memory; activations, math and the KV cache are float32 "

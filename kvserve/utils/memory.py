@@ -27,8 +27,8 @@ these or the oneDNN variable) wins: that setting is left alone.
 from __future__ import annotations
 
 import ctypes
-import gc
 import ctypes.util
+import gc
 import logging
 import os
 from typing import Optional

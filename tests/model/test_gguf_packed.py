@@ -134,13 +134,18 @@ def test_perplexity_within_one_percent_of_float32(files, name) -> None:
     assert abs(bf16 / float32 - 1) < 0.01, (name, bf16, float32)
 
 
-def _auto_dtype(path: str, isa: str, quantization: str = "gguf") -> torch.dtype:
+def _config(path: str, quantization: str = "gguf", dtype: str = "float32",
+            cpu_isa: Optional[str] = None) -> ModelConfig:
     from kvserve.model.gguf import read_gguf_config
 
-    return ModelConfig.from_path(path, tokenizer=None, served_model_name=None, dtype="auto",
+    return ModelConfig.from_path(path, tokenizer=None, served_model_name=None, dtype=dtype,
                                  max_model_len=None, seed=0, max_logprobs=20, device="cpu",
-                                 gguf_config=read_gguf_config(path), cpu_isa=isa,
-                                 quantization=quantization).dtype
+                                 gguf_config=read_gguf_config(path), cpu_isa=cpu_isa,
+                                 quantization=quantization)
+
+
+def _auto_dtype(path: str, isa: str, quantization: str = "gguf") -> torch.dtype:
+    return _config(path, quantization, "auto", isa).dtype
 
 
 def test_auto_dtype_of_packed_files_is_float32_where_bf16_is_emulated(files) -> None:
@@ -163,12 +168,7 @@ def test_auto_dtype_of_packed_files_is_bf16_on_a_cpu_with_bf16_math(
 
 def _load_with_config(path: str, quantization: str = "gguf",
                       dtype: str = "float32") -> tuple[torch.nn.Module, ModelConfig]:
-    from kvserve.model.gguf import read_gguf_config
-
-    cfg = ModelConfig.from_path(path, tokenizer=None, served_model_name=None, dtype=dtype,
-                                max_model_len=None, seed=0, max_logprobs=20, device="cpu",
-                                gguf_config=read_gguf_config(path, "auto", None),
-                                quantization=quantization)
+    cfg = _config(path, quantization, dtype)
     return load_model(cfg, torch.device("cpu")), cfg
 
 
