@@ -104,42 +104,53 @@ def batch1_decode(llm, prompt: list[int], out_len: int) -> float:
     return (out_len - 1) / (tn - t1)
 
 
-def decode_step_profile(llm, prompt: list[int], steps: int, device: str) -> dict[str, float]:
-    """Per batch-1 decode step: GPU kernels (torch.profiler), host CPU ms (process time, all
-    threads) and wall ms; a 1-token run is subtracted so the prefill is not counted."""
+def _profiled_generate(llm, prompts, sp, device: str, **kw):
+    """One profiled llm.generate: GPU kernel launches and GPU us by kernel name (memcpy and
+    memset left out), and the number of aten ops."""
     from torch.profiler import ProfilerActivity, profile
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=acts) as prof:
+        llm.generate(prompts, sp, use_tqdm=False, **kw)
+    events = prof.events()
+    names, busy = Counter(), Counter()
+    for e in events:
+        if (e.device_type == torch.autograd.DeviceType.CUDA
+                and not e.name.startswith(("Memcpy", "Memset"))):
+            names[e.name] += 1
+            busy[e.name] += e.time_range.elapsed_us()
+    return names, busy, sum(1 for e in events if e.name.startswith("aten::"))
 
+
+def top_kernels(names: Counter, busy: Counter, scale: float = 1.0, n: int = 30) -> dict:
+    """name -> (launches, GPU us) over `scale`, the n largest by GPU time: what to fuse next."""
+    rows = {k[:90]: (names[k] / scale, busy[k] / scale) for k in names if names[k] > 0}
+    return dict(sorted(rows.items(), key=lambda kv: -kv[1][1])[:n])
+
+
+def decode_step_profile(llm, prompt, steps: int, device: str,
+                        lora_request=None) -> dict[str, float]:
+    """Per decode step: GPU kernels (torch.profiler), host CPU ms (process time, all threads)
+    and wall ms; a 1-token run is subtracted so the prefill is not counted. `prompt`: one
+    prompt's token ids (batch 1) or a list of them (a batch; `lora_request` as generate's)."""
     from kvserve import SamplingParams
-    p = {"prompt_token_ids": prompt}
+    batch = [prompt] if prompt and isinstance(prompt[0], int) else prompt
+    p = [{"prompt_token_ids": q} for q in batch]
+    kw = {"lora_request": lora_request} if lora_request is not None else {}
     runs = {}
     for n in (1, steps + 1):
         sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-        llm.generate(p, sp, use_tqdm=False)                      # warm-up (and graphs)
-        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
-        with profile(activities=acts) as prof:
-            llm.generate(p, sp, use_tqdm=False)
-        events = prof.events()
-        names, busy = Counter(), Counter()
-        for e in events:
-            if (e.device_type == torch.autograd.DeviceType.CUDA
-                    and not e.name.startswith(("Memcpy", "Memset"))):
-                names[e.name] += 1
-                busy[e.name] += e.time_range.elapsed_us()
-        aten = sum(1 for e in events if e.name.startswith("aten::"))
+        llm.generate(p, sp, use_tqdm=False, **kw)               # warm-up (and graphs)
+        names, busy, aten = _profiled_generate(llm, p, sp, device, **kw)
         c, t = time.process_time(), time.perf_counter()        # unprofiled for the times
-        llm.generate(p, sp, use_tqdm=False)
+        llm.generate(p, sp, use_tqdm=False, **kw)
         runs[n] = (names, aten, time.process_time() - c, time.perf_counter() - t, busy)
     a, b = runs[1], runs[steps + 1]
-    # Which kernels a step launches (name -> launches and GPU us per step): what to fuse next.
-    per_step = {k: ((b[0][k] - a[0].get(k, 0)) / steps, (b[4][k] - a[4].get(k, 0)) / steps)
-                for k in b[0]}
-    top = dict(sorted(((k[:90], v) for k, v in per_step.items() if v[0] > 0),
-                      key=lambda kv: -kv[1][1])[:30])
     return {"kernels_per_step": (sum(b[0].values()) - sum(a[0].values())) / steps,
             "gpu_busy_ms_per_step": (sum(b[4].values()) - sum(a[4].values())) / steps / 1e3,
             "aten_ops_per_step": (b[1] - a[1]) / steps,
             "cpu_ms_per_step": (b[2] - a[2]) / steps * 1e3,
-            "wall_ms_per_step": (b[3] - a[3]) / steps * 1e3, "kernels_by_name": top}
+            "wall_ms_per_step": (b[3] - a[3]) / steps * 1e3,
+            "kernels_by_name": top_kernels(b[0] - a[0], b[4] - a[4], steps)}
 
 
 def host_profile(llm, prompt: list[int], steps: int, out_path: str) -> None:
@@ -190,6 +201,10 @@ def run_kvserve_all(path: str, requests, args, enforce_eager: bool,
         t = time.perf_counter()
         llm.generate(long_prompt, one, use_tqdm=False)
         res["ttft_long_ms"] = (time.perf_counter() - t) * 1e3
+        llm.reset_prefix_cache()            # where the TTFT goes: its kernels, GPU busy time
+        names, busy, _ = _profiled_generate(llm, long_prompt, one, args.device)
+        res["ttft_long_gpu_busy_ms"] = sum(busy.values()) / 1e3
+        res["ttft_long_kernels"] = top_kernels(names, busy, n=20)
     if args.serve_offline:       # the served workload offline: the gap's reference
         served = make_requests(args.serve_num_prompts, args.serve_input_len,
                                args.serve_input_len, args.serve_output_len, args.vocab, seed=2)
@@ -283,6 +298,8 @@ def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
     ap.add_argument("--serve-input-len", type=int, default=512)
     ap.add_argument("--serve-output-len", type=int, default=128)
     ap.add_argument("--serve-rates", nargs="+", default=["16", "inf"])
+    ap.add_argument("--serve-modes", nargs="+", choices=["sync", "async"],
+                    default=["sync", "async"], help="the served runs' schedulers")
     ap.add_argument("--serve-timeout-s", type=float, default=1800)
     ap.add_argument("--serve-api-server-count", type=int, default=1,
                     help="API server processes of the served run: one streams ~11k tok/s on "
@@ -362,7 +379,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         "async": ("kvserve_async", lambda: run_kvserve_all(path, requests, args, False, True)),
         "eager": ("kvserve_enforce_eager", lambda: run_kvserve_all(path, requests, args, True)),
         "serve": ("served", lambda: {mode: served_run(path, args, mode == "async")
-                                     for mode in ("sync", "async")}),
+                                     for mode in args.serve_modes}),
         "hf": ("hf", lambda: _hf_part(path, requests, args)),
     }
     for part in args.parts:
@@ -407,7 +424,8 @@ def summarize(result: dict[str, Any], path: str, args: argparse.Namespace) -> No
             f"kernels (goal <= {GOAL_KERNELS}), GPU busy {d['gpu_busy_ms_per_step']:.2f} ms, "
             f"{d['aten_ops_per_step']:.0f} aten ops, CPU "
             f"{d['cpu_ms_per_step']:.2f} ms, wall {d['wall_ms_per_step']:.2f} ms"
-            + (f" | TTFT {args.ttft_len} {r['ttft_long_ms']:.0f} ms" if "ttft_long_ms" in r
+            + (f" | TTFT {args.ttft_len} {r['ttft_long_ms']:.0f} ms (GPU busy "
+               f"{r.get('ttft_long_gpu_busy_ms', float('nan')):.1f} ms)" if "ttft_long_ms" in r
                else ""))
     served_all = result.get("served", {})
     for mode, served in ({} if "error" in served_all else served_all).items():

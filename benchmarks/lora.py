@@ -146,7 +146,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with LLM(model, **engine) as llm:
         if warm:
             run_kvserve(llm, prompts, args.output_len, None)
-        result["base_only_tok_s"] = run_kvserve(llm, prompts, args.output_len, None)
+        runs = [run_kvserve(llm, prompts, args.output_len, None) for _ in range(args.rounds)]
+        result["base_only_tok_s"] = statistics.median(runs)
+        result["base_only_rounds_tok_s"] = runs
+        if args.profile_steps:
+            result["profile_base_only"] = _profile(llm, prompts, args, None)
     result["lora_dtype"] = args.lora_dtype
     with LLM(model, enable_lora=True, max_loras=max(counts), max_cpu_loras=max(counts),
              max_lora_rank=RANK, lora_dtype=args.lora_dtype, **engine) as llm:
@@ -176,6 +180,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                 args.hf_batch_size, args.device, dtype)
                 result[f"round{rnd}_peft_{n}_adapters_tok_s"] = peft
                 peft_ratios.append(result[f"round{rnd}_adapters_{n}_tok_s"] / peft)
+        if args.profile_steps:
+            result["profile_lora_engine_base"] = _profile(llm, prompts, args, None)
+            for n in counts:
+                result[f"profile_adapters_{n}"] = _profile(
+                    llm, prompts, args, [loras[i % n] for i in range(len(prompts))])
         for n in counts:
             result[f"adapters_{n}_tok_s"] = result[f"round{args.rounds - 1}_adapters_{n}_tok_s"]
             result[f"adapters_{n}_vs_base_median"] = statistics.median(ratios[n])
@@ -183,6 +192,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         result["kvserve_vs_peft_median"] = statistics.median(peft_ratios)
     result["load_average_end"] = os.getloadavg()
     return result
+
+
+def _profile(llm: LLM, prompts: list[list[int]], args: argparse.Namespace,
+             loras: Optional[list[Optional[LoRARequest]]]) -> dict[str, Any]:
+    """Per decode step of the whole batch (gpu.py's profile): kernels, GPU busy, host ms."""
+    from gpu import decode_step_profile
+    return decode_step_profile(llm, prompts, args.profile_steps, args.device, loras)
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -207,6 +223,10 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-peft", action="store_true")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="cuda: kvserve and PEFT on the GPU, both bfloat16 (CPU: float32)")
+    p.add_argument("--profile-steps", type=int, default=0,
+                   help="also profile this many decode steps of the whole batch (kernels per "
+                        "step, GPU busy and host ms) for base-only, base requests on the LoRA "
+                        "engine and each adapter count")
     p.add_argument("--output-json", default=None)
     return p
 

@@ -50,7 +50,8 @@ if not torch.cuda.is_available():       # before triton's kernels are defined
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.gpu import MODEL_CONFIG as GPU_MODEL_CONFIG  # noqa: E402
 from benchmarks.gpu import MODEL_NAME as GPU_MODEL_NAME  # noqa: E402
-from benchmarks.gpu import batch1_decode, copy_bandwidth_gb_s, make_requests  # noqa: E402
+from benchmarks.gpu import (batch1_decode, copy_bandwidth_gb_s, decode_step_profile,  # noqa: E402
+                            make_requests)
 from benchmarks.roofline import DEFAULT_MODEL_DIR, ensure_random_checkpoint  # noqa: E402
 from kvserve.benchmarks.throughput import run_kvserve  # noqa: E402
 from kvserve.ops.quant import FORMATS, PACKED_TYPES, PackedQuantWeight  # noqa: E402
@@ -393,6 +394,8 @@ def model_bench(variant: str, ckpt: str, args: argparse.Namespace, requests: lis
         return {"error": str(e)}
     res: dict[str, Any] = {"bytes_per_step": streamed_bytes(variant, ckpt, path)}
     res["batch1_tok_s"] = batch1_decode(llm, requests[0].prompt_token_ids, args.batch1_len)
+    # GPU busy against wall per batch-1 step: is the step the GPU's or the host's?
+    res["decode_step"] = decode_step_profile(llm, requests[0].prompt_token_ids, 16, args.device)
     if bw:
         limit = bw * 1e9 / res["bytes_per_step"]
         res.update(batch1_limit_tok_s=limit, batch1_fraction=res["batch1_tok_s"] / limit)
@@ -515,7 +518,10 @@ def summarize(result: dict[str, Any]) -> None:
             continue
         frac = (f" = {100 * r['batch1_fraction']:.0f}% of {r['batch1_limit_tok_s']:.0f} "
                 f"(goal {100 * GOAL_BATCH1:.0f}%)" if "batch1_fraction" in r else "")
-        print(f"  {v:7s}: batch-1 {r['batch1_tok_s']:.0f} tok/s{frac}, "
+        d = r.get("decode_step", {})
+        step = (f" (a step: GPU busy {d['gpu_busy_ms_per_step']:.2f} ms, wall "
+                f"{d['wall_ms_per_step']:.2f} ms, {d['kernels_per_step']:.0f} kernels)" if d else "")
+        print(f"  {v:7s}: batch-1 {r['batch1_tok_s']:.0f} tok/s{frac}{step}, "
               f"{r['bytes_per_step'] / 2**20:.0f} MiB/step | offline "
               f"{r['throughput_tok_s']:.0f} tok/s")
     b, f = models.get("bf16", {}), models.get("fp8", {})

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The checks a lent GPU runs in one call (device tool: `run`, carry .whl), part by part, each
+# under its own time limit so one stuck part cannot cost the others; results land in $OUT.
+#
+#   bash benchmarks/gpu_session.sh PART [PART ...]
+#
+# Parts: tests (the Triton kernels and CUDA graphs on the GPU), lora (issue 33: 4 adapters vs base on CUDA, with per-step
+# profiles), gpu (issue 31: benchmarks/gpu.py's graphs part + a served run, sync, saturation,
+# 4 API servers; ttft: the graphs part alone), quant (issue 29: batch-1 and offline of bf16 / fp8 / Q8_0 / Q4_K_M).
+# .whl holds the wheels the device image lacks (msgspec, pyzmq, fastapi, ...: see
+# /work/.library/device's README for the download line).
+set -u
+OUT=${OUT:-/tmp/kvserve-gpu-out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 KVSERVE_CACHE_DIR=/tmp/kvserve-cache
+MODELS=$PWD/benchmarks/.models
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,noheader
+echo "host: $(lscpu | grep -m1 'Model name' | sed 's/.*: *//'), $(nproc) CPUs"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+quiet() { grep -v -e USDT -e '^\s*$'; }
+for part in "$@"; do
+    start=$(date +%s)
+    case $part in
+    tests)
+        # (the C++ CPU kernels' bad-input tests segfault on the device's Xeon: left out)
+        timeout 200 python3 -m pytest -q -p no:cacheprovider -k "not cpu_kernel and not dispatch and not some_of_the_groups" \
+            tests/attention/test_triton_kernels.py tests/attention/test_cuda_graph.py \
+            tests/lora/test_lora_kernels.py tests/lora/test_lora_graph_mode.py 2>&1 | tail -15 ;;
+    lora)
+        timeout 150 python3 benchmarks/lora.py --device cuda --full --num-prompts 128 \
+            --adapters 4 --rounds 2 --skip-peft --profile-steps 8 --model-dir "$MODELS" \
+            --output-json "$OUT/lora.json" 2>&1 | quiet | grep -v "^profile" | tail -20 ;;
+    gpu)
+        timeout 240 python3 benchmarks/gpu.py --parts graphs serve --serve-modes sync \
+            --serve-rates inf --serve-api-server-count 4 --model-dir "$MODELS" \
+            --output-json "$OUT/gpu.json" 2>&1 | quiet | tail -12 ;;
+    ttft)
+        timeout 150 python3 benchmarks/gpu.py --parts graphs --skip-serve --model-dir "$MODELS" \
+            --output-json "$OUT/gpu.json" 2>&1 | quiet | tail -6 ;;
+    quant)
+        timeout 240 python3 benchmarks/quant_gpu.py --skip-kernels --num-prompts 100 \
+            --model-dir "$MODELS" --output-json "$OUT/quant.json" 2>&1 | quiet | tail -10 ;;
+    *) echo "unknown part $part" ;;
+    esac
+    echo "== part $part: $(( $(date +%s) - start )) s"
+done
