@@ -65,11 +65,12 @@ def check(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
 @pytest.mark.parametrize("bs", [16, 32])
 def test_unified_attention(device, bs: int, dtype: torch.dtype) -> None:
-    """Decode rows first, then prefill chunks with and without cached context (one chunk
-    longer than a query block, one context crossing blocks), GQA with 3 heads per kv head."""
+    """Decode rows first, then prefill chunks with and without cached context (a context
+    crossing blocks; a 150-query chunk after 50 cached keys: several query blocks, key tiles
+    spanning several cache blocks, causal edges inside a tile), GQA with 3 heads per kv head."""
     from kvserve.attention.ops.unified_attention import unified_attention
 
-    ctxs, qlens = [9, 40, 0, 33, 0], [1, 1, 21, 7, 3]
+    ctxs, qlens = [9, 40, 0, 33, 0, 50], [1, 1, 21, 7, 3, 150]
     hkv, groups, d = 2, 3, 32
     seq_lens = [c + n for c, n in zip(ctxs, qlens)]
     cache, tables, dense = make_paged(seq_lens, hkv, d, bs, dtype, device, seed=bs)
