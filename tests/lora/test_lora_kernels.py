@@ -107,6 +107,20 @@ def test_triton_add_lora_bf16(tri, T: int) -> None:
     _check(out, add_lora_reference(y, x, a, b, torch.from_numpy(slots)), y, slots)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_triton_split_k_shrink(tri, dtype: torch.dtype) -> None:
+    """A decode-size batch over a wide K: the shrink runs in K splits (9 tiles of 64 in 4
+    splits of 3, the last one empty) whose partial sums the expand adds."""
+    T, K = 9, 520
+    x, a, b, y = _case(T, K, 16, 40, dtype, dtype, seed=5)
+    slots = _slots(T, seed=5)
+    meta = tri.lora_meta(torch.from_numpy(slots).to(DEVICE), UNUSED + 1)
+    s = tri.lora_shrink(x.to(DEVICE), a.to(DEVICE), meta)
+    assert s.shape == (4, T, 16)
+    out = tri.lora_expand(y.clone().to(DEVICE), s, b.to(DEVICE), meta)
+    _check(out, add_lora_reference(y, x, a, b, torch.from_numpy(slots)), y, slots)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_triton_path_in_a_cuda_graph(tri) -> None:
     """add_lora captured in a CUDA graph with host syncs made errors; the next step's slots
