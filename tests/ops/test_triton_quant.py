@@ -118,18 +118,25 @@ def test_16bit_activations_and_bias(name: str, dtype: torch.dtype) -> None:
 
 
 def test_gemv_split_k_and_one_row_alone() -> None:
-    """K long enough that the GEMV splits it (float32 partials summed after), for several rows
-    and for one (the M = 1 kernel accumulates a whole tile and reduces once)."""
+    """K long enough that the GEMV splits it (float32 partials, summed by each row block's last
+    split to finish), for several rows and for one (the M = 1 kernel accumulates a whole tile
+    and reduces once); twice into NaN-filled outputs: a counter left set would skip the
+    second call's merge."""
+    from kvserve.ops.triton.counters import counters_at_rest
     name = "Q6_K"
-    fmt, n, k = FORMATS[name], 9, 1024
+    fmt, n, k = FORMATS[name], 9, 2048
     w, ref = _weight(name, n, k, seed=7)
-    assert tq._gemv_config(n, k // 256)[1] > 1
+    assert tq._gemv_config(n, k // 256)[1] == 4
     x = _x(4, k, torch.float32, seed=8)
     bias = torch.randn(n, device=DEVICE)
-    y = tq.quant_matmul(x, w.packed, fmt, n, bias=bias)
-    _check(y, x, ref, torch.float32, bias)
-    one = tq.quant_matmul(x[2:3], w.packed, fmt, n, bias=bias)     # M = 1: its own path
-    _check(one, x[2:3], ref, torch.float32, bias)
+    for _ in range(2):
+        out, _buf = _into_nan(4, n, torch.float32)
+        y = tq.quant_matmul(x, w.packed, fmt, n, bias=bias, out=out)
+        _check(y, x, ref, torch.float32, bias)
+        one, _buf = _into_nan(1, n, torch.float32)
+        tq.quant_matmul(x[2:3], w.packed, fmt, n, bias=bias, out=one)   # M = 1: its own path
+        _check(one, x[2:3], ref, torch.float32, bias)
+    assert counters_at_rest("packed_gemv", x.device)
 
 
 def test_bad_inputs_are_value_errors() -> None:

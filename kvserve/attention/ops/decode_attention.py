@@ -23,6 +23,7 @@ import triton.language as tl
 
 from kvserve.attention.ops.common import check_kv_cache, dot_in_fp32, next_pow2
 from kvserve.attention.ops.unified_attention import attend_block, block_m_for
+from kvserve.ops.triton.counters import arrival_counters
 
 
 @triton.jit
@@ -132,20 +133,10 @@ def choose_num_splits(num_reqs: int, num_kv_heads: int, target_programs: int = 2
     return min(max_splits, 1 << (want.bit_length() - 1))
 
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
 def _merge_counters(device: torch.device, n: int) -> torch.Tensor | None:
-    """The fused merge's arrival counters (int32, all 0 between launches: the last split
-    resets its own), one per (request, kv head), kept per device for every later launch.
-    None when a larger buffer would have to be made while a CUDA graph is captured (the
-    launch then takes the separate merge kernel)."""
-    buf = _COUNTERS.get(device)
-    if buf is None or buf.numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        buf = _COUNTERS[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-    return buf
+    """The fused merge's arrival counters, one per (request, kv head); None while a CUDA
+    graph is captured and the buffer is too small (the launch then takes the merge kernel)."""
+    return arrival_counters("split_kv_decode", device, n)
 
 
 def split_kv_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, seq_lens: torch.Tensor,

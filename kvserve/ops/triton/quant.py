@@ -39,6 +39,7 @@ import triton.language as tl
 
 from kvserve.ops.quant.formats import ROW_GROUP, BlockFormat
 from kvserve.ops.triton import interpreting
+from kvserve.ops.triton.counters import arrival_counters
 
 __all__ = ["GEMV_MAX_ROWS", "DOT_MAX_ROWS", "quant_matmul", "dequantize_rows"]
 
@@ -193,13 +194,16 @@ def _tile(p, n, N, nb, t, QT: tl.constexpr, GBB: tl.constexpr, BN: tl.constexpr,
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, p, bias_ptr, out_ptr, N, K, nb, tiles, tiles_per_split, stride_x,
-                 stride_o, stride_split, M, MP: tl.constexpr, QT: tl.constexpr,
-                 GBB: tl.constexpr, BN: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 SPLIT: tl.constexpr):
+def _gemv_kernel(x_ptr, p, bias_ptr, out_ptr, final_ptr, counter_ptr, N, K, nb, tiles,
+                 tiles_per_split, stride_x, stride_o, stride_split, stride_f, M,
+                 MP: tl.constexpr, QT: tl.constexpr, GBB: tl.constexpr, BN: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, FUSED_MERGE: tl.constexpr):
     """out[m, n] = sum_k x[m, k] w[n, k] for BN rows n and all M rows of x; with SPLIT > 1,
     program (n-block, s) covers tiles [s * tiles_per_split, ...) and writes float32 partials
-    to out[s] (summed by the caller). One row (decode): products accumulate elementwise in a
+    to out[s]; FUSED_MERGE: the n-block's last split to finish (an arrival counter) sums them
+    in split order (+ bias) into final (x's dtype) and resets the counter (a decode step's
+    split GEMVs had a sum and a cast kernel each: 97 of a Q8_0 step's 246 launches on an
+    H100); else the caller sums them. One row (decode): products accumulate elementwise in a
     [BN, 256] tile, reduced across the threads once at the end; more rows: reduced per tile
     (M such tiles would not fit in registers). M is a runtime value and MP (M rounded up to a
     power of two) the compiled one: 4 variants, not 8, and each is compiled when the decode
@@ -230,10 +234,23 @@ def _gemv_kernel(x_ptr, p, bias_ptr, out_ptr, N, K, nb, tiles, tiles_per_split, 
                              other=0.0).to(tl.float32)
                 part = tl.sum(w * xm[None, :], axis=1)
                 acc += tl.where(rows[:, None] == m, part[None, :], 0.0)
-    if HAS_BIAS:
+    if HAS_BIAS and SPLIT == 1:
         acc += tl.load(bias_ptr + n, mask=n < N, other=0.0).to(tl.float32)[None, :]
+    mask = (rows[:, None] < M) & (n[None, :] < N)
     out = out_ptr + pid_s.to(tl.int64) * stride_split + rows[:, None] * stride_o + n[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (n[None, :] < N))
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    if FUSED_MERGE:
+        # acq_rel: the other splits' partial stores are visible to the last one.
+        if tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel") == SPLIT - 1:
+            total = tl.zeros((MP, BN), dtype=tl.float32)
+            for s in tl.static_range(SPLIT):
+                total += tl.load(out_ptr + s * stride_split + rows[:, None] * stride_o
+                                 + n[None, :], mask=mask, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                total += tl.load(bias_ptr + n, mask=n < N, other=0.0).to(tl.float32)[None, :]
+            tl.store(final_ptr + rows[:, None] * stride_f + n[None, :],
+                     total.to(final_ptr.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(counter_ptr + pid_n, 0)      # ready for the next launch (graphs)
 
 
 @triton.jit
@@ -358,18 +375,22 @@ def quant_matmul(x: torch.Tensor, packed: torch.Tensor, fmt: BlockFormat, n: int
         mp = 1 << (m - 1).bit_length()
         if split == 1:
             _gemv_kernel[(triton.cdiv(n, bn), 1)](
-                x, packed, b, out, n, k, nb, tiles, per, x.stride(0), out.stride(0), 0,
-                M=m, MP=mp, QT=qt, GBB=gbb, BN=bn, HAS_BIAS=bias is not None, SPLIT=1,
-                num_warps=warps)
+                x, packed, b, out, out, packed, n, k, nb, tiles, per, x.stride(0),
+                out.stride(0), 0, 0, M=m, MP=mp, QT=qt, GBB=gbb, BN=bn,
+                HAS_BIAS=bias is not None, SPLIT=1, FUSED_MERGE=False, num_warps=warps)
             return out
         ws = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+        counters = arrival_counters("packed_gemv", x.device, triton.cdiv(n, bn))
         _gemv_kernel[(triton.cdiv(n, bn), split)](
-            x, packed, b, ws, n, k, nb, tiles, per, x.stride(0), n, m * n,
-            M=m, MP=mp, QT=qt, GBB=gbb, BN=bn, HAS_BIAS=False, SPLIT=split, num_warps=warps)
-        y = ws.sum(0)
-        if bias is not None:
-            y += bias.float()
-        out.copy_(y)
+            x, packed, b, ws, out, ws if counters is None else counters, n, k, nb, tiles,
+            per, x.stride(0), n, m * n, out.stride(0), M=m, MP=mp, QT=qt, GBB=gbb, BN=bn,
+            HAS_BIAS=bias is not None, SPLIT=split, FUSED_MERGE=counters is not None,
+            num_warps=warps)
+        if counters is None:        # a capture that would need a larger counter buffer
+            y = ws.sum(0)
+            if bias is not None:
+                y += bias.float()
+            out.copy_(y)
         return out
     bm, bn, warps = _gemm_config(m)
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
