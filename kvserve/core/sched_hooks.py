@@ -83,6 +83,12 @@ class SchedulerHook:
         return {}
 
 
+def overriding(hooks: list[SchedulerHook], method: str) -> list[SchedulerHook]:
+    """The hooks, in order, whose class overrides SchedulerHook's no-op `method`."""
+    base = getattr(SchedulerHook, method)
+    return [hook for hook in hooks if getattr(type(hook), method) is not base]
+
+
 def check_stop(request: Request, max_model_len: int) -> bool:
     """Set the request's finished status if its last token ends it (vLLM's order of checks)."""
     if request.num_tokens >= max_model_len or request.num_output_tokens >= request.max_tokens:

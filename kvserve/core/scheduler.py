@@ -20,7 +20,7 @@ from kvserve.core.messages import (EngineCoreEventType, EngineCoreOutput, Engine
                                    FinishReason)
 from kvserve.core.request import Request, RequestStatus
 from kvserve.core.request_queue import create_request_queue
-from kvserve.core.sched_hooks import SchedulerHook, append_tokens
+from kvserve.core.sched_hooks import SchedulerHook, append_tokens, overriding
 from kvserve.core.sched_output import (CachedRequestData, LogprobsLists, ModelRunnerOutput,
                                        NewRequestData, SchedulerOutput)
 
@@ -92,6 +92,10 @@ class Scheduler:
         self.hooks = list(hooks)
         for hook in self.hooks:
             hook.bind(self.kv_cache_manager)
+        # The per-request points call only the hooks that take part in them (LoRA's hook
+        # takes none: with it, a step no longer makes two no-op calls per request).
+        self._draft_hooks = overriding(self.hooks, "draft_tokens")
+        self._update_hooks = overriding(self.hooks, "update_request")
         # Slots past the scheduled tokens that a draft model writes its drafts' KV into.
         self.num_lookahead_tokens = num_lookahead_tokens
         # Pipeline parallelism: the last stage does not append what it samples; every stage
@@ -224,7 +228,7 @@ class Scheduler:
             if n <= 0:
                 i += 1
                 continue
-            drafts = [t for hook in self.hooks
+            drafts = [t for hook in self._draft_hooks
                       for t in hook.draft_tokens(request, n, plan.budget)]
             blocks, i = self._allocate_or_preempt(request, n + len(drafts), i, plan)
             if blocks is None:   # the request preempted itself: nothing else can run
@@ -369,7 +373,7 @@ class Scheduler:
         sampled = append_tokens(request, runner_output.sampled_token_ids[idx], self.max_model_len)
         if self.workers_append_sampled:
             self._worker_num_tokens[rid] = request.num_tokens
-        new_tokens = sampled + [t for hook in self.hooks for t in hook.update_request(
+        new_tokens = sampled + [t for hook in self._update_hooks for t in hook.update_request(
             request, idx, sampled, scheduler_output, runner_output)]
         new_logprobs = None
         lp = (runner_output.logprobs or {}).get(rid)

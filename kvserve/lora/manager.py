@@ -116,6 +116,10 @@ class LoRAModelManager:
         self._slots: list[Optional[int]] = [None] * lora_config.max_loras
         self._slot_used: list[float] = [0.0] * lora_config.max_loras
         self._req_lora: dict[str, int] = {}               # request id -> lora_int_id
+        self._req_lora_version = 0                        # bumped when _req_lora changes
+        # What the last mapping was built from (prepare_step reuses it while that holds).
+        self._step_key: Optional[tuple] = None
+        self._step_active: list[int] = []
         self.last_load_s = 0.0
 
     # ------------------------------------------------------------------ adapters
@@ -158,12 +162,14 @@ class LoRAModelManager:
     # ------------------------------------------------------------------ per step
     def update_requests(self, so: "SchedulerOutput") -> None:
         for rid in so.finished_req_ids | so.preempted_req_ids:
-            self._req_lora.pop(rid, None)
+            if self._req_lora.pop(rid, None) is not None:
+                self._req_lora_version += 1
         for new in so.scheduled_new_reqs:
             lora = new.lora_request
             if lora is not None:
                 self._requests.setdefault(lora.lora_int_id, lora)
                 self._req_lora[new.req_id] = lora.lora_int_id
+                self._req_lora_version += 1
 
     def prepare_step(self, req_ids: list[str], query_lens: np.ndarray) -> None:
         """Slots for this step's adapters, and the token -> slot mapping the layers read."""
@@ -171,6 +177,16 @@ class LoRAModelManager:
             self.mapping.clear()
             self.sorted_tokens.clear()
             self.logits_rows.token_slots = np.full(int(query_lens.sum()), -1, np.int64)
+            self._step_key = None
+            return
+        if self._same_step(req_ids, query_lens):
+            # A decode loop's steps: the same requests, adapters and slots as the last one, so
+            # its mapping (and on CUDA the slots already on the device) still holds; only the
+            # slots' LRU times move. Saves two passes over the requests, the grouping and its
+            # host -> device copies (each a stream sync from pageable memory on CUDA).
+            now = time.monotonic()
+            for lora_id in self._step_active:
+                self._slot_used[self._slots.index(lora_id)] = now
             return
         ids = np.fromiter((self._req_lora.get(r, 0) for r in req_ids), np.int64, len(req_ids))
         active = [int(i) for i in np.unique(ids) if i > 0]
@@ -186,6 +202,21 @@ class LoRAModelManager:
             self.sorted_tokens.clear()
         else:                    # interleaved adapters: one gather / scatter per layer
             self.sorted_tokens.set(token_slots, self.device)
+        self._step_active = active
+        self._step_key = self._key(req_ids, query_lens)
+
+    def _key(self, req_ids: list[str], query_lens: np.ndarray) -> tuple:
+        """What a step's mapping is built from: the requests in order, their query lengths,
+        which adapter each request uses, which slot holds each adapter, and the mapping
+        object itself (a CUDA-graph capture replaces it)."""
+        return (list(req_ids), np.array(query_lens, copy=True), self._req_lora_version,
+                tuple(self._slots), self.mapping.groups)
+
+    def _same_step(self, req_ids: list[str], query_lens: np.ndarray) -> bool:
+        key = self._step_key
+        return (key is not None and key[2] == self._req_lora_version
+                and key[3] == tuple(self._slots) and key[4] is self.mapping.groups
+                and key[0] == req_ids and np.array_equal(key[1], query_lens))
 
     def set_logits_rows(self, token_indices: np.ndarray) -> None:
         """The step's token indices whose hidden states the next compute_logits call scores
