@@ -4,9 +4,10 @@
 #
 #   bash benchmarks/gpu_session.sh PART [PART ...]
 #
-# Parts: tests (the Triton kernels and CUDA graphs on the GPU), lora (issue 33: 4 adapters vs base on CUDA, with per-step
-# profiles), gpu (issue 31: benchmarks/gpu.py's graphs part + a served run, sync, saturation,
-# 4 API servers; ttft: the graphs part alone), quant (issue 29: batch-1 and offline of bf16 / fp8 / Q8_0 / Q4_K_M).
+# Parts: tests (the Triton kernels and CUDA graphs on the GPU); lora (issue 33: 4 adapters vs
+# base on CUDA, with per-step profiles); gpu (issue 31: benchmarks/gpu.py's graphs part + a
+# served run, sync, saturation, 4 API servers); ttft (the graphs part alone); quant (issue 29:
+# batch-1 and offline of bf16 / fp8 / Q8_0 / Q4_K_M); quant-async (the packed files, async).
 # .whl holds the wheels the device image lacks (msgspec, pyzmq, fastapi, ...: see
 # /work/.library/device's README for the download line).
 set -u
@@ -24,12 +25,16 @@ for part in "$@"; do
     start=$(date +%s)
     case $part in
     tests)
-        # (the C++ CPU kernels' bad-input tests segfault on the device's Xeon: left out)
-        timeout 200 python3 -m pytest -q -p no:cacheprovider -k "not cpu_kernel and not dispatch and not some_of_the_groups" \
+        # (the C++ CPU kernels' bad-input tests segfault on the device's Xeon: left out).
+        # -v into $OUT: each test's name and result survive a run the time limit cuts.
+        timeout 170 python3 -m pytest -v --tb=short -p no:cacheprovider \
+            -k "not cpu_kernel and not dispatch and not some_of_the_groups" \
             tests/attention/test_triton_kernels.py tests/attention/test_cuda_graph.py \
-            tests/lora/test_lora_kernels.py tests/lora/test_lora_graph_mode.py 2>&1 | tail -15 ;;
+            tests/lora/test_lora_kernels.py tests/lora/test_lora_graph_mode.py \
+            tests/ops/test_triton_quant.py > "$OUT/tests.log" 2>&1
+        grep -E "FAILED|ERROR|passed|failed" "$OUT/tests.log" | tail -15 ;;
     lora)
-        timeout 150 python3 benchmarks/lora.py --device cuda --full --num-prompts 128 \
+        timeout 110 python3 benchmarks/lora.py --device cuda --full --num-prompts 128 \
             --adapters 4 --rounds 2 --skip-peft --profile-steps 8 --model-dir "$MODELS" \
             --output-json "$OUT/lora.json" 2>&1 | quiet | grep -v "^profile" | tail -20 ;;
     gpu)
@@ -37,11 +42,15 @@ for part in "$@"; do
             --serve-rates inf --serve-api-server-count 4 --model-dir "$MODELS" \
             --output-json "$OUT/gpu.json" 2>&1 | quiet | tail -12 ;;
     ttft)
-        timeout 150 python3 benchmarks/gpu.py --parts graphs --skip-serve --model-dir "$MODELS" \
+        timeout 120 python3 benchmarks/gpu.py --parts graphs --skip-serve --model-dir "$MODELS" \
             --output-json "$OUT/gpu.json" 2>&1 | quiet | tail -6 ;;
     quant)
         timeout 240 python3 benchmarks/quant_gpu.py --skip-kernels --num-prompts 100 \
             --model-dir "$MODELS" --output-json "$OUT/quant.json" 2>&1 | quiet | tail -10 ;;
+    quant-async)    # the packed files only, async scheduling (batch-1 is host-bound without)
+        timeout 150 python3 benchmarks/quant_gpu.py --skip-kernels --num-prompts 32 \
+            --variants Q8_0 Q4_K_M --async-scheduling --model-dir "$MODELS" \
+            --output-json "$OUT/quant_async.json" 2>&1 | quiet | tail -6 ;;
     *) echo "unknown part $part" ;;
     esac
     echo "== part $part: $(( $(date +%s) - start )) s"

@@ -35,7 +35,8 @@ def _runner(llm: LLM):
 def loaded(tiny_llama: str, lora_adapters: dict[str, str]):
     """An engine on CPU whose slots hold the three test adapters (one generate call)."""
     loras = [LoRARequest(name, i + 1, lora_adapters[name]) for i, name in enumerate(ADAPTERS)]
-    with LLM(tiny_llama, **ENGINE_ARGS) as llm:
+    # On CPU also on a GPU host: the test drives the capture path eagerly with CPU tensors.
+    with LLM(tiny_llama, device="cpu", **ENGINE_ARGS) as llm:
         llm.generate([[5, 6, 7]] * 3, SamplingParams(max_tokens=1), lora_request=loras,
                      use_tqdm=False)
         mgr = _runner(llm).lora_manager
