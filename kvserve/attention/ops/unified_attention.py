@@ -39,23 +39,15 @@ def _dot(a, b, DOT_F32: tl.constexpr):
 
 
 @triton.jit
-def attend_block(q, m_i, l_i, acc, cache_ptr, blk, kvh, q_pos, seq_len, first_pos, scale,
-                 stride_c_kv, stride_c_blk, stride_c_tok, stride_c_head,
-                 HEAD_DIM: tl.constexpr, DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                 DOT_F32: tl.constexpr):
-    """One KV block (keys first_pos .. first_pos + BS) into the running softmax of the rows
-    whose positions are q_pos [BLOCK_M] (causal: key pos <= query pos, and < seq_len)."""
-    offs = tl.arange(0, BLOCK_SIZE)
-    d = tl.arange(0, DIM_P)
-    k_pos = first_pos + offs
-    k_ok = k_pos < seq_len
-    kv_off = (blk.to(tl.int64) * stride_c_blk + offs[:, None] * stride_c_tok
-              + kvh * stride_c_head + d[None, :])
+def _attend_keys(q, m_i, l_i, acc, cache_ptr, kv_off, k_pos, k_ok, q_pos, d, scale, stride_c_kv,
+                 HEAD_DIM: tl.constexpr, DOT_F32: tl.constexpr):
+    """The keys at k_pos (cache offsets kv_off [N, DIM_P]; k_ok: < seq_len) into the running
+    softmax of the rows at positions q_pos [BLOCK_M] (causal: key pos <= query pos)."""
     # Slots past seq_len may hold anything (NaN too): never loaded, so 0 * NaN never happens.
     mask = k_ok[:, None] & (d[None, :] < HEAD_DIM)
     k = tl.load(cache_ptr + kv_off, mask=mask, other=0.0)
     v = tl.load(cache_ptr + stride_c_kv + kv_off, mask=mask, other=0.0)
-    s = _dot(q, tl.trans(k), DOT_F32).to(tl.float32) * scale            # [M, BS]
+    s = _dot(q, tl.trans(k), DOT_F32).to(tl.float32) * scale            # [M, N]
     visible = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -65,6 +57,22 @@ def attend_block(q, m_i, l_i, acc, cache_ptr, blk, kvh, q_pos, seq_len, first_po
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_F32).to(tl.float32)
     return m_new, l_i, acc
+
+
+@triton.jit
+def attend_block(q, m_i, l_i, acc, cache_ptr, blk, kvh, q_pos, seq_len, first_pos, scale,
+                 stride_c_kv, stride_c_blk, stride_c_tok, stride_c_head,
+                 HEAD_DIM: tl.constexpr, DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                 DOT_F32: tl.constexpr):
+    """One KV block (keys first_pos .. first_pos + BS) into the running softmax of the rows
+    whose positions are q_pos [BLOCK_M] (causal: key pos <= query pos, and < seq_len)."""
+    offs = tl.arange(0, BLOCK_SIZE)
+    d = tl.arange(0, DIM_P)
+    k_pos = first_pos + offs
+    kv_off = (blk.to(tl.int64) * stride_c_blk + offs[:, None] * stride_c_tok
+              + kvh * stride_c_head + d[None, :])
+    return _attend_keys(q, m_i, l_i, acc, cache_ptr, kv_off, k_pos, k_pos < seq_len, q_pos, d,
+                        scale, stride_c_kv, HEAD_DIM, DOT_F32)
 
 
 @triton.jit
@@ -82,20 +90,8 @@ def attend_tile(q, m_i, l_i, acc, cache_ptr, table_row_ptr, kvh, q_pos, seq_len,
     blk = tl.load(table_row_ptr + k_pos // BLOCK_SIZE, mask=k_ok, other=0)
     kv_off = (blk.to(tl.int64)[:, None] * stride_c_blk
               + (k_pos % BLOCK_SIZE)[:, None] * stride_c_tok + kvh * stride_c_head + d[None, :])
-    # Slots past seq_len may hold anything (NaN too): never loaded, so 0 * NaN never happens.
-    mask = k_ok[:, None] & (d[None, :] < HEAD_DIM)
-    k = tl.load(cache_ptr + kv_off, mask=mask, other=0.0)
-    v = tl.load(cache_ptr + stride_c_kv + kv_off, mask=mask, other=0.0)
-    s = _dot(q, tl.trans(k), DOT_F32).to(tl.float32) * scale            # [M, TILE_N]
-    visible = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
-    s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)   # rows that see nothing yet
-    p = tl.exp(s - m_safe[:, None])
-    alpha = tl.exp(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_F32).to(tl.float32)
-    return m_new, l_i, acc
+    return _attend_keys(q, m_i, l_i, acc, cache_ptr, kv_off, k_pos, k_ok, q_pos, d, scale,
+                        stride_c_kv, HEAD_DIM, DOT_F32)
 
 
 @triton.jit

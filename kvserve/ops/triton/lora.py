@@ -89,29 +89,36 @@ def _dot_f32(*tensors: torch.Tensor) -> bool:
 
 
 @triton.jit
+def _slot_block(tok_ptr, cnt_ptr, start_ptr, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's piece of work (axis 0: a block of BLOCK_M of its slot's tokens x a block
+    of BLOCK_N columns; axis 1: the slot): whether the slot has no such block (the program is
+    done), the slot, the tokens' rows and the columns, with their masks."""
+    pid = tl.program_id(0)
+    slot = tl.program_id(1)
+    n_blocks = tl.cdiv(N, BLOCK_N)
+    pid_m = pid // n_blocks
+    count = tl.load(cnt_ptr + slot)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < count
+    rows = tl.load(tok_ptr + tl.load(start_ptr + slot) + offs_m, mask=m_mask, other=0)
+    offs_n = (pid % n_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return pid_m * BLOCK_M >= count, slot, rows, m_mask, offs_n, offs_n < N
+
+
+@triton.jit
 def _shrink_kernel(x_ptr, a_ptr, s_ptr, tok_ptr, cnt_ptr, start_ptr, N, K, K_PER_SPLIT,
                    sx_t, sx_k, sa_s, sa_n, sa_k, ss_split, ss_t, ss_n,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    DOT_F32: tl.constexpr):
     """s[split, t, :N] = x[t, K range of split] @ A[slot]^T for the BLOCK_M-th block of a
     slot's tokens (program axis 2: the split; the expand sums the splits)."""
-    pid = tl.program_id(0)
-    slot = tl.program_id(1)
-    split = tl.program_id(2)
-    n_blocks = tl.cdiv(N, BLOCK_N)
-    pid_m = pid // n_blocks
-    pid_n = pid % n_blocks
-    count = tl.load(cnt_ptr + slot)
-    if pid_m * BLOCK_M >= count:
+    done, slot, rows, m_mask, offs_n, n_mask = _slot_block(tok_ptr, cnt_ptr, start_ptr, N,
+                                                           BLOCK_M, BLOCK_N)
+    if done:
         return
-    start = tl.load(start_ptr + slot)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_mask = offs_m < count
-    rows = tl.load(tok_ptr + start + offs_m, mask=m_mask, other=0)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
     a_base = a_ptr + slot.to(tl.int64) * sa_s
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    split = tl.program_id(2)
     k_lo = split * K_PER_SPLIT
     k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
     for k0 in range(k_lo, k_hi, BLOCK_K):
@@ -138,20 +145,10 @@ def _expand_kernel(s_ptr, b_ptr, y_ptr, tok_ptr, cnt_ptr, start_ptr, N, R, SPLIT
     stays float32 and B is widened (IEEE products): rounding s to bf16 for the tensor cores
     put a bf16 model's delta 1.9% off (of |y| + 1) on an H100, and the expand's dot is only
     rank-deep."""
-    pid = tl.program_id(0)
-    slot = tl.program_id(1)
-    n_blocks = tl.cdiv(N, BLOCK_N)
-    pid_m = pid // n_blocks
-    pid_n = pid % n_blocks
-    count = tl.load(cnt_ptr + slot)
-    if pid_m * BLOCK_M >= count:
+    done, slot, rows, m_mask, offs_n, n_mask = _slot_block(tok_ptr, cnt_ptr, start_ptr, N,
+                                                           BLOCK_M, BLOCK_N)
+    if done:
         return
-    start = tl.load(start_ptr + slot)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_mask = offs_m < count
-    rows = tl.load(tok_ptr + start + offs_m, mask=m_mask, other=0)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
     b_base = b_ptr + slot.to(tl.int64) * sb_s
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for r0 in range(0, R, BLOCK_R):
