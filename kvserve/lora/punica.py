@@ -124,6 +124,11 @@ class LoRAMapping:
         if device.type == "cpu":
             return host
         buf = self._slots_buf
+        # "cuda" (no index) is the current device: compared as is with the buffer's "cuda:0"
+        # it reallocated the buffer every step, and a graph captured over the old one
+        # replayed stale slots (test_triton_path_in_a_cuda_graph failed on an H100).
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         if buf is None or buf.device != device or buf.shape[0] < host.shape[0]:
             buf = self._slots_buf = torch.full((max(host.shape[0], 256),), -1,
                                                dtype=torch.int64, device=device)
