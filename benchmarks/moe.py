@@ -480,13 +480,15 @@ def packed_sweep(size: str, qtypes: list[str], tokens: tuple[int, ...] = (1, 2, 
 
 
 def kernel_sweep(size: str, dtypes: list[str],
-                 pairs: tuple[int, ...] = (2, 4, 8, 16, 32, 64, 128, 256, 512),
+                 pairs: tuple[int, ...] = (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096),
                  layers: int = 8) -> list[dict]:
     """One MoE layer's experts at the size's shapes: the C++ kernel against the grouped torch
     GEMMs per step of T tokens (T * k pairs), weights of `layers` layers cycled so each call
     reads its experts from memory, not cache. The crossover sets ops/moe.py's
-    MAX_DECODE_PAIRS (float32) and MAX_DECODE_PAIRS_DPBF16 (bf16 on dpbf16). Also each kernel
-    call's implied GB/s (routed experts' bytes / time)."""
+    MAX_DECODE_PAIRS (float32) and MAX_DECODE_PAIRS_DPBF16 (bf16 on dpbf16). bf16 on a dpbf16
+    build also times the panel-packed layout (ops/moe.py pack_panels), which FusedMoE keeps
+    there for every step size. Also each kernel call's implied GB/s (routed experts' bytes /
+    time)."""
     from kvserve.model.layers.fused_moe import fused_experts_torch, select_experts
     from kvserve.ops import moe as moe_ops
 
@@ -500,31 +502,42 @@ def kernel_sweep(size: str, dtypes: list[str],
         ws = [((torch.randn(E, 2 * inter, H, generator=gen) / H ** 0.5).to(wd),
                (torch.randn(E, H, inter, generator=gen) / inter ** 0.5).to(wd))
               for _ in range(layers)]
+        sides = {"kernel": (moe_ops.fused_moe_cpu, ws), "torch": (fused_experts_torch, ws)}
+        if moe_ops.panels_fit(*ws[0], wd):
+            sides["panels"] = (moe_ops.fused_moe_cpu, [moe_ops.pack_panels(*w) for w in ws])
         for p in pairs:
             T = max(1, p // k)
             x = torch.randn(T, H, generator=gen).to(xd)
             weights, ids = select_experts(torch.randn(T, E, generator=gen), k, True)
             routed = int(torch.unique(ids).numel())
-            times = {}
-            for name, fn in (("kernel", moe_ops.fused_moe_cpu), ("torch", fused_experts_torch)):
-                fn(x, *ws[0], weights, ids)                               # warm-up
-                best = float("inf")
-                for _ in range(3):
-                    t0 = time.perf_counter()
-                    for w13, w2 in ws:
-                        fn(x, w13, w2, weights, ids)
-                    best = min(best, (time.perf_counter() - t0) / layers)
-                times[name] = best
+            times = {name: _best_layer_time(fn, stacks, x, weights, ids)
+                     for name, (fn, stacks) in sides.items()}
             nbytes = routed * 3 * H * inter * torch.finfo(wd).bits // 8
             rows.append({"dtype": dtype, "pairs": T * k, "tokens": T, "routed": routed,
-                         "kernel_ms": times["kernel"] * 1e3, "torch_ms": times["torch"] * 1e3,
+                         **{f"{name}_ms": t * 1e3 for name, t in times.items()},
                          "speedup": times["torch"] / times["kernel"],
                          "kernel_gb_s": nbytes / times["kernel"] / 1e9})
             r = rows[-1]
+            panels = (f", panels {r['panels_ms']:.3f} ms ({nbytes / times['panels'] / 1e9:.1f} "
+                      f"GB/s, {times['kernel'] / times['panels']:.2f}x kernel, "
+                      f"{times['torch'] / times['panels']:.2f}x torch)" if "panels" in times else "")
             print(f"  {dtype:9s} T={T:4d} pairs={T * k:4d} experts={routed:2d}: kernel "
                   f"{r['kernel_ms']:.3f} ms ({r['kernel_gb_s']:.1f} GB/s), torch "
-                  f"{r['torch_ms']:.3f} ms -> {r['speedup']:.2f}x", flush=True)
+                  f"{r['torch_ms']:.3f} ms -> {r['speedup']:.2f}x{panels}", flush=True)
     return rows
+
+
+def _best_layer_time(fn: Any, stacks: list, x: torch.Tensor, weights: torch.Tensor,
+                     ids: torch.Tensor) -> float:
+    """Seconds per layer: best of 3 passes over every layer's stacks (after a warm-up)."""
+    fn(x, *stacks[0], weights, ids)
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for w13, w2 in stacks:
+            fn(x, w13, w2, weights, ids)
+        best = min(best, (time.perf_counter() - t0) / len(stacks))
+    return best
 
 
 def make_parser() -> argparse.ArgumentParser:

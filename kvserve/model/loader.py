@@ -176,7 +176,8 @@ def apply_weight_plan(model: nn.Module, act_dtype: torch.dtype, device: torch.de
     one plan (`plan`, else choose_weight_plan's); a tied LM head and its embedding share one.
     Every other parameter (norms, biases: a few KB) is cast to the activations' dtype, unless it
     says `keep_loaded_dtype` (FusedMoE's bf16 experts under float32 math): only 16-bit weights
-    with float32 math (dtype "auto" without bf16 instructions) stay 16-bit."""
+    with float32 math (dtype "auto" without bf16 instructions) stay 16-bit. Modules with a
+    `choose_cpu_layout(act_dtype)` hook (FusedMoE) then pick their experts' layout."""
     embeds = [m for m in model.modules() if type(m) is VocabParallelEmbedding]
     matmuls = [m for m in model.modules() if isinstance(m, (LinearBase, ParallelLMHead))]
     kept = {id(m.weight) for m in [*embeds, *matmuls]}
@@ -196,6 +197,10 @@ def apply_weight_plan(model: nn.Module, act_dtype: torch.dtype, device: torch.de
             continue
         if id(param) not in kept and param.is_floating_point() and param.dtype != act_dtype:
             param.data = param.data.to(act_dtype)
+    for m in model.modules():       # FusedMoE: bf16 experts panel-packed on dpbf16 CPUs
+        choose = getattr(m, "choose_cpu_layout", None)
+        if choose is not None:
+            choose(act_dtype)
     tied = {id(m.weight) for m in embeds}
     if plan is None and matmuls:
         import psutil

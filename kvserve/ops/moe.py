@@ -9,6 +9,8 @@ once, gate_up GEMV -> SiLU * up -> down GEMV -> weighted sum in one call, the tw
 disjoint output rows. Larger steps (prefill) run the grouped torch GEMMs instead
 (model/layers/fused_moe/torch_moe.py): `kernel_takes` says which. dtypes: float32 x with
 float32 or bfloat16 weights, bfloat16 x with bfloat16 weights (float32 math inside).
+On CPUs with AVX-512 BF16, bf16 experts under bf16 math are kept panel-packed instead
+(pack_panels, below; csrc/moe_panels.h): the same op then takes every step size.
 
     fused_moe_packed_cpu(x [T, H] f32, w13 [stacks], w13_types, w2, w2_type, inter,
                          topk_weights, topk_ids) -> [T, H] f32
@@ -83,13 +85,63 @@ def max_decode_pairs(x_dtype: torch.dtype) -> int:
 
 def kernel_takes(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, num_pairs: int) -> bool:
     """Whether this step goes to the kernel: CPU, a decode-sized step (num_pairs = T * k up to
-    max_decode_pairs), dtypes it has, contiguous weights."""
+    max_decode_pairs), dtypes it has, contiguous weights. Panel-packed experts (pack_panels)
+    take every step size (bf16 x)."""
     wt = w13.dtype
+    if is_panel_packed(w13):
+        return num_pairs > 0 and x.device.type == "cpu" and x.dtype == torch.bfloat16
     dtypes_ok = (wt == w2.dtype and (
         (x.dtype == torch.float32 and wt in (torch.float32, torch.bfloat16))
         or (x.dtype == torch.bfloat16 and wt == torch.bfloat16)))
     return (0 < num_pairs <= max_decode_pairs(x.dtype) and x.device.type == "cpu"
             and dtypes_ok and w13.is_contiguous() and w2.is_contiguous())
+
+
+# ---------------------------------------------------------------- panel-packed bf16 experts
+# csrc/moe_panels.h: each 16 output rows of an expert's matrix form a panel holding, for every
+# input pair (x[2k], x[2k+1]), the 16 rows' two weights -- the operand order of AVX-512 BF16's
+# dpbf16 with x broadcast, so a vector lane is an output row. gate and up panels of the same 16
+# intermediates alternate in w13. On dpbf16 CPUs bf16 experts are kept this way (FusedMoE's
+# process_weights_after_loading) and every step, prefill included, runs the C++ kernel:
+# benchmarks/moe.py --kernel-sweep measured it against the row layout's kernel and torch's GEMMs.
+PANEL_ROWS = 16
+
+
+def is_panel_packed(w13: torch.Tensor) -> bool:
+    return w13.dim() == 4
+
+
+def panels_fit(w13: torch.Tensor, w2: torch.Tensor, math_dtype: torch.dtype) -> bool:
+    """Whether these [E, 2I, H] / [E, H, I] experts should be kept panel-packed: bf16 weights
+    and math on CPU, a kernel build with dpbf16, switched on, 16-row blocks."""
+    e, two_i, h = w13.shape
+    return (w13.numel() > 0 and w13.device.type == "cpu" and w13.dtype == w2.dtype == math_dtype == torch.bfloat16
+            and two_i % (2 * PANEL_ROWS) == 0 and h % PANEL_ROWS == 0 and e > 0
+            and (cpu_kernel_isa() or "").startswith("avx512_bf16") and cpu_kernel() is not None)
+
+
+def pack_panels(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[E, 2I, H] (gate | up) and [E, H, I] -> w13 [E, 2I/16, H/2, 32] (gate and up panels
+    alternating) and w2 [E, H/16, I/2, 32]: csrc/moe_panels.h's layout. Same values."""
+    e, two_i, h = w13.shape
+    i, r = two_i // 2, PANEL_ROWS
+    w13p = (w13.reshape(e, 2, i // r, r, h // 2, 2).permute(0, 2, 1, 4, 3, 5)
+            .reshape(e, two_i // r, h // 2, 2 * r).contiguous())
+    w2p = (w2.reshape(e, h // r, r, i // 2, 2).permute(0, 1, 3, 2, 4)
+           .reshape(e, h // r, i // 2, 2 * r).contiguous())
+    return w13p, w2p
+
+
+def unpack_panels(w13p: torch.Tensor, w2p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """pack_panels' inverse: the [E, 2I, H] and [E, H, I] stacks (for the grouped torch path
+    where the kernel is switched off after loading, and for tests)."""
+    e, nb13, kp13, _ = w13p.shape
+    _, nb2, kp2, _ = w2p.shape
+    r, h, i = PANEL_ROWS, 2 * kp13, 2 * kp2
+    w13 = (w13p.reshape(e, nb13 // 2, 2, kp13, r, 2).permute(0, 2, 1, 4, 3, 5)
+           .reshape(e, 2 * i, h).contiguous())
+    w2 = w2p.reshape(e, nb2, kp2, r, 2).permute(0, 1, 3, 2, 4).reshape(e, h, i).contiguous()
+    return w13, w2
 
 
 @functools.lru_cache(maxsize=1)

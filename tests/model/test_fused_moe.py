@@ -19,7 +19,8 @@ from kvserve import LLM, SamplingParams  # noqa: E402
 from kvserve.model.layers.fused_moe import fused_experts, select_experts  # noqa: E402
 from kvserve.ops import cpu_isa  # noqa: E402
 from kvserve.ops import moe as moe_ops  # noqa: E402
-from tests.utils import check_greedy_close, hf_greedy, random_prompts  # noqa: E402
+from tests.utils import (check_greedy_close, greedy_prefix_near_tie, hf_greedy,  # noqa: E402
+                         random_prompts)
 
 # (x dtype, weight dtype) pairs of the C++ kernel.
 CPU_DTYPES = [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
@@ -164,6 +165,105 @@ def test_cpu_kernel_rejects_bad_input(cpu_kernel) -> None:
         cpu_kernel(x[:, :-1].contiguous(), w13, w2, weights, ids)
 
 
+# ---- panel-packed bf16 experts (csrc/moe_panels.h; dpbf16 builds) --------------------------
+
+# 16-row panels: I = 48 gives 3 intermediate blocks (a 1-block tail after a 2-block step), H =
+# 80 five hidden panels (a 1-panel tail after a 4-panel step); odd pair counts exercise every
+# chunk size up to the 6-row microkernel.
+PANEL_HIDDEN, PANEL_INTER = 80, 48
+
+
+def test_pack_panels_layout() -> None:
+    """pack_panels puts w[e, row, col] where csrc/moe_panels.h reads it (gate and up panels of
+    the same 16 intermediates alternate), and unpack_panels inverts it."""
+    e, h, i = 2, 64, 32
+    w13 = torch.arange(e * 2 * i * h, dtype=torch.float32).reshape(e, 2 * i, h)
+    w2 = torch.arange(e * h * i, dtype=torch.float32).reshape(e, h, i)
+    p13, p2 = moe_ops.pack_panels(w13, w2)
+    assert p13.shape == (e, 2 * i // 16, h // 2, 32) and p2.shape == (e, h // 16, i // 2, 32)
+    for (ex, j, s, kp, r, t) in [(0, 0, 0, 0, 0, 0), (1, 1, 1, 5, 3, 1), (0, 1, 0, 31, 15, 0)]:
+        assert p13[ex, 2 * j + s, kp, 2 * r + t] == w13[ex, s * i + 16 * j + r, 2 * kp + t]
+    for (ex, b, kp, r, t) in [(0, 0, 0, 0, 0), (1, 3, 7, 9, 1)]:
+        assert p2[ex, b, kp, 2 * r + t] == w2[ex, 16 * b + r, 2 * kp + t]
+    u13, u2 = moe_ops.unpack_panels(p13, p2)
+    assert torch.equal(u13, w13) and torch.equal(u2, w2)
+
+
+@pytest.fixture(scope="module")
+def panel_kernel(cpu_kernel):
+    if not (moe_ops.cpu_kernel_isa() or "").startswith("avx512_bf16"):
+        pytest.skip("panel-packed experts need the avx512_bf16 kernel build (dpbf16)")
+    return cpu_kernel
+
+
+def _panel_case(num_tokens: int, seed: int, top_k: int = 2, **kw):
+    x, logits, w13, w2 = make_case(num_tokens, torch.bfloat16, torch.bfloat16, seed=seed,
+                                   hidden=PANEL_HIDDEN, inter=PANEL_INTER, **kw)
+    weights, ids = select_experts(logits, top_k, True)
+    return x, logits, w13, w2, weights, ids
+
+
+@pytest.mark.parametrize("num_tokens,top_k", [(1, 2), (5, 1), (17, 3), (300, 2)])
+def test_panel_kernel_matches_float64(panel_kernel, num_tokens: int, top_k: int) -> None:
+    """Decode- and prefill-sized steps on the panel layout equal the float64 reference."""
+    x, logits, w13, w2, weights, ids = _panel_case(num_tokens, num_tokens, top_k)
+    p13, p2 = moe_ops.pack_panels(w13, w2)
+    got = panel_kernel(x, p13, p2, weights, ids)
+    assert got.dtype == torch.bfloat16 and got.shape == x.shape
+    want = reference_moe(x, logits, w13, w2, top_k, True)
+    torch.testing.assert_close(got.double(), want, atol=CPU_TOL[torch.bfloat16], rtol=0)
+
+
+def test_panel_kernel_same_bits_for_every_split_and_batch(panel_kernel) -> None:
+    """1 thread against 2 (split by expert, or by output panels where 3 routed experts do not
+    divide over 2 threads), and each token alone against the 23-token step: the same bits."""
+    x, logits, w13, w2, weights, ids = _panel_case(23, 5, unused=(3, 4, 5))
+    p13, p2 = moe_ops.pack_panels(w13, w2)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = panel_kernel(x, p13, p2, weights, ids)
+        torch.set_num_threads(2)
+        two = panel_kernel(x, p13, p2, weights, ids)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+    for t in range(x.shape[0]):
+        alone = panel_kernel(x[t:t + 1].contiguous(), p13, p2, weights[t:t + 1].contiguous(),
+                             ids[t:t + 1].contiguous())
+        assert torch.equal(alone[0], two[t]), t
+
+
+def test_panel_dispatch_takes_every_step_size(panel_kernel) -> None:
+    """fused_experts sends panel-packed stacks to the kernel at any size; with the kernel
+    switched off it unpacks them for the grouped torch GEMMs (same result within bf16)."""
+    x, logits, w13, w2, weights, ids = _panel_case(600, 11)
+    p13, p2 = moe_ops.pack_panels(w13, w2)
+    assert moe_ops.kernel_takes(x, p13, p2, ids.numel())
+    assert not moe_ops.kernel_takes(x, w13, w2, ids.numel())          # rows: prefill -> torch
+    got = fused_experts(x, p13, p2, weights, ids)
+    moe_ops.set_kernel_enabled(False)
+    try:
+        fallback = fused_experts(x, p13, p2, weights, ids)
+    finally:
+        moe_ops.set_kernel_enabled(True)
+    want = reference_moe(x, logits, w13, w2, 2, True)
+    torch.testing.assert_close(got.double(), want, atol=CPU_TOL[torch.bfloat16], rtol=0)
+    # torch's bf16 GEMMs also round gate_up to bf16 before SiLU: values up to ~3 here.
+    torch.testing.assert_close(fallback.double(), want, atol=CPU_TOL[torch.bfloat16], rtol=2e-2)
+
+
+def test_panel_kernel_rejects_bad_input(panel_kernel) -> None:
+    x, _, w13, w2, weights, ids = _panel_case(2, 0)
+    p13, p2 = moe_ops.pack_panels(w13, w2)
+    with pytest.raises(RuntimeError, match="out of"):
+        panel_kernel(x, p13, p2, weights, torch.full_like(ids, EXPERTS))
+    with pytest.raises(RuntimeError, match="panel shapes disagree"):
+        panel_kernel(x[:, :-16].contiguous(), p13, p2, weights, ids)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        panel_kernel(x.float(), p13, p2, weights, ids)
+
+
 # ---- Triton kernel (CUDA; here under the interpreter) -------------------------------------
 
 @pytest.fixture(scope="module")
@@ -269,4 +369,41 @@ def test_auto_dtype_keeps_bf16_experts(make_checkpoint, cpu_kernel) -> None:
             got = out.outputs[0].logprobs[pos][ref_tokens[pos]].logprob
             assert abs(got - ref_lps[pos][ref_tokens[pos]].item()) < 1e-3, (i, pos)
         matched += n
+    assert matched >= 0.8 * 3 * 8
+
+
+def test_bf16_model_runs_panel_packed_experts(make_checkpoint, panel_kernel) -> None:
+    """dtype bfloat16 on a dpbf16 CPU: the experts are panel-packed at load, prefill and decode
+    steps both run the kernel on them, and greedy output equals (or near-ties, each side's
+    token in the other's top logprobs) a run with the kernel off, whose grouped torch GEMMs
+    read the unpacked stacks."""
+    path = make_checkpoint("mixtral", save_dtype=torch.bfloat16, num_experts_per_tok=2,
+                           intermediate_size=128, num_local_experts=8)
+    prompts = random_prompts(3, 5, 20, vocab=1024, seed=5)
+    params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=5, ignore_eos=True)
+
+    def run(kernel: bool):
+        moe_ops.set_kernel_enabled(kernel)
+        llm = LLM(path, dtype="bfloat16", max_model_len=128, kv_cache_memory=8 << 20, seed=0,
+                  multiprocessing=False, device="cpu")
+        try:
+            model = llm.llm_engine.engine_core.engine_core.model_executor.worker.model_runner.model
+            experts = [m for m in model.modules() if type(m).__name__ == "FusedMoE"]
+            assert experts and all(moe_ops.is_panel_packed(m.w13_weight) == kernel
+                                   for m in experts)
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                    use_tqdm=False)
+        finally:
+            llm.shutdown()
+            moe_ops.set_kernel_enabled(True)
+        return outs, {e.key: e.count for e in prof.key_averages()}
+
+    packed, calls = run(True)
+    plain, plain_calls = run(False)
+    # 2 MoE layers x (7 decode steps + the prefill): the prefill too runs the kernel.
+    assert calls.get("kvserve::fused_moe", 0) >= 16, sorted(k for k in calls if "kvserve" in k)
+    assert plain_calls.get("kvserve::fused_moe", 0) == 0
+    matched = sum(greedy_prefix_near_tie(a.outputs[0], b.outputs[0], name=f"panels[{i}]")
+                  for i, (a, b) in enumerate(zip(packed, plain)))
     assert matched >= 0.8 * 3 * 8

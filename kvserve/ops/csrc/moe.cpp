@@ -31,7 +31,8 @@
 // GEMMs and transformers round it). At 16 decode rows of the 1B MoE (2 pairs an expert) the
 // widening AVX2 path was compute-bound: 2.93 ms a layer, 32 GB/s of a 46 GB/s host (Zen 5).
 // Larger batches (prefill) are better served by GEMMs: the Python side sends only small
-// steps here (kvserve/ops/moe.py).
+// steps here (kvserve/ops/moe.py) -- except panel-packed bf16 experts (w13 / w2 of 4 dims,
+// moe_panels.h: a GEMM microkernel on dpbf16), which take every step size.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -45,11 +46,13 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <type_traits>
 #include <vector>
 
 #include "vec_avx2.h"
+#include "vec_avx512.h"
 
 namespace {
 
@@ -63,6 +66,8 @@ using bf16 = c10::BFloat16;
 // Minimum weight elements per parallel task: below it the fork / join costs more than the
 // second core gains.
 constexpr int64_t kMinElemsPerTask = 32768;
+// Output rows per panel of the panel-packed layout (moe_panels.h): one zmm of float32 results.
+constexpr int64_t kPanelRows = 16;
 // x rows (pairs of one expert) per pass over a weight row group: an expert with more pairs runs
 // its chunks of them tile by tile (kTileBytes, below), so it is streamed from memory once. 8 with
 // dpbf16 (32 registers; 4 weight rows a pass up to 4 x rows, 2 beyond): 128 pairs of that MoE
@@ -369,6 +374,10 @@ void sum_rows(const Groups& g, const float* rows, float* outf, int64_t H) {
   }
 }
 
+#if defined(KVS_MOE_DPBF16)
+#include "moe_panels.h"
+#endif
+
 template <typename TX, typename TW>
 KVS_NOINLINE void run(const TX* xf, const TW* w13, const TW* w2, const Groups& g, TX* act,
                       float* rows, int64_t H, int64_t I) {
@@ -398,21 +407,69 @@ void run_split(bool by_expert, const at::Tensor& x, const at::Tensor& w13, const
   else run<TX, TW>(xp, w13p, w2p, g, a, rows, H, I);
 }
 
+// The (token, expert) pairs of topk_ids, checked against E experts, grouped.
+Groups checked_groups(const char* op, const at::Tensor& topk_weights, const at::Tensor& topk_ids,
+                      int64_t T, int64_t E) {
+  TORCH_CHECK(topk_ids.dim() == 2 && topk_ids.size(0) == T &&
+                  topk_ids.scalar_type() == at::kLong && topk_weights.sizes() == topk_ids.sizes() &&
+                  topk_weights.scalar_type() == at::kFloat && topk_ids.is_contiguous() &&
+                  topk_weights.is_contiguous(),
+              op, ": topk_ids must be int64 [T, k] and topk_weights float32 [T, k]");
+  const int64_t k = topk_ids.size(1);
+  const int64_t* ids = topk_ids.data_ptr<int64_t>();
+  for (int64_t p = 0; p < T * k; ++p)
+    TORCH_CHECK(ids[p] >= 0 && ids[p] < E, op, ": expert id ", ids[p], " out of [0, ", E, ")");
+  return group_pairs(ids, topk_weights.data_ptr<float>(), T, k, E);
+}
+
+// Panel-packed experts (moe_panels.h): w13 [E, 2I/16, H/2, 32], w2 [E, H/16, I/2, 32], bf16
+// x and weights, every step size.
+at::Tensor fused_moe_panels(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2,
+                            const at::Tensor& topk_weights, const at::Tensor& topk_ids) {
+  TORCH_CHECK(x.dim() == 2 && w13.dim() == 4 && w2.dim() == 4,
+              "fused_moe: panel-packed experts are w13 [E, 2I/16, H/2, 32] and w2 "
+              "[E, H/16, I/2, 32] with x [T, H]");
+  const int64_t T = x.size(0), H = x.size(1), E = w13.size(0), I = 2 * w2.size(2);
+  TORCH_CHECK(w13.size(1) * kPanelRows == 2 * I && 2 * w13.size(2) == H && w13.size(3) == 32 &&
+                  w2.size(0) == E && w2.size(1) * kPanelRows == H && w2.size(3) == 32 &&
+                  I % kPanelRows == 0,
+              "fused_moe: panel shapes disagree: x ", x.sizes(), ", w13 ", w13.sizes(), ", w2 ",
+              w2.sizes());
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w13.scalar_type() == at::kBFloat16 &&
+                  w2.scalar_type() == at::kBFloat16,
+              "fused_moe: panel-packed experts take bfloat16 x and weights");
+  TORCH_CHECK(x.is_contiguous() && w13.is_contiguous() && w2.is_contiguous(),
+              "fused_moe: every input must be contiguous");
+  const Groups g = checked_groups("fused_moe", topk_weights, topk_ids, T, E);
+#if defined(KVS_MOE_DPBF16)
+  if (T == 0 || H == 0) return at::empty({T, H}, x.options());
+  at::Tensor act = at::empty({T * topk_ids.size(1), I}, x.options());
+  at::Tensor rows = at::empty({T * topk_ids.size(1), H}, x.options().dtype(at::kFloat));
+  at::Tensor outf = at::zeros({T, H}, x.options().dtype(at::kFloat));
+  const bool by_expert = split_by_expert(static_cast<int64_t>(g.expert.size()),
+                                         at::in_parallel_region() ? 1 : at::get_num_threads());
+  float* r = rows.data_ptr<float>();
+  run_panels(by_expert, x.data_ptr<bf16>(), w13.data_ptr<bf16>(), w2.data_ptr<bf16>(), g,
+             act.data_ptr<bf16>(), r, H, I);
+  sum_rows(g, r, outf.data_ptr<float>(), H);
+  return outf.to(at::kBFloat16);
+#else
+  TORCH_CHECK(false, "fused_moe: panel-packed experts need the avx512_bf16 build (dpbf16)");
+#endif
+}
+
 at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2,
                      const at::Tensor& topk_weights, const at::Tensor& topk_ids) {
   TORCH_CHECK(x.device().is_cpu() && w13.device().is_cpu() && w2.device().is_cpu() &&
                   topk_weights.device().is_cpu() && topk_ids.device().is_cpu(),
               "fused_moe (C++): CPU tensors only");
+  if (w13.dim() == 4) return fused_moe_panels(x, w13, w2, topk_weights, topk_ids);
   TORCH_CHECK(x.dim() == 2 && w13.dim() == 3 && w2.dim() == 3,
               "fused_moe: x must be [T, H], w13 [E, 2I, H], w2 [E, H, I]");
   const int64_t T = x.size(0), H = x.size(1), E = w13.size(0), I = w2.size(2);
   TORCH_CHECK(w13.size(1) == 2 * I && w13.size(2) == H && w2.size(0) == E && w2.size(1) == H,
               "fused_moe: shapes disagree: x ", x.sizes(), ", w13 ", w13.sizes(), ", w2 ",
               w2.sizes());
-  TORCH_CHECK(topk_ids.dim() == 2 && topk_ids.size(0) == T &&
-                  topk_ids.scalar_type() == at::kLong && topk_weights.sizes() == topk_ids.sizes() &&
-                  topk_weights.scalar_type() == at::kFloat,
-              "fused_moe: topk_ids must be int64 [T, k] and topk_weights float32 [T, k]");
   const at::ScalarType xt = x.scalar_type(), wt = w13.scalar_type();
   TORCH_CHECK(wt == w2.scalar_type() &&
                   ((xt == at::kFloat && (wt == at::kFloat || wt == at::kBFloat16)) ||
@@ -422,13 +479,9 @@ at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& w13, const at::Tenso
   TORCH_CHECK(x.is_contiguous() && w13.is_contiguous() && w2.is_contiguous() &&
                   topk_weights.is_contiguous() && topk_ids.is_contiguous(),
               "fused_moe: every input must be contiguous");
+  const Groups g = checked_groups("fused_moe", topk_weights, topk_ids, T, E);
   const int64_t k = topk_ids.size(1);
-  const int64_t* ids = topk_ids.data_ptr<int64_t>();
-  for (int64_t p = 0; p < T * k; ++p)
-    TORCH_CHECK(ids[p] >= 0 && ids[p] < E, "fused_moe: expert id ", ids[p], " out of [0, ", E,
-                ")");
   if (T == 0 || H == 0) return at::empty({T, H}, x.options());
-  const Groups g = group_pairs(ids, topk_weights.data_ptr<float>(), T, k, E);
 #if defined(KVS_MOE_DPBF16)
   const bool dp = xt == at::kBFloat16 && wt == at::kBFloat16;
 #else
@@ -489,17 +542,9 @@ at::Tensor fused_moe_packed(const at::Tensor& x, at::TensorList w13, at::IntArra
   const int64_t T = x.size(0), H = x.size(1), E = w2.size(0);
   for (const at::Tensor& w : w13)
     TORCH_CHECK(w.dim() == 4 && w.size(0) == E, "fused_moe_packed: stacks of ", E, " experts");
-  TORCH_CHECK(topk_ids.dim() == 2 && topk_ids.size(0) == T &&
-                  topk_ids.scalar_type() == at::kLong && topk_weights.sizes() == topk_ids.sizes() &&
-                  topk_weights.scalar_type() == at::kFloat && topk_ids.is_contiguous() &&
-                  topk_weights.is_contiguous(),
-              "fused_moe_packed: topk_ids must be int64 [T, k] and topk_weights float32 [T, k]");
+  const Groups g = checked_groups("fused_moe_packed", topk_weights, topk_ids, T, E);
   const int64_t k = topk_ids.size(1);
   const int64_t* ids = topk_ids.data_ptr<int64_t>();
-  for (int64_t p = 0; p < T * k; ++p)
-    TORCH_CHECK(ids[p] >= 0 && ids[p] < E, "fused_moe_packed: expert id ", ids[p],
-                " out of [0, ", E, ")");
-  const Groups g = group_pairs(ids, topk_weights.data_ptr<float>(), T, k, E);
   // Each pair's weighted row at its pair index (token * k + slot); groups list pairs by index
   // order within an expert, so pair q of group gi is the q-th pair of that expert in order.
   std::vector<int64_t> pair_of(T * k);

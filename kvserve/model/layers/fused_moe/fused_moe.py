@@ -5,6 +5,8 @@ and step size.
                            expert into blocks, one tiled GEMM kernel for w13 and one for w2
     CPU, T * k small       the C++ kernel (kvserve/ops/moe.py, csrc/moe.cpp): only the routed
                            experts' weights streamed, once per step
+    CPU, panel-packed      the C++ kernel for every step size (bf16 experts on dpbf16 CPUs,
+                           ops/moe.py pack_panels)
     anything else          the grouped torch GEMMs (torch_moe.py): prefill-sized CPU steps,
                            other dtypes, kernels disabled (disable_cpu_kernels) or not built
 """
@@ -26,4 +28,6 @@ def fused_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
     if (moe_ops.kernel_takes(hidden_states, w13, w2, topk_ids.numel())
             and moe_ops.cpu_kernel() is not None):
         return moe_ops.fused_moe_cpu(hidden_states, w13, w2, topk_weights, topk_ids)
+    if moe_ops.is_panel_packed(w13):        # the kernel was switched off after loading
+        w13, w2 = moe_ops.unpack_panels(w13, w2)
     return fused_experts_torch(hidden_states, w13, w2, topk_weights, topk_ids)

@@ -17,6 +17,10 @@ kernel skips -- and the all-reduce that sums TP's partial products sums the rank
 instead. vLLM's naive EP path does the same; its all-to-all dispatch pays off only with
 data-parallel attention, where each rank holds different tokens, which kvserve does not have.
 
+On a CPU with AVX-512 BF16, bf16 experts under bf16 math are re-laid out once at load into
+16-row panels (choose_cpu_layout; ops/moe.py pack_panels): the C++ kernel's operand order, for
+prefill and decode steps alike. The values are the same; only the stacks' shapes change.
+
 GGUF experts of a block type ops.quant packs arrive as raw blocks (ops.quant.QuantizedRows):
 the loader records them, leaves the float Parameter empty ([E, 0, 0]: no float copy is ever
 made), and process_weights_after_loading packs each projection into one PackedExperts stack
@@ -39,6 +43,7 @@ from kvserve.model.layers.fused_moe.packed import (ExpertStack, PackedExperts,
 from kvserve.model.layers.fused_moe.routing import select_experts
 from kvserve.model.layers.fused_moe.torch_moe import fused_experts_torch
 from kvserve.model.layers.linear import copy_checked, divide, shard
+from kvserve.ops import moe as moe_ops
 from kvserve.ops.quant.weight import QuantizedRows
 
 ExpertShard = tuple[int, str]       # (expert id, "w1" gate | "w3" up | "w2" down)
@@ -153,6 +158,17 @@ class FusedMoE(nn.Module):
         """Whether some projection's experts are GGUF blocks kept packed (loaded or loading)."""
         return bool(self._quant_parts) or self.w2_packed is not None \
             or self.w13_packed is not None
+
+    def choose_cpu_layout(self, act_dtype: torch.dtype) -> None:
+        """bf16 experts with bf16 math on a CPU with AVX-512 BF16: kept panel-packed
+        (ops/moe.py pack_panels), the C++ kernel's layout for every step size; the stacks'
+        shapes become w13 [E, 2I/16, H/2, 32], w2 [E, H/16, I/2, 32]. Not with expert
+        parallelism (its -1 ids go to the grouped torch path) or GGUF experts."""
+        if self.ep_size > 1 or self.packed or not moe_ops.panels_fit(
+                self.w13_weight, self.w2_weight, act_dtype):
+            return
+        self.w13_weight.data, self.w2_weight.data = moe_ops.pack_panels(
+            self.w13_weight.data, self.w2_weight.data)
 
     def process_weights_after_loading(self) -> None:
         """Stack the recorded GGUF blocks per projection (gate and up fused when of one
