@@ -14,8 +14,9 @@
 // reach the result.
 //
 // Work split with AVX2 (the avx2 tier and the AVX-512 ones) and head_dim 32 / 64 / 128: whole
-// blocks per thread, read in memory order for every head at once; a sequence's tokens are cut
-// into chunks whose softmax states fold in a fixed order (see "Row order" below). Elsewhere
+// blocks per thread, each stepped through every head of the sequence (kv head by kv head, or
+// token by token); a sequence's tokens are cut into chunks whose softmax states fold in a fixed
+// order (see "Row order" below). Elsewhere
 // (head_dim 256 on AVX-512, other head dims, portable builds): an item is (sequence, kv
 // head), ordered sequence-major, and each thread gets one
 // contiguous run of items holding about the same number of tokens (see split_items); a
@@ -71,12 +72,12 @@ struct Params {
 // probabilities of the current block [G, BS], running max and sum [G], and room for 16 rows
 // converted to float32 [16, D].
 struct Scratch {
-  std::vector<float> q, acc, s, m, l, tile;
+  std::vector<float> q, acc, s, m, l, tile, alpha;
   // bfloat16: q as stored (unscaled, natural order) for the dpbf16 score path.
   std::vector<uint16_t> qb;
   float scale = 1.f;
   Scratch(int64_t G, int64_t D, int64_t BS)
-      : q(G * D), acc(G * D), s(G * BS), m(G), l(G), tile(16 * D), qb(G * D) {}
+      : q(G * D), acc(G * D), s(G * BS), m(G), l(G), tile(16 * D), alpha(G), qb(G * D) {}
 };
 
 #define KVS_NOINLINE __attribute__((noinline))  // see fused.cpp
@@ -205,13 +206,15 @@ struct Avx2Step {
 #endif
 
 // ------------------------------------------------------------------------------------------
-// AVX-512 block step (head_dim 256 since the row order below took 32 / 64 / 128): head_dim =
-// 16 * NV, a K/V row lives in NV registers. Decode attention
-// reads each K/V element once, so the cost per element decides: bfloat16 rows are widened
-// with in-lane ops only (even elements, then odd ones, of every 32: q and acc are kept in that
-// order too), and 16 dot products are summed across lanes together. With AVX512_BF16 the
-// scores q . k skip the widening: _mm512_dpbf16_ps works on the stored pairs of both (in-cache
-// 1-thread: 30 -> 38 GB/s for 12 heads, 10% faster with GQA 8/2).
+// AVX-512 block step: head_dim = 16 * NV, a K/V row lives in NV registers. The head split runs
+// it for head_dim 256; the row order below runs its block code (heads) on each kv head for 32
+// / 64 / 128. Decode attention reads each K/V element once, so the cost per element decides:
+// bfloat16 rows are widened with in-lane ops only (even elements, then odd ones, of every 32:
+// q and acc are kept in that order too), once for all G query heads (K into the tile, V into
+// registers shared by the accumulators of up to 16 / NV heads), and 16 dot products are summed
+// across lanes together. With AVX512_BF16 the scores q . k skip the widening: _mm512_dpbf16_ps
+// works on the stored pairs of both (in-cache 1-thread: 30 -> 38 GB/s for 12 heads, 10%
+// faster with GQA 8/2).
 
 #if defined(__AVX512F__)
 
@@ -285,6 +288,17 @@ inline __mmask16 tail_mask(int64_t remaining) {
                          : static_cast<__mmask16>((1u << remaining) - 1u);
 }
 
+// One kv head's G query heads, in whichever state holds them (Scratch for the head split, a
+// slice of RowState for the row order): q pre-scaled [G, D] and acc [G, D] in the step's
+// storage order, qb [G, D] (bfloat16 q as stored), scores s [G, BS], running max m and sum l
+// [G], a tile of 16 float32 rows [16, D], and each head's rescale of acc for this block [G].
+struct Heads {
+  const float* q;
+  const uint16_t* qb;
+  float *acc, *s, *m, *l, *tile, *alpha;
+  float scale;
+};
+
 template <typename T, int NV>
 struct Avx512Step {
   static constexpr int64_t D = 16 * NV;
@@ -301,7 +315,8 @@ struct Avx512Step {
   }
 
   // Float32 rows [t0, t0 + nt) of a block in storage order: the cache rows themselves for
-  // float32, widened copies in the scratch tile for bfloat16.
+  // float32, widened copies in the scratch tile for bfloat16 (each row widened once for all G
+  // heads).
   static void rows_f32(const T* b, int64_t stride, int64_t t0, int64_t nt, float* tile,
                        const float* (&rows)[16]) {
     for (int64_t j = 0; j < nt; ++j) {
@@ -318,82 +333,93 @@ struct Avx512Step {
 
   static void run(const T* kb, const T* vb, int64_t stride, int64_t ntok, int64_t G,
                   int64_t /*D*/, int64_t BS, Scratch& sc) {
-    float* const s = sc.s.data();
-    float* const acc = sc.acc.data();
-    const float* rows[16];
-    // Scores s[g, j] = q_g . k_j (q pre-scaled), 16 tokens at a time.
-    for (int64_t t0 = 0; t0 < ntok; t0 += 16) {
-      const int64_t nt = std::min<int64_t>(16, ntok - t0);
-      const __mmask16 mk = tail_mask(nt);
-      __m512 a[16];
+    heads(kb, vb, stride, ntok, G, BS,
+          Heads{sc.q.data(), sc.qb.data(), sc.acc.data(), sc.s.data(), sc.m.data(), sc.l.data(),
+                sc.tile.data(), sc.alpha.data(), sc.scale});
+  }
+
+  // One block of ntok tokens for the G heads of x.
+  KVS_INLINE static void heads(const T* kb, const T* vb, int64_t stride, int64_t ntok, int64_t G,
+                               int64_t BS, const Heads& x) {
+    for (int64_t t0 = 0; t0 < ntok; t0 += 16) scores(kb, stride, t0, ntok, G, BS, x);
+    softmax(ntok, G, BS, x);
+    accumulate(vb, stride, ntok, G, BS, x);
+  }
+
+  // Scores s[g, t0 + j] = q_g . k_j (q pre-scaled), tokens [t0, t0 + 16) of ntok.
+  static void scores(const T* kb, int64_t stride, int64_t t0, int64_t ntok, int64_t G,
+                     int64_t BS, const Heads& x) {
+    const int64_t nt = std::min<int64_t>(16, ntok - t0);
+    const __mmask16 mk = tail_mask(nt);
+    __m512 a[16];
 #if defined(__AVX512BF16__)
-      if constexpr (kBf16) {
-        // q and k are both bfloat16: _mm512_dpbf16_ps multiplies the stored pairs exactly and
-        // accumulates in float32, with no widening of k; the scale is applied to the sums.
-        const __m512 vscale = _mm512_set1_ps(sc.scale);
-        for (int64_t g = 0; g < G; ++g) {
-          const uint16_t* qg = sc.qb.data() + g * D;
-          __m512i qv[NV / 2];
-          for (int c = 0; c < NV / 2; ++c) qv[c] = _mm512_loadu_si512(qg + 32 * c);
-          for (int64_t j = 0; j < 16; ++j) {
-            if (j < nt) {
-              const T* kr = kb + (t0 + j) * stride;
-              __m512 acc_j = _mm512_setzero_ps();
-              for (int c = 0; c < NV / 2; ++c)
-                acc_j = _mm512_dpbf16_ps(acc_j, (__m512bh)_mm512_loadu_si512(kr + 32 * c),
-                                         (__m512bh)qv[c]);
-              a[j] = acc_j;
-            } else {
-              a[j] = _mm512_setzero_ps();
-            }
-          }
-          _mm512_mask_storeu_ps(s + g * BS + t0, mk, _mm512_mul_ps(vscale, reduce16(a)));
-        }
-        continue;
-      }
-#endif
-      if (G == 1) {
-        for (int64_t j = 0; j < 16; ++j) {
-          if (j < nt) {
-            __m512 k[NV];
-            load_row(kb + (t0 + j) * stride, k);
-            a[j] = dot_partial(k, sc.q.data());
-          } else {
-            a[j] = _mm512_setzero_ps();
-          }
-        }
-        _mm512_mask_storeu_ps(s + t0, mk, reduce16(a));
-        continue;
-      }
-      rows_f32(kb, stride, t0, nt, sc.tile.data(), rows);
+    if constexpr (kBf16) {
+      // q and k are both bfloat16: _mm512_dpbf16_ps multiplies the stored pairs exactly and
+      // accumulates in float32, with no widening of k; the scale is applied to the sums.
+      const __m512 vscale = _mm512_set1_ps(x.scale);
       for (int64_t g = 0; g < G; ++g) {
-        const float* qg = sc.q.data() + g * D;
+        const uint16_t* qg = x.qb + g * D;
+        __m512i qv[NV / 2];
+        for (int c = 0; c < NV / 2; ++c) qv[c] = _mm512_loadu_si512(qg + 32 * c);
         for (int64_t j = 0; j < 16; ++j) {
+          __m512 acc_j = _mm512_setzero_ps();
           if (j < nt) {
-            __m512 acc_j = _mm512_mul_ps(_mm512_loadu_ps(rows[j]), _mm512_loadu_ps(qg));
-            for (int c = 1; c < NV; ++c)
-              acc_j = _mm512_fmadd_ps(_mm512_loadu_ps(rows[j] + 16 * c),
-                                      _mm512_loadu_ps(qg + 16 * c), acc_j);
-            a[j] = acc_j;
-          } else {
-            a[j] = _mm512_setzero_ps();
+            const T* kr = kb + (t0 + j) * stride;
+            for (int c = 0; c < NV / 2; ++c)
+              acc_j = _mm512_dpbf16_ps(acc_j, (__m512bh)_mm512_loadu_si512(kr + 32 * c),
+                                       (__m512bh)qv[c]);
           }
+          a[j] = acc_j;
         }
-        _mm512_mask_storeu_ps(s + g * BS + t0, mk, reduce16(a));
+        _mm512_mask_storeu_ps(x.s + g * BS + t0, mk, _mm512_mul_ps(vscale, reduce16(a)));
       }
+      return;
     }
-    // Online softmax update: new running max, rescale what was accumulated, p = exp(s - m).
+#endif
+    if (G == 1) {  // k widened in registers, used once
+      for (int64_t j = 0; j < 16; ++j) {
+        if (j < nt) {
+          __m512 k[NV];
+          load_row(kb + (t0 + j) * stride, k);
+          a[j] = dot_partial(k, x.q);
+        } else {
+          a[j] = _mm512_setzero_ps();
+        }
+      }
+      _mm512_mask_storeu_ps(x.s + t0, mk, reduce16(a));
+      return;
+    }
+    const float* rows[16];
+    rows_f32(kb, stride, t0, nt, x.tile, rows);
     for (int64_t g = 0; g < G; ++g) {
-      float* sg = s + g * BS;
-      __m512 vmax = _mm512_set1_ps(sc.m[g]);
+      __m512 qv[NV];
+      load_row(x.q + g * D, qv);
+      for (int64_t j = 0; j < 16; ++j) {
+        __m512 acc_j = _mm512_setzero_ps();
+        if (j < nt)
+          for (int c = 0; c < NV; ++c)
+            acc_j = _mm512_fmadd_ps(_mm512_loadu_ps(rows[j] + 16 * c), qv[c], acc_j);
+        a[j] = acc_j;
+      }
+      _mm512_mask_storeu_ps(x.s + g * BS + t0, mk, reduce16(a));
+    }
+  }
+
+  // Online softmax update: new running max, p = exp(s - m), and alpha, the factor that brings
+  // what was accumulated to the new max (applied as accumulate loads acc).
+  static void softmax(int64_t ntok, int64_t G, int64_t BS, const Heads& x) {
+    for (int64_t g = 0; g < G; ++g) {
+      float* sg = x.s + g * BS;
+      __m512 vmax = _mm512_set1_ps(x.m[g]);
       for (int64_t j = 0; j < ntok; j += 16) {
         const __mmask16 mk = tail_mask(ntok - j);
         vmax = _mm512_mask_max_ps(vmax, mk, vmax, _mm512_maskz_loadu_ps(mk, sg + j));
       }
       const float mx = _mm512_reduce_max_ps(vmax);
-      const float alpha = std::exp(sc.m[g] - mx);  // exp(-inf) = 0 on the first block
-      sc.m[g] = mx;
       const __m512 vmx = _mm512_set1_ps(mx);
+      // exp(m - mx) in a register (no libm call in the chain); ~0 on the first block (m = -inf)
+      const float alpha = _mm512_cvtss_f32(exp16(_mm512_sub_ps(_mm512_set1_ps(x.m[g]), vmx)));
+      x.m[g] = mx;
       __m512 vsum = _mm512_setzero_ps();
       for (int64_t j = 0; j < ntok; j += 16) {
         const __mmask16 mk = tail_mask(ntok - j);
@@ -401,42 +427,53 @@ struct Avx512Step {
         _mm512_mask_storeu_ps(sg + j, mk, e);
         vsum = _mm512_mask_add_ps(vsum, mk, vsum, e);
       }
-      sc.l[g] = sc.l[g] * alpha + _mm512_reduce_add_ps(vsum);
-      if (alpha != 1.f) {
-        const __m512 va = _mm512_set1_ps(alpha);
-        float* ag = acc + g * D;
-        for (int c = 0; c < NV; ++c)
-          _mm512_storeu_ps(ag + 16 * c, _mm512_mul_ps(va, _mm512_loadu_ps(ag + 16 * c)));
+      x.l[g] = x.l[g] * alpha + _mm512_reduce_add_ps(vsum);
+      x.alpha[g] = alpha;
+    }
+  }
+
+  // acc[g] += sum_j p[g, j] * v_j: the accumulators of up to kGroup heads in registers (16
+  // zmm), each v row loaded and widened once for all of them; GB * NV independent FMA chains.
+  static constexpr int kGroup = NV <= 16 ? 16 / NV : 1;
+
+  template <int GB>
+  static void accumulate_group(const T* vb, int64_t stride, int64_t ntok, int64_t BS,
+                               const Heads& x, int64_t g0) {
+    __m512 av[GB][NV];
+    for (int g = 0; g < GB; ++g) {
+      load_row(x.acc + (g0 + g) * D, av[g]);
+      const __m512 alpha = _mm512_set1_ps(x.alpha[g0 + g]);
+      for (int c = 0; c < NV; ++c) av[g][c] = _mm512_mul_ps(alpha, av[g][c]);
+    }
+    const float* p = x.s + g0 * BS;
+    for (int64_t j = 0; j < ntok; ++j) {
+      __m512 v[NV];
+      load_row(vb + j * stride, v);
+      for (int g = 0; g < GB; ++g) {
+        const __m512 pj = _mm512_set1_ps(p[g * BS + j]);
+        for (int c = 0; c < NV; ++c) av[g][c] = _mm512_fmadd_ps(pj, v[c], av[g][c]);
       }
     }
-    // acc[g] += sum_j p[g, j] * v_j, the accumulator of one query head in registers.
-    if (G == 1) {
-      __m512 av[NV];
-      for (int c = 0; c < NV; ++c) av[c] = _mm512_loadu_ps(acc + 16 * c);
-      for (int64_t j = 0; j < ntok; ++j) {
-        __m512 v[NV];
-        load_row(vb + j * stride, v);
-        const __m512 p = _mm512_set1_ps(s[j]);
-        for (int c = 0; c < NV; ++c) av[c] = _mm512_fmadd_ps(p, v[c], av[c]);
-      }
-      for (int c = 0; c < NV; ++c) _mm512_storeu_ps(acc + 16 * c, av[c]);
-      return;
+    for (int g = 0; g < GB; ++g)
+      for (int c = 0; c < NV; ++c) _mm512_storeu_ps(x.acc + (g0 + g) * D + 16 * c, av[g][c]);
+  }
+
+  // The last r < kGroup heads from g0 (GB counts down to r: one instance per group size).
+  template <int GB>
+  static void accumulate_rest(const T* vb, int64_t stride, int64_t ntok, int64_t BS,
+                              const Heads& x, int64_t g0, int64_t r) {
+    if constexpr (GB > 0) {
+      if (r == GB) return accumulate_group<GB>(vb, stride, ntok, BS, x, g0);
+      accumulate_rest<GB - 1>(vb, stride, ntok, BS, x, g0, r);
     }
-    for (int64_t t0 = 0; t0 < ntok; t0 += 16) {
-      const int64_t nt = std::min<int64_t>(16, ntok - t0);
-      rows_f32(vb, stride, t0, nt, sc.tile.data(), rows);
-      for (int64_t g = 0; g < G; ++g) {
-        float* ag = acc + g * D;
-        __m512 av[NV];
-        for (int c = 0; c < NV; ++c) av[c] = _mm512_loadu_ps(ag + 16 * c);
-        for (int64_t j = 0; j < nt; ++j) {
-          const __m512 p = _mm512_set1_ps(s[g * BS + t0 + j]);
-          for (int c = 0; c < NV; ++c)
-            av[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(rows[j] + 16 * c), av[c]);
-        }
-        for (int c = 0; c < NV; ++c) _mm512_storeu_ps(ag + 16 * c, av[c]);
-      }
-    }
+  }
+
+  static void accumulate(const T* vb, int64_t stride, int64_t ntok, int64_t G, int64_t BS,
+                         const Heads& x) {
+    int64_t g0 = 0;
+    for (; g0 + kGroup <= G; g0 += kGroup)
+      accumulate_group<kGroup>(vb, stride, ntok, BS, x, g0);
+    if (g0 < G) accumulate_rest<kGroup - 1>(vb, stride, ntok, BS, x, g0, G - g0);
   }
 };
 
@@ -589,14 +626,28 @@ void run(const Params& P) {
 
 #if defined(KVS_AVX2)
 // ------------------------------------------------------------------------------------------
-// Row order (AVX2 code, every tier from avx2 up; head_dim 32 / 64 / 128). A thread takes whole
-// blocks and steps every query head of the sequence through them with the cache read in memory
-// order: a token's K (then V) rows of all kv heads one after another, so the hardware
-// prefetchers see one stream per block. The head split (run) has two threads read alternate
-// parts of each token's row and each thread a head's 16 rows 3 KB apart. Measured per call
-// (Zen 4, avx2 tier, 2 threads, 12 heads x 64, batch 1, after a 200 MB read, two alternating
-// runs), head split -> row order: float32 72 -> 57-61 us at 128 tokens, 206-210 -> 156-169 at
-// 512, 546-550 -> 416-436 at 1500; bfloat16 76 -> 55 at 128, 526 -> 388 at 1500.
+// Row order (every tier from avx2 up; head_dim 32 / 64 / 128). A thread takes whole blocks and
+// steps every query head of the sequence through them: the whole block is read by one thread
+// (prefetched a block or two ahead, see attend_rows), so the head split's pattern is avoided,
+// where two threads read alternate parts of each token's row and each thread a head's 16 rows
+// 3 KB apart. Measured per call (Zen 4, avx2 tier, 2 threads, 12 heads x 64, batch 1, after a
+// 200 MB read, two alternating runs), head split -> row order (then a token's rows of all kv
+// heads in memory order): float32 72 -> 57-61 us at 128 tokens, 206-210 -> 156-169 at 512,
+// 546-550 -> 416-436 at 1500; bfloat16 76 -> 55 at 128, 526 -> 388 at 1500.
+//
+// Within a block the kv-head steps (Avx512RowStep on the AVX-512 tiers, Avx2RowStep on avx2)
+// go kv head by kv head: each K and V row is loaded and widened once for the G query heads
+// that read it, and the accumulators stay in registers through the block. The token step
+// (Avx2TokenStep: 8 lanes, token by token in memory order) widens each row again for each of
+// the G heads and updates acc in memory per (token, head). Measured (AMD EPYC Zen 5, 2
+// threads, benchmarks/paged_attention.py, best of 2 alternating runs, ms), token -> kv-head
+// step, 16 / 4 heads x 64, 128 sequences x 136 tokens: avx512_bf16 tier bfloat16 1.76 -> 1.21
+// (from cache, best of 30 back-to-back calls: 1.07 -> 0.51), float32 2.44 -> 1.75; avx2 tier
+// bfloat16 1.53 -> 1.31, float32 2.10 -> 1.67. 32 / 8 heads x 128, bfloat16: 5.29 -> 4.22
+// (avx512_bf16). The token step is kept where it measured as fast or faster: on AVX-512
+// float32 with G = 1 or blocks over kPrefetchBytes (12 heads x 64: 0.9-1.0x; 32 / 8 x 128:
+// 0.84-0.97x), on avx2 G = 1 (bfloat16 12 heads x 64: 0.67-0.81x) and bfloat16 head_dim 128
+// (0.81-0.95x); see dispatch_head_dim.
 //
 // Whole blocks per thread means splitting a sequence's tokens, not its heads: the tokens are
 // cut into chunks of whole blocks (chunk_blocks, from the sequence's length alone), each
@@ -618,12 +669,16 @@ inline int64_t chunk_blocks(const Params& P, int64_t n) {
 }
 
 // Softmax state of all Hq query heads of a sequence: running max m [Hq], sum l [Hq],
-// accumulator acc [Hq, D]; for a chunk also q pre-scaled [Hq, D] and the block's scores s
-// [Hq, BS]. Kept per thread across calls (no allocation per call).
+// accumulator acc [Hq, D]; for a chunk also q pre-scaled [Hq, D] (q and acc in the step's
+// storage order, Step::pos), q as stored for bfloat16 qb [Hq, D], the block's scores s [Hq, BS]
+// and a tile of float32 rows [max(16, BS), D]. Kept per thread across calls (no allocation
+// per call).
 struct RowState {
-  std::vector<float> q, acc, s, m, l;
+  std::vector<float> q, acc, s, m, l, tile, alpha;
+  std::vector<uint16_t> qb;
   void fit(int64_t Hq, int64_t D, int64_t BS) {
     q.resize(Hq * D), acc.resize(Hq * D), s.resize(Hq * BS), m.resize(Hq), l.resize(Hq);
+    tile.resize(std::max<int64_t>(16, BS) * D), qb.resize(Hq * D), alpha.resize(Hq);
   }
   void reset() {
     std::fill(acc.begin(), acc.end(), 0.f);
@@ -634,17 +689,34 @@ struct RowState {
 
 // into = into (+) the next chunk's state (m2, l2, acc2), Hq heads. Out of line so that the fold
 // in the parallel region and the one after it are the same machine code (the same bits).
+// The factors come from exp8, 8 heads at a time (libm's expf, twice per head and chunk, was
+// ~3% of the kernel's time in a profile at 136 tokens). D is a multiple of 8.
 KVS_NOINLINE void fold(RowState& into, const float* m2, const float* l2, const float* acc2,
                        int64_t Hq, int64_t D) {
-  for (int64_t h = 0; h < Hq; ++h) {
-    if (m2[h] == -std::numeric_limits<float>::infinity()) continue;  // an empty chunk
-    const float mx = std::max(into.m[h], m2[h]);
-    const float a = std::exp(into.m[h] - mx), b = std::exp(m2[h] - mx);  // exp(-inf) = 0
-    into.m[h] = mx;
-    into.l[h] = into.l[h] * a + l2[h] * b;
-    float* acc = into.acc.data() + h * D;
-    const float* add = acc2 + h * D;
-    for (int64_t d = 0; d < D; ++d) acc[d] = acc[d] * a + add[d] * b;
+  using namespace kvs_avx2;
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  for (int64_t h0 = 0; h0 < Hq; h0 += 8) {
+    const int64_t nh = std::min<int64_t>(8, Hq - h0);
+    alignas(32) float ma[8] = {}, mb[8] = {}, fa[8], fb[8];
+    std::copy(into.m.data() + h0, into.m.data() + h0 + nh, ma);
+    std::copy(m2 + h0, m2 + h0 + nh, mb);
+    const __m256 va = _mm256_load_ps(ma), vb = _mm256_load_ps(mb);
+    const __m256 mx = _mm256_max_ps(va, vb);
+    _mm256_store_ps(fa, exp8(_mm256_sub_ps(va, mx)));  // exp(-inf) = 0 (exp8 clamps to 0)
+    _mm256_store_ps(fb, exp8(_mm256_sub_ps(vb, mx)));
+    for (int64_t i = 0; i < nh; ++i) {
+      const int64_t h = h0 + i;
+      if (m2[h] == kNegInf) continue;  // an empty chunk
+      const float a = fa[i], b = fb[i];
+      into.m[h] = std::max(into.m[h], m2[h]);
+      into.l[h] = into.l[h] * a + l2[h] * b;
+      float* acc = into.acc.data() + h * D;
+      const float* add = acc2 + h * D;
+      const __m256 a8 = _mm256_set1_ps(a), b8 = _mm256_set1_ps(b);
+      for (int64_t d = 0; d < D; d += 8)
+        _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(_mm256_loadu_ps(acc + d), a8,
+                                                  _mm256_mul_ps(_mm256_loadu_ps(add + d), b8)));
+    }
   }
 }
 
@@ -657,9 +729,20 @@ inline __attribute__((always_inline)) __m256 hsum8x8(const __m256 (&v)[8]) {
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-// One block, every query head, rows in memory order. D = 8 * NV.
+// One block, every query head, rows in memory order, 8 lanes, the rows widened per query head
+// and acc updated in memory per (token, head). D = 8 * NV. Kept where it measured faster than
+// the kv-head steps (see dispatch_head_dim): MHA and large blocks, where reading the block in
+// memory order counts for more than reusing rows across heads.
 template <typename T, int NV>
-struct Avx2RowStep {
+struct Avx2TokenStep {
+  static constexpr bool kPrefetch = false;
+  static int64_t pos(int64_t d) { return d; }
+  static void load_q(const T* q, float scale, float* dst) {
+    const __m256 vs = _mm256_set1_ps(scale);
+    for (int c = 0; c < NV; ++c)
+      _mm256_storeu_ps(dst + 8 * c, _mm256_mul_ps(kvs_avx2::load8(q + 8 * c), vs));
+  }
+
   static void run(const Params& P, const T* kb, const T* vb, int64_t ntok, RowState& st) {
     using namespace kvs_avx2;
     constexpr int64_t D = 8 * NV;
@@ -712,6 +795,177 @@ struct Avx2RowStep {
   }
 };
 
+// One block, every query head, a kv head at a time: its K rows (bfloat16: widened once into
+// the tile) scored against its G query heads, then its V rows added to their accumulators,
+// each head's accumulator in registers for the whole block. D = 8 * NV.
+template <typename T, int NV>
+struct Avx2RowStep {
+  static_assert(NV % 2 == 0, "bfloat16 rows are widened 16 elements at a time");
+  static constexpr int64_t D = 8 * NV;
+  static constexpr int CH = NV < 8 ? NV : 8;  // accumulator registers per pass over a row
+  static constexpr bool kBf16 = std::is_same_v<T, c10::BFloat16>;
+  static constexpr bool kPrefetch = true;  // strided reads within a block, see attend_rows
+
+  // bfloat16 [16c, 16c + 16) widened with in-lane ops (a shift, an and): the even elements
+  // into r[2c], the odd ones into r[2c + 1]; q, the tile and acc are kept in that order.
+  KVS_AVX2_INLINE static void widen(const T* p, __m256 (&r)[NV]) {
+    if constexpr (kBf16) {
+      const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+      for (int c = 0; c < NV / 2; ++c) {
+        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16 * c));
+        r[2 * c] = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
+        r[2 * c + 1] = _mm256_castsi256_ps(_mm256_and_si256(x, high));
+      }
+    } else {
+      for (int c = 0; c < NV; ++c) r[c] = _mm256_loadu_ps(p + 8 * c);
+    }
+  }
+
+  // Where logical element d of a row is kept in q / acc.
+  static int64_t pos(int64_t d) {
+    if constexpr (kBf16) {
+      const int64_t e = d % 16;
+      return d - e + (e % 2 ? 8 + e / 2 : e / 2);
+    } else {
+      return d;
+    }
+  }
+
+  static void load_q(const T* q, float scale, float* dst) {
+    __m256 r[NV];
+    widen(q, r);
+    for (int c = 0; c < NV; ++c)
+      _mm256_storeu_ps(dst + 8 * c, _mm256_mul_ps(r[c], _mm256_set1_ps(scale)));
+  }
+
+  // Float32 rows of one kv head of the block: the cache rows for float32, else widened once
+  // into the tile (row j at tile + j * D) for all G heads.
+  static const float* rows(const T* b, int64_t ts, int64_t ntok, float* tile, int64_t& stride) {
+    if constexpr (!kBf16) {
+      stride = ts;
+      return b;
+    } else {
+      for (int64_t j = 0; j < ntok; ++j) {
+        __m256 r[NV];
+        widen(b + j * ts, r);
+        for (int c = 0; c < NV; ++c) _mm256_storeu_ps(tile + j * D + 8 * c, r[c]);
+      }
+      stride = D;
+      return tile;
+    }
+  }
+
+  static void run(const Params& P, const T* kb, const T* vb, int64_t ntok, RowState& st) {
+    const int64_t G = P.groups, BS = P.block_size;
+    const int64_t ts = P.kv_stride_token;
+    for (int64_t h = 0; h < P.num_kv_heads; ++h) {
+      float* const s = st.s.data() + h * G * BS;
+      float* const acc = st.acc.data() + h * G * D;
+      float* const alpha = st.alpha.data() + h * G;
+      int64_t rs;
+      const float* k = rows(kb + h * P.kv_stride_head, ts, ntok, st.tile.data(), rs);
+      for (int64_t g = 0; g < G; ++g)
+        scores(k, rs, ntok, st.q.data() + (h * G + g) * D, s + g * BS);
+      for (int64_t g = 0; g < G; ++g)
+        softmax(s + g * BS, ntok, st.m[h * G + g], st.l[h * G + g], alpha[g]);
+      const float* v = rows(vb + h * P.kv_stride_head, ts, ntok, st.tile.data(), rs);
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t d0 = 0; d0 < D; d0 += 8 * CH)
+          accumulate(v + d0, rs, ntok, s + g * BS, alpha[g], acc + g * D + d0);
+    }
+  }
+
+  // a[i] = q . k_i, 8 lanes still to be summed, for the first NT (<= 8) rows k (stride rs), or
+  // nt of them when NT = 0; c outer, so the rows' FMA chains run side by side.
+  template <int NT>
+  KVS_AVX2_INLINE static void dots(const float* k, int64_t rs, int64_t nt, const float* q,
+                                   __m256 (&a)[8]) {
+    const int64_t n = NT ? NT : nt;
+    for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_ps();
+    for (int c = 0; c < NV; ++c) {
+      const __m256 qc = _mm256_loadu_ps(q + 8 * c);
+      for (int i = 0; i < (NT ? NT : 8); ++i)
+        if (i < n) a[i] = _mm256_fmadd_ps(_mm256_loadu_ps(k + i * rs + 8 * c), qc, a[i]);
+    }
+  }
+
+  // sg[j] = q . k_j for the ntok rows k, 8 rows reduced together (hsum8x8: each lane's sum has
+  // the same shape wherever it sits, so a score does not depend on its neighbours).
+  static void scores(const float* k, int64_t rs, int64_t ntok, const float* q, float* sg) {
+    __m256 a[8];
+    int64_t j0 = 0;
+    for (; j0 + 8 <= ntok; j0 += 8) {
+      dots<8>(k + j0 * rs, rs, 8, q, a);
+      _mm256_storeu_ps(sg + j0, hsum8x8(a));
+    }
+    if (j0 < ntok) {
+      dots<0>(k + j0 * rs, rs, ntok - j0, q, a);
+      alignas(32) float r[8];
+      _mm256_store_ps(r, hsum8x8(a));
+      std::copy(r, r + (ntok - j0), sg + j0);
+    }
+  }
+
+  // Online softmax update of one head over the block's scores sg [ntok]: new running max m,
+  // sg replaced by exp(sg - m), l updated, and alpha = exp(m_old - m), the factor that brings
+  // what was accumulated to the new max (applied by accumulate).
+  static void softmax(float* sg, int64_t ntok, float& m, float& l, float& alpha) {
+    using namespace kvs_avx2;
+    __m256 vmax = _mm256_set1_ps(m);
+    int64_t j = 0;
+    for (; j + 8 <= ntok; j += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(sg + j));
+    float mx = hmax8(vmax);
+    for (; j < ntok; ++j) mx = std::max(mx, sg[j]);
+    // exp8 in a register, no libm call in the chain; 0 on the first block (m = -inf)
+    alpha = _mm256_cvtss_f32(exp8(_mm256_set1_ps(m - mx)));
+    m = mx;
+    l = l * alpha + exp_sum(sg, ntok, mx);
+  }
+
+  // acc[0, 8 * CH) = alpha * acc + sum_j p[j] * v_j[0, 8 * CH), acc in registers.
+  static void accumulate(const float* v, int64_t rs, int64_t ntok, const float* p, float alpha,
+                         float* acc) {
+    __m256 av[CH];
+    const __m256 va = _mm256_set1_ps(alpha);
+    for (int c = 0; c < CH; ++c) av[c] = _mm256_mul_ps(va, _mm256_loadu_ps(acc + 8 * c));
+    for (int64_t j = 0; j < ntok; ++j) {
+      const __m256 pj = _mm256_set1_ps(p[j]);
+      for (int c = 0; c < CH; ++c)
+        av[c] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + j * rs + 8 * c), av[c]);
+    }
+    for (int c = 0; c < CH; ++c) _mm256_storeu_ps(acc + 8 * c, av[c]);
+  }
+};
+
+#if defined(__AVX512F__)
+// The AVX-512 block step (Avx512Step::heads) on each kv head of the block in turn. D = 16 * NV.
+template <typename T, int NV>
+struct Avx512RowStep {
+  static constexpr bool kPrefetch = true;  // strided reads within a block, see attend_rows
+  static int64_t pos(int64_t d) { return Avx512Step<T, NV>::pos(d); }
+
+  // One head's q pre-scaled, in storage order (load_row's: Step::pos).
+  static void load_q(const T* q, float scale, float* dst) {
+    __m512 r[NV];
+    load_row(q, r);
+    const __m512 vs = _mm512_set1_ps(scale);
+    for (int c = 0; c < NV; ++c) _mm512_storeu_ps(dst + 16 * c, _mm512_mul_ps(r[c], vs));
+  }
+
+  static void run(const Params& P, const T* kb, const T* vb, int64_t ntok, RowState& st) {
+    constexpr int64_t D = 16 * NV;
+    const int64_t G = P.groups, BS = P.block_size;
+    for (int64_t h = 0; h < P.num_kv_heads; ++h) {
+      const Heads x{st.q.data() + h * G * D, st.qb.data() + h * G * D, st.acc.data() + h * G * D,
+                    st.s.data() + h * G * BS, st.m.data() + h * G,    st.l.data() + h * G,
+                    st.tile.data(),           st.alpha.data() + h * G, P.scale};
+      const int64_t off = h * P.kv_stride_head;
+      Avx512Step<T, NV>::heads(kb + off, vb + off, P.kv_stride_token, ntok, G, BS, x);
+    }
+  }
+};
+#endif
+
 // Chunk states of the sequences that span threads: per chunk m [Hq], l [Hq], acc [Hq * D].
 struct StoredChunks {
   std::vector<float> data;
@@ -720,21 +974,36 @@ struct StoredChunks {
   float* at(int64_t n, int64_t c) { return data.data() + base[n] + c * per_chunk; }
 };
 
-template <typename T>
+// Step::pos for d < D (D <= kMaxRowDim), looked up rather than recomputed per element.
+constexpr int64_t kMaxRowDim = 128;
+template <typename Step>
+void pos_table(int64_t D, int32_t (&pos)[kMaxRowDim]) {
+  for (int64_t d = 0; d < D; ++d) pos[d] = static_cast<int32_t>(Step::pos(d));
+}
+
+template <typename T, typename Step>
 void write_rows(const Params& P, int64_t n, const RowState& st) {
+  using namespace kvs_avx2;
   const int64_t Hq = P.num_kv_heads * P.groups, D = P.head_dim;
+  int32_t pos[kMaxRowDim];
+  pos_table<Step>(D, pos);
   T* out = static_cast<T*>(P.out) + n * P.out_stride_n;
   for (int64_t qh = 0; qh < Hq; ++qh) {
     // An empty sequence (never scheduled for decode) gives zeros rather than 0/0.
     const float inv = P.seq_lens[n] > 0 ? 1.f / st.l[qh] : 0.f;
-    for (int64_t d = 0; d < D; ++d)
-      out[qh * P.out_stride_h + d] = static_cast<T>(st.acc[qh * D + d] * inv);
+    const float* acc = st.acc.data() + qh * D;
+    alignas(32) float row[kMaxRowDim];
+    for (int64_t d = 0; d < D; ++d) row[d] = acc[pos[d]];
+    // narrowed 8 at a time (store8 rounds as static_cast<T> does)
+    const __m256 vinv = _mm256_set1_ps(inv);
+    for (int64_t d = 0; d < D; d += 8)
+      store8(out + qh * P.out_stride_h + d, _mm256_mul_ps(_mm256_load_ps(row + d), vinv));
   }
 }
 
 // Chunks [c0, c1) of sequence n: each chunk stepped block by block into `part`, then folded
 // into `total` (the thread holds the whole sequence: written out at the end) or stored.
-template <typename T, int NV>
+template <typename T, typename Step>
 void attend_rows(const Params& P, int64_t n, int64_t c0, int64_t c1, RowState& part,
                  RowState& total, StoredChunks& stored) {
   const int64_t Hq = P.num_kv_heads * P.groups, D = P.head_dim, BS = P.block_size;
@@ -742,17 +1011,35 @@ void attend_rows(const Params& P, int64_t n, int64_t c0, int64_t c1, RowState& p
   const bool store = stored.base[n] >= 0;
   const T* q = static_cast<const T*>(P.q) + n * P.q_stride_n;
   for (int64_t qh = 0; qh < Hq; ++qh)
-    for (int64_t d = 0; d < D; ++d)
-      part.q[qh * D + d] = to_float(q[qh * P.q_stride_h + d]) * P.scale;
+    Step::load_q(q + qh * P.q_stride_h, P.scale, part.q.data() + qh * D);
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    for (int64_t qh = 0; qh < Hq; ++qh)
+      for (int64_t d = 0; d < D; ++d) part.qb[qh * D + d] = q[qh * P.q_stride_h + d].x;
+  }
   if (!store) total.reset();
   const T* K = static_cast<const T*>(P.k);
   const T* V = static_cast<const T*>(P.v);
   const int64_t b_end = std::min(c1 * cb, num_blocks(P, n));
+  const int64_t span = (P.num_kv_heads - 1) * P.kv_stride_head + D;  // a token's rows
+  auto prefetch_block = [&](int64_t b) {
+    if (!Step::kPrefetch) return;  // the token step reads in memory order (hardware prefetch)
+    const int64_t off = checked_block(P, n, b) * P.kv_stride_block;
+    const int64_t rows = std::min(BS, len - b * BS);
+    prefetch_rows(K + off, rows, P.kv_stride_token, span);
+    prefetch_rows(V + off, rows, P.kv_stride_token, span);
+  };
+  // Blocks ahead as in attend_heads (kPrefetchTokens, at most kPrefetchBytes, at least one);
+  // the first ones before the first block.
+  const int64_t block_bytes = 2 * BS * span * static_cast<int64_t>(sizeof(T));
+  const int64_t dist = std::max<int64_t>(
+      1, std::min(kPrefetchTokens / BS, kPrefetchBytes / std::max<int64_t>(block_bytes, 1)));
+  for (int64_t b = c0 * cb; b < std::min(c0 * cb + dist, b_end); ++b) prefetch_block(b);
   for (int64_t c = c0; c < c1; ++c) {
     part.reset();
     for (int64_t b = c * cb; b < std::min((c + 1) * cb, b_end); ++b) {
       const int64_t off = checked_block(P, n, b) * P.kv_stride_block;
-      Avx2RowStep<T, NV>::run(P, K + off, V + off, std::min(BS, len - b * BS), part);
+      if (b + dist < b_end) prefetch_block(b + dist);
+      Step::run(P, K + off, V + off, std::min(BS, len - b * BS), part);
     }
     if (!store) {
       fold(total, part.m.data(), part.l.data(), part.acc.data(), Hq, D);
@@ -763,10 +1050,10 @@ void attend_rows(const Params& P, int64_t n, int64_t c0, int64_t c1, RowState& p
     std::copy(part.l.begin(), part.l.end(), dst + Hq);
     std::copy(part.acc.begin(), part.acc.end(), dst + 2 * Hq);
   }
-  if (!store) write_rows<T>(P, n, total);
+  if (!store) write_rows<T, Step>(P, n, total);
 }
 
-template <typename T, int NV>
+template <typename T, typename Step>
 void run_rows(const Params& P) {
   const int64_t N = P.num_seqs, BS = P.block_size;
   const int64_t Hq = P.num_kv_heads * P.groups, D = P.head_dim;
@@ -807,7 +1094,7 @@ void run_rows(const Params& P) {
     for (int64_t t = tb; t < te; ++t)
       for (int64_t u = bounds[t]; u < bounds[t + 1];) {
         const int64_t n = seq[u], end = std::min(bounds[t + 1], first[n + 1]);
-        attend_rows<T, NV>(P, n, u - first[n], end - first[n], part, total, stored);
+        attend_rows<T, Step>(P, n, u - first[n], end - first[n], part, total, stored);
         u = end;
       }
   });
@@ -821,7 +1108,7 @@ void run_rows(const Params& P) {
       const float* x = stored.at(n, c);
       fold(st, x, x + Hq, x + 2 * Hq, Hq, D);
     }
-    write_rows<T>(P, n, st);
+    write_rows<T, Step>(P, n, st);
   }
 }
 #endif  // KVS_AVX2
@@ -830,14 +1117,41 @@ template <typename T>
 KVS_NOINLINE void dispatch_head_dim(const Params& P) {
 #if defined(KVS_AVX2)
   // Row order on every tier with AVX2 (AVX-512 builds too): a decode step's KV is cold, and
-  // there reading it in memory order beat the AVX-512 step's head split (Zen 4, avx512_bf16
-  // tier, 12 heads x 64, batch 1, after a 200 MB read, two alternating runs: float32 86 -> 65
-  // us at 128 tokens, 224 -> 174 at 512, 666 -> 469 at 1500; bfloat16 60 -> 52, 152 -> 134,
-  // 443 -> 361). From cache the dpbf16 step is faster (bf16, 512 tokens: 41 against 52 us).
+  // there reading whole blocks per thread (then in memory order, with the 8-lane step) beat
+  // the AVX-512 step's head split (Zen 4, avx512_bf16 tier, 12 heads x 64, batch 1, after a
+  // 200 MB read, two alternating runs: float32 86 -> 65 us at 128 tokens, 224 -> 174 at 512,
+  // 666 -> 469 at 1500; bfloat16 60 -> 52, 152 -> 134, 443 -> 361). The row order now steps
+  // each block with the AVX-512 block code on those tiers (see "Row order").
+  // The kv-head steps (rows reused across a group) where they measured faster than the token
+  // step (see "Row order").
+  const bool f32 = std::is_same_v<T, float>;
+  const int64_t block_bytes = 2 * P.block_size * P.num_kv_heads * P.head_dim * sizeof(T);
+#if defined(__AVX512F__)
+  const bool by_kv_head = !f32 || (P.groups >= 2 && block_bytes <= kPrefetchBytes);
+  if (by_kv_head) {
+    switch (P.head_dim) {
+      case 32: return run_rows<T, Avx512RowStep<T, 2>>(P);
+      case 64: return run_rows<T, Avx512RowStep<T, 4>>(P);
+      case 128: return run_rows<T, Avx512RowStep<T, 8>>(P);
+      default: break;
+    }
+  }
+#else
+  (void)block_bytes;
+  const bool by_kv_head = P.groups >= 2 && (f32 || P.head_dim <= 64);
+  if (by_kv_head) {
+    switch (P.head_dim) {
+      case 32: return run_rows<T, Avx2RowStep<T, 4>>(P);
+      case 64: return run_rows<T, Avx2RowStep<T, 8>>(P);
+      case 128: return run_rows<T, Avx2RowStep<T, 16>>(P);
+      default: break;
+    }
+  }
+#endif
   switch (P.head_dim) {
-    case 32: return run_rows<T, 4>(P);
-    case 64: return run_rows<T, 8>(P);
-    case 128: return run_rows<T, 16>(P);
+    case 32: return run_rows<T, Avx2TokenStep<T, 4>>(P);
+    case 64: return run_rows<T, Avx2TokenStep<T, 8>>(P);
+    case 128: return run_rows<T, Avx2TokenStep<T, 16>>(P);
     default: break;
   }
 #endif
