@@ -49,6 +49,7 @@
 #include <immintrin.h>
 #endif
 #include "vec_avx2.h"
+#include "vec_avx512.h"
 
 
 namespace {
@@ -265,23 +266,8 @@ KVS_INLINE __m512 reduce16(const __m512 (&a)[16]) {
   return _mm512_permutexvar_ps(order, w);
 }
 
-// exp(x) for x <= 0 (softmax arguments): 2^n * P(r), x = n ln2 + r, |r| <= ln2/2, degree-6
-// Taylor polynomial (relative error ~2e-7). Arguments below -100 are clamped (result ~0).
-KVS_INLINE __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-100.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);   // ln2 in two parts
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.f / 720.f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
+// exp(x) lane-wise (softmax arguments, x <= 0): vec_avx512.h's.
+using kvs_avx512::exp16;
 
 inline __mmask16 tail_mask(int64_t remaining) {
   return remaining >= 16 ? static_cast<__mmask16>(0xFFFF)
