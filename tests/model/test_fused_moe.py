@@ -118,6 +118,18 @@ def test_dispatch_by_step_size(cpu_kernel, num_tokens: int, w_dtype: torch.dtype
                                atol=CPU_TOL[torch.float32], rtol=0)
 
 
+def on_one_and_two_threads(call):
+    """call() with torch's intra-op threads at 1, then at 2 (restored after)."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = call()
+        torch.set_num_threads(2)
+        return one, call()
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("x_dtype,w_dtype", CPU_DTYPES, ids=["f32", "f32x-bf16w", "bf16"])
 @pytest.mark.parametrize("routed", [1, 2, 3, 4])
 def test_cpu_kernel_same_bits_for_every_split(cpu_kernel, x_dtype, w_dtype,
@@ -128,14 +140,7 @@ def test_cpu_kernel_same_bits_for_every_split(cpu_kernel, x_dtype, w_dtype,
                                    unused=tuple(range(routed, EXPERTS)))
     weights, ids = select_experts(logits, min(routed, 2), True)
     assert torch.unique(ids).numel() == routed
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = cpu_kernel(x, w13, w2, weights, ids)
-        torch.set_num_threads(2)
-        two = cpu_kernel(x, w13, w2, weights, ids)
-    finally:
-        torch.set_num_threads(threads)
+    one, two = on_one_and_two_threads(lambda: cpu_kernel(x, w13, w2, weights, ids))
     assert torch.equal(one, two)
     want = reference_moe(x, logits, w13, w2, min(routed, 2), True)
     torch.testing.assert_close(two.double(), want, atol=CPU_TOL[x_dtype], rtol=0)
@@ -219,14 +224,7 @@ def test_panel_kernel_same_bits_for_every_split_and_batch(panel_kernel) -> None:
     divide over 2 threads), and each token alone against the 23-token step: the same bits."""
     x, logits, w13, w2, weights, ids = _panel_case(23, 5, unused=(3, 4, 5))
     p13, p2 = moe_ops.pack_panels(w13, w2)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = panel_kernel(x, p13, p2, weights, ids)
-        torch.set_num_threads(2)
-        two = panel_kernel(x, p13, p2, weights, ids)
-    finally:
-        torch.set_num_threads(threads)
+    one, two = on_one_and_two_threads(lambda: panel_kernel(x, p13, p2, weights, ids))
     assert torch.equal(one, two)
     for t in range(x.shape[0]):
         alone = panel_kernel(x[t:t + 1].contiguous(), p13, p2, weights[t:t + 1].contiguous(),
