@@ -518,9 +518,11 @@ def kernel_sweep(size: str, dtypes: list[str],
                          "speedup": times["torch"] / times["kernel"],
                          "kernel_gb_s": nbytes / times["kernel"] / 1e9})
             r = rows[-1]
-            panels = (f", panels {r['panels_ms']:.3f} ms ({nbytes / times['panels'] / 1e9:.1f} "
-                      f"GB/s, {times['kernel'] / times['panels']:.2f}x kernel, "
-                      f"{times['torch'] / times['panels']:.2f}x torch)" if "panels" in times else "")
+            panels = ""
+            if "panels" in times:
+                tp = times["panels"]
+                panels = (f", panels {tp * 1e3:.3f} ms ({nbytes / tp / 1e9:.1f} GB/s, "
+                          f"{times['kernel'] / tp:.2f}x kernel, {times['torch'] / tp:.2f}x torch)")
             print(f"  {dtype:9s} T={T:4d} pairs={T * k:4d} experts={routed:2d}: kernel "
                   f"{r['kernel_ms']:.3f} ms ({r['kernel_gb_s']:.1f} GB/s), torch "
                   f"{r['torch_ms']:.3f} ms -> {r['speedup']:.2f}x{panels}", flush=True)

@@ -102,7 +102,8 @@ def kernel_takes(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, num_pairs
 # input pair (x[2k], x[2k+1]), the 16 rows' two weights -- the operand order of AVX-512 BF16's
 # dpbf16 with x broadcast, so a vector lane is an output row. gate and up panels of the same 16
 # intermediates alternate in w13. On dpbf16 CPUs bf16 experts are kept this way (FusedMoE's
-# process_weights_after_loading) and every step, prefill included, runs the C++ kernel:
+# choose_cpu_layout, from the loader's apply_weight_plan) and every step, prefill included, runs
+# the C++ kernel:
 # benchmarks/moe.py --kernel-sweep measured it against the row layout's kernel and torch's GEMMs.
 PANEL_ROWS = 16
 
@@ -114,9 +115,10 @@ def is_panel_packed(w13: torch.Tensor) -> bool:
 def panels_fit(w13: torch.Tensor, w2: torch.Tensor, math_dtype: torch.dtype) -> bool:
     """Whether these [E, 2I, H] / [E, H, I] experts should be kept panel-packed: bf16 weights
     and math on CPU, a kernel build with dpbf16, switched on, 16-row blocks."""
-    e, two_i, h = w13.shape
-    return (w13.numel() > 0 and w13.device.type == "cpu" and w13.dtype == w2.dtype == math_dtype == torch.bfloat16
-            and two_i % (2 * PANEL_ROWS) == 0 and h % PANEL_ROWS == 0 and e > 0
+    _, two_i, h = w13.shape
+    return (w13.numel() > 0 and w13.device.type == "cpu"
+            and w13.dtype == w2.dtype == math_dtype == torch.bfloat16
+            and two_i % (2 * PANEL_ROWS) == 0 and h % PANEL_ROWS == 0
             and (cpu_kernel_isa() or "").startswith("avx512_bf16") and cpu_kernel() is not None)
 
 

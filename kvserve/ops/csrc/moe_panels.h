@@ -63,9 +63,10 @@ KVS_INLINE void gate_up_panels(const bf16* const* x, const bf16* w13e, bf16* con
   for (int m = 0; m < MR; ++m)
     for (int n = 0; n < NJ; ++n) {
       const __m512 g = acc[m][2 * n];
-      const __m512 sig = _mm512_div_ps(one, _mm512_add_ps(one, kvs_avx512::exp16(
-                                                                   _mm512_sub_ps(_mm512_setzero_ps(), g))));
-      store_bf16x16(act[m] + (j + n) * kPanelRows, _mm512_mul_ps(_mm512_mul_ps(g, sig), acc[m][2 * n + 1]));
+      const __m512 neg_g = _mm512_sub_ps(_mm512_setzero_ps(), g);
+      const __m512 sig = _mm512_div_ps(one, _mm512_add_ps(one, kvs_avx512::exp16(neg_g)));
+      store_bf16x16(act[m] + (j + n) * kPanelRows,
+                    _mm512_mul_ps(_mm512_mul_ps(g, sig), acc[m][2 * n + 1]));
     }
 }
 
