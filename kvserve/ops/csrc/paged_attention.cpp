@@ -206,6 +206,13 @@ struct Avx2Step {
 };
 #endif
 
+// Where element d of a bfloat16 row widened `lanes` floats at a time with in-lane ops is kept:
+// of every 2 * lanes elements, the even ones in the first vector, the odd ones in the second.
+constexpr int64_t even_odd_pos(int64_t d, int64_t lanes) {
+  const int64_t e = d % (2 * lanes);
+  return d - e + (e % 2 ? lanes + e / 2 : e / 2);
+}
+
 // ------------------------------------------------------------------------------------------
 // AVX-512 block step: head_dim = 16 * NV, a K/V row lives in NV registers. The head split runs
 // it for head_dim 256; the row order below runs its block code (heads) on each kv head for 32
@@ -291,14 +298,7 @@ struct Avx512Step {
   static constexpr bool kBf16 = std::is_same_v<T, c10::BFloat16>;
 
   // Where logical element d of a row is kept in q / acc.
-  static int64_t pos(int64_t d) {
-    if constexpr (kBf16) {
-      const int64_t e = d % 32;
-      return d - e + (e % 2 ? 16 + e / 2 : e / 2);
-    } else {
-      return d;
-    }
-  }
+  static int64_t pos(int64_t d) { return kBf16 ? even_odd_pos(d, 16) : d; }
 
   // Float32 rows [t0, t0 + nt) of a block in storage order: the cache rows themselves for
   // float32, widened copies in the scratch tile for bfloat16 (each row widened once for all G
@@ -509,6 +509,25 @@ void end_item(const Params& P, int64_t n, int64_t kh, const Scratch& sc) {
 // per thread make a block's share large) and at least the next block.
 constexpr int64_t kPrefetchBytes = 64 * 1024;
 
+// That distance in blocks, for blocks whose tokens' K (and V) rows span `span` elements.
+template <typename T>
+inline int64_t prefetch_blocks_ahead(int64_t block_size, int64_t span) {
+  const int64_t block_bytes = 2 * block_size * span * static_cast<int64_t>(sizeof(T));
+  return std::max<int64_t>(1, std::min(kPrefetchTokens / block_size,
+                                       kPrefetchBytes / std::max<int64_t>(block_bytes, 1)));
+}
+
+// Prefetch the K and V rows of sequence n's block b: `span` elements a token, from element
+// `head_off` of each token's rows.
+template <typename T>
+inline void prefetch_kv_block(const Params& P, const T* K, const T* V, int64_t n, int64_t b,
+                              int64_t head_off, int64_t span) {
+  const int64_t off = checked_block(P, n, b) * P.kv_stride_block + head_off;
+  const int64_t rows = std::min(P.block_size, P.seq_lens[n] - b * P.block_size);
+  prefetch_rows(K + off, rows, P.kv_stride_token, span);
+  prefetch_rows(V + off, rows, P.kv_stride_token, span);
+}
+
 // kv heads [kh0, kh1) of sequence n, each with its own scratch scs[kh - kh0].
 template <typename T, typename Step>
 void attend_heads(const Params& P, int64_t n, int64_t kh0, int64_t kh1, Scratch* scs) {
@@ -519,15 +538,10 @@ void attend_heads(const Params& P, int64_t n, int64_t kh0, int64_t kh1, Scratch*
   const T* K = static_cast<const T*>(P.k);
   const T* V = static_cast<const T*>(P.v);
   const int64_t span = (kh1 - kh0 - 1) * P.kv_stride_head + D;   // a token's rows of the heads
-  const int64_t block_bytes = 2 * BS * span * static_cast<int64_t>(sizeof(T));
-  const int64_t dist = std::max<int64_t>(
-      1, std::min(kPrefetchTokens / BS, kPrefetchBytes / std::max<int64_t>(block_bytes, 1)));
+  const int64_t dist = prefetch_blocks_ahead<T>(BS, span);
   const int64_t nblocks = (len + BS - 1) / BS;
   auto prefetch_block = [&](int64_t b) {
-    const int64_t off = checked_block(P, n, b) * P.kv_stride_block + kh0 * P.kv_stride_head;
-    const int64_t rows = std::min(BS, len - b * BS);
-    prefetch_rows(K + off, rows, P.kv_stride_token, span);
-    prefetch_rows(V + off, rows, P.kv_stride_token, span);
+    prefetch_kv_block(P, K, V, n, b, kh0 * P.kv_stride_head, span);
   };
   for (int64_t b = 0; b < std::min(dist, nblocks); ++b) prefetch_block(b);
   for (int64_t b = 0; b < nblocks; ++b) {
@@ -808,14 +822,7 @@ struct Avx2RowStep {
   }
 
   // Where logical element d of a row is kept in q / acc.
-  static int64_t pos(int64_t d) {
-    if constexpr (kBf16) {
-      const int64_t e = d % 16;
-      return d - e + (e % 2 ? 8 + e / 2 : e / 2);
-    } else {
-      return d;
-    }
-  }
+  static int64_t pos(int64_t d) { return kBf16 ? even_odd_pos(d, 8) : d; }
 
   static void load_q(const T* q, float scale, float* dst) {
     __m256 r[NV];
@@ -1008,17 +1015,11 @@ void attend_rows(const Params& P, int64_t n, int64_t c0, int64_t c1, RowState& p
   const int64_t b_end = std::min(c1 * cb, num_blocks(P, n));
   const int64_t span = (P.num_kv_heads - 1) * P.kv_stride_head + D;  // a token's rows
   auto prefetch_block = [&](int64_t b) {
-    if (!Step::kPrefetch) return;  // the token step reads in memory order (hardware prefetch)
-    const int64_t off = checked_block(P, n, b) * P.kv_stride_block;
-    const int64_t rows = std::min(BS, len - b * BS);
-    prefetch_rows(K + off, rows, P.kv_stride_token, span);
-    prefetch_rows(V + off, rows, P.kv_stride_token, span);
+    // the token step reads in memory order (hardware prefetch)
+    if (Step::kPrefetch) prefetch_kv_block(P, K, V, n, b, 0, span);
   };
-  // Blocks ahead as in attend_heads (kPrefetchTokens, at most kPrefetchBytes, at least one);
-  // the first ones before the first block.
-  const int64_t block_bytes = 2 * BS * span * static_cast<int64_t>(sizeof(T));
-  const int64_t dist = std::max<int64_t>(
-      1, std::min(kPrefetchTokens / BS, kPrefetchBytes / std::max<int64_t>(block_bytes, 1)));
+  // Blocks ahead as in attend_heads; the first ones before the first block.
+  const int64_t dist = prefetch_blocks_ahead<T>(BS, span);
   for (int64_t b = c0 * cb; b < std::min(c0 * cb + dist, b_end); ++b) prefetch_block(b);
   for (int64_t c = c0; c < c1; ++c) {
     part.reset();
@@ -1099,6 +1100,19 @@ void run_rows(const Params& P) {
 }
 #endif  // KVS_AVX2
 
+#if defined(KVS_AVX2)
+// The row order with Step<T, head_dim / lanes> for head_dim 32 / 64 / 128; false for others.
+template <typename T, template <typename, int> class Step, int kLanes>
+bool run_rows_for(const Params& P) {
+  switch (P.head_dim) {
+    case 32: run_rows<T, Step<T, 32 / kLanes>>(P); return true;
+    case 64: run_rows<T, Step<T, 64 / kLanes>>(P); return true;
+    case 128: run_rows<T, Step<T, 128 / kLanes>>(P); return true;
+    default: return false;
+  }
+}
+#endif
+
 template <typename T>
 KVS_NOINLINE void dispatch_head_dim(const Params& P) {
 #if defined(KVS_AVX2)
@@ -1111,35 +1125,15 @@ KVS_NOINLINE void dispatch_head_dim(const Params& P) {
   // The kv-head steps (rows reused across a group) where they measured faster than the token
   // step (see "Row order").
   const bool f32 = std::is_same_v<T, float>;
-  const int64_t block_bytes = 2 * P.block_size * P.num_kv_heads * P.head_dim * sizeof(T);
 #if defined(__AVX512F__)
+  const int64_t block_bytes = 2 * P.block_size * P.num_kv_heads * P.head_dim * sizeof(T);
   const bool by_kv_head = !f32 || (P.groups >= 2 && block_bytes <= kPrefetchBytes);
-  if (by_kv_head) {
-    switch (P.head_dim) {
-      case 32: return run_rows<T, Avx512RowStep<T, 2>>(P);
-      case 64: return run_rows<T, Avx512RowStep<T, 4>>(P);
-      case 128: return run_rows<T, Avx512RowStep<T, 8>>(P);
-      default: break;
-    }
-  }
+  if (by_kv_head && run_rows_for<T, Avx512RowStep, 16>(P)) return;
 #else
-  (void)block_bytes;
   const bool by_kv_head = P.groups >= 2 && (f32 || P.head_dim <= 64);
-  if (by_kv_head) {
-    switch (P.head_dim) {
-      case 32: return run_rows<T, Avx2RowStep<T, 4>>(P);
-      case 64: return run_rows<T, Avx2RowStep<T, 8>>(P);
-      case 128: return run_rows<T, Avx2RowStep<T, 16>>(P);
-      default: break;
-    }
-  }
+  if (by_kv_head && run_rows_for<T, Avx2RowStep, 8>(P)) return;
 #endif
-  switch (P.head_dim) {
-    case 32: return run_rows<T, Avx2TokenStep<T, 4>>(P);
-    case 64: return run_rows<T, Avx2TokenStep<T, 8>>(P);
-    case 128: return run_rows<T, Avx2TokenStep<T, 16>>(P);
-    default: break;
-  }
+  if (run_rows_for<T, Avx2TokenStep, 8>(P)) return;
 #endif
 #if defined(__AVX512F__)
   switch (P.head_dim) {
