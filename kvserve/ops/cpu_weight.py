@@ -11,6 +11,9 @@
     quantized       GGUF blocks (ops.quant), 8 rows          int8 kernel          int8 kernel
                     interleaved; float parts beside
 
+prepacked+copy hands float32 x to oneDNN from 7 rows on the AVX-512 tiers, where its GEMM
+overtakes the kernel (ops.linear.onednn_above_rows); the fused small-step op does the same.
+
 "tiled": the kernel's layout of the weight it streams (ops.linear.tile_weight; same bits, a
 faster stream), taken wherever the kernel has it. `choose_weight_plan` is the one policy (one
 plan per model); `make_weight` applies it to a weight. On CUDA every weight is plain, except
@@ -29,8 +32,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from kvserve.ops.linear import (TILE_ROWS, is_tiled, linear, pack_weight, packed_linear,
-                                small_batch_max_rows, tile_weight)
+from kvserve.ops.linear import (TILE_ROWS, is_tiled, linear, onednn_above_rows, pack_weight,
+                                packed_linear, small_batch_max_rows, tile_weight)
 
 PLAIN, PREPACKED, PREPACKED_WITH_COPY, WIDENED = "plain", "prepacked", "prepacked+copy", "widened"
 VARIANTS = (PLAIN, PREPACKED, PREPACKED_WITH_COPY, WIDENED)
@@ -97,6 +100,10 @@ class CpuLinearWeight:
     """The base of the variants, and "plain" itself. `weight` is the layer's Parameter (read
     through it: huge pages move its data after loading)."""
     variant = PLAIN
+    # A prepacked copy takes over from the kernel above onednn_above_rows (float32 from 7 rows
+    # on AVX-512), not only above small_batch_max_rows. Not for widened weights: their kernel
+    # streams half the bytes of the float32 copy, a trade not measured there.
+    early_onednn = True
 
     def __init__(self, weight: torch.Tensor, act_dtype: torch.dtype,
                  packed: Optional[torch.Tensor] = None) -> None:
@@ -106,11 +113,19 @@ class CpuLinearWeight:
 
     def matmul(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x [..., K] @ weight.T (+ bias) in x's dtype: the kernel up to
-        small_batch_max_rows rows (8, float32 16), then the prepacked copy where there is one,
-        else F.linear / widened_linear (ops.linear)."""
-        if self.packed is not None and x.numel() > small_batch_max_rows(x.dtype) * x.shape[-1]:
+        onednn_above_rows rows (8, float32 16; float32 6 on AVX-512), then the prepacked copy
+        where there is one, else F.linear / widened_linear (ops.linear)."""
+        if self.packed is not None and x.numel() > self._kernel_rows(x.dtype) * x.shape[-1]:
             return packed_linear(x, self.packed, bias)
         return linear(x, self.weight, bias)
+
+    def _kernel_rows(self, x_dtype: torch.dtype) -> int:
+        return onednn_above_rows(x_dtype) if self.early_onednn else small_batch_max_rows(x_dtype)
+
+    def small_step_packed(self) -> Optional[torch.Tensor]:
+        """The prepacked copy the fused small-step op runs above onednn_above_rows rows (as
+        matmul does), or None: the kernel on streamed() for every row count it takes."""
+        return self.packed if self.early_onednn else None
 
     def streamed(self) -> Optional[torch.Tensor]:
         """The weight the small-batch kernel streams for x of act_dtype (plain or tiled), the
@@ -142,6 +157,7 @@ class PrepackedWithCopy(CpuLinearWeight):
 
 class WidenedWeight(CpuLinearWeight):
     variant = WIDENED                  # 16-bit, float32 x; `packed`: a float32 copy or None
+    early_onednn = False
 
 
 class PackedWeight(CpuLinearWeight):

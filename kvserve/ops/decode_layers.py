@@ -10,7 +10,8 @@ call (csrc/decode_layers.cpp).
                   [] for a step without adapter tokens), lora_slots ([T] int64 token -> slot,
                   -1 = base; None without adapters), quant_parts, quant_meta (packed GGUF
                   weights: QUANT_PARTS tensors per projection per layer and a (GGML type,
-                  rows) pair each; [] and [] where every projection is a float weight))
+                  rows) pair each; [] and [] where every projection is a float weight),
+                  onednn_above (steps of more rows run a projection's prepacked copy)
         -> (hidden, residual) after the last layer
 
 The op runs the same kernels as the layer-by-layer path (small_batch_linear, the fused norm /
@@ -39,7 +40,10 @@ SLOTS = ("input_norm", "post_norm", "qkv_w", "qkv_b", "o_w", "o_b", "gate_up_w",
          # router, FusedMoE's w13 / w2 stacks, [top_k, renormalise] int64, Qwen2-MoE's shared
          # expert (gate_up, down, its sigmoid gate).
          "router_w", "w13", "w2", "moe_cfg", "shared_gate_up_w", "shared_down_w",
-         "shared_gate_w")
+         "shared_gate_w",
+         # The dense projections' prepacked oneDNN copies (None where a weight has none), run
+         # for steps of more than onednn_above rows (ops.linear.onednn_above_rows).
+         "qkv_p", "o_p", "gate_up_p", "down_p")
 # Per-layer LoRA slots: per projection its LoRALinear's a_stack, b_stack and has_mask.
 LORA_PROJECTIONS = ("qkv", "o", "gate_up", "down")
 LORA_SLOTS = tuple(f"{p}_{t}" for p in LORA_PROJECTIONS for t in ("a", "b", "has"))

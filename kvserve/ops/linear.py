@@ -45,6 +45,16 @@ SMALL_BATCH_MAX_ROWS = 8
 F32_SMALL_BATCH_MAX_ROWS = 16
 _MAX_ROWS = {torch.float32: F32_SMALL_BATCH_MAX_ROWS}
 
+# Where a weight also has a prepacked oneDNN copy, the rows above which it runs oneDNN instead
+# of the kernel, by (tier, x dtype); unlisted: small_batch_max_rows. On AVX-512 oneDNN's
+# float32 GEMM runs full-width FMAs in register tiles that reuse each loaded x row, and overtakes
+# the kernel's dot products from a few rows: Zen 5 (benchmarks/linear.py, 2 threads, median of
+# 15, six shapes of the 110M Llama, SmolLM2 and the MoE benchmark), packed / kernel time 1.05-
+# 1.20x at M = 1-3, 0.91-1.04x at 4-6, 0.88-0.97x at 8, 0.75-0.92x at 12, 0.71-0.88x at 16. On
+# AVX2 (Zen 3) the kernel stays ahead up to 16 (above). The fused small-step op takes the same
+# limit (decode_layers' onednn_above), so both paths give the same bits.
+ONEDNN_ABOVE_ROWS = {("avx512", torch.float32): 6, ("avx512_bf16", torch.float32): 6}
+
 
 def small_batch_max_rows(x_dtype: torch.dtype) -> int:
     """Largest row count of x (of x_dtype) that linear() sends to the small-batch kernel."""
@@ -71,6 +81,18 @@ def kernel_takes(x_dtype: torch.dtype, weight: torch.Tensor,
             and (bias is None or (bias.dtype == x_dtype and bias.is_contiguous())))
 
 
+def onednn_above_rows(x_dtype: torch.dtype) -> int:
+    """Rows of x (of x_dtype) above which a weight with a prepacked copy runs oneDNN
+    (ONEDNN_ABOVE_ROWS for this process's kernel tier), not the small-batch kernel."""
+    return _onednn_above(cpu_isa.selected_tier(), x_dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _onednn_above(tier: Optional[str], x_dtype: torch.dtype) -> int:
+    return min(ONEDNN_ABOVE_ROWS.get((tier, x_dtype), small_batch_max_rows(x_dtype)),
+               small_batch_max_rows(x_dtype))
+
+
 @functools.lru_cache(maxsize=1)
 def _dispatch_kernel() -> Optional[Callable[..., torch.Tensor]]:
     # linear() runs ~50 times per decode step: the environment and the build are looked up
@@ -82,6 +104,7 @@ def reset_dispatch() -> None:
     """Look the kernel (and its tiled path) up again: the process's CPU settings changed."""
     _dispatch_kernel.cache_clear()
     _tiled_kernel_works.cache_clear()
+    _onednn_above.cache_clear()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor,

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from kvserve.model.layers.fused_decode import FusedDecodeStack
-from kvserve.ops import build
+from kvserve.ops import build, cpu_isa
 from kvserve.ops import cpu_weight as cw
+from kvserve.ops import linear as linear_ops
 from kvserve.ops.linear import F32_SMALL_BATCH_MAX_ROWS, small_batch_max_rows
 from tests.model.test_model import (CHECKPOINTS, AttentionMetadata, Seq, assert_steps_bit_identical,
                                     blocks_for, load, model_config, random_tokens,
@@ -80,6 +81,29 @@ def test_fused_decode_is_bit_identical(name: str, dtype: str, make_checkpoint: C
     limit = small_batch_max_rows(fused.model._fused_decode.act_dtype)
     sizes = [len(d) + sum(e - s for _, s, e in p) for d, p in schedule]
     assert ran == [n for n in sizes if n <= limit], (ran, sizes)
+
+
+def test_prepacked_copies_above_the_onednn_limit(make_checkpoint: Callable[..., str],
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Steps of more rows than ops.linear.onednn_above_rows run each projection's prepacked
+    oneDNN copy on both paths (6 rows on AVX-512 by default; forced to 2 here so that every
+    tier runs the op's branch): bit-identical, where the kernel's dot products would not be."""
+    key = (cpu_isa.selected_tier(), torch.float32)
+    monkeypatch.setitem(linear_ops.ONEDNN_ABOVE_ROWS, key, 2)
+    linear_ops._onednn_above.cache_clear()
+    try:
+        fused, plain, cfg = load_both(CHECKPOINTS["llama"](make_checkpoint), "float32")
+        assert fused.model.layers[0].mlp.down_proj.linear_weight.small_step_packed() \
+            is not None
+        pool = shuffled_blocks(3)
+        a, b, c = (Seq(random_tokens(24, 30 + i, cfg.vocab_size), blocks_for(24, pool))
+                   for i in range(3))
+        schedule = [([], [(a, 0, 7)]), ([(a, 7)], [(b, 0, 6)]), ([(a, 8), (b, 6)], []),
+                    ([(a, 9), (b, 7)], [(c, 0, 2)]), ([(c, 2)], [])]
+        assert_steps_bit_identical(fused, plain, cfg, torch.float32, schedule)
+        assert fused.model._fused_decode.onednn_above == 2 and fused.model._fused_decode.steps
+    finally:
+        linear_ops._onednn_above.cache_clear()
 
 
 def test_when_the_fused_path_applies(tiny_llama: str) -> None:

@@ -40,7 +40,7 @@ from kvserve.ops.decode_layers import (FLOAT_PART, LORA_PROJECTIONS, NO_PART, QU
 from kvserve.ops.lora import kernel_enabled as lora_kernel_enabled
 from kvserve.ops.lora import stacks_take
 from kvserve.ops.linear import (F32_SMALL_BATCH_MAX_ROWS, SMALL_BATCH_MAX_ROWS, kernel_takes,
-                                small_batch_max_rows)
+                                onednn_above_rows, small_batch_max_rows)
 from kvserve.ops.quant import kernel as quant_kernel
 from kvserve.ops.quant.weight import INT8_MAX_ROWS, PackedQuantWeight
 
@@ -163,6 +163,9 @@ class FusedDecodeStack:
         # The layer path's linears run the kernel up to this many rows; more run oneDNN there,
         # so the op (the kernel only) would not match it bit for bit.
         self.max_rows = small_batch_max_rows(self.act_dtype)
+        # Above this many rows a projection with a prepacked copy runs oneDNN on it, on both
+        # paths (CpuLinearWeight.matmul).
+        self.onednn_above = onednn_above_rows(self.act_dtype)
         # LoRA: the stacks per layer (LORA_SLOTS), [] until the first adapter step; False
         # where a layer has no LoRALinear or stacks the kernel does not take.
         self._lora_tensors: Union[list[torch.Tensor], bool] = []
@@ -191,11 +194,15 @@ class FusedDecodeStack:
             slot = self._moe_slots(mlp) if moe else {
                 "gate_up_w": mlp.gate_up_proj.linear_weight.streamed(),
                 "gate_up_b": mlp.gate_up_proj.bias,
-                "down_w": mlp.down_proj.linear_weight.streamed(), "down_b": mlp.down_proj.bias}
+                "down_w": mlp.down_proj.linear_weight.streamed(), "down_b": mlp.down_proj.bias,
+                "gate_up_p": mlp.gate_up_proj.linear_weight.small_step_packed(),
+                "down_p": mlp.down_proj.linear_weight.small_step_packed()}
             slot |= {"input_norm": layer.input_layernorm.weight,
                     "post_norm": layer.post_attention_layernorm.weight,
                     "qkv_w": attn.qkv_proj.linear_weight.streamed(), "qkv_b": attn.qkv_proj.bias,
                     "o_w": attn.o_proj.linear_weight.streamed(), "o_b": attn.o_proj.bias,
+                    "qkv_p": attn.qkv_proj.linear_weight.small_step_packed(),
+                    "o_p": attn.o_proj.linear_weight.small_step_packed(),
                     "q_norm": attn.q_norm.weight if attn.qk_norm else None,
                     "k_norm": attn.k_norm.weight if attn.qk_norm else None}
             self.layer_tensors += [None if slot.get(s) is None else slot[s].detach()
@@ -306,4 +313,4 @@ class FusedDecodeStack:
                        meta.prefill_query_lens, meta.prefill_context_lens,
                        meta.prefill_block_tables, self.cos_cache, self.sin_cache,
                        self.num_heads, self.num_kv_heads, self.head_dim, self.scale, self.eps,
-                       lora, lora_slots, self.quant_parts, self.quant_meta)
+                       lora, lora_slots, self.quant_parts, self.quant_meta, self.onednn_above)

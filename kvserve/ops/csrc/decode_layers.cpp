@@ -4,7 +4,8 @@
 //                 num_decode_tokens, decode_block_tables?, decode_seq_lens?,
 //                 prefill_query_starts?, prefill_query_lens?, prefill_context_lens?,
 //                 prefill_block_tables?, cos_cache, sin_cache, num_heads, num_kv_heads,
-//                 head_dim, scale, eps, lora_tensors, lora_slots, quant_parts, quant_meta)
+//                 head_dim, scale, eps, lora_tensors, lora_slots, quant_parts, quant_meta,
+//                 onednn_above)
 //       -> (hidden, residual)
 //
 // A small step is one of at most the small-batch linear's rows (8; 16 with float32 activations
@@ -22,6 +23,9 @@
 // in those kernels.
 //
 // layer_tensors: kSlots per layer, in the order of the Slot enum below (absent ones None).
+// A float projection with a prepacked oneDNN copy (its kQkvP .. kDownP slot) runs oneDNN's
+// linear on it in steps of more than onednn_above rows, as CpuLinearWeight.matmul does
+// (ops.linear.onednn_above_rows: on AVX-512 oneDNN's GEMM overtakes the kernel from ~7 rows).
 // Mixture-of-experts layers (Mixtral, Qwen2/3-MoE) carry the router / expert-stack slots
 // instead of gate_up / down: their feed-forward block calls the router's small_batch_linear,
 // the same torch routing ops as routing.select_experts and moe.cpp's fused_moe kernel
@@ -49,6 +53,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
 #include <ATen/ops/add.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
@@ -69,7 +74,9 @@ enum Slot : int64_t {
   // Mixture-of-experts layers (absent in dense ones, whose gate_up / down slots are then
   // absent): the router, the expert stacks, [top_k, renormalise] int64, and Qwen2-MoE's
   // shared expert (its gate_up, down and 1-row sigmoid gate), absent where it has none.
-  kRouterW, kW13, kW2, kMoeCfg, kSharedGateUpW, kSharedDownW, kSharedGateW, kSlots
+  kRouterW, kW13, kW2, kMoeCfg, kSharedGateUpW, kSharedDownW, kSharedGateW,
+  // The dense projections' prepacked oneDNN weights (absent where a weight has none).
+  kQkvP, kOP, kGateUpP, kDownP, kSlots
 };
 
 enum LoraSlot : int64_t {
@@ -143,6 +150,17 @@ const c10::TypedOperatorHandle<QuantSig>& quant_op() {
   return handle;
 }
 
+// oneDNN's linear on a prepacked weight: ops.linear.packed_linear's call (boxed: the op's
+// schema has a Scalar?[] and a str? that the typed call would have to spell exactly).
+at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed, const Opt& bias) {
+  static const c10::OperatorHandle handle =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack{x, packed, bias, std::string("none"),
+                          c10::List<std::optional<at::Scalar>>(), std::string("")};
+  handle.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
 // One layer's packed projections: kProjections * kParts tensors and their (type, rows) pairs.
 struct QuantLayer {
   const Opt* parts;
@@ -150,11 +168,18 @@ struct QuantLayer {
 };
 
 // y = x @ W^T + b for projection `p`: PackedWeight.matmul's arithmetic on its packed parts
-// where it has some, else the small-batch kernel on the float weight in slot `ws`.
+// where it has some, else CpuLinearWeight.matmul's: the small-batch kernel on the float weight
+// in slot `ws`, or for more than `onednn_above` rows its prepacked copy (slot kQkvP + p)
+// where it has one.
 at::Tensor project(const Ops& op, const at::Tensor& x, const Opt* w, Slot ws, Slot bs,
-                   const QuantLayer* q, Proj p) {
+                   const QuantLayer* q, Proj p, int64_t onednn_above) {
   const int64_t* meta = q == nullptr ? nullptr : q->meta + p * kParts * 2;
-  if (meta == nullptr || meta[0] == kNoPart) return op.linear.call(x, *w[ws], w[bs]);
+  if (meta == nullptr || meta[0] == kNoPart) {
+    const Opt& prepacked = w[kQkvP + p];
+    if (x.size(0) > onednn_above && prepacked.has_value())
+      return onednn_linear(x, *prepacked, w[bs]);
+    return op.linear.call(x, *w[ws], w[bs]);
+  }
   const Opt* parts = q->parts + p * kParts;
   int64_t n = 0;
   while (n < kParts && meta[2 * n] != kNoPart) ++n;
@@ -251,6 +276,7 @@ at::Tensor moe_mlp(const Ops& op, const at::Tensor& x, const Opt* w) {
 struct Dims {
   int64_t T, H, Hkv, D;
   double scale, eps;
+  int64_t onednn_above;   // project()'s
 };
 
 // The step's attention metadata (CPU_ATTN's AttentionMetadata).
@@ -283,7 +309,7 @@ at::Tensor attend(const Ops& op, const at::Tensor& q3, const at::Tensor& kv_cach
 at::Tensor attention(const Ops& op, const at::Tensor& x, const Opt* w, const QuantLayer* ql,
                      const Opt* lw, const LoraStep& st, const at::Tensor& positions, at::Tensor& kv_cache,
                      const Meta& m, const at::Tensor& cos, const at::Tensor& sin, const Dims& d) {
-  at::Tensor qkv = project(op, x, w, kQkvW, kQkvB, ql, kPQkv);
+  at::Tensor qkv = project(op, x, w, kQkvW, kQkvB, ql, kPQkv, d.onednn_above);
   const int64_t q_size = d.H * d.D, kv_size = d.Hkv * d.D;
   add_lora(qkv, x, lw, kQkvA, st, {q_size, kv_size, kv_size});
   at::Tensor q = qkv.narrow(1, 0, q_size);
@@ -302,7 +328,7 @@ at::Tensor attention(const Ops& op, const at::Tensor& x, const Opt* w, const Qua
   at::Tensor out = attend(op, q3, kv_cache, m, d.scale);
   if (cast) out = out.to(q.scalar_type());
   const at::Tensor o_in = out.view({d.T, q_size});
-  at::Tensor o = project(op, o_in, w, kOW, kOB, ql, kPO);
+  at::Tensor o = project(op, o_in, w, kOW, kOB, ql, kPO, d.onednn_above);
   add_lora(o, o_in, lw, kOA, st);
   return o;
 }
@@ -364,14 +390,14 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
     const Opt& prefill_context_lens, const Opt& prefill_block_tables, const at::Tensor& cos_cache,
     const at::Tensor& sin_cache, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
     double scale, double eps, const c10::List<Opt>& lora_tensors, const Opt& lora_slots,
-    const c10::List<Opt>& quant_parts, at::IntArrayRef quant_meta) {
+    const c10::List<Opt>& quant_parts, at::IntArrayRef quant_meta, int64_t onednn_above) {
   const int64_t L = static_cast<int64_t>(kv_caches.size());
   TORCH_CHECK(static_cast<int64_t>(layer_tensors.size()) == L * kSlots, "decode_layers: ",
               layer_tensors.size(), " layer tensors for ", L, " layers (", kSlots, " each)");
   TORCH_CHECK(hidden_in.dim() == 2 && hidden_in.is_contiguous(),
               "decode_layers: hidden must be a contiguous [T, hidden] tensor");
   const Ops& op = ops();
-  const Dims d{hidden_in.size(0), num_heads, num_kv_heads, head_dim, scale, eps};
+  const Dims d{hidden_in.size(0), num_heads, num_kv_heads, head_dim, scale, eps, onednn_above};
   const Meta meta{slot_mapping, num_decode_tokens, decode_block_tables, decode_seq_lens,
                   prefill_query_starts, prefill_query_lens, prefill_context_lens,
                   prefill_block_tables};
@@ -411,11 +437,11 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
       hidden = moe_mlp(op, hidden, lw);
       continue;
     }
-    at::Tensor gate_up = project(op, hidden, lw, kGateUpW, kGateUpB, ql, kPGateUp);
+    at::Tensor gate_up = project(op, hidden, lw, kGateUpW, kGateUpB, ql, kPGateUp, d.onednn_above);
     const int64_t inter = gate_up.size(1) / 2;
     add_lora(gate_up, hidden, ll, kGateUpA, st, {inter, inter});
     const at::Tensor act = op.silu_and_mul.call(gate_up);
-    hidden = project(op, act, lw, kDownW, kDownB, ql, kPDown);
+    hidden = project(op, act, lw, kDownW, kDownB, ql, kPDown, d.onednn_above);
     add_lora(hidden, act, ll, kDownA, st);
   }
   return {hidden, residual};
@@ -433,8 +459,11 @@ TORCH_LIBRARY_FRAGMENT(kvserve, m) {
         "Tensor? prefill_query_lens, Tensor? prefill_context_lens, Tensor? prefill_block_tables, "
         "Tensor cos_cache, Tensor sin_cache, int num_heads, int num_kv_heads, int head_dim, "
         "float scale, float eps, Tensor?[] lora_tensors, Tensor? lora_slots, Tensor?[] quant_parts, "
-        "int[] quant_meta) -> (Tensor, Tensor)");
+        "int[] quant_meta, int onednn_above) -> (Tensor, Tensor)");
   m.def("decode_layers_isa() -> str", &isa);
 }
 
 TORCH_LIBRARY_IMPL(kvserve, CPU, m) { m.impl("decode_layers", &decode_layers); }
+// The prepacked oneDNN weights among layer_tensors are MkldnnCPU tensors, which the dispatcher
+// keys the call on.
+TORCH_LIBRARY_IMPL(kvserve, MkldnnCPU, m) { m.impl("decode_layers", &decode_layers); }
