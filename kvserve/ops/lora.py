@@ -29,7 +29,8 @@ from kvserve.ops import cpu_isa
 from kvserve.ops.build import CpuKernel
 
 # Largest token count sent to the kernel; torch's grouped GEMMs above. With column-major B (its
-# expand an axpy over the rank) and the work pool the kernel beat them at every prompt size
+# expand an axpy over the rank) and a work pool of its own (since replaced by torch's OpenMP
+# threads, see kMinMacsParallel in csrc/lora.cpp) the kernel beat them at every prompt size
 # measured, and torch's OpenMP GEMMs stall on a shared CPU: one layer's delta of the 110M
 # Llama (4 adapters, rank 16, 16 requests' tokens contiguous, EPYC Zen 3 2 cores at load 4-5,
 # interleaved in one process; min / median ms) at 64 tokens 2.3 / 14 vs 13 / 94, at 128

@@ -20,8 +20,7 @@
 // block's slice columns (out_splits). B row-major (any other caller): per group and block of
 // 8 rows of B, every token takes 8 dot products over R with its s row, reduced together
 // (hsum8x8: 7 shuffles for 8 sums). Either way added to y. Work items (group, block) are
-// split over threads on the work pool (work_pool.h) once a pass has enough work to pay for
-// the hand-off. Prefill-sized calls (more than kTiledMinTokens tokens) take tiles of tokens
+// split over torch's OpenMP threads once a pass has enough work to pay for the hand-off. Prefill-sized calls (more than kTiledMinTokens tokens) take tiles of tokens
 // instead (shrink_tiled, expand_tiled below). Everything accumulates in float32; a bfloat16 y is rounded once after the add.
 //
 // AVX2 (+FMA, F16C; the avx2 tier and every tier above: AVX-512 builds take the same code):
@@ -40,20 +39,20 @@
 #include <vector>
 
 #include "vec_avx2.h"
-#include "work_pool.h"
 
 namespace {
 
 using bf16 = c10::BFloat16;
 constexpr int64_t kRows = 8;                 // weight rows per block (one accumulator each)
-// Multiply-adds of one shrink or expand pass from which it is split over threads: the work
-// pool (work_pool.h), not OpenMP, whose regions stalled 18-28 ms each on a 2-core Zen 3 shared
-// with other jobs (a decode step makes ~96 passes). Decode-sized passes (<= 16 tokens on the
-// 110M Llama's shapes: 0.2-1.2M MACs, 25-100 us) stay on one thread: there a second thread
-// gained ~25% on an idle core but lost more when the pool's worker was preempted holding a
-// chunk (per-step A/B in one engine, 4 adapters, load 5-7: one thread 0.999x base, the pool
-// 0.969x). 64-token passes (up to 4M MACs) split.
-constexpr int64_t kMinMacsParallel = int64_t{1} << 22;
+// Multiply-adds of one shrink or expand pass from which it is split over threads, with
+// at::parallel_for: the OpenMP threads that run the step's base linears (oneDNN, the
+// small-batch kernel) between these passes. A pool of its own (work_pool.h, what this kernel
+// used before) kept a worker spinning on the second core while OpenMP's wanted it: on a
+// 2-core Zen 5, 110M Llama, 16 prompts, 4 adapters (benchmarks/lora.py, one round each,
+// alternating), one thread 499-501 tok/s, the pool 419-451, OpenMP 541-553. One step's passes
+// alone (scratch loop over the 48 LoRA linears, 16 tokens): one thread 2.6 ms, the pool 2.0-2.2,
+// OpenMP 1.7-2.0. 1-token passes (<= 36K MACs here) stay inline: level either way.
+constexpr int64_t kMinMacsParallel = int64_t{1} << 16;
 
 // Software prefetch (the same arithmetic, only earlier loads). Decode passes are memory-bound:
 // each adapter's A and B are read once per step, in short runs (an 8-row block of A, 8 rows of
@@ -215,8 +214,9 @@ std::vector<ColRange> expand_columns(at::IntArrayRef splits, int64_t N, int64_t 
   return cols;
 }
 
-// fn(i0, i1) over [0, n) items, on the work pool when the call has enough multiply-adds
-// (`macs` in all) for the second thread to pay off, else inline.
+// fn(i0, i1) over [0, n) items, split over the threads when the call has enough
+// multiply-adds (`macs` in all) for the second thread to pay off, else inline. Each item
+// writes its own outputs, so the split does not change a bit.
 template <typename F>
 void for_items(int64_t n, int64_t macs, const F& fn) {
   const int threads = macs >= kMinMacsParallel ? at::get_num_threads() : 1;
@@ -224,12 +224,7 @@ void for_items(int64_t n, int64_t macs, const F& fn) {
     fn(0, n);
     return;
   }
-  const int64_t chunk = std::max<int64_t>(1, (n + 4 * threads - 1) / (4 * threads));
-  const int64_t chunks = (n + chunk - 1) / chunk;
-  const std::function<void(int64_t)> body = [&](int64_t c) {
-    fn(c * chunk, std::min(n, (c + 1) * chunk));
-  };
-  WorkPool::get().run(chunks, threads, body);
+  at::parallel_for(0, n, 1, [&](int64_t i0, int64_t i1) { fn(i0, i1); });
 }
 
 // The expand of column-major B: items (group, block of kCols output columns).

@@ -1,5 +1,5 @@
 // WorkPool: a persistent thread pool for the CPU kernels' parallel loops that does not stall
-// when another process holds a core (quant_linear.cpp, lora.cpp). Header-only; each kernel
+// when another process holds a core (quant_linear.cpp). Header-only; each kernel
 // library that includes it has its own pool (its own threads, created on first use).
 //
 //   pool_for(begin, end, grain, fn)   fn(i0, i1) over [begin, end) in chunks of >= grain,
