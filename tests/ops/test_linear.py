@@ -206,3 +206,16 @@ def test_coexists_with_paged_attention() -> None:
     """)
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=100)
     assert res.returncode == 0 and "ok" in res.stdout, res.stderr
+
+
+def test_float32_above_the_kernel_takes_onednn_on_the_plain_weight() -> None:
+    """Past the kernel's rows a float32 plain weight runs oneDNN's linear (not F.linear, whose
+    MKL sgemm runs generic code on AMD CPUs at under half the speed): its bits exactly."""
+    if not kl.packing_works(torch.float32):
+        pytest.skip("no oneDNN float32 linear")
+    m = kl.small_batch_max_rows(torch.float32) + 5
+    x, w, b = make_case(m, 300, 50, torch.float32, bias=True, seed=3)
+    want = torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+    assert not torch.equal(want, F.linear(x, w, b))       # the two paths are told apart
+    assert torch.equal(kl.linear(x, w, b), want)
+    check(kl.linear(x, w, b), x, w, b)
