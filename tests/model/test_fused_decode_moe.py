@@ -47,5 +47,8 @@ def test_moe_fused_decode_is_bit_identical(arch: str, dtype: str,
     assert_steps_bit_identical(fused, plain, cfg, CACHE_DTYPE[dtype], schedule)
     stack = fused.model._fused_decode
     assert stack is not None and stack.has_moe
-    assert stack.steps == len(schedule) - 1            # every small step ran in the op
+    # every step within the op's limit ran in it: 8 rows (float32 on AVX-512: 6, where the
+    # layer path hands the router to oneDNN above that)
+    sizes = [len(d) + sum(e - s for _, s, e in p) for d, p in schedule]
+    assert stack.steps == sum(n <= stack.max_rows for n in sizes) >= len(schedule) - 2
     assert plain.model._fused_decode is None

@@ -215,7 +215,9 @@ class FusedDecodeStack:
         if self.quant_parts and INT8_MAX_ROWS is not None:
             self.max_rows = min(self.max_rows, INT8_MAX_ROWS)
         if self.has_moe:
-            self.max_rows = min(self.max_rows, SMALL_BATCH_MAX_ROWS)
+            # The op's MoE block runs its router and shared expert on the kernel only: steps
+            # where the layer path would hand them to oneDNN stay on that path.
+            self.max_rows = min(self.max_rows, SMALL_BATCH_MAX_ROWS, self.onednn_above)
 
     @staticmethod
     def _moe_slots(mlp: Any) -> dict[str, Optional[torch.Tensor]]:
