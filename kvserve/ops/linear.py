@@ -49,8 +49,8 @@ _MAX_ROWS = {torch.float32: F32_SMALL_BATCH_MAX_ROWS}
 # of the kernel, by (tier, x dtype); unlisted: small_batch_max_rows. On AVX-512 oneDNN's
 # float32 GEMM runs full-width FMAs in register tiles that reuse each loaded x row, and overtakes
 # the kernel's dot products from a few rows: Zen 5 (benchmarks/linear.py, 2 threads, median of
-# 15, six shapes of the 110M Llama, SmolLM2 and the MoE benchmark), packed / kernel time 1.05-
-# 1.20x at M = 1-3, 0.91-1.04x at 4-6, 0.88-0.97x at 8, 0.75-0.92x at 12, 0.71-0.88x at 16. On
+# 15, six shapes of the 110M Llama, SmolLM2 and the MoE benchmark), packed / kernel time 0.99-
+# 1.19x at M = 1-3, 0.87-1.02x at 4-6, 0.88-0.97x at 8, 0.81-0.97x at 12, 0.71-0.89x at 16. On
 # AVX2 (Zen 3) the kernel stays ahead up to 16 (above). The fused small-step op takes the same
 # limit (decode_layers' onednn_above), so both paths give the same bits.
 ONEDNN_ABOVE_ROWS = {("avx512", torch.float32): 6, ("avx512_bf16", torch.float32): 6}
