@@ -33,6 +33,9 @@ import torch
 
 from kvserve.ops.build import CpuKernel
 
+# The dense projections' prepacked oneDNN copies (None where a weight has none), run for steps
+# of more than onednn_above rows (ops.linear.onednn_above_rows).
+PREPACKED_SLOTS = ("qkv_p", "o_p", "gate_up_p", "down_p")
 # Per-layer tensor slots, in csrc/decode_layers.cpp's order.
 SLOTS = ("input_norm", "post_norm", "qkv_w", "qkv_b", "o_w", "o_b", "gate_up_w", "gate_up_b",
          "down_w", "down_b", "q_norm", "k_norm",
@@ -40,10 +43,7 @@ SLOTS = ("input_norm", "post_norm", "qkv_w", "qkv_b", "o_w", "o_b", "gate_up_w",
          # router, FusedMoE's w13 / w2 stacks, [top_k, renormalise] int64, Qwen2-MoE's shared
          # expert (gate_up, down, its sigmoid gate).
          "router_w", "w13", "w2", "moe_cfg", "shared_gate_up_w", "shared_down_w",
-         "shared_gate_w",
-         # The dense projections' prepacked oneDNN copies (None where a weight has none), run
-         # for steps of more than onednn_above rows (ops.linear.onednn_above_rows).
-         "qkv_p", "o_p", "gate_up_p", "down_p")
+         "shared_gate_w", *PREPACKED_SLOTS)
 # Per-layer LoRA slots: per projection its LoRALinear's a_stack, b_stack and has_mask.
 LORA_PROJECTIONS = ("qkv", "o", "gate_up", "down")
 LORA_SLOTS = tuple(f"{p}_{t}" for p in LORA_PROJECTIONS for t in ("a", "b", "has"))

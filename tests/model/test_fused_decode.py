@@ -45,7 +45,8 @@ def test_fused_decode_is_bit_identical(name: str, dtype: str, make_checkpoint: C
     """A schedule of small steps -- pure decodes of 3 and 1 rows (different lengths), decodes
     mixed with short prefill chunks, a 4-token chunk with a cached prefix (speculative
     decoding's verification) -- and steps of 9-17 tokens (the op up to its row limit,
-    16 for float32 activations and 8 for bfloat16, else the layer path in both): logits and
+    16 for float32 activations and 8 for bfloat16 (16 where every projection has a prepacked
+    copy), else the layer path in both): logits and
     every layer's KV cache equal bit for bit with the fused path on and off, and it ran
     exactly the steps within its limit."""
     path = CHECKPOINTS[name](make_checkpoint)
@@ -78,7 +79,16 @@ def test_fused_decode_is_bit_identical(name: str, dtype: str, make_checkpoint: C
     assert_steps_bit_identical(fused, plain, cfg, CACHE_DTYPE[dtype], schedule)
     assert fused.model._fused_decode is not None       # it ran
     assert plain.model._fused_decode is None
-    limit = small_batch_max_rows(fused.model._fused_decode.act_dtype)
+    stack = fused.model._fused_decode
+    limit = small_batch_max_rows(stack.act_dtype)
+    # With a prepacked copy beside every projection the op runs oneDNN past the kernel's
+    # rows, as the layer path does, and takes steps of up to 16 rows in every dtype.
+    layer = fused.model.layers[0]
+    if all(lin.linear_weight.small_step_packed() is not None for lin in (
+            layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+            layer.mlp.down_proj)):
+        limit = F32_SMALL_BATCH_MAX_ROWS
+    assert stack.max_rows == limit
     sizes = [len(d) + sum(e - s for _, s, e in p) for d, p in schedule]
     assert ran == [n for n in sizes if n <= limit], (ran, sizes)
 
