@@ -16,6 +16,7 @@ from kvserve.ops import build, cpu_isa
 from kvserve.ops import cpu_weight as cw
 from kvserve.ops import linear as linear_ops
 from kvserve.ops.linear import F32_SMALL_BATCH_MAX_ROWS, small_batch_max_rows
+from kvserve.ops.lora import CPU_KERNEL_MAX_TOKENS as LORA_KERNEL_MAX_TOKENS
 from tests.model.test_model import (CHECKPOINTS, AttentionMetadata, Seq, assert_steps_bit_identical,
                                     blocks_for, load, model_config, random_tokens,
                                     shuffled_blocks)
@@ -45,8 +46,8 @@ def test_fused_decode_is_bit_identical(name: str, dtype: str, make_checkpoint: C
     """A schedule of small steps -- pure decodes of 3 and 1 rows (different lengths), decodes
     mixed with short prefill chunks, a 4-token chunk with a cached prefix (speculative
     decoding's verification) -- and steps of 9-17 tokens (the op up to its row limit,
-    16 for float32 activations and 8 for bfloat16 (16 where every projection has a prepacked
-    copy), else the layer path in both): logits and
+    16 for float32 activations and 8 for bfloat16, or every step where every projection has
+    a prepacked copy; else the layer path in both): logits and
     every layer's KV cache equal bit for bit with the fused path on and off, and it ran
     exactly the steps within its limit."""
     path = CHECKPOINTS[name](make_checkpoint)
@@ -82,12 +83,12 @@ def test_fused_decode_is_bit_identical(name: str, dtype: str, make_checkpoint: C
     stack = fused.model._fused_decode
     limit = small_batch_max_rows(stack.act_dtype)
     # With a prepacked copy beside every projection the op runs oneDNN past the kernel's
-    # rows, as the layer path does, and takes steps of up to 16 rows in every dtype.
+    # rows, as the layer path does, and takes steps of any size (to the LoRA kernel's limit).
     layer = fused.model.layers[0]
     if all(lin.linear_weight.small_step_packed() is not None for lin in (
             layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
             layer.mlp.down_proj)):
-        limit = F32_SMALL_BATCH_MAX_ROWS
+        limit = LORA_KERNEL_MAX_TOKENS
     assert stack.max_rows == limit
     sizes = [len(d) + sum(e - s for _, s, e in p) for d, p in schedule]
     assert ran == [n for n in sizes if n <= limit], (ran, sizes)
@@ -120,7 +121,7 @@ def test_when_the_fused_path_applies(tiny_llama: str) -> None:
     meta = AttentionMetadata(num_decode_tokens=F32_SMALL_BATCH_MAX_ROWS,
                              slot_mapping=torch.zeros(1), block_size=4)
     assert FusedDecodeStack.applies(F32_SMALL_BATCH_MAX_ROWS, meta)
-    assert not FusedDecodeStack.applies(F32_SMALL_BATCH_MAX_ROWS + 1, meta)   # kernel's limit
+    assert FusedDecodeStack.applies(4096, meta)      # the built stack's takes() decides
     assert not FusedDecodeStack.applies(0, meta)
     # A weight kept only prepacked (no plain copy to stream) keeps the layer path.
     model, _ = load(tiny_llama, "bfloat16", cw.WeightPlan(cw.PREPACKED))
@@ -128,10 +129,16 @@ def test_when_the_fused_path_applies(tiny_llama: str) -> None:
     if model.model.layers[0].self_attn.qkv_proj.linear_weight.streamed() is None:
         assert FusedDecodeStack.build(layers) is None
     # So does a bound backend other than CPU_ATTN.
+    # Plain weights: the kernel's rows only; prepacked copies beside them: any step.
+    model, _ = load(tiny_llama, "float32", cw.WeightPlan(cw.PLAIN))
+    stack = FusedDecodeStack.build(list(model.model.layers))
+    assert stack is not None and stack.takes(16) and not stack.takes(17)
     model, _ = load(tiny_llama, "float32", cw.WeightPlan(cw.PREPACKED_WITH_COPY))
     layers = list(model.model.layers)
     stack = FusedDecodeStack.build(layers)
-    assert stack is not None and stack.takes(16) and not stack.takes(17)
+    prepacked = layers[0].mlp.down_proj.linear_weight.small_step_packed() is not None
+    assert stack is not None and stack.takes(16) and stack.takes(4096) == prepacked
+    assert not stack.takes(LORA_KERNEL_MAX_TOKENS + 1)
     assert small_batch_max_rows(torch.bfloat16) == 8     # bf16 x: the kernel only to 8 rows
     from kvserve.attention.backends.torch_sdpa import TorchSDPABackend
     layers[1].self_attn.attn.backend = TorchSDPABackend(torch.device("cpu"))

@@ -37,9 +37,10 @@ from kvserve.ops.build import KERNEL_DTYPES
 from kvserve.ops.cpu_weight import PackedWeight
 from kvserve.ops.decode_layers import (FLOAT_PART, LORA_PROJECTIONS, NO_PART, PREPACKED_SLOTS,
                                        QUANT_PARTS, SLOTS, decode_layers_op)
+from kvserve.ops.lora import CPU_KERNEL_MAX_TOKENS as LORA_KERNEL_MAX_TOKENS
 from kvserve.ops.lora import kernel_enabled as lora_kernel_enabled
 from kvserve.ops.lora import stacks_take
-from kvserve.ops.linear import (F32_SMALL_BATCH_MAX_ROWS, SMALL_BATCH_MAX_ROWS, kernel_takes,
+from kvserve.ops.linear import (SMALL_BATCH_MAX_ROWS, kernel_takes,
                                 onednn_above_rows, small_batch_max_rows)
 from kvserve.ops.quant import kernel as quant_kernel
 from kvserve.ops.quant.weight import INT8_MAX_ROWS, PackedQuantWeight
@@ -213,11 +214,12 @@ class FusedDecodeStack:
         if all(p is None for p in self.quant_parts):
             self.quant_parts, self.quant_meta = [], []
         # Past onednn_above rows every projection then runs its prepacked copy, as on the layer
-        # path, so the op takes steps of up to 16 rows whatever the dtype: bfloat16 steps of
-        # 9-16 tokens skip the layer path's Python (110M Llama, Zen 5: 9 rows took 10.3-12.0 ms
-        # a step against 7.5-10.5 for 8; float32 17 rows 19.7 against 17-18 for 16).
+        # path, so the op takes steps of any size whatever the dtype (up to the LoRA kernel's
+        # limit, which the op always calls): those skip the layer path's Python, ~0.17 ms a
+        # layer (110M Llama, Zen 5: bf16 9 rows took 10.3-12.0 ms a step against 7.5-10.5 for
+        # 8 in the op; float32 17 rows 19.7 against 17-18 for 16).
         if prepacked and not self.has_moe:
-            self.max_rows = max(self.max_rows, F32_SMALL_BATCH_MAX_ROWS)
+            self.max_rows = max(self.max_rows, LORA_KERNEL_MAX_TOKENS)
         # A packed weight's int8 kernel serves up to INT8_MAX_ROWS (more rows take
         # PackedQuantWeight's float path, which the op does not have); the MoE kernel's decode
         # pairs are sized for top_k x SMALL_BATCH_MAX_ROWS (_moe_why_not).
@@ -264,13 +266,13 @@ class FusedDecodeStack:
 
     @staticmethod
     def applies(num_tokens: int, meta: Any) -> bool:
-        """A step that may be few enough tokens for the small-batch kernel (decodes,
-        speculative decoding's verification, short prefill chunks), with CPU_ATTN's metadata;
-        `takes(num_tokens)` is the built stack's exact limit."""
-        return 0 < num_tokens <= F32_SMALL_BATCH_MAX_ROWS and type(meta) is AttentionMetadata
+        """A step the op may run (any size: with prepacked weights it takes every step),
+        with CPU_ATTN's metadata; `takes(num_tokens)` is the built stack's exact limit."""
+        return 0 < num_tokens and type(meta) is AttentionMetadata
 
     def takes(self, num_tokens: int) -> bool:
-        """Few enough tokens for the small-batch kernel with this stack's activations."""
+        """Few enough tokens for this stack: the small-batch kernel's rows with this stack's
+        activations, or any step where every projection has a prepacked copy."""
         return num_tokens <= self.max_rows
 
     def _collect_lora(self) -> Union[list[torch.Tensor], bool]:
