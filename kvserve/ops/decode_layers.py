@@ -1,5 +1,6 @@
-"""All decoder layers of a small step (T <= ops.linear.small_batch_max_rows tokens) in one C++
-call (csrc/decode_layers.cpp).
+"""All decoder layers of a step in one C++ call (csrc/decode_layers.cpp): a small step (T <=
+ops.linear.small_batch_max_rows tokens), or any step where every projection keeps a prepacked
+oneDNN copy (FusedDecodeStack.max_rows).
 
     decode_layers(hidden [T, hidden], residual [T, hidden] | None, positions [T],
                   layer_tensors (SLOTS per layer), kv_caches, slot_mapping, num_decode_tokens,

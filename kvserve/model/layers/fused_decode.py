@@ -1,13 +1,14 @@
-"""When a Llama-family decoder stack runs a small step through one C++ call (ops.decode_layers):
+"""When a Llama-family decoder stack runs a step through one C++ call (ops.decode_layers):
 steps of at most the small-batch linear's rows (ops.linear.small_batch_max_rows: 16 for
 float32 activations, 8 for bfloat16) -- decodes, speculative decoding's verification of 1 + k
-tokens, short prefill chunks, or a mix.
+tokens, short prefill chunks, or a mix -- and, where every projection keeps a prepacked oneDNN
+copy (which the op runs past onednn_above rows, as the layer path does), steps of any size.
 
 FusedDecodeStack.build(layers) says once, after loading, whether the stack qualifies and keeps
 the flat list of per-layer tensors the op takes; `applies(...)` is the per-step test. Both are
 conservative: anything the op does not do exactly as the layer-by-layer path (tensor
 parallelism's all-reduces, a KV connector's per-layer hooks, the TORCH_SDPA backend, a weight
-kept only prepacked, CUDA, more rows than the small-batch kernel takes) keeps
+kept only prepacked, CUDA, more rows than the stack takes) keeps
 the Python path, whose output the op matches bit for bit.
 
 Multi-LoRA steps take it too (`takes_lora`): the op adds each projection's adapter delta with
