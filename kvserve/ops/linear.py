@@ -131,15 +131,24 @@ def _torch_linear(x: torch.Tensor, weight: torch.Tensor,
 
 
 def _gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """F.linear, with float32 on CPU through oneDNN's linear on the plain weight (see mm_t:
-    F.linear calls MKL's sgemm, generic code on AMD CPUs). Zen 5, 2 threads: the SmolLM2 tied
-    LM head at 17 / 128 rows 13.9 -> 5.5 / 50.6 -> 18.3 ms, 512 x 768 @ 768 x 2304 9.1 -> 4.1."""
-    if (x.dtype == w.dtype == torch.float32 and x.device.type == "cpu"
+    """F.linear, with float32 on CPU through oneDNN's linear on the plain weight
+    (_onednn_float32). Zen 5, 2 threads: the SmolLM2 tied LM head at 17 / 128 rows 13.9 ->
+    5.5 / 50.6 -> 18.3 ms, 512 x 768 @ 768 x 2304 9.1 -> 4.1."""
+    y = _onednn_float32(x, w, bias)
+    return F.linear(x, w, bias) if y is None else y
+
+
+def _onednn_float32(x: torch.Tensor, w: torch.Tensor,
+                    bias: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+    """x @ w^T (+ bias) by oneDNN's linear on the plain weight, for float32 on CPU where
+    packing_works; None otherwise. torch.mm / F.linear call MKL's sgemm, which on AMD CPUs
+    runs its generic code (mm_t's measurement)."""
+    if not (x.dtype == w.dtype == torch.float32 and x.device.type == "cpu"
             and packing_works(torch.float32)):
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), w.contiguous(),
-                                                  None if bias is None else bias.contiguous(),
-                                                  "none", [], "")
-    return F.linear(x, w, bias)
+        return None
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), w.contiguous(),
+                                              None if bias is None else bias.contiguous(),
+                                              "none", [], "")
 
 
 def widened_linear(x: torch.Tensor, weight: torch.Tensor,
@@ -302,10 +311,8 @@ def mm_t(x: torch.Tensor, w: torch.Tensor,
     generic code: 512 x 576 @ 576 x 3072 on one Zen 5 thread 17.4 ms, oneDNN 7.6 ms (its
     prepacked weight 7.5). Other dtypes and devices: torch.mm (bf16 already reaches oneDNN),
     written straight into `out` where given (oneDNN's linear has no out: copied there)."""
-    if (x.dtype == w.dtype == torch.float32 and x.device.type == "cpu"
-            and packing_works(torch.float32)):
-        y = torch.ops.mkldnn._linear_pointwise(x.contiguous(), w.contiguous(), None, "none",
-                                               [], "")
+    y = _onednn_float32(x, w)
+    if y is not None:
         return y if out is None else out.copy_(y)
     return torch.mm(x, w.t(), out=out)
 

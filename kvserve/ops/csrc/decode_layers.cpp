@@ -8,10 +8,11 @@
 //                 onednn_above)
 //       -> (hidden, residual)
 //
-// A small step is one of at most the small-batch linear's rows (8; 16 with float32 activations
+// A step is one of at most the small-batch linear's rows (8; 16 with float32 activations
 // and float weights, kvserve.ops.linear.small_batch_max_rows): small decode batches,
 // speculative decoding's verification (1 + k tokens of a request), short prefill chunks, or a
-// mix, laid out as CPU_ATTN's metadata says (decodes first, then prefill chunks).
+// mix; or of any size where every projection has a prepacked copy (FusedDecodeStack.max_rows).
+// It is laid out as CPU_ATTN's metadata says (decodes first, then prefill chunks).
 //
 // Why: at batch 1 a layer's arithmetic outside its four matrix-vector products is tiny, yet the
 // Python layer path spent ~0.5-0.7 ms per layer on this AVX2 EPYC (module calls, views, splits,

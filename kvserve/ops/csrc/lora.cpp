@@ -20,7 +20,8 @@
 // block's slice columns (out_splits). B row-major (any other caller): per group and block of
 // 8 rows of B, every token takes 8 dot products over R with its s row, reduced together
 // (hsum8x8: 7 shuffles for 8 sums). Either way added to y. Work items (group, block) are
-// split over torch's OpenMP threads once a pass has enough work to pay for the hand-off. Prefill-sized calls (more than kTiledMinTokens tokens) take tiles of tokens
+// split over torch's OpenMP threads once a pass has enough work to pay for the hand-off.
+// Prefill-sized calls (more than kTiledMinTokens tokens) take tiles of tokens
 // instead (shrink_tiled, expand_tiled below). Everything accumulates in float32; a bfloat16 y is rounded once after the add.
 //
 // AVX2 (+FMA, F16C; the avx2 tier and every tier above: AVX-512 builds take the same code):
@@ -34,7 +35,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <functional>
 #include <string>
 #include <vector>
 
@@ -219,12 +219,11 @@ std::vector<ColRange> expand_columns(at::IntArrayRef splits, int64_t N, int64_t 
 // writes its own outputs, so the split does not change a bit.
 template <typename F>
 void for_items(int64_t n, int64_t macs, const F& fn) {
-  const int threads = macs >= kMinMacsParallel ? at::get_num_threads() : 1;
-  if (threads <= 1 || n <= 1) {
+  if (macs < kMinMacsParallel || at::get_num_threads() <= 1 || n <= 1) {
     fn(0, n);
     return;
   }
-  at::parallel_for(0, n, 1, [&](int64_t i0, int64_t i1) { fn(i0, i1); });
+  at::parallel_for(0, n, 1, fn);
 }
 
 // The expand of column-major B: items (group, block of kCols output columns).
