@@ -2,8 +2,9 @@
 prepacked+copy variant of ops.cpu_weight; the policy's choice for float32 on every vector tier
 and for bfloat16 on avx512_bf16, where the small-batch kernel and the fused small-step path
 beat oneDNN's prepacked path up to ops.linear.onednn_above_rows: 16 for float32 (6 on AVX-512),
-8 for bfloat16): which path each batch size takes, in the layers that use it. The policy is tested in tests/ops/test_cpu_weight.py, the
-model against transformers with and without the copies in tests/model/test_model.py."""
+8 for bfloat16): which path each batch size takes, in the layers that use it. The policy is
+tested in tests/ops/test_cpu_weight.py, the model against transformers with and without the
+copies in tests/model/test_model.py."""
 from __future__ import annotations
 
 import os
