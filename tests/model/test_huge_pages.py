@@ -49,7 +49,9 @@ def test_weights_move_into_an_advised_arena(tied: bool, make_checkpoint: Callabl
     assert len({p.untyped_storage().data_ptr() for p in params}) == 1
     first_huge = (ptrs[0] + huge_pages.HUGE_PAGE - 1) // huge_pages.HUGE_PAGE * huge_pages.HUGE_PAGE
     assert "hg" in vm_flags(first_huge)
-    assert "hg" not in vm_flags(next(plain.parameters()).data_ptr())
+    # "off" leaves each weight in its own storage. Not checked by VmFlags: numpy advises its own
+    # large heap allocations, and a freed one's range can hold these plain weights (CI saw it).
+    assert len({p.untyped_storage().data_ptr() for p in plain.parameters()}) > 1
     if tied:
         assert moved.lm_head.weight is moved.model.embed_tokens.weight
 
