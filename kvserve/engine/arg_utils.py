@@ -99,8 +99,8 @@ _HELP = {
     "cpu_isa": "ISA tier of the C++ CPU kernels; auto: the host's best (env KVSERVE_CPU_ISA).",
     "disable_cpu_kernels": "Pure-torch paths instead of the C++ CPU kernels and oneDNN "
                            "prepacking (env KVSERVE_DISABLE_CPU_KERNELS).",
-    "cpu_huge_pages": "CPU weights in transparent huge pages; auto: where THP is madvise "
-                      "(env KVSERVE_CPU_HUGE_PAGES).",
+    "cpu_huge_pages": "CPU weights and KV cache in transparent huge pages; auto: where THP is "
+                      "madvise (env KVSERVE_CPU_HUGE_PAGES).",
 }
 _HELP.update({
     "runner": "auto, generate or pooling: a pooling runner returns pooled hidden states "

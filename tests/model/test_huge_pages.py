@@ -120,3 +120,31 @@ def test_advice_ends_with_its_arena() -> None:
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["False"], out.stdout
+
+
+def test_kv_cache_in_an_advised_arena(tiny_llama: str) -> None:
+    """The engine's CPU KV cache: with --cpu-huge-pages on every layer's cache sits in one
+    advised mapping (VmFlags "hg"), with off in plain tensors of their own; the tokens and
+    logprobs are the same either way (the cache starts zeroed in both)."""
+    from kvserve import LLM, SamplingParams
+    from tests.test_kv_cache_dtype import runner_of
+
+    params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=3, ignore_eos=True)
+    prompts = [{"prompt_token_ids": list(range(5 + i, 30 + 3 * i))} for i in range(3)]
+    outs, caches = {}, {}
+    for mode in ("on", "off"):
+        llm = LLM(tiny_llama, dtype="float32", max_model_len=128, kv_cache_memory=8 << 20,
+                  seed=0, multiprocessing=False, cpu_huge_pages=mode)
+        kv = runner_of(llm).kv_caches
+        caches[mode] = [(c.untyped_storage().data_ptr(), c.data_ptr()) for c in kv]
+        if mode == "on":
+            first_huge = ((kv[0].data_ptr() + huge_pages.HUGE_PAGE - 1)
+                          // huge_pages.HUGE_PAGE * huge_pages.HUGE_PAGE)
+            assert first_huge < kv[-1].data_ptr() and "hg" in vm_flags(first_huge)
+        outs[mode] = [(o.outputs[0].token_ids, [{t: round(lp.logprob, 5) for t, lp in d.items()}
+                                                for d in o.outputs[0].logprobs])
+                      for o in llm.generate(prompts, params, use_tqdm=False)]
+        llm.shutdown()
+    assert len({s for s, _ in caches["on"]}) == 1          # one arena for every layer
+    assert len({s for s, _ in caches["off"]}) == len(caches["off"]) > 1
+    assert outs["on"] == outs["off"]
