@@ -7,14 +7,18 @@ bandwidth of the K/V bytes each call must read, and the speedup.
 
     python benchmarks/paged_attention.py [--num-seqs 1 16 64] [--seq-lens 128 512 1024]
         [--dtypes bfloat16 float32] [--num-heads 12] [--num-kv-heads 12] [--head-dim 64]
-        [--block-size 16] [--iters 10] [--threads 2] [--output-json out.json]
+        [--block-size 16] [--iters 10] [--threads 2] [--layers 1] [--output-json out.json]
 
-Defaults are the ~110M benchmark Llama's attention (12 heads x 64, no GQA). Compare with the
+Defaults are the ~110M benchmark Llama's attention (12 heads x 64, no GQA). --layers N builds N
+caches (each its own scattered blocks) and each call takes the next, as a decode step's layers
+do: with N x the KV bytes over the L3 size, every call reads its K/V from memory (with 1, a
+small cache is read from L3 after the first call). Compare with the
 machine's memory read bandwidth (28-35 GB/s here, ../shared/PERF_NOTES.md).
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import time
 from typing import Any, Callable
@@ -64,6 +68,8 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--threads", type=int, default=None, help="default: torch's")
+    parser.add_argument("--layers", type=int, default=1,
+                        help="caches cycled through, one a call (see above)")
     parser.add_argument("--output-json", default=None)
     args = parser.parse_args()
     if args.threads:
@@ -87,18 +93,19 @@ def main() -> None:
             dtype = getattr(torch, dtype_name)
             for num_seqs in args.num_seqs:
                 for seq_len in args.seq_lens:
-                    q, kv_cache, tables, lens = make_inputs(
-                        num_seqs, seq_len, args.num_heads, args.num_kv_heads, args.head_dim,
-                        args.block_size, dtype)
+                    layers = [make_inputs(num_seqs, seq_len, args.num_heads,
+                                          args.num_kv_heads, args.head_dim, args.block_size,
+                                          dtype, seed=i) for i in range(args.layers)]
+                    q, kv_cache, tables, lens = layers[0]
                     scale = args.head_dim ** -0.5
                     out_k = kernel(q, kv_cache, tables, lens, scale)
                     out_t = pa.paged_decode_attention_torch(q, kv_cache, tables, lens, scale)
                     max_diff = (out_k.float() - out_t.float()).abs().max().item()
+                    kernel_in, torch_in = itertools.cycle(layers), itertools.cycle(layers)
                     times = best_time({
-                        "kernel": lambda: kernel(q, kv_cache, tables, lens, scale),
-                        "torch": lambda: pa.paged_decode_attention_torch(q, kv_cache, tables,
-                                                                         lens, scale),
-                    }, args.iters)
+                        "kernel": lambda: kernel(*next(kernel_in), scale),
+                        "torch": lambda: pa.paged_decode_attention_torch(*next(torch_in), scale),
+                    }, args.iters * args.layers)
                     kv_bytes = (2 * num_seqs * seq_len * args.num_kv_heads * args.head_dim
                                 * kv_cache.element_size())
                     row = dict(dtype=dtype_name, num_seqs=num_seqs, seq_len=seq_len,
