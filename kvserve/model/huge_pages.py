@@ -118,6 +118,18 @@ def kv_caches_in_huge_pages(shape: tuple[int, ...], dtype: torch.dtype,
             for i in range(count)]
 
 
+def zeroed_kv_caches(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                     count: int) -> list[torch.Tensor]:
+    """`count` zeroed KV tensors of `shape` (zeroed: masked-out slots are multiplied by 0 in
+    attention, and garbage NaNs would survive that): on CPU in one huge-page arena where
+    kv_caches_in_huge_pages gives one, else torch.zeros each."""
+    if torch.device(device).type == "cpu":
+        advised = kv_caches_in_huge_pages(tuple(shape), dtype, count)
+        if advised is not None:
+            return advised
+    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(count)]
+
+
 def move_weights_to_huge_pages(model: nn.Module) -> int:
     """Move the model's CPU parameters into one MADV_HUGEPAGE arena (see the module
     docstring); returns the bytes moved (0: not done, and why is logged at debug level)."""

@@ -13,6 +13,7 @@ import torch
 
 from kvserve.attention.backends.cpu import AttentionMetadata, CpuAttentionBackend
 from kvserve.config import KVServeConfig, ModelConfig
+from kvserve.model.huge_pages import zeroed_kv_caches
 from kvserve.model.layers.attention import bind_attention_backend
 from kvserve.model.loader import get_kv_cache_shape
 
@@ -39,10 +40,9 @@ def kv_cache_bytes_per_block(model_config: ModelConfig, block_size: int, tp_size
 
 def allocate_kv_caches(model_config: ModelConfig, num_blocks: int, block_size: int,
                        tp_size: int, device: torch.device) -> list[torch.Tensor]:
-    """One zeroed KV tensor per layer (zeroed: masked-out slots are multiplied by 0)."""
+    """One zeroed KV tensor per layer (model/huge_pages.zeroed_kv_caches)."""
     shape = get_kv_cache_shape(model_config, num_blocks, block_size, tp_size)
-    return [torch.zeros(shape, dtype=model_config.dtype, device=device)
-            for _ in range(model_config.num_layers)]
+    return zeroed_kv_caches(shape, model_config.dtype, device, model_config.num_layers)
 
 
 class OwnKVProposer:

@@ -21,6 +21,7 @@ from torch import nn
 
 from kvserve.attention import CommonAttentionMetadata
 from kvserve.config import KVCacheGroupSpec
+from kvserve.model.huge_pages import zeroed_kv_caches
 
 
 def shared_kv_caches(groups: Sequence[KVCacheGroupSpec], num_layers: int,
@@ -28,7 +29,7 @@ def shared_kv_caches(groups: Sequence[KVCacheGroupSpec], num_layers: int,
                      device: torch.device) -> list[torch.Tensor]:
     """Per layer its KV tensor; layers at the same index of different groups share one."""
     size = max(len(g.layer_ids) for g in groups)
-    tensors = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(size)]
+    tensors = zeroed_kv_caches(shape, dtype, device, size)
     caches: list[Any] = [None] * num_layers
     for group in groups:
         for i, layer in enumerate(group.layer_ids):

@@ -158,26 +158,17 @@ class ModelRunner:
         return per_layer * layers + draft
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        # Zeroed, not empty: masked-out slots are multiplied by 0 in attention, and garbage
-        # NaNs would survive that.
         shape = self.kv_cache_shape(num_blocks)
         if self.kv_cache_groups:
             from kvserve.worker.kv_cache_groups import shared_kv_caches
             self.kv_caches = shared_kv_caches(self.kv_cache_groups, self.num_local_layers,
                                               shape, self.kv_dtype, self.device)
         else:
-            self.kv_caches = self._cpu_kv_caches(shape) or [
-                torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
-                for _ in range(self.num_local_layers)]
+            from kvserve.model.huge_pages import zeroed_kv_caches
+            self.kv_caches = zeroed_kv_caches(shape, self.kv_dtype, self.device,
+                                              self.num_local_layers)
         if self.spec_decode is not None:
             self.spec_decode.initialize_kv_cache(num_blocks)
-
-    def _cpu_kv_caches(self, shape: tuple[int, ...]) -> Optional[list[torch.Tensor]]:
-        """A CPU cache's layers in one huge-page arena (model/huge_pages.py), or None."""
-        if self.device.type != "cpu":
-            return None
-        from kvserve.model.huge_pages import kv_caches_in_huge_pages
-        return kv_caches_in_huge_pages(tuple(shape), self.kv_dtype, self.num_local_layers)
 
     def capture_cuda_graphs(self) -> None:
         """Capture the all-decode step per batch-size bucket (TRITON_ATTN on CUDA only)."""

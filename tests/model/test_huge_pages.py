@@ -148,3 +148,25 @@ def test_kv_cache_in_an_advised_arena(tiny_llama: str) -> None:
     assert len({s for s, _ in caches["on"]}) == 1          # one arena for every layer
     assert len({s for s, _ in caches["off"]}) == len(caches["off"]) > 1
     assert outs["on"] == outs["off"]
+
+
+def test_hybrid_groups_share_tensors_in_one_arena(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sliding-window groups (worker/kv_cache_groups.shared_kv_caches) take the same arena:
+    layer i of each group shares the i-th tensor, all of them in one advised mapping, zeroed;
+    with off, plain tensors."""
+    from kvserve.config import KVCacheGroupSpec
+    from kvserve.worker.kv_cache_groups import shared_kv_caches
+
+    groups = [KVCacheGroupSpec((0, 2, 4), 64), KVCacheGroupSpec((1, 3, 5))]
+    shape = (2, 64, 16, 4, 64)                      # 1 MiB of float32 a tensor, 3 tensors
+    monkeypatch.setenv(HUGE_PAGES_ENV, "on")
+    caches = shared_kv_caches(groups, 6, shape, torch.float32, torch.device("cpu"))
+    assert caches[0] is caches[1] and caches[4] is caches[5] and caches[0] is not caches[2]
+    assert len({c.untyped_storage().data_ptr() for c in caches}) == 1
+    assert all(not c.any() for c in caches)
+    first_huge = ((caches[0].data_ptr() + huge_pages.HUGE_PAGE - 1)
+                  // huge_pages.HUGE_PAGE * huge_pages.HUGE_PAGE)
+    assert "hg" in vm_flags(first_huge)
+    monkeypatch.setenv(HUGE_PAGES_ENV, "off")
+    plain = shared_kv_caches(groups, 6, shape, torch.float32, torch.device("cpu"))
+    assert len({c.untyped_storage().data_ptr() for c in plain}) == 3
