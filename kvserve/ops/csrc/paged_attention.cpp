@@ -529,19 +529,19 @@ inline void prefetch_kv_block(const Params& P, const T* K, const T* V, int64_t n
   prefetch_rows(V + off, rows, P.kv_stride_token, span);
 }
 
-// Row order reads a bfloat16 cache's blocks with loads, not prefetches: before a group of
-// blocks (at most kLoadBytes of K and V, at least one block) is stepped, a loop of plain loads
-// reads each of its cache lines once, and the steps find them in L1 / L2. A loop of
-// independent loads keeps many misses in flight; the steps' own loads, between their
-// arithmetic, keep few; and prefetch instructions a block or more ahead measured no faster
-// than none (Zen 5 EPYC, 2 cores, avx512_bf16 tier, 16 / 4 heads x 64, 128 sequences of
-// 80-200 tokens, 16 layers' caches in turn: 1.65-1.70 ms a call with prefetches at distances
-// 0-8 blocks, 1.20 with the loads; a pure read of the same blocks takes 0.44 ms, the steps
-// from L3 0.53). float32 keeps the prefetches: there the loads measured level or slower
-// (batch 1, 12 heads x 64, 512 tokens: 0.085-0.093 -> 0.10-0.12 ms; its blocks are 96 KB).
+// Row order's kv-head steps (Step::kLoadAhead) read their blocks with loads, not prefetches:
+// before a group of blocks (at most kLoadBytes of K and V, at least one block) is stepped, a
+// loop of plain loads reads each of its cache lines once, and the steps find them in L1 / L2.
+// A loop of independent loads keeps many misses in flight; the steps' own loads, between
+// their arithmetic, keep few; and prefetch instructions a block or more ahead measured no
+// faster than none (Zen 5 EPYC, 2 cores, avx512_bf16 tier, bf16, 16 / 4 heads x 64, 128
+// sequences of 80-200 tokens, 16 layers' caches in turn: 1.65-1.70 ms a call with prefetches
+// at distances 0-8 blocks, 1.20 with the loads; a pure read of the same blocks takes 0.44 ms,
+// the steps from L3 0.53). float32 there: level (1.97-2.01 -> 1.95 ms); on the avx2 tier
+// 2.29-2.40 -> 1.92-1.94, and 32 / 8 x 128 1.54 -> 1.39. The token step reads in memory order
+// and keeps the hardware's prefetching (loads measured +5% there: batch 1, 12 heads x 64
+// float32, 512 tokens).
 constexpr int64_t kLoadBytes = 32 * 1024;
-template <typename T>
-constexpr bool kLoadAhead = std::is_same_v<T, c10::BFloat16>;
 
 template <typename T>
 KVS_NOINLINE void load_rows(const T* p, int64_t rows, int64_t row_stride, int64_t row_elems) {
@@ -660,7 +660,7 @@ void run(const Params& P) {
 // ------------------------------------------------------------------------------------------
 // Row order (every tier from avx2 up; head_dim 32 / 64 / 128). A thread takes whole blocks and
 // steps every query head of the sequence through them: the whole block is read by one thread
-// (prefetched a block or two ahead, see attend_rows), so the head split's pattern is avoided,
+// (read ahead by a loop of loads, see load_rows), so the head split's pattern is avoided,
 // where two threads read alternate parts of each token's row and each thread a head's 16 rows
 // 3 KB apart. Measured per call (Zen 4, avx2 tier, 2 threads, 12 heads x 64, batch 1, after a
 // 200 MB read, two alternating runs), head split -> row order (then a token's rows of all kv
@@ -767,7 +767,7 @@ inline __attribute__((always_inline)) __m256 hsum8x8(const __m256 (&v)[8]) {
 // memory order counts for more than reusing rows across heads.
 template <typename T, int NV>
 struct Avx2TokenStep {
-  static constexpr bool kPrefetch = false;
+  static constexpr bool kLoadAhead = false;  // memory order: the hardware prefetchers follow
   static int64_t pos(int64_t d) { return d; }
   static void load_q(const T* q, float scale, float* dst) {
     const __m256 vs = _mm256_set1_ps(scale);
@@ -836,7 +836,7 @@ struct Avx2RowStep {
   static constexpr int64_t D = 8 * NV;
   static constexpr int CH = NV < 8 ? NV : 8;  // accumulator registers per pass over a row
   static constexpr bool kBf16 = std::is_same_v<T, c10::BFloat16>;
-  static constexpr bool kPrefetch = true;  // strided reads within a block, see attend_rows
+  static constexpr bool kLoadAhead = true;  // strided reads within a block, see attend_rows
 
   // bfloat16 [16c, 16c + 16) widened with in-lane ops (a shift, an and): the even elements
   // into r[2c], the odd ones into r[2c + 1]; q, the tile and acc are kept in that order.
@@ -966,7 +966,7 @@ struct Avx2RowStep {
 // The AVX-512 block step (Avx512Step::heads) on each kv head of the block in turn. D = 16 * NV.
 template <typename T, int NV>
 struct Avx512RowStep {
-  static constexpr bool kPrefetch = true;  // strided reads within a block, see attend_rows
+  static constexpr bool kLoadAhead = true;  // strided reads within a block, see attend_rows
   static int64_t pos(int64_t d) { return Avx512Step<T, NV>::pos(d); }
 
   // One head's q pre-scaled, in storage order (load_row's: Step::pos).
@@ -1048,25 +1048,17 @@ void attend_rows(const Params& P, int64_t n, int64_t c0, int64_t c1, RowState& p
   const int64_t span = (P.num_kv_heads - 1) * P.kv_stride_head + D;  // a token's rows
   const int64_t block_bytes = 2 * BS * span * static_cast<int64_t>(sizeof(T));
   const int64_t group = std::max<int64_t>(1, kLoadBytes / block_bytes);
-  auto prefetch_block = [&](int64_t b) {
-    // the token step reads in memory order (hardware prefetch)
-    if (Step::kPrefetch) prefetch_kv_block(P, K, V, n, b, 0, span);
-  };
-  // float32: blocks ahead as in attend_heads; the first ones before the first block.
-  const int64_t dist = kLoadAhead<T> ? 0 : prefetch_blocks_ahead<T>(BS, span);
-  for (int64_t b = c0 * cb; b < std::min(c0 * cb + dist, b_end); ++b) prefetch_block(b);
   for (int64_t c = c0; c < c1; ++c) {
     part.reset();
     const int64_t c_end = std::min((c + 1) * cb, b_end);
     for (int64_t b = c * cb; b < c_end; ++b) {
-      if (kLoadAhead<T> && (b - c * cb) % group == 0)
+      if (Step::kLoadAhead && (b - c * cb) % group == 0)
         for (int64_t bl = b; bl < std::min(b + group, c_end); ++bl) {
           const int64_t off = checked_block(P, n, bl) * P.kv_stride_block;
           const int64_t rows = std::min(BS, len - bl * BS);
           load_rows(K + off, rows, P.kv_stride_token, span);
           load_rows(V + off, rows, P.kv_stride_token, span);
         }
-      if (b + dist < b_end && dist > 0) prefetch_block(b + dist);
       const int64_t off = checked_block(P, n, b) * P.kv_stride_block;
       Step::run(P, K + off, V + off, std::min(BS, len - b * BS), part);
     }
