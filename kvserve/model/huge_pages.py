@@ -13,7 +13,7 @@ nothing can, so "auto" moves only under "madvise".
 Measured (AMD EPYC Zen 4, 2 threads, the 110M Llama's 49 linears at 1 x row, alternating):
 float32 14.35 -> 14.08 ms, tiled bf16 5.56 -> 5.09 ms (benchmarks/README.md, issue 16).
 
-The KV cache (kv_caches_in_huge_pages) is allocated the same way: a decode step reads each
+The KV cache (zeroed_kv_caches) is allocated the same way: a decode step reads each
 sequence's blocks, scattered through the cache, and with 4 KiB pages every 8 KiB block is two
 TLB misses. Measured (Zen 5 EPYC, 2 threads, bf16 paged decode attention, 16 / 4 heads x 64,
 128 sequences of 80-200 tokens, 16 layers' caches in turn): 1.20 -> 1.00 ms a call.
@@ -97,23 +97,22 @@ def _advised_arena(nbytes: int) -> Optional[tuple[torch.Tensor, int]]:
     return arena, start - base
 
 
-def kv_caches_in_huge_pages(shape: tuple[int, ...], dtype: torch.dtype,
-                            count: int) -> Optional[list[torch.Tensor]]:
+def _kv_caches_in_huge_pages(shape: tuple[int, ...], dtype: torch.dtype,
+                             count: int) -> Optional[list[torch.Tensor]]:
     """`count` zeroed CPU tensors of `shape` in one advised arena (see the module docstring);
     None where huge pages are not to be used (--cpu-huge-pages, the host's THP setting) or
     the arena is smaller than a huge page: the caller allocates as before."""
     if not _enabled() or count == 0:
         return None
-    per = _align(int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size(),
-                 _ALIGN)
+    numel = int(torch.Size(shape).numel())
+    per = _align(numel * torch.empty((), dtype=dtype).element_size(), _ALIGN)
     if per * count < HUGE_PAGE:
         return None
     advised = _advised_arena(per * count)
     if advised is None:
         return None
     arena, offset = advised
-    arena[offset:].zero_()       # faulted in now (as torch.zeros would), not mid-serving
-    numel = int(torch.Size(shape).numel())
+    arena[offset:offset + per * count].zero_()   # faulted in now (as torch.zeros), not mid-serving
     return [arena[offset + i * per:offset + (i + 1) * per].view(dtype)[:numel].view(shape)
             for i in range(count)]
 
@@ -122,9 +121,9 @@ def zeroed_kv_caches(shape: tuple[int, ...], dtype: torch.dtype, device: torch.d
                      count: int) -> list[torch.Tensor]:
     """`count` zeroed KV tensors of `shape` (zeroed: masked-out slots are multiplied by 0 in
     attention, and garbage NaNs would survive that): on CPU in one huge-page arena where
-    kv_caches_in_huge_pages gives one, else torch.zeros each."""
+    _kv_caches_in_huge_pages gives one, else torch.zeros each."""
     if torch.device(device).type == "cpu":
-        advised = kv_caches_in_huge_pages(tuple(shape), dtype, count)
+        advised = _kv_caches_in_huge_pages(tuple(shape), dtype, count)
         if advised is not None:
             return advised
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(count)]

@@ -518,17 +518,6 @@ inline int64_t prefetch_blocks_ahead(int64_t block_size, int64_t span) {
                                        kPrefetchBytes / std::max<int64_t>(block_bytes, 1)));
 }
 
-// Prefetch the K and V rows of sequence n's block b: `span` elements a token, from element
-// `head_off` of each token's rows.
-template <typename T>
-inline void prefetch_kv_block(const Params& P, const T* K, const T* V, int64_t n, int64_t b,
-                              int64_t head_off, int64_t span) {
-  const int64_t off = checked_block(P, n, b) * P.kv_stride_block + head_off;
-  const int64_t rows = std::min(P.block_size, P.seq_lens[n] - b * P.block_size);
-  prefetch_rows(K + off, rows, P.kv_stride_token, span);
-  prefetch_rows(V + off, rows, P.kv_stride_token, span);
-}
-
 // Row order's kv-head steps (Step::kLoadAhead) read their blocks with loads, not prefetches:
 // before a group of blocks (at most kLoadBytes of K and V, at least one block) is stepped, a
 // loop of plain loads reads each of its cache lines once, and the steps find them in L1 / L2.
@@ -558,6 +547,19 @@ KVS_NOINLINE void load_rows(const T* p, int64_t rows, int64_t row_stride, int64_
     }
   }
   asm volatile("" : : "r"(acc));  // consumed: the loads are kept
+}
+
+// Read the K and V rows of sequence n's block b ahead of their use: `span` elements a token,
+// from element `head_off` of each token's rows; prefetched, or with kLoad read by load_rows.
+template <bool kLoad = false, typename T>
+inline void prefetch_kv_block(const Params& P, const T* K, const T* V, int64_t n, int64_t b,
+                              int64_t head_off, int64_t span) {
+  const int64_t off = checked_block(P, n, b) * P.kv_stride_block + head_off;
+  const int64_t rows = std::min(P.block_size, P.seq_lens[n] - b * P.block_size);
+  for (const T* base : {K + off, V + off}) {
+    if constexpr (kLoad) load_rows(base, rows, P.kv_stride_token, span);
+    else prefetch_rows(base, rows, P.kv_stride_token, span);
+  }
 }
 
 // kv heads [kh0, kh1) of sequence n, each with its own scratch scs[kh - kh0].
@@ -1053,12 +1055,8 @@ void attend_rows(const Params& P, int64_t n, int64_t c0, int64_t c1, RowState& p
     const int64_t c_end = std::min((c + 1) * cb, b_end);
     for (int64_t b = c * cb; b < c_end; ++b) {
       if (Step::kLoadAhead && (b - c * cb) % group == 0)
-        for (int64_t bl = b; bl < std::min(b + group, c_end); ++bl) {
-          const int64_t off = checked_block(P, n, bl) * P.kv_stride_block;
-          const int64_t rows = std::min(BS, len - bl * BS);
-          load_rows(K + off, rows, P.kv_stride_token, span);
-          load_rows(V + off, rows, P.kv_stride_token, span);
-        }
+        for (int64_t bl = b; bl < std::min(b + group, c_end); ++bl)
+          prefetch_kv_block<true>(P, K, V, n, bl, 0, span);
       const int64_t off = checked_block(P, n, b) * P.kv_stride_block;
       Step::run(P, K + off, V + off, std::min(BS, len - b * BS), part);
     }
