@@ -236,9 +236,9 @@ def test_cpu_kernel_fused_slices_column_major(cpu_op, dtype: torch.dtype,
 
 
 @needs_cpu_kernel
-def test_cpu_kernel_on_the_work_pool(cpu_op) -> None:
-    """64 tokens of a wide fused layer: the expand (> 4M multiply-adds) is split over the work
-    pool on 2 threads -- the reference, and the same bits as on one thread."""
+def test_cpu_kernel_split_over_threads(cpu_op) -> None:
+    """64 tokens of a wide fused layer: the expand (> 4M multiply-adds) is split over 2
+    threads -- the reference, and the same bits as on one thread."""
     splits = [4000, 4000, 11]
     x, a, b, y = _fused_case(64, 40, 16, splits, torch.float32, seed=5)
     slots = _slots(64, seed=5)

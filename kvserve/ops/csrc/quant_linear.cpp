@@ -15,7 +15,7 @@
 // values only by float32 rounding of the per-block terms (tests: 1e-5 of |x_q| @ |W|^T).
 //
 // With M small the op is a stream over the packed weight (0.56-1.06 bytes a weight) and x's
-// int8 blocks stay in L1. Work items are groups of 8 output rows (WorkPool chunks of them);
+// int8 blocks stay in L1. Work items are groups of 8 output rows (chunks_for's chunks of them);
 // a group's blocks are one sequential stream, and lane r of every vector is row r, so there are
 // no per-row scalar scale conversions and no horizontal sums. x rows are taken 4 at a time while
 // the group is in L1, so larger batches run here too, near oneDNN's float32 GEMM on the
@@ -39,25 +39,16 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
-#include <sched.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <atomic>
-#include <chrono>
 #include <cmath>
-#include <condition_variable>
 #include <cstdint>
 #include <cstring>
-#include <functional>
-#include <mutex>
 #include <string>
-#include <thread>
 #include <tuple>
 #include <vector>
 
 #include "vec_avx2.h"
-#include "work_pool.h"
 
 namespace {
 
@@ -111,7 +102,32 @@ struct XQ {
   int64_t K, nd, ns;     // row strides of q, d, s (sd: nd)
 };
 
-// The work pool (WorkPool, pool_for): work_pool.h.
+// ------------------------------------------------------------------ threads
+// fn(c0, c1) over [begin, end) in chunks of >= grain (about 4 per thread), which the threads
+// of one OpenMP region take from an atomic counter: a thread that starts late takes fewer.
+// Why OpenMP and not a pool of our own (what this kernel had): the step's other kernels and
+// oneDNN run on torch's OpenMP threads, which spin for ~ms after each region, so a second pool's
+// worker shared the second core with a spinning one. Demo Q8_0 decode, 2-core Zen 5, one
+// process alternating: the pool 193 tok/s, OpenMP 220 (median of 8). The pool did hold up
+// better on a loaded machine (two busy processes beside it: 93 vs 73 tok/s), as LoRA's kernel
+// found before (lora.cpp); the engine's float kernels run on OpenMP too.
+template <typename F>
+void chunks_for(int64_t begin, int64_t end, int64_t grain, const F& fn) {
+  const int64_t n = end - begin;
+  if (n <= 0) return;
+  const int threads = at::get_num_threads();
+  const int64_t chunk = std::max<int64_t>(grain, (n + 4 * threads - 1) / (4 * threads));
+  const int64_t chunks = (n + chunk - 1) / chunk;
+  const auto run = [&](int64_t c) { fn(begin + c * chunk, std::min(end, begin + (c + 1) * chunk)); };
+  if (chunks <= 1 || threads <= 1 || at::in_parallel_region()) {
+    for (int64_t c = 0; c < chunks; ++c) run(c);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(threads, chunks), 1, [&](int64_t, int64_t) {
+    for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < chunks;) run(c);
+  });
+}
 
 // ------------------------------------------------------------------ activation quantization
 // Blocks of 32 values: amax; d = amax / 127; q = round-half-even(x * (127 / amax)) in
@@ -894,7 +910,7 @@ at::Tensor linear_impl(const at::Tensor& x, const at::Tensor& packed, int64_t qt
   float* out = bf ? yw.data() : y.data_ptr<float>();
   const int64_t group_bytes = (K / f.block) * f.gbytes;
   const int64_t grain = std::max<int64_t>(1, kMinBytesPerTask / group_bytes);
-  pool_for(0, packed.size(0), grain, [&](int64_t g0, int64_t g1) {
+  chunks_for(0, packed.size(0), grain, [&](int64_t g0, int64_t g1) {
 #if defined(KVS_AVX2)
     if (!portable) return run_avx2(qtype, f, w, xq, out, M, N, g0, g1);
 #endif
@@ -931,7 +947,7 @@ at::Tensor dequantize_impl(const at::Tensor& packed, int64_t qtype, int64_t N, i
   const int64_t nb = K / f.block;
   // Work items: groups of 8 rows (the packed interleave), ~64K weights per task at least.
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(kGroup * K, 1));
-  pool_for(row0 / kGroup, (row1 + kGroup - 1) / kGroup, grain, [&](int64_t g0, int64_t g1) {
+  chunks_for(row0 / kGroup, (row1 + kGroup - 1) / kGroup, grain, [&](int64_t g0, int64_t g1) {
 #if defined(KVS_AVX2)
     if (!portable) {
       float scratch[256];     // rows of the group outside [row0, row1) are written here
@@ -990,7 +1006,7 @@ at::Tensor quant_dequantize_ids(const at::Tensor& packed, int64_t qtype, int64_t
   float* o = out.data_ptr<float>();
   const int64_t nb = K / f.block;
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(K, 1));
-  pool_for(0, R, grain, [&](int64_t r0, int64_t r1) {
+  chunks_for(0, R, grain, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const uint8_t* wg = w + (id[r] / kGroup) * nb * f.gbytes;
       for (int64_t b = 0; b < nb; ++b)
