@@ -25,8 +25,10 @@
 //
 // Paths: AVX2 (avx2 tier and above): maddubs (u8 x s8 -> s16 pairs) and madd (-> s32), signed
 // weights through the sign trick (|w| x sign(x, w)); AVX-512 VNNI (the avx512_bf16 tier): the
-// same in vpdpbusd (QL_VNNI below); the portable path: each row-block decoded,
-// the same integer math in plain loops. quant_dequantize gives float32 rows (bit-identical to
+// same in 512-bit vpdpbusd, two units of the 8 rows a vector, signed weights read as unsigned
+// (w + 128, or the stored 4/5-bit values) and that offset times x's block sum taken off
+// (QL_VNNI below); the portable path: each row-block decoded, the same integer math in plain
+// loops. quant_dequantize gives float32 rows (bit-identical to
 // gguf's dequantizer) for the float path (a float32 GEMM on dequantized chunks): on AVX2 a
 // group-block at a time from the packed layout (0.2-0.4 ns a weight, 1 thread, Zen 3; the
 // portable row decoder, quant_dequantize_generic, takes 1.7-5.5 ns).
@@ -361,6 +363,15 @@ QL_INLINE __m256i bcast4(const int8_t* p) {   // x's 4 int8 values at p, in ever
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define QL_VNNI 1
 #endif
+#if defined(QL_VNNI)
+// x's 8 int8 values at p as 512 bits: the first 4 in every dword of the low half (lanes of
+// unit c), the next 4 in the high half (unit c + 1).
+QL_INLINE __m512i bcast4x2(const int8_t* p) {
+  const __m512i idx = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  return _mm512_permutexvar_epi32(idx, _mm512_castsi128_si512(
+      _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+#endif
 // Bit `bit` of every byte moved to bit `to` (0x10 or 0x30 masks keep it / them).
 template <int kShiftRight, int kMask>
 QL_INLINE __m256i bit_at4(__m256i v) {
@@ -368,45 +379,86 @@ QL_INLINE __m256i bit_at4(__m256i v) {
                           _mm256_set1_epi8(kMask));
 }
 
+#if defined(QL_VNNI)
+// The legacy types' int32 dot products of each row with x's block (lane r), two units per
+// 512-bit vpdpbusd (k45_units_zmm says why). vpdpbusd takes unsigned weights: Q8_0's as
+// w ^ 0x80 (w + 128), Q4_0's / Q5_0's stored 0..15 / 0..31 (w + 8, w + 16); that offset times
+// x's block sum is subtracted, so the integers equal the AVX2 path's signed products.
+template <int64_t QT, int MB>
+QL_INLINE void legacy_sums_zmm(const uint8_t* gb, const XQ& x, int64_t m0, int64_t b,
+                               __m256i (&sumi)[MB]) {
+  constexpr bool kMin = QT == kQ4_1 || QT == kQ5_1, kFive = QT == kQ5_0 || QT == kQ5_1;
+  constexpr int64_t kQs = QT == kQ4_1 ? 32 : QT == kQ5_0 ? 48 : QT == kQ5_1 ? 64 : 16;
+  constexpr int kOff = QT == kQ8_0 ? 128 : QT == kQ4_0 ? 8 : QT == kQ5_0 ? 16 : 0;
+  __m512i acc[MB];
+  for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_si512();
+  const auto dot = [&](__m512i w, int64_t at) {     // x's values at .. at + 7
+    for (int m = 0; m < MB; ++m)
+      acc[m] = _mm512_dpbusd_epi32(acc[m], w, bcast4x2(x.q + (m0 + m) * x.K + b * 32 + at));
+  };
+  if constexpr (QT == kQ8_0) {
+#pragma GCC unroll 4
+    for (int c = 0; c < 8; c += 2)
+      dot(_mm512_xor_si512(_mm512_loadu_si512(gb + kQs + 32 * c), _mm512_set1_epi8(-128)), 4 * c);
+  } else {
+    const __m512i m4 = _mm512_set1_epi8(0xF), h5 = _mm512_set1_epi8(0x10);
+    __m512i qh2 = _mm512_setzero_si512();    // units c, c + 1 take bits c, c + 1: qh, qh >> 1
+    if constexpr (kFive) {
+      const __m256i qh = load32(gb + kLegacyQh + (kMin ? 16 : 0));
+      qh2 = _mm512_inserti64x4(_mm512_castsi256_si512(qh), _mm256_srli_epi16(qh, 1), 1);
+    }
+    for (int c = 0; c < 4; c += 2) {
+      const __m512i raw = _mm512_loadu_si512(gb + kQs + 32 * c);
+      __m512i lo = _mm512_and_si512(raw, m4), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
+      if constexpr (kFive) {
+        lo = _mm512_or_si512(lo, _mm512_and_si512(_mm512_slli_epi16(_mm512_srli_epi16(qh2, c), 4), h5));
+        hi = _mm512_or_si512(hi, _mm512_and_si512(_mm512_slli_epi16(_mm512_srli_epi16(qh2, c + 4), 4), h5));
+      }
+      dot(lo, 4 * c);
+      dot(hi, 16 + 4 * c);
+    }
+  }
+  for (int m = 0; m < MB; ++m) {
+    sumi[m] = _mm256_add_epi32(_mm512_castsi512_si256(acc[m]), _mm512_extracti64x4_epi64(acc[m], 1));
+    if constexpr (kOff != 0)
+      sumi[m] = _mm256_sub_epi32(sumi[m], _mm256_set1_epi32(kOff * x.s[(m0 + m) * x.ns + b]));
+  }
+}
+#endif
+
 template <int64_t QT, int MB>
 QL_INLINE void group_block_legacy(const uint8_t* gb, const XQ& x, int64_t m0, int64_t b,
                                   __m256 (&acc)[MB]) {
   constexpr bool kMin = QT == kQ4_1 || QT == kQ5_1, kFive = QT == kQ5_0 || QT == kQ5_1;
+  const __m256 d = load_f16x8(gb);
+  __m256i sumi[MB];
+#if defined(QL_VNNI)
+  legacy_sums_zmm<QT, MB>(gb, x, m0, b, sumi);
+#else
   constexpr bool kSigned = !kMin;
   constexpr int64_t kQs = QT == kQ4_1 ? 32 : QT == kQ5_0 ? 48 : QT == kQ5_1 ? 64 : 16;
-  const __m256 d = load_f16x8(gb);
   __m256i qh = _mm256_setzero_si256();
   if constexpr (kFive) qh = load32(gb + kLegacyQh + (kMin ? 16 : 0));
   // maddubs' int16 pair sums are added in int16 for kFlush chunks, then widened by one madd:
   // |w| <= 16 (Q4_0, Q4_1, Q5_0) keeps 8 chunks under 2^15 (8 x 2 x 16 x 127), Q5_1 (<= 31)
   // 4 chunks, Q8_0 (<= 128) one.
   constexpr int kFlush = QT == kQ8_0 ? 1 : QT == kQ5_1 ? 4 : 8;
-  __m256i sumi[MB];
-  for (int m = 0; m < MB; ++m) sumi[m] = _mm256_setzero_si256();
-#if !defined(QL_VNNI)
-  __m256i s16[MB];                         // vpdpbusd sums into sumi directly
-  for (int m = 0; m < MB; ++m) s16[m] = _mm256_setzero_si256();
-#endif
+  __m256i s16[MB];
+  for (int m = 0; m < MB; ++m) sumi[m] = s16[m] = _mm256_setzero_si256();
   const __m256i m4 = _mm256_set1_epi8(0xF);
   auto chunk = [&](__m256i w, int c) {     // weights 4c .. 4c + 3 of each row
     const __m256i u = kSigned ? _mm256_sign_epi8(w, w) : w;
     for (int m = 0; m < MB; ++m) {
       __m256i xv = bcast4(x.q + (m0 + m) * x.K + b * 32 + 4 * c);
       if constexpr (kSigned) xv = _mm256_sign_epi8(xv, w);
-#if defined(QL_VNNI)
-      sumi[m] = _mm256_dpbusd_epi32(sumi[m], u, xv);
-#else
       s16[m] = _mm256_add_epi16(s16[m], _mm256_maddubs_epi16(u, xv));
-#endif
     }
   };
   auto flush = [&]() {
-#if !defined(QL_VNNI)
     for (int m = 0; m < MB; ++m) {
       sumi[m] = _mm256_add_epi32(sumi[m], _mm256_madd_epi16(s16[m], _mm256_set1_epi16(1)));
       s16[m] = _mm256_setzero_si256();
     }
-#endif
   };
   if constexpr (QT == kQ8_0) {
 #pragma GCC unroll 8
@@ -438,6 +490,7 @@ QL_INLINE void group_block_legacy(const uint8_t* gb, const XQ& x, int64_t m0, in
     }
     if constexpr (kFlush == 8) flush();
   }
+#endif
   __m256 mv = _mm256_setzero_ps();
   if constexpr (kMin) mv = load_f16x8(gb + kOffM);
   for (int m = 0; m < MB; ++m) {
@@ -455,6 +508,41 @@ QL_INLINE __m256i pair16(int32_t lo, int32_t hi) {    // (lo, hi) int16 in every
   return _mm256_set1_epi32(static_cast<int32_t>((static_cast<uint32_t>(hi) << 16) |
                                                 (static_cast<uint32_t>(lo) & 0xFFFF)));
 }
+
+#if defined(QL_VNNI)
+// Sub-blocks 2j (low nibbles) and 2j + 1 (high) of a Q4_K / Q5_K group-block: the int32 dot
+// products of each row in lane r, two units (8 weights of each row) per 512-bit vpdpbusd, the
+// halves added at the end. Why 512 bits: on a Zen 5 the 256-bit kernel was compute-bound on
+// Q4_K (~40 GB/s of packed bytes where Q6_K streams ~49); exact integers, so the same bits.
+template <int64_t QT, int MB>
+QL_INLINE void k45_units_zmm(const uint8_t* gb, const XQ& x, int64_t m0, int64_t b, int j,
+                             __m256i (&slo)[MB], __m256i (&shi)[MB]) {
+  constexpr int64_t kQs = QT == kQ5_K ? kK5Qs : kK4Qs;
+  const __m512i m4 = _mm512_set1_epi8(0xF);
+  __m512i lo_acc[MB], hi_acc[MB];
+  for (int m = 0; m < MB; ++m) lo_acc[m] = hi_acc[m] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+  for (int c = 0; c < 8; c += 2) {
+    const __m512i raw = _mm512_loadu_si512(gb + kQs + 32 * (8 * j + c));
+    __m512i lo = _mm512_and_si512(raw, m4), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
+    if constexpr (QT == kQ5_K) {
+      const __m512i qh = _mm512_loadu_si512(gb + kK5Qh + 32 * c);
+      const __m512i h = _mm512_set1_epi8(0x10);
+      lo = _mm512_or_si512(lo, _mm512_and_si512(_mm512_slli_epi16(_mm512_srli_epi16(qh, 2 * j), 4), h));
+      hi = _mm512_or_si512(hi, _mm512_and_si512(_mm512_slli_epi16(_mm512_srli_epi16(qh, 2 * j + 1), 4), h));
+    }
+    for (int m = 0; m < MB; ++m) {
+      const int8_t* xb = x.q + (m0 + m) * x.K + b * 256 + 64 * j + 4 * c;
+      lo_acc[m] = _mm512_dpbusd_epi32(lo_acc[m], lo, bcast4x2(xb));
+      hi_acc[m] = _mm512_dpbusd_epi32(hi_acc[m], hi, bcast4x2(xb + 32));
+    }
+  }
+  for (int m = 0; m < MB; ++m) {
+    slo[m] = _mm256_add_epi32(_mm512_castsi512_si256(lo_acc[m]), _mm512_extracti64x4_epi64(lo_acc[m], 1));
+    shi[m] = _mm256_add_epi32(_mm512_castsi512_si256(hi_acc[m]), _mm512_extracti64x4_epi64(hi_acc[m], 1));
+  }
+}
+#endif
 
 // Q4_K / Q5_K: madd multiplies each sub-block's pair sums by the lane's scale (int16 pairs),
 // leaving one int32 per lane and sub-block, which x's 32-block scale multiplies in float; the
@@ -477,6 +565,9 @@ QL_INLINE void group_block_k45(const uint8_t* gb, const XQ& x, int64_t m0, int64
     const __m256i s_lo = dup16(scale32(2 * j)), s_hi = dup16(scale32(2 * j + 1));
 #endif
     __m256i slo[MB], shi[MB];
+#if defined(QL_VNNI)
+    k45_units_zmm<QT, MB>(gb, x, m0, b, j, slo, shi);
+#else
     for (int m = 0; m < MB; ++m) slo[m] = shi[m] = _mm256_setzero_si256();
 #pragma GCC unroll 8
     for (int c = 0; c < 8; ++c) {
@@ -490,15 +581,11 @@ QL_INLINE void group_block_k45(const uint8_t* gb, const XQ& x, int64_t m0, int64
       }
       for (int m = 0; m < MB; ++m) {
         const int8_t* xb = x.q + (m0 + m) * x.K + b * 256 + 64 * j + 4 * c;
-#if defined(QL_VNNI)
-        slo[m] = _mm256_dpbusd_epi32(slo[m], lo, bcast4(xb));
-        shi[m] = _mm256_dpbusd_epi32(shi[m], hi, bcast4(xb + 32));
-#else
         slo[m] = _mm256_add_epi32(slo[m], _mm256_madd_epi16(_mm256_maddubs_epi16(lo, bcast4(xb)), s_lo));
         shi[m] = _mm256_add_epi32(shi[m], _mm256_madd_epi16(_mm256_maddubs_epi16(hi, bcast4(xb + 32)), s_hi));
-#endif
       }
     }
+#endif
 #if defined(QL_VNNI)
     for (int m = 0; m < MB; ++m) {
       slo[m] = _mm256_mullo_epi32(slo[m], s_lo);
@@ -525,6 +612,36 @@ QL_INLINE void group_block_k45(const uint8_t* gb, const XQ& x, int64_t m0, int64
     acc[m] = _mm256_fnmadd_ps(dmin, fm[m], acc[m]);
   }
 }
+
+#if defined(QL_VNNI)
+// Q6_K's x block p = 4h + t: the int32 dot products of its two 16-weight groups (ta: units
+// 0-3, tb: 4-7) in lane r, two units per 512-bit vpdpbusd as in k45_units_zmm.
+template <int MB>
+QL_INLINE void q6k_units_zmm(const uint8_t* gb, const XQ& x, int64_t m0, int64_t b, int h, int t,
+                             __m256i (&ta)[MB], __m256i (&tb)[MB]) {
+  const __m512i m4 = _mm512_set1_epi8(0xF), m3 = _mm512_set1_epi8(0x30);
+  __m512i za[MB], zb[MB];
+  for (int m = 0; m < MB; ++m) za[m] = zb[m] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+  for (int c = 0; c < 8; c += 2) {
+    const __m512i lb = _mm512_loadu_si512(gb + kQ6Ql + 32 * ((2 * h + (t & 1)) * 8 + c));
+    const __m512i qh = _mm512_loadu_si512(gb + kQ6Qh + 32 * (8 * h + c));
+    const __m512i lo = t < 2 ? _mm512_and_si512(lb, m4)
+                             : _mm512_and_si512(_mm512_srli_epi16(lb, 4), m4);
+    const __m512i q = _mm512_or_si512(
+        lo, _mm512_and_si512(_mm512_slli_epi16(_mm512_srli_epi16(qh, 2 * t), 4), m3));
+    for (int m = 0; m < MB; ++m) {
+      const __m512i xv = bcast4x2(x.q + (m0 + m) * x.K + b * 256 + 128 * h + 32 * t + 4 * c);
+      if (c < 4) za[m] = _mm512_dpbusd_epi32(za[m], q, xv);
+      else zb[m] = _mm512_dpbusd_epi32(zb[m], q, xv);
+    }
+  }
+  for (int m = 0; m < MB; ++m) {
+    ta[m] = _mm256_add_epi32(_mm512_castsi512_si256(za[m]), _mm512_extracti64x4_epi64(za[m], 1));
+    tb[m] = _mm256_add_epi32(_mm512_castsi512_si256(zb[m]), _mm512_extracti64x4_epi64(zb[m], 1));
+  }
+}
+#endif
 
 // Q6_K: q (0..63) with x, each 16-weight group's pair sums scaled by the lane's int8 scale in
 // madd; the -32 offset is 32 x (scale, scale) pairs madd x's 16-sums, subtracted per 32-block
@@ -554,8 +671,8 @@ QL_INLINE void group_block_q6k(const uint8_t* gb, const XQ& x, int64_t m0, int64
       }
 #if defined(QL_VNNI)
       __m256i ta[MB], tb[MB];
-      for (int m = 0; m < MB; ++m) ta[m] = tb[m] = _mm256_setzero_si256();
-#endif
+      q6k_units_zmm<MB>(gb, x, m0, b, h, t, ta, tb);
+#else
 #pragma GCC unroll 8
       for (int c = 0; c < 8; ++c) {
         const __m256i lb = load32(gb + kQ6Ql + 32 * ((2 * h + (t & 1)) * 8 + c));
@@ -564,19 +681,12 @@ QL_INLINE void group_block_q6k(const uint8_t* gb, const XQ& x, int64_t m0, int64
                                  : _mm256_and_si256(_mm256_srli_epi16(lb, 4), m4);
         const __m256i q = _mm256_or_si256(
             lo, _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(qh, 2 * t), 4), m3));
-#if defined(QL_VNNI)
-        for (int m = 0; m < MB; ++m) {   // the two 16-groups' sums apart, scaled below
-          const __m256i xv = bcast4(x.q + (m0 + m) * x.K + b * 256 + 128 * h + 32 * t + 4 * c);
-          if (c < 4) ta[m] = _mm256_dpbusd_epi32(ta[m], q, xv);
-          else tb[m] = _mm256_dpbusd_epi32(tb[m], q, xv);
-        }
-#else
         const __m256i sv = c < 4 ? s_a : s_b;
         for (int m = 0; m < MB; ++m)
           sumi[m] = _mm256_add_epi32(sumi[m], _mm256_madd_epi16(_mm256_maddubs_epi16(
               q, bcast4(x.q + (m0 + m) * x.K + b * 256 + 128 * h + 32 * t + 4 * c)), sv));
-#endif
       }
+#endif
 #if defined(QL_VNNI)
       // lane r's int8 scales of groups 2p and 2p + 1, sign-extended from pr's int16 halves
       const __m256i sa = _mm256_srai_epi32(_mm256_slli_epi32(pr, 16), 16);
@@ -1018,7 +1128,7 @@ at::Tensor quant_dequantize_ids(const at::Tensor& packed, int64_t qtype, int64_t
 
 std::string isa() {
 #if defined(QL_VNNI)
-  return "avx512 vnni (vpdpbusd int8 dot products, 8 lanes)";
+  return "avx512 vnni (512-bit vpdpbusd int8 dot products, two 8-row units a vector)";
 #elif defined(__AVX512F__) && defined(KVS_AVX2)
   return "avx512 tier (int8 dot products on the avx2 maddubs/madd path)";
 #elif defined(KVS_AVX2)
