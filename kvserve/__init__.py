@@ -12,11 +12,13 @@ from typing import Any
 __version__ = "0.1.0"
 
 # libgomp (torch's OpenMP) reads GOMP_SPINCOUNT once, when it loads. Its default keeps a
-# finished parallel region's threads spinning ~300,000 rounds, long enough to hold the core the
-# packed GGUF kernels' own thread pool (ops/csrc/quant_linear.cpp) then needs: demo decode on
-# a quiet 2-core Zen 3, 400 tokens, in-process, 2 rounds each: default 58-63 tok/s, 100: 82-89,
-# 1000: 80-88, 10000: 68-81. Set before torch loads where kvserve is imported first, and for
-# every process kvserve spawns (they inherit it); a value the user set (or OMP_WAIT_POLICY) wins.
+# finished parallel region's threads spinning ~300,000 rounds, holding a core that another
+# thread or process may need. It was set for the packed GGUF kernels' own thread pool (demo
+# decode, quiet 2-core Zen 3: default 58-63 tok/s, 1000: 80-88); they now run on OpenMP too
+# (ops/csrc/quant_linear.cpp), where 1000, 30000 and the default measured level (demo Q8_0,
+# Zen 5, 3 rounds each: 236-255, 229-266, 225-254 tok/s), and a short spin still frees the core
+# on a loaded machine. Set before torch loads where kvserve is imported first, and for every
+# process kvserve spawns (they inherit it); a value the user set (or OMP_WAIT_POLICY) wins.
 if "GOMP_SPINCOUNT" not in os.environ and "OMP_WAIT_POLICY" not in os.environ:
     os.environ["GOMP_SPINCOUNT"] = "1000"
 

@@ -516,8 +516,8 @@ at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& w13, const at::Tenso
 // layout). The pairs grouped by expert as above; per routed expert, its x rows gathered and
 // the int8 kernel kvserve::quant_linear (quant_linear.cpp, called through the dispatcher: its
 // library is loaded where weights are packed) run on that expert's blocks only -- gate / up,
-// kvserve::silu_and_mul, down -- each call parallel over output rows on quant_linear's own
-// work pool. Then each pair's row times its weight, summed over k in slot order: the same
+// kvserve::silu_and_mul, down -- each call parallel over output rows on torch's OpenMP
+// threads. Then each pair's row times its weight, summed over k in slot order: the same
 // ops and order as layers/fused_moe/packed.py's Python loop (bit-identical for k <= 2), without
 // its ~0.1 ms of op calls per layer.
 
