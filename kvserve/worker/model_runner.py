@@ -21,6 +21,7 @@ from kvserve.attention import CommonAttentionMetadata, get_attn_backend
 from kvserve.distributed.parallel_state import (is_first_pp_rank, is_last_pp_rank, pp_recv,
                                                 pp_send)
 from kvserve.distributed.pp_utils import IntermediateTensors
+from kvserve.ops.quant.weight import decode_step as quant_decode_step
 from kvserve.pooling.pooler import Pooler
 from kvserve.sample.rejection_sampler import RejectionSampler, SampleLayout, SpecDecodeMetadata
 from kvserve.sample.sampler import Sampler
@@ -53,6 +54,10 @@ class StepInputs:
     attn_metadata: Any            # the attention backend's metadata for this step
     common_attn_metadata: CommonAttentionMetadata
     sample_mask: np.ndarray       # [num_reqs] bool: this request samples a token this step
+
+    def decode_only(self) -> bool:
+        """Every token of the step is a decode (one query token of a running request)."""
+        return self.common_attn_metadata.num_decodes == len(self.input_ids)
 
 
 @dataclass
@@ -195,8 +200,11 @@ class ModelRunner:
         if (intermediate is None and graphs is not None
                 and graphs.can_run(step.attn_metadata, len(step.input_ids))):
             return graphs.run(step.input_ids, step.positions, step.attn_metadata)
-        return self.model(step.input_ids, step.positions, self.kv_caches, step.attn_metadata,
-                          intermediate)
+        # A step of decode tokens only lets packed GGUF weights keep more rows on their int8
+        # kernel (ops/quant/weight.py, INT8_DECODE_MAX_ROWS); prompt rows keep the float path.
+        with quant_decode_step(step.decode_only()):
+            return self.model(step.input_ids, step.positions, self.kv_caches,
+                              step.attn_metadata, intermediate)
 
     # ------------------------------------------------------------------ step
     @torch.inference_mode()
@@ -262,7 +270,8 @@ class ModelRunner:
                                    so.scheduled_spec_decode_tokens)
         if self.lora_manager is not None:    # LoRA on lm_head: each scored row's adapter
             self.lora_manager.set_logits_rows(layout.logits_indices)
-        logits = self.model.compute_logits(self._scored_rows(hidden, layout.logits_indices))
+        with quant_decode_step(step.decode_only()):    # as the forward (_forward)
+            logits = self.model.compute_logits(self._scored_rows(hidden, layout.logits_indices))
         if so.grammar_bitmask is not None:   # one bitmask row per draft + the bonus row
             first_row = {step.req_ids[i]: int(layout.row_starts[s])
                          for s, i in enumerate(sample_idx)}

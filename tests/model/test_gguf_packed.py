@@ -278,6 +278,41 @@ def test_demo_greedy_chats_answer_right_with_packed_weights() -> None:
     assert abs(first["The"] - (-1.8827)) < 0.01 and abs(first["L"] - (-1.9648)) < 0.01, first
 
 
+DECODE_BATCH_QUESTIONS = ["What is the capital of France?", "Name a primary colour.",
+                          "What is 2 + 3?", "Who wrote Hamlet?", "What is the largest ocean?",
+                          "Say hello in Spanish.", "What colour is the sky?", "Name a fruit.",
+                          "How many legs has a cat?", "What is ice made of?",
+                          "Name a planet.", "What do bees make?"]
+
+
+def test_decode_batches_run_int8_as_batch_1_does() -> None:
+    """Decode-only steps of more than INT8_MAX_ROWS (here 12 requests) keep the packed weights
+    on the int8 kernel inside the fused op, as a batch of 1 does (the model runner marks such
+    steps, ops/quant/weight.py decode_step): each request's tokens and logprobs decoded in the
+    batch equal decoding it alone, bit for bit, after the first token. Prompts (more than 8
+    rows) take the float path either way; the first token is scored in the prompts' step, whose
+    LM head rows number 1 alone (int8) and 12 together (float32)."""
+    from kvserve.ops.quant.weight import INT8_DECODE_MAX_ROWS, INT8_MAX_ROWS
+
+    assert INT8_MAX_ROWS < len(DECODE_BATCH_QUESTIONS) <= INT8_DECODE_MAX_ROWS
+    sp = SamplingParams(max_tokens=6, temperature=0, logprobs=2, ignore_eos=True)
+    chats = [[{"role": "user", "content": q}] for q in DECODE_BATCH_QUESTIONS]
+    with LLM("demo", **ENGINE, enable_prefix_caching=False) as llm:
+        alone = [llm.chat(c, sp, use_tqdm=False)[0] for c in chats]
+        stack = llm.llm_engine.engine_core.engine_core.model_executor.worker.model_runner \
+            .model.model._fused_decode
+        assert stack is not None and stack.all_packed
+        steps = stack.steps
+        together = llm.chat(chats, sp, use_tqdm=False)
+        # 5 decode-only steps of 12 rows ran in the op (the prompts' step did not)
+        assert stack.steps - steps >= 5, stack.steps - steps
+    for a, t in zip(alone, together):
+        a, t = a.outputs[0], t.outputs[0]
+        assert t.token_ids == a.token_ids
+        assert [d[x].logprob for d, x in zip(t.logprobs, t.token_ids)][1:] == \
+            [d[x].logprob for d, x in zip(a.logprobs, a.token_ids)][1:]
+
+
 def test_greedy_chat_says_paris(files) -> None:
     """The mixed file (Q8_0 mostly, Q4_0 / Q5_0 / Q5_1 beside): greedy Paris."""
     with LLM(files["mixed"], **ENGINE) as llm:

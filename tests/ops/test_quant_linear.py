@@ -241,6 +241,8 @@ def test_kernel_matches_float64_reference(ops, name: str, shape: tuple[int, int]
         else:                       # prefill-sized: the float path, x unquantized
             check_close(w.matmul(x), *float_reference(x.numpy(), raw, name, shape),
                         f"matmul M={m}")
+            with qweight.decode_step(True):     # decode rows only: the int8 kernel still
+                assert torch.equal(w.matmul(x), ops.linear(x, w.packed, fmt.ggml_type, n))
 
 
 def float_reference(x: np.ndarray, raw: np.ndarray, name: str,

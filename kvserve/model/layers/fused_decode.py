@@ -44,7 +44,8 @@ from kvserve.ops.lora import stacks_take
 from kvserve.ops.linear import (SMALL_BATCH_MAX_ROWS, kernel_takes,
                                 onednn_above_rows, small_batch_max_rows)
 from kvserve.ops.quant import kernel as quant_kernel
-from kvserve.ops.quant.weight import INT8_MAX_ROWS, PackedQuantWeight
+from kvserve.ops.quant.weight import (INT8_DECODE_MAX_ROWS, INT8_MAX_ROWS, PackedQuantWeight,
+                                      int8_max_rows)
 
 logger = logging.getLogger(__name__)
 
@@ -221,9 +222,15 @@ class FusedDecodeStack:
         # 8 in the op; float32 17 rows 19.7 against 17-18 for 16).
         if prepacked and not self.has_moe:
             self.max_rows = max(self.max_rows, LORA_KERNEL_MAX_TOKENS)
-        # A packed weight's int8 kernel serves up to INT8_MAX_ROWS (more rows take
+        # A packed weight's int8 kernel serves up to int8_max_rows() (more rows take
         # PackedQuantWeight's float path, which the op does not have); the MoE kernel's decode
-        # pairs are sized for top_k x SMALL_BATCH_MAX_ROWS (_moe_why_not).
+        # pairs are sized for top_k x SMALL_BATCH_MAX_ROWS (_moe_why_not). Where every
+        # projection is packed, no small-batch kernel limits the op: it takes what the int8
+        # kernel takes in the step (takes: more rows in decode-only steps).
+        self.all_packed = not self.has_moe and all(
+            isinstance(linear.linear_weight, PackedWeight) for layer in layers
+            for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                           layer.mlp.gate_up_proj, layer.mlp.down_proj))
         if self.quant_parts and INT8_MAX_ROWS is not None:
             self.max_rows = min(self.max_rows, INT8_MAX_ROWS)
         if self.has_moe:
@@ -262,7 +269,9 @@ class FusedDecodeStack:
         stack = cls(op, layers)
         logger.info("Steps of up to %d tokens run all %d layers in one C++ call%s.",
                     stack.max_rows, len(layers),
-                    " (packed GGUF weights included)" if stack.quant_parts else "")
+                    "" if not stack.quant_parts else " (packed GGUF weights included" + (
+                        f"; decode-only steps up to {INT8_DECODE_MAX_ROWS})" if stack.all_packed
+                        else ")"))
         return stack
 
     @staticmethod
@@ -273,7 +282,11 @@ class FusedDecodeStack:
 
     def takes(self, num_tokens: int) -> bool:
         """Few enough tokens for this stack: the small-batch kernel's rows with this stack's
-        activations, or any step where every projection has a prepacked copy."""
+        activations, or any step where every projection has a prepacked copy, or the int8
+        kernel's rows in this step where every projection is packed (quant.int8_max_rows)."""
+        if self.all_packed:
+            limit = int8_max_rows()
+            return limit is None or num_tokens <= limit
         return num_tokens <= self.max_rows
 
     def _collect_lora(self) -> Union[list[torch.Tensor], bool]:

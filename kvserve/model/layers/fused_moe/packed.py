@@ -109,9 +109,9 @@ def expert_matmul(w: ExpertStack, e: int, x: torch.Tensor, int8_ops: Optional[ob
 
 
 def int8_step(x: torch.Tensor) -> Optional[object]:
-    """The int8 kernel's ops where this step takes them (CPU, built, <= INT8_MAX_ROWS tokens:
-    the threshold PackedQuantWeight.matmul applies to a dense layer's step), else None."""
-    limit = quant_weight.INT8_MAX_ROWS
+    """The int8 kernel's ops where this step takes them (CPU, built, within int8_max_rows()
+    tokens: the threshold PackedQuantWeight.matmul applies to a dense layer's step), else None."""
+    limit = quant_weight.int8_max_rows()
     if x.device.type != "cpu" or (limit is not None and x.shape[0] > limit):
         return None
     return quant_kernel.ops()
