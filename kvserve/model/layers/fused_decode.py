@@ -189,11 +189,16 @@ class FusedDecodeStack:
         self.quant_parts: list[Optional[torch.Tensor]] = []
         self.quant_meta: list[int] = []
         prepacked = True        # every projection of every layer has a prepacked copy
+        # Every projection of every layer packed (takes, below); a MoE block's are not.
+        self.all_packed = not self.has_moe
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
             moe = hasattr(mlp, "experts")
-            parts, meta = _quant_args((attn.qkv_proj, attn.o_proj) + (
-                (None, None) if moe else (mlp.gate_up_proj, mlp.down_proj)))
+            linears = (attn.qkv_proj, attn.o_proj) + (
+                (None, None) if moe else (mlp.gate_up_proj, mlp.down_proj))
+            parts, meta = _quant_args(linears)
+            self.all_packed = self.all_packed and all(
+                isinstance(linear.linear_weight, PackedWeight) for linear in linears)
             self.quant_parts += parts
             self.quant_meta += meta
             slot = self._moe_slots(mlp) if moe else {
@@ -227,10 +232,6 @@ class FusedDecodeStack:
         # pairs are sized for top_k x SMALL_BATCH_MAX_ROWS (_moe_why_not). Where every
         # projection is packed, no small-batch kernel limits the op: it takes what the int8
         # kernel takes in the step (takes: more rows in decode-only steps).
-        self.all_packed = not self.has_moe and all(
-            isinstance(linear.linear_weight, PackedWeight) for layer in layers
-            for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                           layer.mlp.gate_up_proj, layer.mlp.down_proj))
         if self.quant_parts and INT8_MAX_ROWS is not None:
             self.max_rows = min(self.max_rows, INT8_MAX_ROWS)
         if self.has_moe:
@@ -267,11 +268,12 @@ class FusedDecodeStack:
             logger.info("Small steps run layer by layer: %s.", why)
             return None
         stack = cls(op, layers)
+        packed = ""
+        if stack.quant_parts:
+            more = f"; decode-only steps up to {INT8_DECODE_MAX_ROWS}" if stack.all_packed else ""
+            packed = f" (packed GGUF weights included{more})"
         logger.info("Steps of up to %d tokens run all %d layers in one C++ call%s.",
-                    stack.max_rows, len(layers),
-                    "" if not stack.quant_parts else " (packed GGUF weights included" + (
-                        f"; decode-only steps up to {INT8_DECODE_MAX_ROWS})" if stack.all_packed
-                        else ")"))
+                    stack.max_rows, len(layers), packed)
         return stack
 
     @staticmethod

@@ -371,6 +371,15 @@ QL_INLINE __m512i bcast4x2(const int8_t* p) {
   return _mm512_permutexvar_epi32(idx, _mm512_castsi128_si512(
       _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
+// Lane r of the low half plus lane r of the high half (row r's sums of units c and c + 1).
+QL_INLINE __m256i add_halves(__m512i v) {
+  return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
+}
+// (v >> s) << 4 in every 16-bit lane, `mask`'s bits of each byte kept: the high bits of 5- and
+// 6-bit weights moved above their low nibbles.
+QL_INLINE __m512i high_bits_zmm(__m512i v, int s, __m512i mask) {
+  return _mm512_and_si512(_mm512_slli_epi16(_mm512_srli_epi16(v, s), 4), mask);
+}
 #endif
 // Bit `bit` of every byte moved to bit `to` (0x10 or 0x30 masks keep it / them).
 template <int kShiftRight, int kMask>
@@ -411,15 +420,15 @@ QL_INLINE void legacy_sums_zmm(const uint8_t* gb, const XQ& x, int64_t m0, int64
       const __m512i raw = _mm512_loadu_si512(gb + kQs + 32 * c);
       __m512i lo = _mm512_and_si512(raw, m4), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
       if constexpr (kFive) {
-        lo = _mm512_or_si512(lo, _mm512_and_si512(_mm512_slli_epi16(_mm512_srli_epi16(qh2, c), 4), h5));
-        hi = _mm512_or_si512(hi, _mm512_and_si512(_mm512_slli_epi16(_mm512_srli_epi16(qh2, c + 4), 4), h5));
+        lo = _mm512_or_si512(lo, high_bits_zmm(qh2, c, h5));
+        hi = _mm512_or_si512(hi, high_bits_zmm(qh2, c + 4, h5));
       }
       dot(lo, 4 * c);
       dot(hi, 16 + 4 * c);
     }
   }
   for (int m = 0; m < MB; ++m) {
-    sumi[m] = _mm256_add_epi32(_mm512_castsi512_si256(acc[m]), _mm512_extracti64x4_epi64(acc[m], 1));
+    sumi[m] = add_halves(acc[m]);
     if constexpr (kOff != 0)
       sumi[m] = _mm256_sub_epi32(sumi[m], _mm256_set1_epi32(kOff * x.s[(m0 + m) * x.ns + b]));
   }
@@ -528,8 +537,8 @@ QL_INLINE void k45_units_zmm(const uint8_t* gb, const XQ& x, int64_t m0, int64_t
     if constexpr (QT == kQ5_K) {
       const __m512i qh = _mm512_loadu_si512(gb + kK5Qh + 32 * c);
       const __m512i h = _mm512_set1_epi8(0x10);
-      lo = _mm512_or_si512(lo, _mm512_and_si512(_mm512_slli_epi16(_mm512_srli_epi16(qh, 2 * j), 4), h));
-      hi = _mm512_or_si512(hi, _mm512_and_si512(_mm512_slli_epi16(_mm512_srli_epi16(qh, 2 * j + 1), 4), h));
+      lo = _mm512_or_si512(lo, high_bits_zmm(qh, 2 * j, h));
+      hi = _mm512_or_si512(hi, high_bits_zmm(qh, 2 * j + 1, h));
     }
     for (int m = 0; m < MB; ++m) {
       const int8_t* xb = x.q + (m0 + m) * x.K + b * 256 + 64 * j + 4 * c;
@@ -538,8 +547,8 @@ QL_INLINE void k45_units_zmm(const uint8_t* gb, const XQ& x, int64_t m0, int64_t
     }
   }
   for (int m = 0; m < MB; ++m) {
-    slo[m] = _mm256_add_epi32(_mm512_castsi512_si256(lo_acc[m]), _mm512_extracti64x4_epi64(lo_acc[m], 1));
-    shi[m] = _mm256_add_epi32(_mm512_castsi512_si256(hi_acc[m]), _mm512_extracti64x4_epi64(hi_acc[m], 1));
+    slo[m] = add_halves(lo_acc[m]);
+    shi[m] = add_halves(hi_acc[m]);
   }
 }
 #endif
@@ -550,8 +559,6 @@ QL_INLINE void k45_units_zmm(const uint8_t* gb, const XQ& x, int64_t m0, int64_t
 template <int64_t QT, int MB>
 QL_INLINE void group_block_k45(const uint8_t* gb, const XQ& x, int64_t m0, int64_t b,
                                __m256 (&acc)[MB]) {
-  constexpr int64_t kQs = QT == kQ5_K ? kK5Qs : kK4Qs;
-  const __m256i m4 = _mm256_set1_epi8(0xF);
   __m256 fs[MB], fm[MB];
   for (int m = 0; m < MB; ++m) fs[m] = fm[m] = _mm256_setzero_ps();
   for (int j = 0; j < 4; ++j) {
@@ -567,7 +574,13 @@ QL_INLINE void group_block_k45(const uint8_t* gb, const XQ& x, int64_t m0, int64
     __m256i slo[MB], shi[MB];
 #if defined(QL_VNNI)
     k45_units_zmm<QT, MB>(gb, x, m0, b, j, slo, shi);
+    for (int m = 0; m < MB; ++m) {
+      slo[m] = _mm256_mullo_epi32(slo[m], s_lo);
+      shi[m] = _mm256_mullo_epi32(shi[m], s_hi);
+    }
 #else
+    constexpr int64_t kQs = QT == kQ5_K ? kK5Qs : kK4Qs;
+    const __m256i m4 = _mm256_set1_epi8(0xF);
     for (int m = 0; m < MB; ++m) slo[m] = shi[m] = _mm256_setzero_si256();
 #pragma GCC unroll 8
     for (int c = 0; c < 8; ++c) {
@@ -584,12 +597,6 @@ QL_INLINE void group_block_k45(const uint8_t* gb, const XQ& x, int64_t m0, int64
         slo[m] = _mm256_add_epi32(slo[m], _mm256_madd_epi16(_mm256_maddubs_epi16(lo, bcast4(xb)), s_lo));
         shi[m] = _mm256_add_epi32(shi[m], _mm256_madd_epi16(_mm256_maddubs_epi16(hi, bcast4(xb + 32)), s_hi));
       }
-    }
-#endif
-#if defined(QL_VNNI)
-    for (int m = 0; m < MB; ++m) {
-      slo[m] = _mm256_mullo_epi32(slo[m], s_lo);
-      shi[m] = _mm256_mullo_epi32(shi[m], s_hi);
     }
 #endif
     // mins [pair j][row][2]: lane r holds (min 2j, min 2j + 1) as two int16.
@@ -628,8 +635,7 @@ QL_INLINE void q6k_units_zmm(const uint8_t* gb, const XQ& x, int64_t m0, int64_t
     const __m512i qh = _mm512_loadu_si512(gb + kQ6Qh + 32 * (8 * h + c));
     const __m512i lo = t < 2 ? _mm512_and_si512(lb, m4)
                              : _mm512_and_si512(_mm512_srli_epi16(lb, 4), m4);
-    const __m512i q = _mm512_or_si512(
-        lo, _mm512_and_si512(_mm512_slli_epi16(_mm512_srli_epi16(qh, 2 * t), 4), m3));
+    const __m512i q = _mm512_or_si512(lo, high_bits_zmm(qh, 2 * t, m3));
     for (int m = 0; m < MB; ++m) {
       const __m512i xv = bcast4x2(x.q + (m0 + m) * x.K + b * 256 + 128 * h + 32 * t + 4 * c);
       if (c < 4) za[m] = _mm512_dpbusd_epi32(za[m], q, xv);
@@ -637,8 +643,8 @@ QL_INLINE void q6k_units_zmm(const uint8_t* gb, const XQ& x, int64_t m0, int64_t
     }
   }
   for (int m = 0; m < MB; ++m) {
-    ta[m] = _mm256_add_epi32(_mm512_castsi512_si256(za[m]), _mm512_extracti64x4_epi64(za[m], 1));
-    tb[m] = _mm256_add_epi32(_mm512_castsi512_si256(zb[m]), _mm512_extracti64x4_epi64(zb[m], 1));
+    ta[m] = add_halves(za[m]);
+    tb[m] = add_halves(zb[m]);
   }
 }
 #endif
@@ -649,7 +655,6 @@ QL_INLINE void q6k_units_zmm(const uint8_t* gb, const XQ& x, int64_t m0, int64_t
 template <int MB>
 QL_INLINE void group_block_q6k(const uint8_t* gb, const XQ& x, int64_t m0, int64_t b,
                                __m256 (&acc)[MB]) {
-  const __m256i m4 = _mm256_set1_epi8(0xF), m3 = _mm256_set1_epi8(0x30);
   __m256 fs[MB];
   for (int m = 0; m < MB; ++m) fs[m] = _mm256_setzero_ps();
   const auto pairs = [&](int p) {      // lane r: (sc[2p][r], sc[2p+1][r]) int16
@@ -672,7 +677,14 @@ QL_INLINE void group_block_q6k(const uint8_t* gb, const XQ& x, int64_t m0, int64
 #if defined(QL_VNNI)
       __m256i ta[MB], tb[MB];
       q6k_units_zmm<MB>(gb, x, m0, b, h, t, ta, tb);
+      // lane r's int8 scales of groups 2p and 2p + 1, sign-extended from pr's int16 halves
+      const __m256i sa = _mm256_srai_epi32(_mm256_slli_epi32(pr, 16), 16);
+      const __m256i sb = _mm256_srai_epi32(pr, 16);
+      for (int m = 0; m < MB; ++m)
+        sumi[m] = _mm256_add_epi32(sumi[m], _mm256_add_epi32(_mm256_mullo_epi32(ta[m], sa),
+                                                             _mm256_mullo_epi32(tb[m], sb)));
 #else
+      const __m256i m4 = _mm256_set1_epi8(0xF), m3 = _mm256_set1_epi8(0x30);
 #pragma GCC unroll 8
       for (int c = 0; c < 8; ++c) {
         const __m256i lb = load32(gb + kQ6Ql + 32 * ((2 * h + (t & 1)) * 8 + c));
@@ -686,14 +698,6 @@ QL_INLINE void group_block_q6k(const uint8_t* gb, const XQ& x, int64_t m0, int64
           sumi[m] = _mm256_add_epi32(sumi[m], _mm256_madd_epi16(_mm256_maddubs_epi16(
               q, bcast4(x.q + (m0 + m) * x.K + b * 256 + 128 * h + 32 * t + 4 * c)), sv));
       }
-#endif
-#if defined(QL_VNNI)
-      // lane r's int8 scales of groups 2p and 2p + 1, sign-extended from pr's int16 halves
-      const __m256i sa = _mm256_srai_epi32(_mm256_slli_epi32(pr, 16), 16);
-      const __m256i sb = _mm256_srai_epi32(pr, 16);
-      for (int m = 0; m < MB; ++m)
-        sumi[m] = _mm256_add_epi32(sumi[m], _mm256_add_epi32(_mm256_mullo_epi32(ta[m], sa),
-                                                             _mm256_mullo_epi32(tb[m], sb)));
 #endif
       for (int m = 0; m < MB; ++m)
         fs[m] = _mm256_fmadd_ps(_mm256_set1_ps(x.d[(m0 + m) * x.nd + b * 8 + p]),
