@@ -106,25 +106,35 @@ def batch1_decode(llm, prompt: list[int], out_len: int) -> float:
 
 def _profiled_generate(llm, prompts, sp, device: str, **kw):
     """One profiled llm.generate: GPU kernel launches and GPU us by kernel name (memcpy and
-    memset left out), and the number of aten ops."""
+    memset left out), the number of aten ops, and host us by op name (self time of the aten
+    ops and CUDA runtime calls: a stream sync's wait shows here)."""
     from torch.profiler import ProfilerActivity, profile
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     with profile(activities=acts) as prof:
         llm.generate(prompts, sp, use_tqdm=False, **kw)
     events = prof.events()
-    names, busy = Counter(), Counter()
+    names, busy, host = Counter(), Counter(), Counter()
     for e in events:
         if (e.device_type == torch.autograd.DeviceType.CUDA
                 and not e.name.startswith(("Memcpy", "Memset"))):
             names[e.name] += 1
             busy[e.name] += e.time_range.elapsed_us()
-    return names, busy, sum(1 for e in events if e.name.startswith("aten::"))
+        elif e.device_type == torch.autograd.DeviceType.CPU:
+            host[e.name] += e.self_cpu_time_total
+    return names, busy, sum(1 for e in events if e.name.startswith("aten::")), host
 
 
 def top_kernels(names: Counter, busy: Counter, scale: float = 1.0, n: int = 30) -> dict:
     """name -> (launches, GPU us) over `scale`, the n largest by GPU time: what to fuse next."""
     rows = {k[:90]: (names[k] / scale, busy[k] / scale) for k in names if names[k] > 0}
     return dict(sorted(rows.items(), key=lambda kv: -kv[1][1])[:n])
+
+
+def top_host_ops(b: Counter, a: Counter, steps: int, n: int = 15) -> dict:
+    """op name -> host us per step (self time, profiled run of steps + 1 tokens minus the
+    1-token run's), the n largest: where a host-bound step's time goes."""
+    rows = {k[:90]: round((b[k] - a[k]) / steps, 1) for k in b}
+    return dict(sorted(rows.items(), key=lambda kv: -kv[1])[:n])
 
 
 def decode_step_profile(llm, prompt, steps: int, device: str,
@@ -140,39 +150,43 @@ def decode_step_profile(llm, prompt, steps: int, device: str,
     for n in (1, steps + 1):
         sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
         llm.generate(p, sp, use_tqdm=False, **kw)               # warm-up (and graphs)
-        names, busy, aten = _profiled_generate(llm, p, sp, device, **kw)
+        names, busy, aten, host = _profiled_generate(llm, p, sp, device, **kw)
         c, t = time.process_time(), time.perf_counter()        # unprofiled for the times
         llm.generate(p, sp, use_tqdm=False, **kw)
-        runs[n] = (names, aten, time.process_time() - c, time.perf_counter() - t, busy)
+        runs[n] = (names, aten, time.process_time() - c, time.perf_counter() - t, busy, host)
     a, b = runs[1], runs[steps + 1]
     return {"kernels_per_step": (sum(b[0].values()) - sum(a[0].values())) / steps,
             "gpu_busy_ms_per_step": (sum(b[4].values()) - sum(a[4].values())) / steps / 1e3,
             "aten_ops_per_step": (b[1] - a[1]) / steps,
             "cpu_ms_per_step": (b[2] - a[2]) / steps * 1e3,
             "wall_ms_per_step": (b[3] - a[3]) / steps * 1e3,
-            "kernels_by_name": top_kernels(b[0] - a[0], b[4] - a[4], steps)}
+            "kernels_by_name": top_kernels(b[0] - a[0], b[4] - a[4], steps),
+            "host_us_by_op": top_host_ops(b[5], a[5], steps)}
 
 
-def host_profile(llm, prompt: list[int], steps: int, out_path: str) -> None:
-    """cProfile of one batch-1 run of `steps` decode steps: where the host's time per step
-    goes (the top functions by own time and by cumulative time, written to out_path)."""
+def host_profile(llm, prompt, steps: int, out_path: str, lora_request=None) -> None:
+    """cProfile of one run of `steps` decode steps: where the host's time per step goes (the
+    top functions by own time and by cumulative time, written to out_path). `prompt`: one
+    prompt's token ids (batch 1) or a list of them (a batch; `lora_request` as generate's)."""
     import cProfile
     import io
     import pstats
 
     from kvserve import SamplingParams
+    batch = [prompt] if prompt and isinstance(prompt[0], int) else prompt
+    p = [{"prompt_token_ids": q} for q in batch]
+    kw = {"lora_request": lora_request} if lora_request is not None else {}
     sp = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
-    p = {"prompt_token_ids": prompt}
-    llm.generate(p, sp, use_tqdm=False)
+    llm.generate(p, sp, use_tqdm=False, **kw)
     prof = cProfile.Profile()
     prof.enable()
-    llm.generate(p, sp, use_tqdm=False)
+    llm.generate(p, sp, use_tqdm=False, **kw)
     prof.disable()
     buf = io.StringIO()
     for key in ("tottime", "cumulative"):
         pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(45)
     with open(out_path, "w") as f:
-        f.write(f"batch-1, {steps} decode steps\n" + buf.getvalue())
+        f.write(f"batch {len(batch)}, {steps} decode steps\n" + buf.getvalue())
 
 
 def run_kvserve_all(path: str, requests, args, enforce_eager: bool,
@@ -202,7 +216,7 @@ def run_kvserve_all(path: str, requests, args, enforce_eager: bool,
         llm.generate(long_prompt, one, use_tqdm=False)
         res["ttft_long_ms"] = (time.perf_counter() - t) * 1e3
         llm.reset_prefix_cache()            # where the TTFT goes: its kernels, GPU busy time
-        names, busy, _ = _profiled_generate(llm, long_prompt, one, args.device)
+        names, busy, _, _ = _profiled_generate(llm, long_prompt, one, args.device)
         res["ttft_long_gpu_busy_ms"] = sum(busy.values()) / 1e3
         res["ttft_long_kernels"] = top_kernels(names, busy, n=20)
     if args.serve_offline:       # the served workload offline: the gap's reference

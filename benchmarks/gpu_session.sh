@@ -4,8 +4,9 @@
 #
 #   bash benchmarks/gpu_session.sh PART [PART ...]
 #
-# Parts: tests (the Triton kernels and CUDA graphs on the GPU); lora (issue 33: 4 adapters vs
-# base on CUDA, with per-step profiles); gpu (issue 31: benchmarks/gpu.py's graphs part + a
+# Parts: tests (the Triton kernels and CUDA graphs on the GPU); lora-tests (LoRA's CUDA tests and
+# the graph tests alone); lora (issue 33: 4 adapters vs base on CUDA, with per-step profiles and
+# cProfiles of the host); gemv-sweep (the packed GEMV's configs on the 1B shapes); gpu (issue 31: benchmarks/gpu.py's graphs part + a
 # served run, sync, saturation, 4 API servers); ttft (the graphs part alone); quant (issue 29:
 # batch-1 and offline of bf16 / fp8 / Q8_0 / Q4_K_M); quant-async (the packed files, async).
 # .whl holds the wheels the device image lacks (msgspec, pyzmq, fastapi, ...: see
@@ -33,10 +34,20 @@ for part in "$@"; do
             tests/lora/test_lora_kernels.py tests/lora/test_lora_graph_mode.py \
             tests/ops/test_triton_quant.py > "$OUT/tests.log" 2>&1
         grep -E "FAILED|ERROR|passed|failed" "$OUT/tests.log" | tail -15 ;;
+    lora-tests)
+        timeout 150 python3 -m pytest -v --tb=short -p no:cacheprovider \
+            -k "not cpu_kernel and not dispatch and not some_of_the_groups" \
+            tests/lora/test_lora_kernels.py tests/lora/test_lora_graph_mode.py \
+            tests/attention/test_cuda_graph.py > "$OUT/lora_tests.log" 2>&1
+        grep -E "FAILED|ERROR|passed|failed" "$OUT/lora_tests.log" | tail -15 ;;
     lora)
-        timeout 110 python3 benchmarks/lora.py --device cuda --full --num-prompts 128 \
+        timeout 150 python3 benchmarks/lora.py --device cuda --full --num-prompts 128 \
             --adapters 4 --rounds 2 --skip-peft --profile-steps 8 --model-dir "$MODELS" \
-            --output-json "$OUT/lora.json" 2>&1 | quiet | grep -v "^profile" | tail -20 ;;
+            --host-profile-dir "$OUT" --output-json "$OUT/lora.json" 2>&1 | quiet \
+            | grep -v "^profile" | tail -20 ;;
+    gemv-sweep)
+        timeout 120 python3 benchmarks/quant_gpu.py --gemv-sweep --skip-e2e --types Q8_0 Q4_K Q6_K \
+            --model-dir "$MODELS" --output-json "$OUT/gemv_sweep.json" 2>&1 | quiet | tail -8 ;;
     gpu)
         timeout 240 python3 benchmarks/gpu.py --parts graphs serve --serve-modes sync \
             --serve-rates inf --serve-api-server-count 4 --model-dir "$MODELS" \

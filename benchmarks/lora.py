@@ -134,12 +134,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     vocab = json.load(open(os.path.join(model, "config.json")))["vocab_size"]
     prompts = make_prompts(args.num_prompts, vocab, tuple(args.prompt_len))
     dtype = "bfloat16" if args.device == "cuda" else "float32"
-    engine = dict(dtype=dtype, max_model_len=512, multiprocessing=False, device=args.device)
+    engine = dict(dtype=dtype, max_model_len=512, multiprocessing=False, device=args.device,
+                  async_scheduling=args.async_scheduling)
     result: dict[str, Any] = _Results()
     result["machine"] = machine_description()
     result["load_average"] = os.getloadavg()
     result.update(num_prompts=args.num_prompts, prompt_len=args.prompt_len,
-                  output_len=args.output_len, rank=RANK)
+                  output_len=args.output_len, rank=RANK, async_scheduling=args.async_scheduling)
     # The first pass over a workload pays one-time costs: on a GPU Triton compiles kernels and
     # graphs are captured for its shapes (seconds, where a timed pass takes a fraction of
     # one); on a CPU a kernel rebuilt after a source change landed in round 0 (52 against 460
@@ -186,6 +187,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for n in counts:
                 result[f"profile_adapters_{n}"] = _profile(
                     llm, prompts, args, [loras[i % n] for i in range(len(prompts))])
+        if args.host_profile_dir:
+            from gpu import host_profile
+            os.makedirs(args.host_profile_dir, exist_ok=True)
+            n = max(counts)
+            for name, per_req in (("base", None), (f"adapters_{n}",
+                                                   [loras[i % n] for i in range(len(prompts))])):
+                host_profile(llm, prompts, args.profile_steps or 8, os.path.join(
+                    args.host_profile_dir, f"lora_host_{name}.txt"), per_req)
         for n in counts:
             result[f"adapters_{n}_tok_s"] = result[f"round{args.rounds - 1}_adapters_{n}_tok_s"]
             result[f"adapters_{n}_vs_base_median"] = statistics.median(ratios[n])
@@ -228,6 +237,12 @@ def make_parser() -> argparse.ArgumentParser:
                    help="also profile this many decode steps of the whole batch (kernels per "
                         "step, GPU busy and host ms) for base-only, base requests on the LoRA "
                         "engine and each adapter count")
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="both engines with --async-scheduling (the host prepares step N+1 "
+                        "while the GPU runs step N)")
+    p.add_argument("--host-profile-dir", default=None,
+                   help="also write cProfiles (host time by function) of a decode run of the "
+                        "whole batch on the LoRA engine: base requests, and the most adapters")
     p.add_argument("--output-json", default=None)
     return p
 

@@ -23,7 +23,7 @@ from kvserve.lora.config import LoRAConfig, stack_dtype
 from kvserve.lora.layers import (LogitsRows, LoRAEmbedding, LoRALinear, LoRALogits, ShardId,
                                  SortedTokens)
 from kvserve.lora.peft_loader import OUTSIDE_LAYERS, LoRAModel, load_adapter
-from kvserve.lora.punica import LoRAMapping
+from kvserve.lora.punica import LoRAMapping, triton_available
 from kvserve.lora.request import LoRARequest
 from kvserve.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from kvserve.model.layers.linear import (LinearBase, MergedColumnParallelLinear,
@@ -198,8 +198,9 @@ class LoRAModelManager:
         token_slots = np.repeat(req_slots, query_lens)
         self.mapping.set(token_slots, self.device)
         self.logits_rows.token_slots = token_slots
-        if all(isinstance(g, slice) for _, g in self.mapping.groups):
-            self.sorted_tokens.clear()
+        if (all(isinstance(g, slice) for _, g in self.mapping.groups)
+                or (self.device.type == "cuda" and triton_available())):
+            self.sorted_tokens.clear()   # (the Triton kernels group the tokens themselves)
         else:                    # interleaved adapters: one gather / scatter per layer
             self.sorted_tokens.set(token_slots, self.device)
         self._step_active = active

@@ -109,6 +109,7 @@ class LoRAMapping:
         """token_slots [T] int: the slot of each token of the flattened batch, -1 for base."""
         self.num_tokens = len(token_slots)
         groups: list[Group] = []
+        scattered: list[tuple[int, np.ndarray]] = []     # (position in groups, indices)
         for slot in np.unique(token_slots):
             if slot < 0:
                 continue
@@ -116,7 +117,12 @@ class LoRAMapping:
             if idx[-1] - idx[0] + 1 == len(idx):
                 groups.append((int(slot), slice(int(idx[0]), int(idx[-1]) + 1)))
             else:
-                groups.append((int(slot), torch.from_numpy(idx).to(device)))
+                scattered.append((len(groups), idx))
+                groups.append((int(slot), slice(0, 0)))
+        if scattered:      # one host -> device copy for all (on CUDA each is a stream sync)
+            flat = torch.from_numpy(np.concatenate([idx for _, idx in scattered])).to(device)
+            for (i, idx), part in zip(scattered, flat.split([len(idx) for _, idx in scattered])):
+                groups[i] = (groups[i][0], part)
         host = torch.from_numpy(np.array(token_slots, dtype=np.int64))   # a copy: ours
         self.groups = LoRAGroups(groups, self._device_slots(host, torch.device(device)))
 
@@ -182,7 +188,7 @@ def _triton() -> Any:
 
 
 @functools.lru_cache(maxsize=1)
-def _triton_available() -> bool:
+def triton_available() -> bool:
     try:
         _triton()
         return True
@@ -206,7 +212,7 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor, b_stack: t
     if (step is not None and y.dim() == 2
             and x.shape[0] == step.token_slots.shape[0] == y.shape[0]):
         if y.is_cuda:
-            if _triton_available():
+            if triton_available():
                 add_lora_triton(y, x, a_stack, b_stack, groups)
                 return
         elif cpu_lora.fused_delta(y, x, a_stack, b_stack, step.slots_for(groups), out_splits):
@@ -222,7 +228,7 @@ def add_lora_static(y: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor,
     (the capture path run eagerly, tests): the C++ kernel where it applies, else one masked
     torch delta per slot (S x the work: a fallback)."""
     slots = step.token_slots
-    if y.is_cuda and _triton_available():
+    if y.is_cuda and triton_available():
         ops = _triton()
         meta = step.triton_meta(slots, a_stack.shape[0])
         ops.lora_expand(y, ops.lora_shrink(x, a_stack, meta), b_stack, meta)

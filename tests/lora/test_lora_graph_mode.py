@@ -110,7 +110,8 @@ def test_static_capture_path_equals_eager_lora(loaded, kernel: bool) -> None:
 def test_cuda_graphs_with_lora_equal_eager(tiny_llama: str, lora_adapters: dict[str, str]) -> None:
     """Graphs captured with LoRA on (before any adapter was loaded) replay each request's
     tokens and logprobs as an eager engine does: 11 requests of 3 adapters (one on the
-    embedding and LM head) + base, decoding in the 16 bucket (padding rows) and smaller."""
+    embedding and LM head) + base, decoding in the 16 bucket (padding rows) and smaller; then
+    5 base requests alone, which replay the buckets captured without LoRA."""
     loras = [LoRARequest(name, i + 1, lora_adapters[name]) for i, name in enumerate(ADAPTERS)]
     lora_list = [loras[i % 4] if i % 4 < 3 else None for i in range(11)]
     prompts = random_prompts(11, 5, 40, vocab=1000, seed=4)
@@ -118,12 +119,17 @@ def test_cuda_graphs_with_lora_equal_eager(tiny_llama: str, lora_adapters: dict[
     kw = dict(ENGINE_ARGS, max_num_seqs=16, device="cuda", attention_backend="TRITON_ATTN")
     with LLM(tiny_llama, enforce_eager=True, **kw) as llm:
         eager = llm.generate(prompts, sp, lora_request=lora_list, use_tqdm=False)
+        eager += llm.generate(prompts[:5], sp, use_tqdm=False)
     with LLM(tiny_llama, enforce_eager=False, **kw) as llm:
         graphs = _runner(llm).cuda_graphs
         assert graphs is not None and graphs.lora_slots is not None
         graphed = llm.generate(prompts, sp, lora_request=lora_list, use_tqdm=False)
-        assert graphs.replays > 0
-    for g, e in zip(graphed, eager):
+        assert graphs.replays > 0 and graphs.plain_replays == 0
+        # Base requests alone (after adapters ran: their slots still loaded) replay the
+        # buckets captured without LoRA.
+        graphed += llm.generate(prompts[:5], sp, use_tqdm=False)
+        assert graphs.plain_replays > 0
+    for g, e in zip(graphed, eager, strict=True):
         assert g.outputs[0].token_ids == e.outputs[0].token_ids
         got = [d[t].logprob for d, t in zip(g.outputs[0].logprobs, g.outputs[0].token_ids)]
         ref = [d[t].logprob for d, t in zip(e.outputs[0].logprobs, e.outputs[0].token_ids)]
