@@ -29,7 +29,7 @@ from typing import Optional, Union
 import numpy as np
 import torch
 
-from kvserve.lora.punica import LoRAMapping, add_lora, triton_available
+from kvserve.lora.punica import LoRAMapping, add_lora
 from kvserve.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from kvserve.model.layers.linear import (LinearBase, MergedColumnParallelLinear,
                                          QKVParallelLinear, RowParallelLinear)
@@ -41,7 +41,8 @@ ShardId = Optional[Union[int, str]]
 @dataclass
 class SortedTokens:
     """This step's adapter tokens ordered slot by slot, set by the manager once per step when
-    some adapter's tokens are not contiguous (interleaved requests): a layer then gathers x
+    some adapter's tokens are not contiguous (interleaved requests; not on CUDA, where the
+    Triton kernels group them on the device): a layer then gathers x
     once, runs contiguous groups, and scatters once — not a gather and an index_add_ per
     adapter (each a parallel region: costly on a busy CPU)."""
     perm: Optional[torch.Tensor] = None          # adapter token indices, slot by slot
@@ -168,13 +169,8 @@ def _out_splits(base: LinearBase, n: int) -> tuple[int, ...]:
 
 
 def _kernel_groups_tokens(x: torch.Tensor) -> bool:
-    """A kernel will take x's tokens and group interleaved ones itself, so no gather / scatter
-    around it: the C++ kernel (what the fused small-step op does too), or on CUDA the Triton
-    kernels (they sort the tokens by slot on the device; the gathered groups would take the
-    torch path, two matmuls per adapter: a 4-adapter prefill on an H100 spent 3x the base's
-    host time in them)."""
-    if x.is_cuda:
-        return triton_available()
+    """The C++ kernel will take x's tokens and groups interleaved ones itself, so no gather /
+    scatter around it (what the fused small-step op does too)."""
     return (x.device.type == "cpu" and x.shape[0] <= cpu_lora.CPU_KERNEL_MAX_TOKENS
             and cpu_lora.kernel_enabled())
 
