@@ -683,8 +683,8 @@ def format_quantized(result: dict[str, Any]) -> str:
     peer = next(iter(result["files"].values()))["peer"] if result["files"] else "llamacpp"
     name = "llama.cpp" if peer == "llamacpp" else "kvserve dequantized f32"
     lines = [f"Machine: {result['machine']}", f"Load average at start: {result['loadavg']}", "",
-             f"| file (type) | MB | decode tok/s kvserve / {name} | ratio | prompt {result['prompt_len']} "
-             f"tok/s kvserve / {name} | ratio | kvserve weights MB | RSS MB kvserve / {name} | "
+             f"| file (type) | MB | decode tok/s (best round) kvserve / {name} | ratio (median of "
+             f"paired rounds) | prompt {result['prompt_len']} tok/s kvserve / {name} | ratio | kvserve weights MB | RSS MB kvserve / {name} | "
              f"perplexity kvserve / {name} |", "|---|---|---|---|---|---|---|---|---|"]
     for path, e in result["files"].items():
         mb = 2 ** 20
