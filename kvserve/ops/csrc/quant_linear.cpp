@@ -444,14 +444,18 @@ QL_INLINE void group_block_legacy(const uint8_t* gb, const XQ& x, int64_t m0, in
 #if defined(QL_VNNI)
   legacy_sums_zmm<QT, MB>(gb, x, m0, b, sumi);
 #else
-  constexpr bool kSigned = !kMin;
+  // maddubs takes unsigned weights: Q4_0's / Q5_0's stored 0..15 / 0..31 (w + 8, w + 16) go
+  // in as they are and that offset times x's block sum is subtracted (as the VNNI path does);
+  // only Q8_0's (w + 128 would overflow the int16 pair sums) take the sign trick.
+  constexpr bool kSigned = QT == kQ8_0;
+  constexpr int kOff = QT == kQ4_0 ? 8 : QT == kQ5_0 ? 16 : 0;
   constexpr int64_t kQs = QT == kQ4_1 ? 32 : QT == kQ5_0 ? 48 : QT == kQ5_1 ? 64 : 16;
   __m256i qh = _mm256_setzero_si256();
   if constexpr (kFive) qh = load32(gb + kLegacyQh + (kMin ? 16 : 0));
   // maddubs' int16 pair sums are added in int16 for kFlush chunks, then widened by one madd:
-  // |w| <= 16 (Q4_0, Q4_1, Q5_0) keeps 8 chunks under 2^15 (8 x 2 x 16 x 127), Q5_1 (<= 31)
-  // 4 chunks, Q8_0 (<= 128) one.
-  constexpr int kFlush = QT == kQ8_0 ? 1 : QT == kQ5_1 ? 4 : 8;
+  // w <= 15 (Q4_0, Q4_1) keeps 8 chunks under 2^15 (8 x 2 x 15 x 127), w <= 31 (Q5_0, Q5_1)
+  // 4 chunks, Q8_0 (|w| <= 128) one.
+  constexpr int kFlush = QT == kQ8_0 ? 1 : kFive ? 4 : 8;
   __m256i s16[MB];
   for (int m = 0; m < MB; ++m) sumi[m] = s16[m] = _mm256_setzero_si256();
   const __m256i m4 = _mm256_set1_epi8(0xF);
@@ -486,19 +490,15 @@ QL_INLINE void group_block_legacy(const uint8_t* gb, const XQ& x, int64_t m0, in
         hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(qh, c + 4), 4),
                                                   _mm256_set1_epi8(0x10)));
       }
-      if constexpr (QT == kQ4_0) {
-        lo = _mm256_sub_epi8(lo, _mm256_set1_epi8(8));
-        hi = _mm256_sub_epi8(hi, _mm256_set1_epi8(8));
-      } else if constexpr (QT == kQ5_0) {
-        lo = _mm256_sub_epi8(lo, _mm256_set1_epi8(16));
-        hi = _mm256_sub_epi8(hi, _mm256_set1_epi8(16));
-      }
       chunk(lo, c);
       chunk(hi, c + 4);
       if constexpr (kFlush == 4) if (c % 2 == 1) flush();
     }
     if constexpr (kFlush == 8) flush();
   }
+  if constexpr (kOff != 0)
+    for (int m = 0; m < MB; ++m)
+      sumi[m] = _mm256_sub_epi32(sumi[m], _mm256_set1_epi32(kOff * x.s[(m0 + m) * x.ns + b]));
 #endif
   __m256 mv = _mm256_setzero_ps();
   if constexpr (kMin) mv = load_f16x8(gb + kOffM);
