@@ -22,24 +22,24 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,n
 echo "host: $(lscpu | grep -m1 'Model name' | sed 's/.*: *//'), $(nproc) CPUs"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 quiet() { grep -v -e USDT -e '^\s*$'; }
+# CUDA tests into $OUT/LOG.log (-v: each test's name and result survive a run the time limit
+# cuts), the C++ CPU kernels' bad-input tests left out (they segfault on the device's Xeon).
+cuda_tests() {
+    local log=$1 limit=$2; shift 2
+    timeout "$limit" python3 -m pytest -v --tb=short -p no:cacheprovider \
+        -k "not cpu_kernel and not dispatch and not some_of_the_groups" "$@" > "$OUT/$log.log" 2>&1
+    grep -E "FAILED|ERROR|passed|failed" "$OUT/$log.log" | tail -15
+}
 for part in "$@"; do
     start=$(date +%s)
     case $part in
     tests)
-        # (the C++ CPU kernels' bad-input tests segfault on the device's Xeon: left out).
-        # -v into $OUT: each test's name and result survive a run the time limit cuts.
-        timeout 170 python3 -m pytest -v --tb=short -p no:cacheprovider \
-            -k "not cpu_kernel and not dispatch and not some_of_the_groups" \
-            tests/attention/test_triton_kernels.py tests/attention/test_cuda_graph.py \
-            tests/lora/test_lora_kernels.py tests/lora/test_lora_graph_mode.py \
-            tests/ops/test_triton_quant.py > "$OUT/tests.log" 2>&1
-        grep -E "FAILED|ERROR|passed|failed" "$OUT/tests.log" | tail -15 ;;
+        cuda_tests tests 170 tests/attention/test_triton_kernels.py \
+            tests/attention/test_cuda_graph.py tests/lora/test_lora_kernels.py \
+            tests/lora/test_lora_graph_mode.py tests/ops/test_triton_quant.py ;;
     lora-tests)
-        timeout 150 python3 -m pytest -v --tb=short -p no:cacheprovider \
-            -k "not cpu_kernel and not dispatch and not some_of_the_groups" \
-            tests/lora/test_lora_kernels.py tests/lora/test_lora_graph_mode.py \
-            tests/attention/test_cuda_graph.py > "$OUT/lora_tests.log" 2>&1
-        grep -E "FAILED|ERROR|passed|failed" "$OUT/lora_tests.log" | tail -15 ;;
+        cuda_tests lora_tests 150 tests/lora/test_lora_kernels.py \
+            tests/lora/test_lora_graph_mode.py tests/attention/test_cuda_graph.py ;;
     lora)
         timeout 150 python3 benchmarks/lora.py --device cuda --full --num-prompts 128 \
             --adapters 4 --rounds 2 --skip-peft --profile-steps 8 --model-dir "$MODELS" \

@@ -94,7 +94,6 @@ class CUDAGraphRunner:
                 self.static_inputs(b)
                 self.graphs[b] = self._capture_one(b)
                 if self.lora is not None:        # the same bucket, LoRA layers idle
-                    self.lora.sorted_tokens.clear()
                     self.lora.mapping.clear()
                     self.plain_graphs[b] = self._capture_one(b)
         finally:
@@ -136,11 +135,10 @@ class CUDAGraphRunner:
         if self.lora_slots is None:
             return
         assert self.lora is not None
-        slots = getattr(self.lora.mapping.groups, "token_slots", None)
-        if slots is None or self._adapter_free(n):
+        if self._adapter_free(n):
             self.lora_slots.buf[:b].fill_(-1)
-        else:
-            self.lora_slots.fill(slots, b)
+        else:        # groups from LoRAMapping.set: they carry the step's token slots
+            self.lora_slots.fill(self.lora.mapping.groups.token_slots, b)
 
     def can_run(self, meta: object, num_tokens: int) -> bool:
         return (isinstance(meta, TritonAttentionMetadata) and meta.decode_only

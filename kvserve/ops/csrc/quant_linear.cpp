@@ -219,7 +219,7 @@ QL_INLINE const uint8_t* unit(const uint8_t* gb, int64_t off, int64_t w, int64_t
 // Field offsets in a group-block (8 x the GGUF field lengths, in formats.py's order).
 constexpr int64_t kOffM = 16;                           // _1 types' minimum, K-quants' dmin
 constexpr int64_t kLegacyQh = 16;                       // Q5_0 (Q5_1: + 16)
-QL_INLINE int64_t legacy_qs(int64_t qt) {
+constexpr int64_t legacy_qs(int64_t qt) {
   return qt == kQ4_1 ? 32 : qt == kQ5_0 ? 48 : qt == kQ5_1 ? 64 : 16;
 }
 // Q4_K / Q5_K: scales [j][row] (64 B), mins [j / 2][row][j % 2] (64 B), then qh, qs.
@@ -390,15 +390,13 @@ QL_INLINE __m256i bit_at4(__m256i v) {
 
 #if defined(QL_VNNI)
 // The legacy types' int32 dot products of each row with x's block (lane r), two units per
-// 512-bit vpdpbusd (k45_units_zmm says why). vpdpbusd takes unsigned weights: Q8_0's as
-// w ^ 0x80 (w + 128), Q4_0's / Q5_0's stored 0..15 / 0..31 (w + 8, w + 16); that offset times
-// x's block sum is subtracted, so the integers equal the AVX2 path's signed products.
+// 512-bit vpdpbusd (k45_units_zmm says why), of the weights as unsigned (legacy_offset: the
+// caller takes the offset off).
 template <int64_t QT, int MB>
 QL_INLINE void legacy_sums_zmm(const uint8_t* gb, const XQ& x, int64_t m0, int64_t b,
                                __m256i (&sumi)[MB]) {
   constexpr bool kMin = QT == kQ4_1 || QT == kQ5_1, kFive = QT == kQ5_0 || QT == kQ5_1;
-  constexpr int64_t kQs = QT == kQ4_1 ? 32 : QT == kQ5_0 ? 48 : QT == kQ5_1 ? 64 : 16;
-  constexpr int kOff = QT == kQ8_0 ? 128 : QT == kQ4_0 ? 8 : QT == kQ5_0 ? 16 : 0;
+  constexpr int64_t kQs = legacy_qs(QT);
   __m512i acc[MB];
   for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_si512();
   const auto dot = [&](__m512i w, int64_t at) {     // x's values at .. at + 7
@@ -427,13 +425,21 @@ QL_INLINE void legacy_sums_zmm(const uint8_t* gb, const XQ& x, int64_t m0, int64
       dot(hi, 16 + 4 * c);
     }
   }
-  for (int m = 0; m < MB; ++m) {
-    sumi[m] = add_halves(acc[m]);
-    if constexpr (kOff != 0)
-      sumi[m] = _mm256_sub_epi32(sumi[m], _mm256_set1_epi32(kOff * x.s[(m0 + m) * x.ns + b]));
-  }
+  for (int m = 0; m < MB; ++m) sumi[m] = add_halves(acc[m]);
 }
 #endif
+
+// What the legacy paths add to the signed weights to feed them as unsigned (their integer dot
+// products then carry offset x x's block sum, taken off after): Q4_0's / Q5_0's stored 0..15 /
+// 0..31 are w + 8 / w + 16; VNNI reads Q8_0 as w ^ 0x80 (w + 128), where AVX2's maddubs would
+// overflow its int16 pair sums, so AVX2 keeps Q8_0 signed (the sign trick).
+template <int64_t QT>
+constexpr int legacy_offset() {
+#if defined(QL_VNNI)
+  if (QT == kQ8_0) return 128;
+#endif
+  return QT == kQ4_0 ? 8 : QT == kQ5_0 ? 16 : 0;
+}
 
 template <int64_t QT, int MB>
 QL_INLINE void group_block_legacy(const uint8_t* gb, const XQ& x, int64_t m0, int64_t b,
@@ -444,12 +450,9 @@ QL_INLINE void group_block_legacy(const uint8_t* gb, const XQ& x, int64_t m0, in
 #if defined(QL_VNNI)
   legacy_sums_zmm<QT, MB>(gb, x, m0, b, sumi);
 #else
-  // maddubs takes unsigned weights: Q4_0's / Q5_0's stored 0..15 / 0..31 (w + 8, w + 16) go
-  // in as they are and that offset times x's block sum is subtracted (as the VNNI path does);
-  // only Q8_0's (w + 128 would overflow the int16 pair sums) take the sign trick.
+  // maddubs takes unsigned weights: all but Q8_0's go in as stored (legacy_offset).
   constexpr bool kSigned = QT == kQ8_0;
-  constexpr int kOff = QT == kQ4_0 ? 8 : QT == kQ5_0 ? 16 : 0;
-  constexpr int64_t kQs = QT == kQ4_1 ? 32 : QT == kQ5_0 ? 48 : QT == kQ5_1 ? 64 : 16;
+  constexpr int64_t kQs = legacy_qs(QT);
   __m256i qh = _mm256_setzero_si256();
   if constexpr (kFive) qh = load32(gb + kLegacyQh + (kMin ? 16 : 0));
   // maddubs' int16 pair sums are added in int16 for kFlush chunks, then widened by one madd:
@@ -496,10 +499,11 @@ QL_INLINE void group_block_legacy(const uint8_t* gb, const XQ& x, int64_t m0, in
     }
     if constexpr (kFlush == 8) flush();
   }
+#endif
+  constexpr int kOff = legacy_offset<QT>();
   if constexpr (kOff != 0)
     for (int m = 0; m < MB; ++m)
       sumi[m] = _mm256_sub_epi32(sumi[m], _mm256_set1_epi32(kOff * x.s[(m0 + m) * x.ns + b]));
-#endif
   __m256 mv = _mm256_setzero_ps();
   if constexpr (kMin) mv = load_f16x8(gb + kOffM);
   for (int m = 0; m < MB; ++m) {

@@ -69,6 +69,8 @@ def int8_max_rows() -> Optional[int]:
     if INT8_MAX_ROWS is None or not _decode_only_step.get():
         return INT8_MAX_ROWS
     return max(INT8_MAX_ROWS, INT8_DECODE_MAX_ROWS)
+
+
 # Floats per dequantized chunk of the weight (4 MiB): bounds the large-batch temporary.
 CHUNK_ELEMS = 1 << 20
 
