@@ -67,6 +67,7 @@ class CUDAGraphRunner:
         # With LoRA: the same buckets captured with no LoRA layer active (adapter-free steps).
         self.plain_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
+        self.memory_bytes = 0      # what capture() took on the device
         self.replays = 0
         self.plain_replays = 0
         self.lora = lora
@@ -74,6 +75,19 @@ class CUDAGraphRunner:
         if lora is not None:
             from kvserve.lora.punica import StaticLoRASlots
             self.lora_slots = StaticLoRASlots(b, device)
+
+    def static_bytes(self) -> int:
+        """Device memory of the static input buffers every bucket reads."""
+        bufs = [self.input_ids, self.positions, self.slot_mapping, self.query_start_loc,
+                self.seq_lens, self.block_table]
+        if self.lora_slots is not None:
+            bufs.append(self.lora_slots.buf)
+        return sum(t.numel() * t.element_size() for t in bufs)
+
+    def output_bytes(self, b: int) -> int:
+        """Bucket b's captured outputs (they live in the pool as long as their graphs)."""
+        outs = [g[b][1] for g in (self.graphs, self.plain_graphs) if b in g]
+        return sum(t.numel() * t.element_size() for t in outs)
 
     def _metadata(self, b: int) -> TritonAttentionMetadata:
         return TritonAttentionMetadata(
@@ -84,13 +98,22 @@ class CUDAGraphRunner:
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture every bucket, largest first (later ones reuse its memory pool)."""
-        from tqdm import tqdm
-
         t0 = time.perf_counter()
         before = torch.cuda.mem_get_info()[0]
+        self.capture_buckets(sorted(self.sizes, reverse=True), progress=True)
+        torch.cuda.synchronize()
+        self.memory_bytes = before - torch.cuda.mem_get_info()[0]
+        logger.info("Graph capturing finished in %.1f s, took %.2f GiB (%d sizes, up to %d).",
+                    time.perf_counter() - t0, self.memory_bytes / 2**30, len(self.sizes),
+                    self.sizes[-1])
+
+    @torch.inference_mode()
+    def capture_buckets(self, sizes: list[int], progress: bool = False) -> None:
+        """Capture these buckets in this order (with LoRA: each also without it)."""
+        from tqdm import tqdm
         try:
-            for b in tqdm(sorted(self.sizes, reverse=True),
-                          desc="Capturing CUDA graphs (decode, FULL)"):
+            for b in (tqdm(sizes, desc="Capturing CUDA graphs (decode, FULL)")
+                      if progress else sizes):
                 self.static_inputs(b)
                 self.graphs[b] = self._capture_one(b)
                 if self.lora is not None:        # the same bucket, LoRA layers idle
@@ -99,10 +122,14 @@ class CUDAGraphRunner:
         finally:
             if self.lora is not None:      # eager steps set their own mapping
                 self.lora.mapping.clear()
-        torch.cuda.synchronize()
-        logger.info("Graph capturing finished in %.1f s, took %.2f GiB (%d sizes, up to %d).",
-                    time.perf_counter() - t0, (before - torch.cuda.mem_get_info()[0]) / 2**30,
-                    len(self.sizes), self.sizes[-1])
+
+    @torch.inference_mode()
+    def warm_up(self, b: int) -> None:
+        """One eager run of bucket b's captured code: Triton compiles (and autotunes) here."""
+        self.static_inputs(b)
+        self.model(self.input_ids[:b], self.positions[:b], self.kv_caches, self._metadata(b))
+        if self.lora is not None:
+            self.lora.mapping.clear()
 
     def _capture_one(self, b: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         meta = self._metadata(b)

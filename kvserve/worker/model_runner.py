@@ -175,21 +175,30 @@ class ModelRunner:
         if self.spec_decode is not None:
             self.spec_decode.initialize_kv_cache(num_blocks)
 
+    def uses_cuda_graphs(self) -> bool:
+        """Whether initialize_cache captures decode graphs: TRITON_ATTN on CUDA, not eager.
+        Graphs hold one whole-model decode step: not with PP stages; sliding windows take
+        the torch path."""
+        return (self.device.type == "cuda" and not self.config.enforce_eager
+                and self.attn_backend.name == "TRITON_ATTN"
+                and self.config.parallel_config.pipeline_parallel_size == 1
+                and not self.kv_cache_groups)
+
+    def graph_runner(self, kv_caches: list[torch.Tensor], sizes: list[int],
+                     max_blocks_per_req: int) -> "CUDAGraphRunner":
+        """Decode graphs over these caches (with LoRA: every LoRA layer, cuda_graph.py)."""
+        from kvserve.worker.cuda_graph import CUDAGraphRunner
+        assert self.model is not None
+        return CUDAGraphRunner(self.model, kv_caches, sizes, max_blocks_per_req, self.device,
+                               lora=self.lora_manager)
+
     def capture_cuda_graphs(self) -> None:
-        """Capture the all-decode step per batch-size bucket (TRITON_ATTN on CUDA only)."""
-        from kvserve.worker.cuda_graph import CUDAGraphRunner, capture_sizes
-        if (self.device.type != "cuda" or self.attn_backend.name != "TRITON_ATTN"
-                or self.config.parallel_config.pipeline_parallel_size > 1
-                or self.kv_cache_groups):
-            # Graphs hold one whole-model decode step: not with PP stages; sliding windows
-            # take the torch path.
+        """Capture the all-decode step per batch-size bucket (when uses_cuda_graphs)."""
+        from kvserve.worker.cuda_graph import capture_sizes
+        if not self.uses_cuda_graphs():
             return
         sizes = capture_sizes(self.config.scheduler_config.max_num_seqs)
-        assert self.model is not None
-        # With LoRA the graphs include every LoRA layer (static slots buffer, cuda_graph.py).
-        self.cuda_graphs = CUDAGraphRunner(self.model, self.kv_caches, sizes,
-                                           self.max_blocks_per_req, self.device,
-                                           lora=self.lora_manager)
+        self.cuda_graphs = self.graph_runner(self.kv_caches, sizes, self.max_blocks_per_req)
         self.cuda_graphs.capture()
 
     def _forward(self, step: StepInputs, intermediate: Optional[IntermediateTensors] = None) -> Any:

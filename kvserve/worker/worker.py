@@ -30,6 +30,7 @@ class Worker:
         # (start, end) time.time() of each execute_model while a benchmark records them.
         self._timeline: Optional[list[tuple[float, float]]] = None
         self.kv_connector = None     # the KV connector's worker side, when configured
+        self.memory_profile = None   # a GPU's profile run (gpu_memory.MemoryProfile)
         # In-process (UniProcExecutor): the engine core reads async outputs itself, after it
         # has scheduled the next step; a worker process replies with plain lists.
         self.keep_async_output = False
@@ -86,6 +87,7 @@ class Worker:
             # Profiled: weights + the largest step's activations, under gpu_memory_utilization.
             from kvserve.worker.gpu_memory import check_kv_cache_fits, profile_memory
             budget, profile = profile_memory(self.model_runner, cc.gpu_memory_utilization)
+            self.memory_profile = profile
             blocks = check_kv_cache_fits(budget, per_block, per_request,
                                          self.model_runner.max_model_len, profile,
                                          cc.gpu_memory_utilization)
@@ -99,8 +101,11 @@ class Worker:
     def initialize_cache(self, num_blocks: int) -> None:
         assert self.model_runner is not None
         self.model_runner.initialize_kv_cache(num_blocks)
-        if self.device.type == "cuda" and not self.config.enforce_eager:
-            self.model_runner.capture_cuda_graphs()
+        self.model_runner.capture_cuda_graphs()
+        graphs = self.model_runner.cuda_graphs
+        if graphs is not None and self.memory_profile is not None:
+            logger.info("CUDA graphs took %.2f GiB; %.2f GiB was set aside for them.",
+                        graphs.memory_bytes / 2**30, self.memory_profile.cuda_graphs / 2**30)
         if self.config.kv_transfer_config is not None:
             from kvserve.kv_transfer.worker import create_worker_connector
             self.kv_connector = create_worker_connector(self.config, self.model_runner.kv_caches,

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from kvserve.worker.cuda_graph import capture_sizes, padded_batch_size
-from kvserve.worker.gpu_memory import MemoryProfile, check_kv_cache_fits, kv_cache_budget
+from kvserve.worker.gpu_memory import (MemoryProfile, check_kv_cache_fits, graphs_memory,
+                                       kv_cache_budget)
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 GiB = 1 << 30
@@ -32,6 +33,20 @@ def test_kv_cache_budget_arithmetic() -> None:
     assert kv_cache_budget(MemoryProfile(80 * GiB, 10 * GiB, 2 * GiB, 3 * GiB, 1 * GiB),
                            0.9) == 10 * GiB
     assert check_kv_cache_fits(10 * GiB, GiB // 4, 8, 4096, p, 0.9) == 40
+    # The decode graphs, captured after the cache, are set aside first.
+    g = MemoryProfile(total=80 * GiB, free=70 * GiB, weights=2 * GiB, peak_activations=3 * GiB,
+                      non_torch=1 * GiB, cuda_graphs=GiB // 2)
+    assert kv_cache_budget(g, 0.9) == 72 * GiB - 6 * GiB - GiB // 2
+
+
+def test_graphs_memory_from_two_captures() -> None:
+    MiB = 1 << 20
+    # The largest bucket's pool, then one increment for each of the other buckets.
+    assert graphs_memory(300 * MiB, 2 * MiB, 35) == 300 * MiB + 34 * 2 * MiB
+    assert graphs_memory(300 * MiB, 2 * MiB, 1) == 300 * MiB
+    assert graphs_memory(300 * MiB, 2 * MiB, 0) == 0
+    # A capture measured as freeing memory (the driver's own reuse) counts as nothing.
+    assert graphs_memory(-MiB, -MiB, 4) == 0
 
 
 def test_kv_cache_too_small_names_the_numbers() -> None:
@@ -68,6 +83,39 @@ def test_graph_replay_equals_eager(tiny_llama: str, dtype: str) -> None:
         for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
             for t in la:
                 assert abs(la[t].logprob - lb[t].logprob) < 2e-2
+
+
+def test_kv_cache_too_small_names_the_graphs() -> None:
+    p = MemoryProfile(total=16 * GiB, free=12 * GiB, weights=13 * GiB, peak_activations=GiB,
+                      non_torch=GiB // 2, cuda_graphs=GiB // 4)
+    with pytest.raises(ValueError, match=r"non-torch memory 0\.50 GiB and CUDA graphs 0\.25 GiB"
+                                         r".*or enforce_eager"):
+        check_kv_cache_fits(kv_cache_budget(p, 0.9), 2 << 20, 512, 8192, p, 0.9)
+
+
+@needs_cuda
+@pytest.mark.parametrize("lora", [False, True])
+def test_graph_memory_set_aside_covers_the_capture(tiny_llama: str, lora: bool) -> None:
+    """The profile run's estimate of the decode graphs' memory (taken off the KV cache's
+    budget) against what capturing them took after the cache was allocated."""
+    from kvserve import LLM
+    kw = dict(enable_lora=True, max_loras=2, max_lora_rank=8) if lora else {}
+    llm = LLM(tiny_llama, dtype="bfloat16", max_model_len=256, max_num_seqs=64, device="cuda",
+              multiprocessing=False, attention_backend="TRITON_ATTN", **kw)
+    worker = llm.llm_engine.engine_core.engine_core.model_executor.worker
+    graphs = worker.model_runner.cuda_graphs
+    assert graphs is not None and len(graphs.graphs) == 10
+    assert len(graphs.plain_graphs) == (10 if lora else 0)
+    took = graphs.memory_bytes + graphs.static_bytes()
+    estimate = worker.memory_profile.cuda_graphs
+    assert took > 0 and estimate >= 0.95 * took, (estimate, took)
+    assert estimate <= 3 * took + (256 << 20), (estimate, took)
+    # The profile's budget is what the cache got: the graphs were not left in it.
+    eager = LLM(tiny_llama, dtype="bfloat16", max_model_len=256, max_num_seqs=64, device="cuda",
+                multiprocessing=False, attention_backend="TRITON_ATTN", enforce_eager=True,
+                **kw)
+    assert eager.llm_engine.engine_core.engine_core.model_executor.worker.memory_profile \
+        .cuda_graphs == 0
 
 
 @needs_cuda
