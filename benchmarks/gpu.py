@@ -194,7 +194,8 @@ def run_kvserve_all(path: str, requests, args, enforce_eager: bool,
     from kvserve import LLM, SamplingParams
     llm = LLM(path, dtype=args.dtype, device=args.device, enforce_eager=enforce_eager,
               attention_backend=args.attention_backend, max_model_len=args.max_model_len,
-              max_num_seqs=256, multiprocessing=False, async_scheduling=async_scheduling)
+              max_num_seqs=256, multiprocessing=False, async_scheduling=async_scheduling,
+              compilation_config=_compilation_config(args))
     elapsed, outs = run_kvserve(requests, llm)
     prompt = requests[0].prompt_token_ids
     res = {"throughput_tok_s": sum(outs) / elapsed, "elapsed_s": elapsed,
@@ -229,6 +230,10 @@ def run_kvserve_all(path: str, requests, args, enforce_eager: bool,
     return res
 
 
+def _compilation_config(args) -> Optional[dict[str, str]]:
+    return {"cudagraph_mode": args.cudagraph_mode} if args.cudagraph_mode else None
+
+
 def _sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
@@ -260,6 +265,8 @@ def served_run(path: str, args, async_scheduling: bool) -> dict[str, Any]:
         cmd += ["--attention-backend", args.attention_backend]
     if async_scheduling:
         cmd.append("--async-scheduling")
+    if args.cudagraph_mode:
+        cmd += ["--compilation-config", json.dumps(_compilation_config(args))]
     if args.serve_api_server_count > 1:
         cmd += ["--api-server-count", str(args.serve_api_server_count)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
@@ -305,6 +312,9 @@ def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--hf-batch-sizes", type=int, nargs="+", default=[32, 64])
     ap.add_argument("--attention-backend", default="TRITON_ATTN")
+    ap.add_argument("--cudagraph-mode", choices=["NONE", "FULL_DECODE_ONLY", "FULL"],
+                    help="compilation_config's cudagraph_mode (default: the engine's, "
+                         "FULL_DECODE_ONLY); FULL also replays mixed steps <= 512 tokens.")
     ap.add_argument("--profile-steps", type=int, default=32,
                     help="Decode steps profiled for the per-step kernel count and CPU time.")
     ap.add_argument("--skip-serve", action="store_true", help="No served run (part 6).")

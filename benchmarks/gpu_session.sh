@@ -7,7 +7,8 @@
 # Parts: tests (the Triton kernels and CUDA graphs on the GPU); lora-tests (LoRA's CUDA tests and
 # the graph tests alone); lora (issue 33: 4 adapters vs base on CUDA, with per-step profiles and
 # cProfiles of the host); gemv-sweep (the packed GEMV's configs on the 1B shapes); gpu (issue 31: benchmarks/gpu.py's graphs part + a
-# served run, sync, saturation, 4 API servers); ttft (the graphs part alone); quant (issue 29:
+# served run, sync, saturation, 4 API servers); full-graphs (the same with cudagraph_mode FULL:
+# mixed steps replay graphs too); ttft (the graphs part alone); quant (issue 29:
 # batch-1 and offline of bf16 / fp8 / Q8_0 / Q4_K_M); quant-async (the packed files, async).
 # .whl holds the wheels the device image lacks (msgspec, pyzmq, fastapi, ...: see
 # /work/.library/device's README for the download line).
@@ -52,6 +53,10 @@ for part in "$@"; do
         timeout 240 python3 benchmarks/gpu.py --parts graphs serve --serve-modes sync \
             --serve-rates inf --serve-api-server-count 4 --model-dir "$MODELS" \
             --output-json "$OUT/gpu.json" 2>&1 | quiet | tail -12 ;;
+    full-graphs)
+        timeout 240 python3 benchmarks/gpu.py --parts graphs serve --serve-modes sync \
+            --serve-rates inf --serve-api-server-count 4 --cudagraph-mode FULL \
+            --model-dir "$MODELS" --output-json "$OUT/gpu_full.json" 2>&1 | quiet | tail -12 ;;
     ttft)
         timeout 120 python3 benchmarks/gpu.py --parts graphs --skip-serve --model-dir "$MODELS" \
             --output-json "$OUT/gpu.json" 2>&1 | quiet | tail -6 ;;

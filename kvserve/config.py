@@ -465,6 +465,68 @@ class PoolerConfig:
         return PoolerConfig(**parse_json_config(value, "pooler_config", PoolerConfig))
 
 
+CUDAGRAPH_MODES = ("NONE", "FULL_DECODE_ONLY", "FULL")
+# vLLM's default cudagraph_capture_sizes: 1, 2, 4, then steps of 8 to 256 and of 16 to 512.
+DEFAULT_CAPTURE_SIZES = (1, 2, 4) + tuple(range(8, 257, 8)) + tuple(range(272, 513, 16))
+
+
+@dataclass
+class CompilationConfig:
+    """vLLM's --compilation-config (JSON), its CUDA-graph part (CUDA with TRITON_ATTN only).
+
+    cudagraph_mode: NONE (every step eager, as --enforce-eager); FULL_DECODE_ONLY (the
+    default: an all-decode step replays its batch bucket's graph); FULL (mixed prefill +
+    decode steps too, one graph per token bucket up to max_cudagraph_capture_size, their
+    requests padded). vLLM's PIECEWISE modes split a torch.compile'd graph at attention;
+    kvserve compiles nothing, so they are an error here. cudagraph_capture_sizes: the buckets
+    (default 1, 2, 4, 8, 16, 24, ... 512); max_cudagraph_capture_size: the largest one (default
+    min(2 x max_num_seqs, 512), as vLLM's)."""
+    cudagraph_mode: str = "FULL_DECODE_ONLY"
+    cudagraph_capture_sizes: Optional[list[int]] = None
+    max_cudagraph_capture_size: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        mode = str(self.cudagraph_mode).upper()
+        if mode not in CUDAGRAPH_MODES:
+            hint = (" (piecewise graphs need torch.compile's split at attention, which kvserve "
+                    "does not do)" if "PIECEWISE" in mode else "")
+            raise ValueError(f"compilation_config.cudagraph_mode must be one of "
+                             f"{list(CUDAGRAPH_MODES)}, got {self.cudagraph_mode!r}{hint}.")
+        self.cudagraph_mode = mode
+        sizes = self.cudagraph_capture_sizes
+        if sizes is not None and (not sizes or any(not isinstance(s, int) or s < 1
+                                                   for s in sizes)):
+            raise ValueError(f"compilation_config.cudagraph_capture_sizes must be a non-empty "
+                             f"list of positive integers, got {sizes!r}.")
+        cap = self.max_cudagraph_capture_size
+        if cap is not None and (not isinstance(cap, int) or cap < 1):
+            raise ValueError(f"compilation_config.max_cudagraph_capture_size must be a positive "
+                             f"integer, got {cap!r}.")
+
+    @staticmethod
+    def parse(value: Union[None, str, dict, "CompilationConfig"]) -> "CompilationConfig":
+        if value is None:
+            return CompilationConfig()
+        if isinstance(value, CompilationConfig):
+            return value
+        return CompilationConfig(**parse_json_config(value, "compilation_config",
+                                                     CompilationConfig))
+
+    def graph_buckets(self, max_num_seqs: int, max_num_batched_tokens: int
+                      ) -> tuple[list[int], list[int]]:
+        """(decode buckets in requests, mixed-step buckets in tokens); both empty for NONE,
+        the second for FULL_DECODE_ONLY."""
+        if self.cudagraph_mode == "NONE":
+            return [], []
+        sizes = sorted(set(self.cudagraph_capture_sizes or DEFAULT_CAPTURE_SIZES))
+        cap = self.max_cudagraph_capture_size or (
+            sizes[-1] if self.cudagraph_capture_sizes else min(2 * max_num_seqs, 512))
+        decode = [s for s in sizes if s <= min(cap, max_num_seqs)]
+        if self.cudagraph_mode != "FULL":
+            return decode, []
+        return decode, [s for s in sizes if s <= min(cap, max_num_batched_tokens)]
+
+
 @dataclass
 class KVServeConfig:
     """Everything an engine needs, passed whole to EngineCore, executors and workers."""
@@ -483,6 +545,7 @@ class KVServeConfig:
     kv_transfer_config: Optional[Any] = None    # kv_transfer.config.KVTransferConfig
     lora_config: Optional[Any] = None           # lora.config.LoRAConfig (--enable-lora)
     cpu_config: CpuConfig = field(default_factory=CpuConfig)
+    compilation_config: CompilationConfig = field(default_factory=CompilationConfig)
 
 
 # ---------------------------------------------------------------------------- sliding windows

@@ -15,9 +15,9 @@ import torch
 
 from kvserve import envs
 from kvserve.attention.selector import resolve_backend_name
-from kvserve.config import (CacheConfig, CpuConfig, DeviceConfig, KVServeConfig, ModelConfig,
-                            ParallelConfig, SchedulerConfig, StructuredOutputsConfig,
-                            resolve_kv_cache_dtype)
+from kvserve.config import (CacheConfig, CompilationConfig, CpuConfig, DeviceConfig,
+                            KVServeConfig, ModelConfig, ParallelConfig, SchedulerConfig,
+                            StructuredOutputsConfig, resolve_kv_cache_dtype)
 from kvserve.spec_decode.config import SpeculativeConfig
 
 _HELP = {
@@ -74,6 +74,10 @@ _HELP = {
     "multiprocessing": "Run the engine core in its own process (default; env KVSERVE_ENABLE_MULTIPROCESSING=0 turns it off).",
     "disable_log_stats": "Do not log periodic throughput statistics.",
     "enforce_eager": "Never capture CUDA graphs (all steps eager). No effect on CPU.",
+    "compilation_config": "CUDA graphs as JSON (vLLM's keys): cudagraph_mode NONE, "
+                          "FULL_DECODE_ONLY (default: all-decode steps) or FULL (mixed "
+                          "prefill + decode steps too, up to max_cudagraph_capture_size "
+                          "tokens); cudagraph_capture_sizes, max_cudagraph_capture_size.",
     "attention_backend": "CPU_ATTN (C++ kernels; default on CPU), TRITON_ATTN (Triton kernels; "
                          "default on CUDA) or TORCH_SDPA (portable torch fallback).",
     "gpu_memory_utilization": "Fraction of the GPU's memory for weights, activations (profiled) "
@@ -158,6 +162,7 @@ class EngineArgs:
     multiprocessing: bool = True
     disable_log_stats: bool = True
     enforce_eager: bool = False
+    compilation_config: Optional[Union[str, dict]] = None
     attention_backend: Optional[str] = None
     gpu_memory_utilization: float = 0.9
     structured_outputs_config: Optional[Union[str, dict]] = None
@@ -250,6 +255,7 @@ class EngineArgs:
             multiprocessing=self.multiprocessing and envs.get("KVSERVE_ENABLE_MULTIPROCESSING"),
             disable_log_stats=self.disable_log_stats,
             enforce_eager=self.enforce_eager,
+            compilation_config=CompilationConfig.parse(self.compilation_config),
             attention_backend=attention_backend,
             structured_outputs_config=StructuredOutputsConfig.parse(self.structured_outputs_config),
             speculative_config=spec_config,

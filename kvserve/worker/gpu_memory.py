@@ -10,7 +10,8 @@ budget's concern but shows in `free`: the cache never takes more than is free.
 
 The decode graphs are captured after the KV cache is allocated, into a private memory pool
 the cache cannot share, so their memory is estimated here first (as vLLM's profiler does):
-the largest bucket captured on the scratch cache, then the smallest into the same pool,
+the largest bucket (decode or mixed) captured on the scratch cache, then the smallest into
+the same pool,
 
     graphs = static inputs + largest + (buckets - 1) * max(smallest's increment,
                                                           the largest's outputs)
@@ -71,35 +72,37 @@ def graphs_memory(largest: int, increment: int, num_buckets: int) -> int:
 
 
 def estimate_graphs_memory(runner, scratch: list) -> int:
-    """Capture the largest and the smallest decode bucket over the scratch cache, measure the
-    device memory each took (static inputs, graph pool, executables; with LoRA both graphs of
-    the bucket), release them; return graphs_memory for every bucket capture_cuda_graphs
-    will capture."""
+    """Capture the largest and the smallest graph bucket over the scratch cache, measure the
+    device memory each took (graph pool, executables; with LoRA both graphs of the bucket),
+    release them; return the static inputs + graphs_memory for every bucket
+    capture_cuda_graphs will capture."""
     import torch
 
-    from kvserve.worker.cuda_graph import capture_sizes
-    sizes = capture_sizes(runner.config.scheduler_config.max_num_seqs)
+    decode, mixed = runner.graph_buckets()
     # The real block table's width: the static inputs are part of what capture takes.
-    graphs = runner.graph_runner(scratch, [sizes[0], sizes[-1]], runner.max_blocks_per_req)
+    graphs = runner.graph_runner(scratch, decode, mixed, runner.max_blocks_per_req)
+    buckets = graphs.buckets()
+    if not buckets:
+        return 0
     taken = [graphs.static_bytes()]
     try:
-        for b in (sizes[-1], sizes[0]):
-            graphs.warm_up(b)     # compiled kernels' modules are not the graph's memory
+        for key in (buckets[0], buckets[-1]):
+            graphs.warm_up(*key)     # compiled kernels' modules are not the graph's memory
             torch.cuda.synchronize()
             torch.cuda.empty_cache()    # nor are the warm-up's temporaries
             before = torch.cuda.mem_get_info()[0]
-            graphs.capture_buckets([b])
+            graphs.capture_buckets([key])
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
             taken.append(before - torch.cuda.mem_get_info()[0])
         # Every later bucket keeps its own outputs in the pool: never count less than the
         # largest's (the smallest's increment can round to nothing in a 2 MiB segment).
-        taken[2] = max(taken[2], graphs.output_bytes(sizes[-1]))
+        taken[2] = max(taken[2], graphs.output_bytes(*buckets[0]))
     finally:
         del graphs
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
-    return taken[0] + graphs_memory(taken[1], taken[2], len(sizes))
+    return taken[0] + graphs_memory(taken[1], taken[2], len(buckets))
 
 
 def profile_memory(runner, utilization: float) -> tuple[int, MemoryProfile]:

@@ -176,33 +176,49 @@ class ModelRunner:
             self.spec_decode.initialize_kv_cache(num_blocks)
 
     def uses_cuda_graphs(self) -> bool:
-        """Whether initialize_cache captures decode graphs: TRITON_ATTN on CUDA, not eager.
-        Graphs hold one whole-model decode step: not with PP stages; sliding windows take
-        the torch path."""
+        """Whether initialize_cache captures graphs: TRITON_ATTN on CUDA, not eager, a
+        cudagraph_mode other than NONE. Graphs hold one whole-model step: not with PP
+        stages; sliding windows take the torch path."""
         return (self.device.type == "cuda" and not self.config.enforce_eager
+                and self.config.compilation_config.cudagraph_mode != "NONE"
                 and self.attn_backend.name == "TRITON_ATTN"
                 and self.config.parallel_config.pipeline_parallel_size == 1
                 and not self.kv_cache_groups)
 
-    def graph_runner(self, kv_caches: list[torch.Tensor], sizes: list[int],
+    def graph_buckets(self) -> tuple[list[int], list[int]]:
+        """(decode buckets, mixed-step buckets) from the compilation config. No mixed buckets
+        for soft-capped attention: its prompt path (attention/windowed.py) walks the requests
+        on the host."""
+        sc = self.config.scheduler_config
+        decode, mixed = self.config.compilation_config.graph_buckets(
+            sc.max_num_seqs, sc.max_num_batched_tokens)
+        assert self.model is not None
+        if any(getattr(m, "logits_soft_cap", None) for m in self.model.modules()):
+            mixed = []
+        return decode, mixed
+
+    def graph_runner(self, kv_caches: list[torch.Tensor], decode: list[int], mixed: list[int],
                      max_blocks_per_req: int) -> "CUDAGraphRunner":
-        """Decode graphs over these caches (with LoRA: every LoRA layer, cuda_graph.py)."""
+        """Graphs over these caches (with LoRA: every LoRA layer, cuda_graph.py)."""
         from kvserve.worker.cuda_graph import CUDAGraphRunner
         assert self.model is not None
-        return CUDAGraphRunner(self.model, kv_caches, sizes, max_blocks_per_req, self.device,
-                               lora=self.lora_manager)
+        return CUDAGraphRunner(self.model, kv_caches, decode, max_blocks_per_req, self.device,
+                               lora=self.lora_manager, mixed_sizes=mixed,
+                               max_num_seqs=self.config.scheduler_config.max_num_seqs)
 
     def capture_cuda_graphs(self) -> None:
-        """Capture the all-decode step per batch-size bucket (when uses_cuda_graphs)."""
-        from kvserve.worker.cuda_graph import capture_sizes
+        """Capture every graph bucket (when uses_cuda_graphs)."""
         if not self.uses_cuda_graphs():
             return
-        sizes = capture_sizes(self.config.scheduler_config.max_num_seqs)
-        self.cuda_graphs = self.graph_runner(self.kv_caches, sizes, self.max_blocks_per_req)
+        decode, mixed = self.graph_buckets()
+        if not decode and not mixed:
+            return
+        self.cuda_graphs = self.graph_runner(self.kv_caches, decode, mixed,
+                                             self.max_blocks_per_req)
         self.cuda_graphs.capture()
 
     def _forward(self, step: StepInputs, intermediate: Optional[IntermediateTensors] = None) -> Any:
-        """Replay a captured graph for an all-decode step that fits a bucket, else eager.
+        """Replay a captured graph for a step that fits a bucket, else eager.
         A later pipeline stage (intermediate tensors in) always runs eagerly."""
         assert self.model is not None
         graphs = self.cuda_graphs

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvserve.worker.cuda_graph import capture_sizes, padded_batch_size
+from kvserve.config import CompilationConfig
+from kvserve.worker.cuda_graph import CUDAGraphRunner, padded_batch_size
 from kvserve.worker.gpu_memory import (MemoryProfile, check_kv_cache_fits, graphs_memory,
                                        kv_cache_budget)
 
@@ -14,14 +15,41 @@ GiB = 1 << 30
 
 
 def test_capture_sizes_and_buckets() -> None:
-    assert capture_sizes(256)[:7] == [1, 2, 4, 8, 16, 24, 32]
-    assert capture_sizes(256)[-1] == 256 and capture_sizes(512)[-1] == 512
-    assert capture_sizes(600)[-3:] == [480, 496, 512]
-    assert capture_sizes(20) == [1, 2, 4, 8, 16]
-    sizes = capture_sizes(40)
+    def buckets(mode: str = "FULL_DECODE_ONLY", seqs: int = 256, tokens: int = 8192, **kw):
+        return CompilationConfig(cudagraph_mode=mode, **kw).graph_buckets(seqs, tokens)
+
+    decode, mixed = buckets()                 # the default: all-decode steps only
+    assert decode[:7] == [1, 2, 4, 8, 16, 24, 32] and decode[-1] == 256 and mixed == []
+    assert buckets(seqs=512)[0][-1] == 512 and buckets(seqs=600)[0][-3:] == [480, 496, 512]
+    assert buckets(seqs=20)[0] == [1, 2, 4, 8, 16]
+    sizes = buckets(seqs=40)[0]
     assert [padded_batch_size(n, sizes) for n in (1, 2, 3, 5, 8, 9, 17, 40)] == \
         [1, 2, 4, 8, 8, 16, 24, 40]
     assert padded_batch_size(41, sizes) is None          # above the largest: eager
+    # FULL: mixed steps by tokens, up to vLLM's min(2 x max_num_seqs, 512) and the step budget.
+    decode, mixed = buckets("FULL", seqs=40)
+    assert decode[-1] == 40 and mixed[-1] == 80
+    assert buckets("FULL", seqs=256, tokens=128)[1][-1] == 128
+    assert buckets("FULL", max_cudagraph_capture_size=16)[1] == [1, 2, 4, 8, 16]
+    assert buckets("FULL", seqs=4, cudagraph_capture_sizes=[8, 2, 32]) == ([2], [2, 8, 32])
+    assert buckets("none") == ([], [])
+    with pytest.raises(ValueError, match="piecewise graphs need torch.compile"):
+        CompilationConfig(cudagraph_mode="FULL_AND_PIECEWISE")
+    with pytest.raises(ValueError, match="positive integers"):
+        CompilationConfig(cudagraph_capture_sizes=[4, 0])
+    with pytest.raises(ValueError, match=r"Unknown compilation_config key\(s\) \['level'\]"):
+        CompilationConfig.parse('{"level": 3}')
+    assert CompilationConfig.parse('{"cudagraph_mode": "full"}').cudagraph_mode == "FULL"
+
+
+def test_bad_compilation_config_fails_at_start(tiny_llama: str) -> None:
+    from kvserve import EngineArgs
+    with pytest.raises(ValueError, match="cudagraph_mode must be one of.*'PIECEWISE'"):
+        EngineArgs(model=tiny_llama, device="cpu",
+                   compilation_config='{"cudagraph_mode": "PIECEWISE"}').create_engine_config()
+    with pytest.raises(ValueError, match="--compilation-config is not valid JSON"):
+        EngineArgs(model=tiny_llama, device="cpu",
+                   compilation_config="{cudagraph_mode: FULL}").create_engine_config()
 
 
 def test_kv_cache_budget_arithmetic() -> None:
@@ -61,6 +89,120 @@ def test_kv_cache_too_small_names_the_numbers() -> None:
     with pytest.raises(ValueError, match=r"needs 1\.00 GiB \(512 blocks\), but only 0\.50 GiB"):
         check_kv_cache_fits(GiB // 2, 2 << 20, 512, 8192, p, 0.9)
     assert check_kv_cache_fits(GiB, 2 << 20, 512, 8192, p, 0.9) == 512
+
+
+def test_padded_mixed_step_attention(device: torch.device) -> None:
+    """A mixed step as a FULL graph's bucket holds it (the runner's layout: requests padded
+    with empty queries and seq_len 0, tokens padded to the bucket): its rows equal the
+    unpadded step's bit for bit, and the padding rows (NaN queries here) come out 0."""
+    from kvserve.attention.backends.triton import TritonAttentionBackend, TritonAttentionMetadata
+    from kvserve.model.layers.attention import Attention
+    from tests.utils import scattered_paged_cache
+
+    gen = torch.Generator().manual_seed(3)
+    H, hkv, D, bs = 4, 2, 32, 16
+    q_lens, seq_lens = [9, 1, 1], [30, 17, 40]         # a chunk with context, two decodes
+    n, b, r_pad = sum(q_lens), 16, 16
+    cache, tables = scattered_paged_cache(seq_lens, hkv, D, bs, torch.float32, 1, gen)
+    cache, tables = cache.to(device), tables.to(device, torch.int32)
+    q = torch.randn(b, H, D, generator=gen).to(device)
+    q[n:] = float("nan")
+    layer = Attention(H, D, hkv, D ** -0.5)
+    backend = TritonAttentionBackend(device)
+    i32 = dict(dtype=torch.int32, device=device)
+    qsl = torch.tensor([0, 9, 10, 11], **i32)
+    want = backend._attend(layer, q[:n], cache, TritonAttentionMetadata(
+        torch.full((n,), -1, **i32), qsl, torch.tensor(seq_lens, **i32), tables, 3, False))
+    pad_qsl = torch.cat([qsl, torch.full((r_pad - 3,), n, **i32)])
+    pad_lens = torch.tensor(seq_lens + [0] * (r_pad - 3), **i32)
+    pad_tables = torch.cat([tables, torch.zeros(r_pad - 3, tables.shape[1], **i32)])
+    got = backend._attend(layer, q, cache, TritonAttentionMetadata(
+        torch.full((b,), -1, **i32), pad_qsl, pad_lens, pad_tables, r_pad, False, padded=True))
+    assert torch.equal(got[:n], want)
+    assert torch.equal(got[n:], torch.zeros_like(got[n:]))
+
+
+def test_mixed_bucket_staging_pads_requests() -> None:
+    """A mixed step staged into a bucket after a step with more requests: the padding
+    requests have no query (query_start_loc repeats the token count, never a stale smaller
+    one: the unified kernel would give a padding request real rows) and seq_len 0, the
+    padding tokens slot -1; the decode buckets' query_start_loc stays 0, 1, 2, ..."""
+    from kvserve.attention.backends.triton import TritonAttentionMetadata
+
+    runner = CUDAGraphRunner(torch.nn.Identity(), [], [1, 2, 4], 4, torch.device("cpu"),
+                             mixed_sizes=[8, 16], max_num_seqs=6)
+    i32 = dict(dtype=torch.int32)
+
+    def step(q_lens: list[int], seq_lens: list[int]) -> tuple[bool, int]:
+        n, r = sum(q_lens), len(q_lens)
+        qsl = torch.tensor([0] + q_lens, **i32).cumsum(0).to(torch.int32)
+        meta = TritonAttentionMetadata(torch.arange(n, **i32), qsl, torch.tensor(seq_lens, **i32),
+                                       torch.ones(r, 3, **i32), r, False)
+        return runner.stage(torch.arange(n), torch.arange(n), meta)
+
+    assert step([1, 1, 1, 7], [5, 6, 7, 20]) == (True, 16)
+    assert step([3, 4], [9, 4]) == (True, 8)
+    assert runner.mixed_query_start_loc[:7].tolist() == [0, 3, 7, 7, 7, 7, 7]
+    assert runner.seq_lens[:6].tolist() == [9, 4, 0, 0, 0, 0]
+    assert runner.slot_mapping[:8].tolist() == [0, 1, 2, 3, 4, 5, 6, -1]
+    assert runner.query_start_loc[:5].tolist() == [0, 1, 2, 3, 4]
+    assert runner.bucket(TritonAttentionMetadata(*[None] * 3, torch.ones(7, 3), 7, False),
+                         17) is None          # above the largest mixed bucket: eager
+
+
+class _Replay:
+    """A captured graph's stand-in on CPU: replay() runs the bucket's code eagerly over the
+    runner's static buffers and writes the output the 'capture' returned, in place."""
+
+    def __init__(self, forward) -> None:
+        self.forward = forward
+        self.out = forward().clone()
+
+    def replay(self) -> None:
+        self.out.copy_(self.forward())
+
+
+class EmulatedGraphs(CUDAGraphRunner):
+    """CUDAGraphRunner whose captures are _Replay objects: everything else (buckets, staging
+    into the static buffers, padding, which bucket a step takes) is the runner's own."""
+
+    def _capture_one(self, mixed: bool, b: int):
+        graph = _Replay(lambda: self._forward(mixed, b))
+        return graph, graph.out
+
+
+@pytest.mark.parametrize("cap", [16, 8])
+def test_full_graph_buckets_equal_eager(tiny_llama: str, device: torch.device, cap: int) -> None:
+    """cudagraph_mode FULL through the runner's staging, on CPU (the kernels interpreted, the
+    graphs emulated): 5 requests over a 16-token step budget give chunked prefills beside
+    decodes and all-decode steps. Every step fits a bucket at cap 16 (mixed and decode
+    replays); at cap 8 the larger mixed steps run eagerly. Tokens and logprobs equal a run
+    without graphs."""
+    from kvserve import LLM, SamplingParams
+    from tests.utils import random_prompts
+
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(5, 7, 30, vocab=1024, seed=6)]
+    sp = SamplingParams(temperature=0.0, max_tokens=6, logprobs=2, ignore_eos=True)
+    kw = dict(dtype="float32", max_model_len=128, max_num_seqs=4, max_num_batched_tokens=16,
+              multiprocessing=False, device="cpu", attention_backend="TRITON_ATTN",
+              kv_cache_memory=8 << 20, enable_prefix_caching=False,
+              compilation_config={"cudagraph_mode": "FULL", "max_cudagraph_capture_size": cap})
+    eager = LLM(tiny_llama, **kw).generate(prompts, sp, use_tqdm=False)
+    llm = LLM(tiny_llama, **kw)
+    runner = llm.llm_engine.engine_core.engine_core.model_executor.worker.model_runner
+    decode, mixed = runner.graph_buckets()
+    assert decode == [1, 2, 4] and mixed == [s for s in (1, 2, 4, 8, 16) if s <= cap]
+    graphs = EmulatedGraphs(runner.model, runner.kv_caches, decode, runner.max_blocks_per_req,
+                            runner.device, mixed_sizes=mixed, max_num_seqs=4)
+    graphs.capture_buckets(graphs.buckets())
+    runner.cuda_graphs = graphs
+    got = llm.generate(prompts, sp, use_tqdm=False)
+    for g, e in zip(got, eager, strict=True):
+        assert g.outputs[0].token_ids == e.outputs[0].token_ids
+        for lg, le in zip(g.outputs[0].logprobs, e.outputs[0].logprobs):
+            for t in le:
+                assert abs(lg[t].logprob - le[t].logprob) < 1e-4
+    assert graphs.mixed_replays > 0 and graphs.replays > graphs.mixed_replays
 
 
 @needs_cuda
@@ -116,6 +258,32 @@ def test_graph_memory_set_aside_covers_the_capture(tiny_llama: str, lora: bool) 
                 **kw)
     assert eager.llm_engine.engine_core.engine_core.model_executor.worker.memory_profile \
         .cuda_graphs == 0
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_full_mode_mixed_graphs_equal_eager(tiny_llama: str, dtype: str) -> None:
+    """cudagraph_mode FULL on a GPU: chunked prompts beside decodes (32-token steps) replay
+    mixed buckets; tokens and logprobs equal an eager engine's."""
+    from kvserve import LLM, SamplingParams
+    from tests.utils import random_prompts
+
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(11, 5, 60, vocab=1024, seed=4)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, logprobs=2, ignore_eos=True)
+    kw = dict(dtype=dtype, max_model_len=256, max_num_seqs=16, max_num_batched_tokens=32,
+              multiprocessing=False, device="cuda", attention_backend="TRITON_ATTN",
+              enable_prefix_caching=False)
+    eager = LLM(tiny_llama, enforce_eager=True, **kw).generate(prompts, params, use_tqdm=False)
+    llm = LLM(tiny_llama, compilation_config={"cudagraph_mode": "FULL"}, **kw)
+    graphs = llm.llm_engine.engine_core.engine_core.model_executor.worker.model_runner.cuda_graphs
+    assert graphs is not None and sorted(graphs.mixed_graphs) == [1, 2, 4, 8, 16, 24, 32]
+    graphed = llm.generate(prompts, params, use_tqdm=False)
+    for a, b in zip(graphed, eager):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            for t in la:
+                assert abs(la[t].logprob - lb[t].logprob) < 2e-2
+    assert graphs.mixed_replays > 0 and graphs.replays > graphs.mixed_replays
 
 
 @needs_cuda

@@ -26,6 +26,9 @@ class TritonAttentionMetadata:
     block_table: torch.Tensor       # [R, MB] int32
     num_reqs: int
     decode_only: bool               # every request has one query: the split-KV kernel
+    # A mixed CUDA-graph bucket: tokens past the step's belong to no request, so the unified
+    # kernel never writes their rows; their output is zeroed first (cuda_graph.py).
+    padded: bool = False
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -109,7 +112,7 @@ class TritonAttentionBackend(AttentionBackend):
             return split_kv(q, kv_cache, meta.seq_lens, meta.block_table, layer.scale,
                             num_splits(meta.num_reqs, layer.num_kv_heads, self.target_programs))
         return unified(q, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_table,
-                       layer.scale)
+                       layer.scale, out=torch.zeros_like(q) if meta.padded else None)
 
 
 def _forward_windowed(layer: AttentionLayer, q: torch.Tensor, kv_cache: torch.Tensor,
