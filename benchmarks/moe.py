@@ -10,7 +10,8 @@ experts of intermediate 1024, top-2, vocab 32000); "small" (the default: a loade
 machine builds and runs it in minutes) is hidden 512, 8 layers, 8 experts of 512, top-2.
 
     python benchmarks/moe.py [--size small|full] [--dtype float32|bfloat16|auto] [--rounds 2]
-        [--num-prompts 16] [--output-len 32] [--hf-batch-size 8 16 ...] [--output-json out.json]
+        [--num-prompts 16] [--output-len 32] [--min-prompt-len 16] [--max-prompt-len 128]
+        [--hf-batch-size 8 16 ...] [--output-json out.json]
         # HF runs every listed batch size each round; its offline figure is the best of them
         [--moe-path kernel|torch|both]      # kvserve's decode experts (default: both, in turn)
         [--no-dense]                        # skip the dense equivalent
@@ -222,8 +223,8 @@ def hf_round(path: str, dtype: str, requests: list, args: argparse.Namespace) ->
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     path = ensure_moe_checkpoint(args.size, checkpoint_dtype(args.dtype), args.model_dir)
-    requests = make_requests(args.num_prompts, 16, 128, args.output_len,
-                             SIZES[args.size]["vocab_size"], seed=0)
+    requests = make_requests(args.num_prompts, args.min_prompt_len, args.max_prompt_len,
+                             args.output_len, SIZES[args.size]["vocab_size"], seed=0)
     result: dict[str, Any] = {"machine": machine_description(), "size": args.size,
                               "omp_env": omp_env(),
                               "dtype": args.dtype, **param_bytes(args.size, args.dtype),
@@ -554,6 +555,11 @@ def make_parser() -> argparse.ArgumentParser:
                    help="cuda: kvserve and HF both on the GPU (use --dtype bfloat16)")
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--min-prompt-len", type=int, default=16,
+                   help="prompt lengths uniform in [min, max] (offline_vs_hf.py's workload: "
+                        "--num-prompts 64 --min-prompt-len 32 --max-prompt-len 512 "
+                        "--output-len 128)")
+    p.add_argument("--max-prompt-len", type=int, default=128)
     p.add_argument("--hf-batch-size", type=int, nargs="+", default=[8],
                    help="HF generate's batch sizes, each run in every round; HF's offline "
                         "tok/s is the best of them")

@@ -135,6 +135,7 @@ class CUDAGraphRunner:
         before = torch.cuda.mem_get_info()[0]
         self.capture_buckets(self.buckets(), progress=True)
         torch.cuda.synchronize()
+        torch.cuda.empty_cache()    # the warm-ups' temporaries: eager steps' memory, not graphs'
         self.memory_bytes = before - torch.cuda.mem_get_info()[0]
         logger.info("Graph capturing finished in %.1f s, took %.2f GiB (decode: %d sizes up to "
                     "%d requests; mixed: %d sizes up to %d tokens).", time.perf_counter() - t0,

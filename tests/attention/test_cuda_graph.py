@@ -246,11 +246,12 @@ def test_graph_memory_set_aside_covers_the_capture(tiny_llama: str, lora: bool) 
               multiprocessing=False, attention_backend="TRITON_ATTN", **kw)
     worker = llm.llm_engine.engine_core.engine_core.model_executor.worker
     graphs = worker.model_runner.cuda_graphs
-    assert graphs is not None and len(graphs.graphs) == 10
-    assert len(graphs.plain_graphs) == (10 if lora else 0)
+    assert graphs is not None and len(graphs.graphs) == 11          # 1, 2, 4, 8, ... 64
+    assert len(graphs.plain_graphs) == (11 if lora else 0)
     took = graphs.memory_bytes + graphs.static_bytes()
     estimate = worker.memory_profile.cuda_graphs
-    assert took > 0 and estimate >= 0.95 * took, (estimate, took)
+    # The device reports memory in 2 MiB pages: a tiny model's graphs are a few of them.
+    assert took > 0 and estimate + (8 << 20) >= took, (estimate, took)
     assert estimate <= 3 * took + (256 << 20), (estimate, took)
     # The profile's budget is what the cache got: the graphs were not left in it.
     eager = LLM(tiny_llama, dtype="bfloat16", max_model_len=256, max_num_seqs=64, device="cuda",
