@@ -14,6 +14,15 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA d
 GiB = 1 << 30
 
 
+def _assert_close(got: list, want: list, tol: float) -> None:
+    """The same tokens, and each position's top logprobs within tol."""
+    for a, b in zip(got, want, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            for t in lb:
+                assert abs(la[t].logprob - lb[t].logprob) < tol
+
+
 def test_capture_sizes_and_buckets() -> None:
     def buckets(mode: str = "FULL_DECODE_ONLY", seqs: int = 256, tokens: int = 8192, **kw):
         return CompilationConfig(cudagraph_mode=mode, **kw).graph_buckets(seqs, tokens)
@@ -197,11 +206,7 @@ def test_full_graph_buckets_equal_eager(tiny_llama: str, device: torch.device, c
     graphs.capture_buckets(graphs.buckets())
     runner.cuda_graphs = graphs
     got = llm.generate(prompts, sp, use_tqdm=False)
-    for g, e in zip(got, eager, strict=True):
-        assert g.outputs[0].token_ids == e.outputs[0].token_ids
-        for lg, le in zip(g.outputs[0].logprobs, e.outputs[0].logprobs):
-            for t in le:
-                assert abs(lg[t].logprob - le[t].logprob) < 1e-4
+    _assert_close(got, eager, 1e-4)
     assert graphs.mixed_replays > 0 and graphs.replays > graphs.mixed_replays
 
 
@@ -220,11 +225,7 @@ def test_graph_replay_equals_eager(tiny_llama: str, dtype: str) -> None:
     runner = llm.llm_engine.engine_core.engine_core.model_executor.worker.model_runner
     assert runner.cuda_graphs is not None and sorted(runner.cuda_graphs.graphs) == [1, 2, 4, 8, 16]
     graphed = llm.generate(prompts, params, use_tqdm=False)
-    for a, b in zip(graphed, eager):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
-            for t in la:
-                assert abs(la[t].logprob - lb[t].logprob) < 2e-2
+    _assert_close(graphed, eager, 2e-2)
 
 
 def test_kv_cache_too_small_names_the_graphs() -> None:
@@ -279,11 +280,7 @@ def test_full_mode_mixed_graphs_equal_eager(tiny_llama: str, dtype: str) -> None
     graphs = llm.llm_engine.engine_core.engine_core.model_executor.worker.model_runner.cuda_graphs
     assert graphs is not None and sorted(graphs.mixed_graphs) == [1, 2, 4, 8, 16, 24, 32]
     graphed = llm.generate(prompts, params, use_tqdm=False)
-    for a, b in zip(graphed, eager):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
-            for t in la:
-                assert abs(la[t].logprob - lb[t].logprob) < 2e-2
+    _assert_close(graphed, eager, 2e-2)
     assert graphs.mixed_replays > 0 and graphs.replays > graphs.mixed_replays
 
 
