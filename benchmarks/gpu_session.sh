@@ -35,7 +35,7 @@ for part in "$@"; do
     start=$(date +%s)
     case $part in
     tests)
-        cuda_tests tests 170 tests/attention/test_triton_kernels.py \
+        cuda_tests tests 240 tests/attention/test_triton_kernels.py \
             tests/attention/test_cuda_graph.py tests/lora/test_lora_kernels.py \
             tests/lora/test_lora_graph_mode.py tests/ops/test_triton_quant.py ;;
     lora-tests)
