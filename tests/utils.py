@@ -16,6 +16,7 @@ import httpx
 import torch
 
 from kvserve.outputs import RequestOutput
+from kvserve.worker.cuda_graph import CUDAGraphRunner
 
 # Float32 comparisons against transformers: summation order differs, nothing else.
 LOGPROB_ATOL = 2e-3
@@ -157,6 +158,38 @@ SERVER_ENGINE_ARGS = ["--dtype", "float32", "--max-model-len", "256",
                       "--kv-cache-memory", "16777216"]
 MAX_MODEL_LEN = 256
 STARTUP_TIMEOUT_S = 300.0   # a loaded shared machine builds or loads the C++ kernels slowly
+
+
+class _Replay:
+    """A captured graph's stand-in on CPU: replay() runs the bucket's code eagerly over the
+    runner's static buffers and writes the output the 'capture' returned, in place."""
+
+    def __init__(self, forward: Any) -> None:
+        self.forward = forward
+        self.out = forward().clone()
+
+    def replay(self) -> None:
+        self.out.copy_(self.forward())
+
+
+class EmulatedGraphs(CUDAGraphRunner):
+    """CUDAGraphRunner whose captures are _Replay objects (CPU): the buckets, the staging into
+    the static buffers, the padding, which bucket a step takes are the runner's own. With LoRA
+    a replay first restores the LoRA state its bucket was captured in (the static mapping, or
+    none for a plain graph), as a real graph holds it."""
+
+    def _capture_one(self, mixed: bool, b: int) -> tuple[_Replay, torch.Tensor]:
+        lora_on = self.lora is not None and self.lora.mapping.static
+
+        def forward() -> torch.Tensor:
+            if self.lora is not None and lora_on:
+                self.static_inputs(b)
+            elif self.lora is not None:
+                self.lora.mapping.clear()
+            return self._forward(mixed, b)
+
+        graph = _Replay(forward)
+        return graph, graph.out
 
 
 def _free_port() -> int:

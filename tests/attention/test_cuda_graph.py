@@ -7,6 +7,7 @@ import torch
 
 from kvserve.config import CompilationConfig
 from kvserve.worker.cuda_graph import CUDAGraphRunner, padded_batch_size
+from tests.utils import EmulatedGraphs
 from kvserve.worker.gpu_memory import (MemoryProfile, check_kv_cache_fits, graphs_memory,
                                        kv_cache_budget)
 
@@ -157,27 +158,6 @@ def test_mixed_bucket_staging_pads_requests() -> None:
     assert runner.query_start_loc[:5].tolist() == [0, 1, 2, 3, 4]
     assert runner.bucket(TritonAttentionMetadata(*[None] * 3, torch.ones(7, 3), 7, False),
                          17) is None          # above the largest mixed bucket: eager
-
-
-class _Replay:
-    """A captured graph's stand-in on CPU: replay() runs the bucket's code eagerly over the
-    runner's static buffers and writes the output the 'capture' returned, in place."""
-
-    def __init__(self, forward) -> None:
-        self.forward = forward
-        self.out = forward().clone()
-
-    def replay(self) -> None:
-        self.out.copy_(self.forward())
-
-
-class EmulatedGraphs(CUDAGraphRunner):
-    """CUDAGraphRunner whose captures are _Replay objects: everything else (buckets, staging
-    into the static buffers, padding, which bucket a step takes) is the runner's own."""
-
-    def _capture_one(self, mixed: bool, b: int):
-        graph = _Replay(lambda: self._forward(mixed, b))
-        return graph, graph.out
 
 
 @pytest.mark.parametrize("cap", [16, 8])

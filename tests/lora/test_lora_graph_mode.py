@@ -10,6 +10,8 @@ and with the torch fallback. On CUDA (skipped without): graphs captured with LoR
 the same greedy tokens and logprobs as an eager engine, on a mixed batch of adapters + base."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -19,7 +21,10 @@ from kvserve.lora.layers import LoRAEmbedding, LoRALinear
 from kvserve.ops import lora as cpu_lora
 from kvserve.worker.cuda_graph import CUDAGraphRunner
 from tests.lora.conftest import ADAPTERS
-from tests.utils import random_prompts
+from tests.utils import EmulatedGraphs, random_prompts
+
+if not torch.cuda.is_available():       # the emulated FULL test runs TRITON_ATTN interpreted
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 ENGINE_ARGS = dict(dtype="float32", enable_lora=True, max_loras=4, max_cpu_loras=4,
                    max_lora_rank=16, max_model_len=96, multiprocessing=False)
@@ -102,6 +107,43 @@ def test_static_capture_path_equals_eager_lora(loaded, kernel: bool) -> None:
         mgr.mapping.clear()
         mgr.sorted_tokens.clear()
         cpu_lora.set_kernels_enabled(True)
+
+
+def test_full_mode_buckets_with_lora_equal_eager(tiny_llama: str,
+                                                 lora_adapters: dict[str, str]) -> None:
+    """cudagraph_mode FULL with LoRA, on CPU (the kernels interpreted, the graphs emulated:
+    tests/utils.EmulatedGraphs): 6 requests of 3 adapters + base over 16-token steps, so mixed
+    buckets (chunked prompts beside decodes) and decode buckets replay with the step's slots
+    refilled, then 3 base requests alone replay the plain graphs. Tokens and logprobs equal an
+    engine without graphs."""
+    loras = [LoRARequest(name, i + 1, lora_adapters[name]) for i, name in enumerate(ADAPTERS)]
+    lora_list = [loras[i % 4] if i % 4 < 3 else None for i in range(6)]
+    prompts = random_prompts(6, 5, 30, vocab=1000, seed=7)
+    sp = SamplingParams(temperature=0.0, max_tokens=5, logprobs=1, ignore_eos=True)
+    kw = dict(ENGINE_ARGS, device="cpu", attention_backend="TRITON_ATTN", max_num_seqs=4,
+              max_num_batched_tokens=16, enable_prefix_caching=False,
+              compilation_config={"cudagraph_mode": "FULL", "max_cudagraph_capture_size": 16})
+    with LLM(tiny_llama, **kw) as llm:
+        eager = llm.generate(prompts, sp, lora_request=lora_list, use_tqdm=False)
+        eager += llm.generate(prompts[:3], sp, use_tqdm=False)
+    with LLM(tiny_llama, **kw) as llm:
+        runner = _runner(llm)
+        decode, mixed = runner.graph_buckets()
+        graphs = EmulatedGraphs(runner.model, runner.kv_caches, decode, runner.max_blocks_per_req,
+                                runner.device, lora=runner.lora_manager, mixed_sizes=mixed,
+                                max_num_seqs=4)
+        graphs.capture_buckets(graphs.buckets())
+        runner.cuda_graphs = graphs
+        got = llm.generate(prompts, sp, lora_request=lora_list, use_tqdm=False)
+        lora_replays, lora_mixed = graphs.replays - graphs.plain_replays, graphs.mixed_replays
+        got += llm.generate(prompts[:3], sp, use_tqdm=False)
+    for g, e in zip(got, eager, strict=True):
+        assert g.outputs[0].token_ids == e.outputs[0].token_ids
+        diffs = [abs(d[t].logprob - f[t].logprob)
+                 for d, f, t in zip(g.outputs[0].logprobs, e.outputs[0].logprobs,
+                                    g.outputs[0].token_ids)]
+        assert max(diffs) < 1e-4
+    assert lora_replays > 0 and lora_mixed > 0 and graphs.plain_replays > 0
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
