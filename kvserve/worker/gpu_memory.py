@@ -82,8 +82,6 @@ def estimate_graphs_memory(runner, scratch: list) -> int:
     # The real block table's width: the static inputs are part of what capture takes.
     graphs = runner.graph_runner(scratch, decode, mixed, runner.max_blocks_per_req)
     buckets = graphs.buckets()
-    if not buckets:
-        return 0
     taken = [graphs.static_bytes()]
     try:
         for key in (buckets[0], buckets[-1]):

@@ -176,14 +176,14 @@ class ModelRunner:
             self.spec_decode.initialize_kv_cache(num_blocks)
 
     def uses_cuda_graphs(self) -> bool:
-        """Whether initialize_cache captures graphs: TRITON_ATTN on CUDA, not eager, a
-        cudagraph_mode other than NONE. Graphs hold one whole-model step: not with PP
-        stages; sliding windows take the torch path."""
+        """Whether initialize_cache captures graphs: TRITON_ATTN on CUDA, not eager, and some
+        bucket to capture (none for cudagraph_mode NONE, or capture sizes all above the
+        limits). Graphs hold one whole-model step: not with PP stages; sliding windows take
+        the torch path."""
         return (self.device.type == "cuda" and not self.config.enforce_eager
-                and self.config.compilation_config.cudagraph_mode != "NONE"
                 and self.attn_backend.name == "TRITON_ATTN"
                 and self.config.parallel_config.pipeline_parallel_size == 1
-                and not self.kv_cache_groups)
+                and not self.kv_cache_groups and any(self.graph_buckets()))
 
     def graph_buckets(self) -> tuple[list[int], list[int]]:
         """(decode buckets, mixed-step buckets) from the compilation config. No mixed buckets
@@ -211,8 +211,6 @@ class ModelRunner:
         if not self.uses_cuda_graphs():
             return
         decode, mixed = self.graph_buckets()
-        if not decode and not mixed:
-            return
         self.cuda_graphs = self.graph_runner(self.kv_caches, decode, mixed,
                                              self.max_blocks_per_req)
         self.cuda_graphs.capture()

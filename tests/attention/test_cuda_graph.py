@@ -43,6 +43,8 @@ def test_capture_sizes_and_buckets() -> None:
     assert buckets("FULL", max_cudagraph_capture_size=16)[1] == [1, 2, 4, 8, 16]
     assert buckets("FULL", seqs=4, cudagraph_capture_sizes=[8, 2, 32]) == ([2], [2, 8, 32])
     assert buckets("none") == ([], [])
+    # Sizes all above the limits: nothing to capture (the runner then captures no graph).
+    assert buckets(seqs=4, cudagraph_capture_sizes=[8, 16]) == ([], [])
     with pytest.raises(ValueError, match="piecewise graphs need torch.compile"):
         CompilationConfig(cudagraph_mode="FULL_AND_PIECEWISE")
     with pytest.raises(ValueError, match="positive integers"):
