@@ -218,29 +218,24 @@ class CUDAGraphRunner:
             return None
         return True, b
 
-    def can_run(self, meta: object, num_tokens: int) -> bool:
-        return self.bucket(meta, num_tokens) is not None
-
     def stage(self, input_ids: torch.Tensor, positions: torch.Tensor,
-              meta: TritonAttentionMetadata) -> tuple[bool, int]:
-        """Copy this step into the static buffers, padded to its bucket; returns the bucket."""
+              meta: TritonAttentionMetadata, bucket: tuple[bool, int]) -> None:
+        """Copy this step into the static buffers, padded to its bucket (bucket()'s)."""
         n = input_ids.shape[0]
-        key = self.bucket(meta, n)
-        assert key is not None
-        mixed, b = key
+        mixed, b = bucket
         self.input_ids[:n].copy_(input_ids, non_blocking=True)
         self.positions[:n].copy_(positions, non_blocking=True)
         self.slot_mapping[:n].copy_(meta.slot_mapping, non_blocking=True)
         if b > n:     # padding tokens: write nothing
             self.slot_mapping[n:b].fill_(-1)
         self._stage_requests(meta, n, self.mixed_reqs(b) if mixed else b, mixed)
-        return key
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
-            meta: TritonAttentionMetadata) -> torch.Tensor:
-        """Replay this step's bucket; returns hidden states [n, hidden]."""
+            meta: TritonAttentionMetadata, bucket: tuple[bool, int]) -> torch.Tensor:
+        """Replay this step's bucket (bucket()'s, not None); returns hidden states [n, hidden]."""
         n = input_ids.shape[0]
-        mixed, b = self.stage(input_ids, positions, meta)
+        self.stage(input_ids, positions, meta, bucket)
+        mixed, b = bucket
         if self.plain_graphs and self._adapter_free(n):
             graph, out = self.tables[mixed, True][b]
             self.plain_replays += 1

@@ -220,9 +220,11 @@ class ModelRunner:
         A later pipeline stage (intermediate tensors in) always runs eagerly."""
         assert self.model is not None
         graphs = self.cuda_graphs
-        if (intermediate is None and graphs is not None
-                and graphs.can_run(step.attn_metadata, len(step.input_ids))):
-            return graphs.run(step.input_ids, step.positions, step.attn_metadata)
+        bucket = (graphs.bucket(step.attn_metadata, len(step.input_ids))
+                  if intermediate is None and graphs is not None else None)
+        if bucket is not None:
+            assert graphs is not None
+            return graphs.run(step.input_ids, step.positions, step.attn_metadata, bucket)
         # A step of decode tokens only lets packed GGUF weights keep more rows on their int8
         # kernel (ops/quant/weight.py, INT8_DECODE_MAX_ROWS); prompt rows keep the float path.
         with quant_decode_step(step.decode_only()):

@@ -150,7 +150,10 @@ def test_mixed_bucket_staging_pads_requests() -> None:
         qsl = torch.tensor([0] + q_lens, **i32).cumsum(0).to(torch.int32)
         meta = TritonAttentionMetadata(torch.arange(n, **i32), qsl, torch.tensor(seq_lens, **i32),
                                        torch.ones(r, 3, **i32), r, False)
-        return runner.stage(torch.arange(n), torch.arange(n), meta)
+        bucket = runner.bucket(meta, n)
+        assert bucket is not None
+        runner.stage(torch.arange(n), torch.arange(n), meta, bucket)
+        return bucket
 
     assert step([1, 1, 1, 7], [5, 6, 7, 20]) == (True, 16)
     assert step([3, 4], [9, 4]) == (True, 8)
