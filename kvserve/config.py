@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
 
-from kvserve.json_config import parse_json_config
+from kvserve.json_config import parse_setting
 
 if TYPE_CHECKING:       # the feature configs are built above config.py (engine/arg_utils.py)
     from kvserve.spec_decode.config import SpeculativeConfig
@@ -427,12 +427,7 @@ class StructuredOutputsConfig:
 
     @staticmethod
     def parse(value: Union[None, str, dict, "StructuredOutputsConfig"]) -> "StructuredOutputsConfig":
-        if value is None:
-            return StructuredOutputsConfig()
-        if isinstance(value, StructuredOutputsConfig):
-            return value
-        value = parse_json_config(value, "structured_outputs_config", StructuredOutputsConfig)
-        return StructuredOutputsConfig(**value)
+        return parse_setting(StructuredOutputsConfig, value, "structured_outputs_config")
 
 
 POOLING_TYPES = ("LAST", "MEAN", "CLS", "ALL")
@@ -458,11 +453,7 @@ class PoolerConfig:
 
     @staticmethod
     def parse(value: Union[None, str, dict, "PoolerConfig"]) -> "PoolerConfig":
-        if value is None:
-            return PoolerConfig()
-        if isinstance(value, PoolerConfig):
-            return value
-        return PoolerConfig(**parse_json_config(value, "pooler_config", PoolerConfig))
+        return parse_setting(PoolerConfig, value, "pooler_config")
 
 
 CUDAGRAPH_MODES = ("NONE", "FULL_DECODE_ONLY", "FULL")
@@ -505,12 +496,7 @@ class CompilationConfig:
 
     @staticmethod
     def parse(value: Union[None, str, dict, "CompilationConfig"]) -> "CompilationConfig":
-        if value is None:
-            return CompilationConfig()
-        if isinstance(value, CompilationConfig):
-            return value
-        return CompilationConfig(**parse_json_config(value, "compilation_config",
-                                                     CompilationConfig))
+        return parse_setting(CompilationConfig, value, "compilation_config")
 
     def graph_buckets(self, max_num_seqs: int, max_num_batched_tokens: int
                       ) -> tuple[list[int], list[int]]:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 from dataclasses import fields
-from typing import Union
+from typing import Any, TypeVar, Union
+
+T = TypeVar("T")
 
 
 def parse_json_config(value: Union[str, dict], name: str, cls: type) -> dict:
@@ -23,3 +25,13 @@ def parse_json_config(value: Union[str, dict], name: str, cls: type) -> dict:
     if unknown:
         raise ValueError(f"Unknown {name} key(s) {unknown}; known: {sorted(known)}.")
     return value
+
+
+def parse_setting(cls: type[T], value: Any, name: str) -> T:
+    """A JSON-valued setting as its dataclass: None gives the defaults, an instance stays as
+    it is, anything else goes through parse_json_config."""
+    if value is None:
+        return cls()
+    if isinstance(value, cls):
+        return value
+    return cls(**parse_json_config(value, name, cls))
