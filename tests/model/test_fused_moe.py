@@ -134,8 +134,9 @@ def on_one_and_two_threads(call):
 @pytest.mark.parametrize("routed", [1, 2, 3, 4])
 def test_cpu_kernel_same_bits_for_every_split(cpu_kernel, x_dtype, w_dtype,
                                               routed: int) -> None:
-    """1 thread (each call split by expert) against 2 (split by expert when the routed experts
-    divide evenly, else by output rows): bit-identical, and equal to float64."""
+    """1 thread (each call split by expert) against 2 (split by expert where that is exactly
+    balanced: 2 routed experts with 5 pairs each; else by output rows): bit-identical, and
+    equal to float64."""
     x, logits, w13, w2 = make_case(5, x_dtype, w_dtype, seed=routed,
                                    unused=tuple(range(routed, EXPERTS)))
     weights, ids = select_experts(logits, min(routed, 2), True)
@@ -220,8 +221,9 @@ def test_panel_kernel_matches_float64(panel_kernel, num_tokens: int, top_k: int)
 
 
 def test_panel_kernel_same_bits_for_every_split_and_batch(panel_kernel) -> None:
-    """1 thread against 2 (split by expert, or by output panels where 3 routed experts do not
-    divide over 2 threads), and each token alone against the 23-token step: the same bits."""
+    """1 thread against 2 (split by output panels: 3 routed experts do not divide over 2
+    threads), and each token alone (2 experts of one pair each: split by expert) against the
+    23-token step: the same bits."""
     x, logits, w13, w2, weights, ids = _panel_case(23, 5, unused=(3, 4, 5))
     p13, p2 = moe_ops.pack_panels(w13, w2)
     one, two = on_one_and_two_threads(lambda: panel_kernel(x, p13, p2, weights, ids))

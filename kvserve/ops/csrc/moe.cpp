@@ -20,9 +20,9 @@
 //   2. rows[p, h] = weight_p * (w2[e, h] . act[p]) for h in [0, H): thread range of h;
 // then out[t] = the sum of token t's rows, in pair order (sum_rows).
 // Each output element is written by one thread only (no atomics, a fixed summation order: the
-// result does not depend on the thread count). When the routed experts divide evenly over the
-// threads (or are many), one at::parallel_for over EXPERTS runs both passes per expert instead
-// (split_by_expert: one fork / join per call, not two; bit-identical results).
+// result does not depend on the thread count). Where that split by experts is exactly balanced,
+// one at::parallel_for over EXPERTS runs both passes per expert instead (split_by_expert: one
+// fork / join per call, not two; bit-identical results).
 //
 // Vector path: AVX2 + FMA (vec_avx2.h; 8 lanes, several weight rows per pass so the FMA
 // chains are independent); bf16 weights are widened with a shift. Other tiers: plain loops.
@@ -332,15 +332,25 @@ KVS_INLINE void down_group(const TX* act, const TW* w2e, const Groups& g, int64_
   });
 }
 
-// Split by expert (one fork / join per call instead of two): when the routed experts divide
-// evenly over the threads (batch-1 top-2 on 2 cores: one expert each) or are many, each thread
-// runs whole experts, both passes, writing each pair's weighted row into rows[p]; the caller
-// then sums every token's rows in pair order. Every output element is the same dot product as in
-// the row split and the rows are summed in the same (group) order, so the two splits give
-// bit-identical results. Each synchronisation point matters most on a shared, oversubscribed
-// host, where a join waits for a worker thread that another process's threads keep off a core.
-inline bool split_by_expert(int64_t groups, int64_t threads) {
-  return threads <= 1 || groups % threads == 0 || groups >= 4 * threads;
+// Split by expert (one fork / join per call instead of two) only where it is exactly balanced:
+// the routed experts divide evenly over the threads and each has the same number of pairs
+// (batch-1 top-2 on 2 cores: one expert each). Otherwise both passes split over output rows,
+// so each thread reads half of every routed expert's weights and computes half of every pair.
+// Real routings are skewed (a prefill step of the 1B MoE: 2705 / 1391 pairs for the two
+// threads' halves of the experts), and even when compute is balanced two threads streaming
+// different experts ran slower than both streaming halves of the same ones: the rows split
+// measured 2048 rows 31.7-34.7 -> 27.7-28.8 ms a layer, 64 rows 1.81-1.86 -> 1.63-1.67, level
+// at 1 row (bf16 panels, routings captured from the engine, Zen 5, 2 threads). Every output
+// element is the same dot product in either split and the rows are summed in the same (group)
+// order, so the two give bit-identical results.
+inline bool split_by_expert(const Groups& g, int64_t threads) {
+  const int64_t G = static_cast<int64_t>(g.expert.size());
+  if (threads <= 1) return true;
+  if (G == 0 || G % threads != 0) return false;
+  const int64_t n = g.start[1] - g.start[0];
+  for (int64_t gi = 1; gi < G; ++gi)
+    if (g.start[gi + 1] - g.start[gi] != n) return false;
+  return true;
 }
 
 // Both passes for groups [g0, g1): act rows, then rows[p] = weight_p * w2[e] @ act[p].
@@ -365,13 +375,34 @@ KVS_NOINLINE void run_by_expert(const TX* xf, const TW* w13, const TW* w2, const
 // out[token] = sum of its pairs' weighted rows, in pair (= group) order. Both splits end here,
 // so they round alike: accumulating into out inside pass 2 would let the compiler fuse the
 // weight multiply and the add (-ffp-contract), rounding differently from a stored row.
-void sum_rows(const Groups& g, const float* rows, float* outf, int64_t H) {
+// Parallel over tokens: token t's pairs, in group order, are pairs_of[t * k .. t * k + k).
+std::vector<int64_t> token_pairs(const Groups& g, int64_t T, int64_t k) {
+  std::vector<int64_t> pairs_of(T * k), seen(T, 0);
   const int64_t P = g.start.back();
-  for (int64_t p = 0; p < P; ++p) {
-    float* o = outf + g.token[p] * H;
-    const float* r = rows + p * H;
-    for (int64_t h = 0; h < H; ++h) o[h] += r[h];
-  }
+  for (int64_t p = 0; p < P; ++p) pairs_of[g.token[p] * k + seen[g.token[p]]++] = p;
+  return pairs_of;
+}
+
+// Calls row_fn(t0, t1, pairs_of) over token ranges on torch's threads (about 32k elements a
+// task: a decode step's 64 tokens run on one thread).
+template <typename Fn>
+void over_tokens(const Groups& g, int64_t T, int64_t k, int64_t H, Fn&& row_fn) {
+  const std::vector<int64_t> pairs_of = token_pairs(g, T, k);
+  const int64_t grain = std::max<int64_t>(1, kMinElemsPerTask * 4 / std::max<int64_t>(1, H * k));
+  at::parallel_for(0, T, grain, [&](int64_t t0, int64_t t1) { row_fn(t0, t1, pairs_of); });
+}
+
+void sum_rows(const Groups& g, const float* rows, float* outf, int64_t T, int64_t k, int64_t H) {
+  over_tokens(g, T, k, H, [&](int64_t t0, int64_t t1, const std::vector<int64_t>& pairs_of) {
+    for (int64_t t = t0; t < t1; ++t) {
+      float* o = outf + t * H;
+      std::fill(o, o + H, 0.f);
+      for (int64_t c = 0; c < k; ++c) {
+        const float* r = rows + pairs_of[t * k + c] * H;
+        for (int64_t h = 0; h < H; ++h) o[h] += r[h];
+      }
+    }
+  });
 }
 
 #if defined(KVS_MOE_DPBF16)
@@ -445,14 +476,13 @@ at::Tensor fused_moe_panels(const at::Tensor& x, const at::Tensor& w13, const at
   if (T == 0 || H == 0) return at::empty({T, H}, x.options());
   at::Tensor act = at::empty({T * topk_ids.size(1), I}, x.options());
   at::Tensor rows = at::empty({T * topk_ids.size(1), H}, x.options().dtype(at::kFloat));
-  at::Tensor outf = at::zeros({T, H}, x.options().dtype(at::kFloat));
-  const bool by_expert = split_by_expert(static_cast<int64_t>(g.expert.size()),
-                                         at::in_parallel_region() ? 1 : at::get_num_threads());
+  at::Tensor out = at::empty({T, H}, x.options());
+  const bool by_expert = split_by_expert(g, at::in_parallel_region() ? 1 : at::get_num_threads());
   float* r = rows.data_ptr<float>();
   run_panels(by_expert, x.data_ptr<bf16>(), w13.data_ptr<bf16>(), w2.data_ptr<bf16>(), g,
              act.data_ptr<bf16>(), r, H, I);
-  sum_rows(g, r, outf.data_ptr<float>(), H);
-  return outf.to(at::kBFloat16);
+  sum_rows_bf16(g, r, out.data_ptr<bf16>(), T, topk_ids.size(1), H);
+  return out;
 #else
   TORCH_CHECK(false, "fused_moe: panel-packed experts need the avx512_bf16 build (dpbf16)");
 #endif
@@ -491,10 +521,8 @@ at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& w13, const at::Tenso
   at::Tensor act = at::empty({T * k, I}, x.options().dtype(dp ? at::kBFloat16 : at::kFloat));
   // Each pair's weighted row (zeros: pass 2 accumulates into it), then summed per token.
   at::Tensor rows = at::zeros({T * k, H}, x.options().dtype(at::kFloat));
-  at::Tensor outf = at::zeros({T, H}, x.options().dtype(at::kFloat));
-  const auto groups = static_cast<int64_t>(g.expert.size());
-  const bool by_expert =
-      split_by_expert(groups, at::in_parallel_region() ? 1 : at::get_num_threads());
+  at::Tensor outf = at::empty({T, H}, x.options().dtype(at::kFloat));
+  const bool by_expert = split_by_expert(g, at::in_parallel_region() ? 1 : at::get_num_threads());
   float* r = rows.data_ptr<float>();
 #if defined(KVS_MOE_DPBF16)
   if (dp) run_split<bf16, bf16>(by_expert, xf, w13, w2, g, act, r, H, I);
@@ -502,7 +530,7 @@ at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& w13, const at::Tenso
 #endif
   if (wt == at::kFloat) run_split<float, float>(by_expert, xf, w13, w2, g, act, r, H, I);
   else run_split<float, bf16>(by_expert, xf, w13, w2, g, act, r, H, I);
-  sum_rows(g, r, outf.data_ptr<float>(), H);
+  sum_rows(g, r, outf.data_ptr<float>(), T, k, H);
   return xt == at::kFloat ? outf : outf.to(xt);
 }
 

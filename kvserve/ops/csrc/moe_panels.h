@@ -128,6 +128,21 @@ KVS_INLINE void down_panel_group(const bf16* act, const bf16* w2e, const Groups&
   });
 }
 
+// sum_rows for bf16 out (H a multiple of 16): each token's sum in float32, in the same order
+// from the same zero, rounded once as torch's cast rounds (one pass, no float32 [T, H] copy).
+KVS_NOINLINE void sum_rows_bf16(const Groups& g, const float* rows, bf16* out, int64_t T,
+                                int64_t k, int64_t H) {
+  over_tokens(g, T, k, H, [&](int64_t t0, int64_t t1, const std::vector<int64_t>& pairs_of) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t h = 0; h < H; h += 16) {
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t c = 0; c < k; ++c)
+          acc = _mm512_add_ps(acc, _mm512_loadu_ps(rows + pairs_of[t * k + c] * H + h));
+        store_bf16x16(out + t * H + h, acc);
+      }
+  });
+}
+
 // Both passes over the panel-packed stacks, split by expert or by output panels (as run /
 // run_by_expert: the same dot products either way, bit-identical results).
 KVS_NOINLINE void run_panels(bool by_expert, const bf16* xf, const bf16* w13, const bf16* w2,
