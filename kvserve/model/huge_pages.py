@@ -27,12 +27,15 @@ import ctypes.util
 import functools
 import logging
 import mmap
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
 
+from kvserve.model.layers.fused_moe.packed import PackedExperts
 from kvserve.ops import cpu_isa
+from kvserve.ops.cpu_weight import PackedWeight
+from kvserve.ops.quant.weight import PackedQuantWeight
 
 logger = logging.getLogger(__name__)
 
@@ -129,9 +132,27 @@ def zeroed_kv_caches(shape: tuple[int, ...], dtype: torch.dtype, device: torch.d
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(count)]
 
 
+def _packed_blocks(model: nn.Module) -> list[Any]:
+    """The GGUF blocks the model keeps packed (ops/cpu_weight's packed variant): the
+    PackedQuantWeight parts of its linears and the PackedExperts stacks of its MoE layers, each
+    once (a tied head shares its embedding's). They are not Parameters (those are emptied), so
+    without this the whole of a packed model's weights would stay in 4 KiB pages."""
+    found: dict[int, Any] = {}
+    for module in model.modules():
+        for value in vars(module).values():
+            items = (value.parts if isinstance(value, PackedWeight)
+                     else value if isinstance(value, (list, tuple)) else [value])
+            for obj in items:
+                if (isinstance(obj, (PackedQuantWeight, PackedExperts))
+                        and obj.packed.device.type == "cpu" and obj.packed.is_contiguous()):
+                    found.setdefault(id(obj), obj)
+    return list(found.values())
+
+
 def move_weights_to_huge_pages(model: nn.Module) -> int:
-    """Move the model's CPU parameters into one MADV_HUGEPAGE arena (see the module
-    docstring); returns the bytes moved (0: not done, and why is logged at debug level)."""
+    """Move the model's CPU parameters and packed GGUF blocks into one MADV_HUGEPAGE arena
+    (see the module docstring); returns the bytes moved (0: not done, and why is logged at
+    debug level)."""
     if not _enabled():
         logger.debug("Weights stay in the pages they were loaded in (cpu_huge_pages=%s, THP %s).",
                      cpu_isa.huge_pages_mode(), thp_mode())
@@ -142,20 +163,30 @@ def move_weights_to_huge_pages(model: nn.Module) -> int:
                 and p.data.is_contiguous()):
             seen.add(id(p))      # a tied weight is one Parameter in two modules
             params.append(p)
-    total = sum(_align(p.numel() * p.element_size(), _ALIGN) for p in params)
+    blocks = _packed_blocks(model)
+    total = sum(_align(t.numel() * t.element_size(), _ALIGN)
+                for t in [p.data for p in params] + [b.packed for b in blocks])
     if total < HUGE_PAGE:
         return 0
     advised = _advised_arena(total)
     if advised is None:
         return 0
     arena, offset = advised
-    for p in params:
-        nbytes = p.numel() * p.element_size()
-        dst = arena[offset:offset + nbytes].view(p.dtype).view(p.shape)
-        dst.copy_(p.data)
-        p.data = dst     # the old storage is freed here: the peak stays one tensor over
+
+    def moved(t: torch.Tensor) -> torch.Tensor:
+        nonlocal offset
+        nbytes = t.numel() * t.element_size()
+        dst = arena[offset:offset + nbytes].view(t.dtype).view(t.shape)
+        dst.copy_(t)
         offset += _align(nbytes, _ALIGN)
-    logger.info("Model weights (%.0f MiB) moved into transparent huge pages (THP %s; "
+        return dst
+
+    # Each old storage is freed as its copy replaces it: the peak stays one tensor over.
+    for p in params:
+        p.data = moved(p.data)
+    for b in blocks:
+        b.packed = moved(b.packed)
+    logger.info("Model weights (%.0f MiB%s) moved into transparent huge pages (THP %s; "
                 "--cpu-huge-pages off leaves them in the pages they were loaded in).",
-                total / 2**20, thp_mode())
+                total / 2**20, ", packed GGUF blocks included" if blocks else "", thp_mode())
     return total

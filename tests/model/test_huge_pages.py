@@ -1,5 +1,5 @@
 """A CPU model's weights moved into one MADV_HUGEPAGE arena at load (model/huge_pages.py):
-every parameter lands in the advised mapping (the kernel's VmFlags say "hg"), a tied weight
+every parameter (and a GGUF file's packed blocks) lands in the advised mapping (the kernel's VmFlags say "hg"), a tied weight
 stays one tensor, and the model computes exactly what it computed before the move."""
 from __future__ import annotations
 
@@ -54,6 +54,53 @@ def test_weights_move_into_an_advised_arena(tied: bool, make_checkpoint: Callabl
     assert len({p.untyped_storage().data_ptr() for p in plain.parameters()}) > 1
     if tied:
         assert moved.lm_head.weight is moved.model.embed_tokens.weight
+
+    pool = shuffled_blocks(2)
+    a, b = (Seq(random_tokens(30, 60 + i, cfg.vocab_size), blocks_for(30, pool))
+            for i in range(2))
+    caches_m, caches_p = kv_caches(cfg, torch.float32), kv_caches(cfg, torch.float32)
+    for decodes, prefills in [([], [(a, 0, 12)]), ([(a, 12)], [(b, 0, 5)]), ([(b, 5)], [])]:
+        out_m = run_step(moved, caches_m, decodes=decodes, prefills=prefills)
+        out_p = run_step(plain, caches_p, decodes=decodes, prefills=prefills)
+        assert torch.equal(out_m, out_p)
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_packed_gguf_blocks_move_into_the_arena(tied: bool, make_checkpoint: Callable[..., str],
+                                               tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GGUF file's blocks kept packed are the model's weights (their Parameters are emptied):
+    they move into the arena with the norms, each packed object once (a tied head shares its
+    embedding's), and the model computes what it computed in the pages it was loaded in."""
+    from kvserve.attention.backends.cpu import CpuAttentionBackend
+    from kvserve.model.layers.attention import bind_attention_backend
+    from tests.model.gguf_files import write_gguf
+    from tests.model.test_gguf_packed import _load_with_config
+
+    def load_packed() -> tuple[torch.nn.Module, object]:
+        model, cfg = _load_with_config(path)
+        bind_attention_backend(model, CpuAttentionBackend(torch.device("cpu")))
+        return model, cfg
+
+    # ~2.7 MiB of Q8_0 blocks: the arena spans a whole huge page.
+    ckpt = make_checkpoint("llama", tie_word_embeddings=tied, hidden_size=256, vocab_size=8192)
+    path = write_gguf(ckpt, str(tmp_path / "q8.gguf"), "Q8_0")
+    monkeypatch.setenv(HUGE_PAGES_ENV, "off")
+    plain, cfg = load_packed()
+    monkeypatch.setenv(HUGE_PAGES_ENV, "on")
+    moved, _ = load_packed()
+
+    blocks = huge_pages._packed_blocks(moved)
+    embed = moved.model.embed_tokens.linear_weight
+    assert len(blocks) == 4 * cfg.num_layers + 1 + (not tied), len(blocks)  # qkv o gate_up down
+    assert (moved.lm_head.linear_weight is embed) == tied
+    tensors = [b.packed for b in blocks] + [p for p in moved.parameters() if p.numel() > 0]
+    assert len({t.untyped_storage().data_ptr() for t in tensors}) == 1
+    assert all(t.data_ptr() % 64 == 0 for t in tensors)
+    first = min(t.data_ptr() for t in tensors)
+    assert "hg" in vm_flags((first + huge_pages.HUGE_PAGE - 1) // huge_pages.HUGE_PAGE
+                            * huge_pages.HUGE_PAGE)
+    assert len({b.packed.untyped_storage().data_ptr()
+                for b in huge_pages._packed_blocks(plain)}) == len(blocks)
 
     pool = shuffled_blocks(2)
     a, b = (Seq(random_tokens(30, 60 + i, cfg.vocab_size), blocks_for(30, pool))
