@@ -27,6 +27,7 @@ from kvserve.ops import cpu_isa, linear
 from kvserve.ops.cpu_weight import (CpuLinearWeight, WeightPlan, choose_weight_plan, keep_packed,
                                    make_packed_weight, make_weight)
 from kvserve.ops.quant import kernel as quant_kernel
+from kvserve.utils.memory import release_freed_heap
 
 logger = logging.getLogger(__name__)
 
@@ -133,6 +134,9 @@ def build_and_load(build: Callable[[], nn.Module], weights: Iterable[tuple[str, 
             process()
     if device.type == "cpu":
         move_weights_to_huge_pages(model)
+        # The load's temporaries and the storages the move replaced, where they were heap
+        # blocks (an in-process engine keeps glibc's dynamic malloc thresholds).
+        release_freed_heap()
     # Counted now, before the KV cache or step buffers exist (benchmarks read it back).
     model.weight_bytes = weight_memory_bytes(model)
     logger.info("Model weights take %.1f MiB in memory.", model.weight_bytes / 2**20)

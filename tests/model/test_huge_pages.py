@@ -112,6 +112,47 @@ def test_packed_gguf_blocks_move_into_the_arena(tied: bool, make_checkpoint: Cal
         assert torch.equal(out_m, out_p)
 
 
+# A fresh interpreter (glibc's own malloc thresholds, as an in-process engine has them) loads
+# a packed GGUF file and prints its resident-memory growth over the weights' bytes.
+_LOAD_RSS = """
+import sys, torch
+from kvserve.config import ModelConfig
+from kvserve.model.gguf import read_gguf_config
+from kvserve.model.loader import load_model
+
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+path = sys.argv[1]
+cfg = ModelConfig.from_path(path, tokenizer=None, served_model_name=None, dtype="float32",
+                            max_model_len=None, seed=0, max_logprobs=20, device="cpu",
+                            gguf_config=read_gguf_config(path), quantization="gguf")
+start = rss()
+model = load_model(cfg, torch.device("cpu"))
+print((rss() - start) / model.weight_bytes)
+"""
+
+
+@pytest.mark.parametrize("mode", ["on", "off"])
+def test_loading_keeps_one_copy_of_the_weights_resident(mode: str, smollm2_gguf: str) -> None:
+    """The real demo file's packed blocks, loaded in a fresh process: what the load freed (its
+    temporaries, the storages the move into huge pages replaced) does not stay resident in the
+    heap. Without loader's release_freed_heap: 2.07x the weights with huge pages, 1.52x
+    without (Zen 4); with it 1.17x (the kernels' libraries, the tokenizer's tables)."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    repo = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ, **{HUGE_PAGES_ENV: mode})
+    out = subprocess.run([sys.executable, "-c", _LOAD_RSS, smollm2_gguf], cwd=repo, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    growth = float(out.stdout.split()[-1])
+    assert growth < 1.35, f"RSS grew {growth:.2f}x the weights' bytes"
+
+
 def test_auto_follows_the_host_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     layer = torch.nn.Linear(1024, 1024, bias=False)     # 4 MiB: above one huge page
     monkeypatch.setenv(HUGE_PAGES_ENV, "auto")
