@@ -11,7 +11,10 @@ model's size. With THP "always" torch's large allocations get huge pages already
 nothing can, so "auto" moves only under "madvise".
 
 Measured (AMD EPYC Zen 4, 2 threads, the 110M Llama's 49 linears at 1 x row, alternating):
-float32 14.35 -> 14.08 ms, tiled bf16 5.56 -> 5.09 ms (benchmarks/README.md, issue 16).
+float32 14.35 -> 14.08 ms, tiled bf16 5.56 -> 5.09 ms (benchmarks/README.md, issue 16). A GGUF
+file's packed blocks are not Parameters (_packed_blocks finds them); moved with the rest, the
+0.85B Q4_K_M file's batch-1 decode went 43-48 -> 54-65 tok/s (Zen 4, with quant_linear's 4 KB
+prefetch; benchmarks/HISTORY.md 2026-11-28).
 
 The KV cache (zeroed_kv_caches) is allocated the same way: a decode step reads each
 sequence's blocks, scattered through the cache, and with 4 KiB pages every 8 KiB block is two
