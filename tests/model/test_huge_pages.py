@@ -32,6 +32,18 @@ def vm_flags(address: int) -> list[str]:
     raise AssertionError(f"no mapping holds {address:#x}")
 
 
+def assert_same_steps(moved: torch.nn.Module, plain: torch.nn.Module, cfg) -> None:
+    """A prefill, a mixed step and a decode give the same logits on both loads."""
+    pool = shuffled_blocks(2)
+    a, b = (Seq(random_tokens(30, 60 + i, cfg.vocab_size), blocks_for(30, pool))
+            for i in range(2))
+    caches_m, caches_p = kv_caches(cfg, torch.float32), kv_caches(cfg, torch.float32)
+    for decodes, prefills in [([], [(a, 0, 12)]), ([(a, 12)], [(b, 0, 5)]), ([(b, 5)], [])]:
+        out_m = run_step(moved, caches_m, decodes=decodes, prefills=prefills)
+        out_p = run_step(plain, caches_p, decodes=decodes, prefills=prefills)
+        assert torch.equal(out_m, out_p)
+
+
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_weights_move_into_an_advised_arena(tied: bool, make_checkpoint: Callable[..., str],
                                             monkeypatch: pytest.MonkeyPatch) -> None:
@@ -55,14 +67,7 @@ def test_weights_move_into_an_advised_arena(tied: bool, make_checkpoint: Callabl
     if tied:
         assert moved.lm_head.weight is moved.model.embed_tokens.weight
 
-    pool = shuffled_blocks(2)
-    a, b = (Seq(random_tokens(30, 60 + i, cfg.vocab_size), blocks_for(30, pool))
-            for i in range(2))
-    caches_m, caches_p = kv_caches(cfg, torch.float32), kv_caches(cfg, torch.float32)
-    for decodes, prefills in [([], [(a, 0, 12)]), ([(a, 12)], [(b, 0, 5)]), ([(b, 5)], [])]:
-        out_m = run_step(moved, caches_m, decodes=decodes, prefills=prefills)
-        out_p = run_step(plain, caches_p, decodes=decodes, prefills=prefills)
-        assert torch.equal(out_m, out_p)
+    assert_same_steps(moved, plain, cfg)
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
@@ -102,14 +107,7 @@ def test_packed_gguf_blocks_move_into_the_arena(tied: bool, make_checkpoint: Cal
     assert len({b.packed.untyped_storage().data_ptr()
                 for b in huge_pages._packed_blocks(plain)}) == len(blocks)
 
-    pool = shuffled_blocks(2)
-    a, b = (Seq(random_tokens(30, 60 + i, cfg.vocab_size), blocks_for(30, pool))
-            for i in range(2))
-    caches_m, caches_p = kv_caches(cfg, torch.float32), kv_caches(cfg, torch.float32)
-    for decodes, prefills in [([], [(a, 0, 12)]), ([(a, 12)], [(b, 0, 5)]), ([(b, 5)], [])]:
-        out_m = run_step(moved, caches_m, decodes=decodes, prefills=prefills)
-        out_p = run_step(plain, caches_p, decodes=decodes, prefills=prefills)
-        assert torch.equal(out_m, out_p)
+    assert_same_steps(moved, plain, cfg)
 
 
 # A fresh interpreter (glibc's own malloc thresholds, as an in-process engine has them) loads
