@@ -146,14 +146,12 @@ def serving_thresholds(process_name: str) -> None:
                     SERVING_THRESHOLD_BYTES >> 20)
 
 
-def release_freed_heap() -> bool:
-    """Give the heap's free pages back to the system (glibc malloc_trim(0)); False where there
-    is no glibc. Where malloc's thresholds are glibc's dynamic ones (an in-process engine:
+def release_freed_heap() -> None:
+    """Give the heap's free pages back to the system (glibc malloc_trim(0); nothing without
+    glibc). Where malloc's thresholds are glibc's dynamic ones (an in-process engine:
     configure_process_memory did not run), what a load freed (temporaries, the storages
     huge_pages replaced) were heap blocks whose pages stay resident: a 0.85B Q4_K_M model in
     process took 1359 MB of RSS after the move into huge pages, 799 MB once trimmed."""
     libc = _libc()
-    if libc is None or not hasattr(libc, "malloc_trim"):
-        return False
-    libc.malloc_trim(ctypes.c_size_t(0))
-    return True
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(ctypes.c_size_t(0))

@@ -1,6 +1,7 @@
 """A CPU model's weights moved into one MADV_HUGEPAGE arena at load (model/huge_pages.py):
-every parameter (and a GGUF file's packed blocks) lands in the advised mapping (the kernel's VmFlags say "hg"), a tied weight
-stays one tensor, and the model computes exactly what it computed before the move."""
+every parameter (and a GGUF file's packed blocks) lands in the advised mapping (the kernel's
+VmFlags say "hg"), a tied weight stays one tensor, and the model computes exactly what it
+computed before the move."""
 from __future__ import annotations
 
 import sys
@@ -114,18 +115,14 @@ def test_packed_gguf_blocks_move_into_the_arena(tied: bool, make_checkpoint: Cal
 # a packed GGUF file and prints its resident-memory growth over the weights' bytes.
 _LOAD_RSS = """
 import sys, torch
-from kvserve.config import ModelConfig
-from kvserve.model.gguf import read_gguf_config
 from kvserve.model.loader import load_model
+from tests.model.test_gguf_packed import _config
 
 def rss():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * 4096
 
-path = sys.argv[1]
-cfg = ModelConfig.from_path(path, tokenizer=None, served_model_name=None, dtype="float32",
-                            max_model_len=None, seed=0, max_logprobs=20, device="cpu",
-                            gguf_config=read_gguf_config(path), quantization="gguf")
+cfg = _config(sys.argv[1])
 start = rss()
 model = load_model(cfg, torch.device("cpu"))
 print((rss() - start) / model.weight_bytes)
@@ -136,8 +133,8 @@ print((rss() - start) / model.weight_bytes)
 def test_loading_keeps_one_copy_of_the_weights_resident(mode: str, smollm2_gguf: str) -> None:
     """The real demo file's packed blocks, loaded in a fresh process: what the load freed (its
     temporaries, the storages the move into huge pages replaced) does not stay resident in the
-    heap. Without loader's release_freed_heap: 2.07x the weights with huge pages, 1.52x
-    without (Zen 4); with it 1.17x (the kernels' libraries, the tokenizer's tables)."""
+    heap. Without loader's release_freed_heap: 2.23x the weights with huge pages, 1.47x
+    without (Zen 4); with it 1.12x / 1.14x (the tokenizer's tables, the loader's buffers)."""
     import os
     import subprocess
     from pathlib import Path
