@@ -278,6 +278,16 @@ def test_demo_greedy_chats_answer_right_with_packed_weights() -> None:
     assert abs(first["The"] - (-1.8827)) < 0.01 and abs(first["L"] - (-1.9648)) < 0.01, first
 
 
+def test_demo_greedy_chats_answer_right_with_bf16_activations() -> None:
+    """The same chats with bf16 activations (dtype auto on a CPU with bf16 math): the same
+    answers. Guards ops/quant/weight.py's PROMPT_GEMM_TYPES: int8 prompt activations on the
+    demo's Q4_1 turn the first one to "L'Étoile" (-1.94 nats against "The" -1.96)."""
+    with LLM("demo", **{**ENGINE, "dtype": "bfloat16"}) as llm:
+        outs = llm.chat([[{"role": "user", "content": q}] for q, _ in DEMO_CHATS],
+                        SamplingParams(max_tokens=16, temperature=0), use_tqdm=False)
+    assert [o.outputs[0].text.strip() for o in outs] == [a for _, a in DEMO_CHATS]
+
+
 DECODE_BATCH_QUESTIONS = ["What is the capital of France?", "Name a primary colour.",
                           "What is 2 + 3?", "Who wrote Hamlet?", "What is the largest ocean?",
                           "Say hello in Spanish.", "What colour is the sky?", "Name a fruit.",

@@ -40,7 +40,7 @@ GGUF_QUANTIZERS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
 # (N, K): N odd and below / between multiples of the 4-row interleave; K block multiples only.
 SHAPES_32 = [(1, 32), (5, 64), (37, 576), (64, 1536)]
 SHAPES_256 = [(1, 256), (7, 512), (37, 1536)]
-ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 13]
+ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 13, 33]   # 33: the op's GEMM on the VNNI build
 
 
 def _f16_bytes(a: np.ndarray) -> np.ndarray:
@@ -329,9 +329,11 @@ def test_precise_logits_of_bf16_x_stay_float32(monkeypatch: pytest.MonkeyPatch) 
 
 @pytest.mark.parametrize("name", ["Q4_0", "Q8_0", "Q4_K", "Q6_K"])
 def test_large_batches_of_bf16_x_run_bf16_gemms(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """bfloat16 x above INT8_MAX_ROWS (a prompt of a bf16 model): the weight's chunks rounded to
+    """bfloat16 x above INT8_MAX_ROWS (a prompt of a bf16 model) where no int8 GEMM takes it
+    (INT8_GEMM off here; Q6_K and the legacy types always): the weight's chunks rounded to
     bf16 for bf16 GEMMs, the result bf16. Against float64 on the same rounded inputs: within the
     bf16 output's rounding (2^-8 of |y|) plus 1e-5 of |x||W|; padding poisoned."""
+    monkeypatch.setattr(qweight, "INT8_GEMM", False)
     shape, raw, w = chunked_weight(name, monkeypatch)
     xb = torch.from_numpy(activations(33, shape[1], seed=5)).bfloat16()
     wb = torch.from_numpy(dequantize_gguf(raw, FORMATS[name], shape)).bfloat16()
@@ -341,6 +343,90 @@ def test_large_batches_of_bf16_x_run_bf16_gemms(name: str, monkeypatch: pytest.M
     assert y.dtype == torch.bfloat16 and y.shape == (33, shape[0])
     err = np.abs(y.double().numpy() - ref) - 2.0 ** -8 * np.abs(ref) - TOL * bound
     assert (err <= 0).all(), np.abs(y.double().numpy() - ref).max()
+
+
+# N odd, a group short of a 16-row panel, and past a 32-row work item.
+GEMM_SHAPES = {32: [(1, 32), (37, 576), (70, 1536)], 256: [(1, 256), (37, 512), (70, 1536)]}
+GEMM_ROWS = [1, 2, 3, 4, 5, 7, 9, 33]       # the 4-row microkernel and every remainder
+
+
+def gemm_cases() -> list:
+    return [pytest.param(name, shape, id=f"{name}-{shape[0]}x{shape[1]}") for name in PACKED_TYPES
+            for shape in GEMM_SHAPES[FORMATS[name].block_size]]
+
+
+def needs_gemm(ops, name: str) -> None:
+    if not ops.gemm_supports(FORMATS[name].ggml_type):
+        pytest.skip(f"no int8 GEMM for {name} in this build ({kernel.isa()})")
+
+
+@needs_kernel
+def test_int8_gemm_only_where_the_build_has_it(ops) -> None:
+    """The avx512_bf16 tier's VNNI build has the GEMM for every packed type; other builds have
+    none (matmul keeps the float path there) and the op says so."""
+    vnni = kernel.isa().startswith("avx512 vnni")
+    assert [ops.gemm_supports(FORMATS[t].ggml_type) for t in PACKED_TYPES] == \
+        [vnni] * len(PACKED_TYPES)
+    if not vnni:
+        w = PackedQuantWeight.from_gguf("Q4_K", make_raw("Q4_K", 8, 256), (8, 256))
+        with pytest.raises(RuntimeError, match="no int8 GEMM in this build"):
+            ops.gemm(torch.zeros(2, 256), w.packed, w.fmt.ggml_type, 8)
+
+
+@needs_kernel
+@pytest.mark.parametrize("name,shape", gemm_cases())
+def test_int8_gemm_matches_float64_reference(ops, name: str, shape: tuple[int, int]) -> None:
+    """The prompt GEMM (csrc/quant_gemm.h) on float32 x against the float64 reference on the same
+    int8 blocks (the kernels' tolerance), and on bfloat16 x (y bf16) against it on x's bf16
+    values within y's rounding, 2^-8 of |y|, too; x a slice of a NaN-filled buffer, the padding
+    rows' scales NaN."""
+    needs_gemm(ops, name)
+    n, k = shape
+    raw = make_raw(name, n, k)
+    w = PackedQuantWeight.from_gguf(name, raw, shape)
+    poison_padding(w)
+    fmt = FORMATS[name]
+    for m in GEMM_ROWS:
+        buf = torch.full((m + 3, k), float("nan"))
+        buf[:m] = torch.from_numpy(activations(m, k, seed=m))
+        x = buf[:m]
+        ref, bound = reference_matmul(x.numpy(), raw, fmt, shape)
+        check_close(ops.gemm(x, w.packed, fmt.ggml_type, n), ref, bound, f"gemm M={m}")
+        xb = x.bfloat16()
+        yb = ops.gemm(xb, w.packed, fmt.ggml_type, n)
+        assert yb.dtype == torch.bfloat16
+        ref, bound = reference_matmul(xb.float().numpy(), raw, fmt, shape)
+        err = np.abs(yb.double().numpy() - ref) - 2.0 ** -8 * np.abs(ref) - TOL * bound
+        assert (err <= 0).all(), f"bf16 M={m}: {np.abs(yb.double().numpy() - ref).max()}"
+
+
+@needs_kernel
+def test_prompts_and_decode_batches_take_the_int8_gemm(ops,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the GEMM runs (INT8_MAX_ROWS lowered to 8): bf16 prompt rows on a K-quant take it
+    (same bits as ops.gemm), on a legacy type the bf16 chunks; float32 prompt rows the float
+    path (x unquantized), the LM head (precise) float32 GEMMs; in a decode-only step the int8
+    op hands 16+ rows to the GEMM (same bits) and the LM head keeps its residual rows."""
+    needs_gemm(ops, "Q4_K")
+    shape, raw, w = chunked_weight("Q4_K", monkeypatch)
+    n, qt = shape[0], w.fmt.ggml_type
+    x = activations(20, shape[1], seed=3)
+    xb, xf = torch.from_numpy(x).bfloat16(), torch.from_numpy(x)
+    assert torch.equal(w.matmul(xb), ops.gemm(xb, w.packed, qt, n))
+    check_close(w.matmul(xf), *float_reference(x, raw, "Q4_K", shape), "f32 x")
+    check_close(w.matmul(xb, precise=True),
+                *float_reference(xb.float().numpy(), raw, "Q4_K", shape), "precise")
+    legacy = PackedQuantWeight.from_gguf("Q4_1", make_raw("Q4_1", *shape), shape)
+    assert torch.equal(legacy.matmul(xb), legacy.dequantized_matmul(xb))
+    with qweight.decode_step(True):
+        assert torch.equal(w.matmul(xf), ops.gemm(xf, w.packed, qt, n))
+        assert torch.equal(w.matmul(xb[:16]), ops.gemm(xb[:16], w.packed, qt, n))
+        assert torch.equal(legacy.matmul(xf), ops.gemm(xf, legacy.packed, legacy.fmt.ggml_type, n))
+        precise = w.matmul(xf, precise=True)
+    ref, bound = float_reference(x, raw, "Q4_K", shape)    # the residual row's 5e-5, as above
+    check_close(precise, ref, bound / TOL * 5e-5, "precise, decode")
+    with pytest.raises(RuntimeError, match="unsupported GGML type"):
+        ops.gemm(xb, w.packed, 99, shape[0])
 
 
 @pytest.mark.parametrize("m", [1, 8, 12])

@@ -31,7 +31,9 @@
 // loops. quant_dequantize gives float32 rows (bit-identical to
 // gguf's dequantizer) for the float path (a float32 GEMM on dequantized chunks): on AVX2 a
 // group-block at a time from the packed layout (0.2-0.4 ns a weight, 1 thread, Zen 3; the
-// portable row decoder, quant_dequantize_generic, takes 1.7-5.5 ns).
+// portable row decoder, quant_dequantize_generic, takes 1.7-5.5 ns). quant_gemm (quant_gemm.h,
+// the VNNI build, Q4_K / Q5_K): the same int8 x blocks against weight panels unpacked once per
+// call, for prompts and decode batches of 16+ rows.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -963,6 +965,8 @@ void dequant_group_avx2(int64_t qt, const uint8_t* gb, const RowDst& dst) {
 }
 #endif  // KVS_AVX2
 
+#include "quant_gemm.h"
+
 // ------------------------------------------------------------------ entries
 
 void check_packed(const at::Tensor& packed, const Format& f, int64_t N, int64_t K) {
@@ -999,6 +1003,43 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_x_op(const a
   return {q, d, s, sd};
 }
 
+// x of kGemmMinRows rows or more, and bf16 prompts on the K-quants (ops/quant/weight.py):
+// int8 activations into quant_gemm.h's panels.
+at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t N) {
+  const Format f = format_of(qtype);
+  TORCH_CHECK(gemm_supports(qtype), "quant_gemm: no int8 GEMM in this build (the avx512_bf16 "
+              "tier has it)");
+  const bool bf = x.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(x.device().is_cpu() && (x.scalar_type() == at::kFloat || bf) && x.dim() == 2 &&
+                  x.is_contiguous(),
+              "quant_gemm: x must be a contiguous float32 or bfloat16 [M, K]");
+  const int64_t M = x.size(0), K = x.size(1);
+  check_packed(packed, f, N, K);
+  at::Tensor y = at::empty({M, N}, x.options());
+#if defined(QL_GEMM)
+  if (M == 0 || N == 0) return y;
+  const at::Tensor xf = bf ? x.to(at::kFloat) : x;
+  const int64_t nd = K / 32, ns = K / f.sum_group;
+  std::vector<int8_t> q(static_cast<size_t>(M * K));
+  std::vector<float> d(static_cast<size_t>(M * nd)), sd(static_cast<size_t>(M * nd));
+  std::vector<int32_t> s(static_cast<size_t>(M * ns));
+  const float* xp = xf.data_ptr<float>();
+  chunks_for(0, M, 8, [&](int64_t r0, int64_t r1) {
+    quantize_x(xp + r0 * K, r1 - r0, K, f, x_kind(qtype), q.data() + r0 * K, d.data() + r0 * nd,
+               s.data() + r0 * ns, sd.data() + r0 * nd);
+  });
+  const XQ xq{q.data(), d.data(), s.data(), sd.data(), K, nd, ns};
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  float* yf = bf ? nullptr : y.data_ptr<float>();
+  c10::BFloat16* yb = bf ? y.data_ptr<c10::BFloat16>() : nullptr;
+  const int64_t G = packed.size(0), nb = K / f.block;
+  chunks_for(0, (N + kGemmRows - 1) / kGemmRows, 1, [&](int64_t i0, int64_t i1) {
+    run_gemm(qtype, w, xq, yf, yb, M, N, G, nb, i0, i1);
+  });
+#endif
+  return y;
+}
+
 // y = x @ W^T: the tier's vector path, or the portable one (`portable`: tests compare the two
 // in one process).
 at::Tensor linear_impl(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t N,
@@ -1010,6 +1051,9 @@ at::Tensor linear_impl(const at::Tensor& x, const at::Tensor& packed, int64_t qt
               "quant_linear: x must be a contiguous float32 or bfloat16 [M, K]");
   const int64_t M = x.size(0), K = x.size(1);
   check_packed(packed, f, N, K);
+#if defined(QL_GEMM)
+  if (!portable && M >= kGemmMinRows) return quant_gemm(x, packed, qtype, N);
+#endif
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
   // bfloat16 x (a bf16 model's decode step): widened here and y rounded once at the end, the
@@ -1159,6 +1203,8 @@ TORCH_LIBRARY_FRAGMENT(kvserve, m) {
   m.def("quant_dequantize(Tensor packed, int qtype, int n, int row0, int row1) -> Tensor");
   m.def("quant_dequantize_generic(Tensor packed, int qtype, int n, int row0, int row1) -> Tensor");
   m.def("quant_dequantize_ids(Tensor packed, int qtype, int n, Tensor ids) -> Tensor");
+  m.def("quant_gemm(Tensor x, Tensor packed, int qtype, int n) -> Tensor");
+  m.def("quant_gemm_supports(int qtype) -> bool", &gemm_supports);
   m.def("quant_linear_isa() -> str", &isa);
 }
 
@@ -1169,4 +1215,5 @@ TORCH_LIBRARY_IMPL(kvserve, CPU, m) {
   m.impl("quant_dequantize", &quant_dequantize);
   m.impl("quant_dequantize_generic", &quant_dequantize_generic);
   m.impl("quant_dequantize_ids", &quant_dequantize_ids);
+  m.impl("quant_gemm", &quant_gemm);
 }

@@ -1,14 +1,17 @@
 """The compiled packed-weight kernels (csrc/quant_linear.cpp), built like every CPU kernel.
 
-`ops()` gives the four ops (or None: no compiler, not x86-64, KVSERVE_DISABLE_CPU_KERNELS=1, a
+`ops()` gives the ops (or None: no compiler, not x86-64, KVSERVE_DISABLE_CPU_KERNELS=1, a
 failed build), looked up once per process:
 
-    linear(x [M, K] f32, packed, qtype, n) -> [M, N] f32          int8 dot products (tier's path)
+    linear(x [M, K] f32, packed, qtype, n) -> [M, N] f32          int8 dot products (tier's path;
+                                                                  16+ rows: gemm where built)
     linear_generic(...)                                           the portable path, any build
     quantize_x(x, qtype) -> (q int8 [M, K], d f32, sums int32, sd f32)   llama.cpp's Q8_0/1/K blocks
     dequantize(packed, qtype, n, row0, row1) -> f32 [rows, K]     gguf-exact float32 rows
     dequantize_generic(...)                                       the same, the portable path
     dequantize_ids(packed, qtype, n, ids [R] int64) -> f32 [R, K]   rows `ids` (embeddings)
+    gemm(x [M, K] bf16/f32, packed, qtype, n) -> [M, N] x's dtype  int8 GEMM (the VNNI build)
+    gemm_supports(qtype) -> bool                                  whether this build has gemm for it
 """
 from __future__ import annotations
 
@@ -31,7 +34,8 @@ def _load() -> Optional[SimpleNamespace]:
     return SimpleNamespace(linear=k.quant_linear, linear_generic=k.quant_linear_generic,
                            quantize_x=k.quant_quantize_x, dequantize=k.quant_dequantize,
                            dequantize_generic=k.quant_dequantize_generic,
-                           dequantize_ids=k.quant_dequantize_ids)
+                           dequantize_ids=k.quant_dequantize_ids, gemm=k.quant_gemm,
+                           gemm_supports=k.quant_gemm_supports)
 
 
 @functools.lru_cache(maxsize=1)

@@ -11,10 +11,13 @@ bytes a weight instead of float32's 4). Larger batches (prefill) take the weight
 CHUNK_ELEMS floats at a time into a float32 temporary for oneDNN's GEMM (dequantized_matmul),
 x unquantized, so a prompt's hidden states are those of the dequantized float32 model; with
 bfloat16 x (a bf16 model: dtype "auto" for a packed file on a CPU with bf16 math,
-config.resolve_dtype) the chunks are rounded to bf16 for bf16 GEMMs, twice float32's rate. Why,
-measured: the int8 activations of the prompt's layers moved the demo's first answer token by
-0.2 nats on a near-tie ("L'Etoile" for "The capital of France is Paris."), and the logits by
-0.05 more (hence `precise` for the LM head). The price is small since the GEMMs run on
+config.resolve_dtype) the chunks are rounded to bf16 for bf16 GEMMs, twice float32's rate --
+except on the K-quants where the build has the int8 GEMM (INT8_GEMM: the avx512_bf16 tier),
+which takes bf16 prompts with x in int8 blocks as llama.cpp does (0.85B Q4_K_M prompt of 512:
+245 -> 355 tok/s, Zen 4). Why unquantized x otherwise, measured: the int8 activations of the
+prompt's layers moved the demo's first answer token by 0.2 nats on a near-tie ("L'Etoile" for
+"The capital of France is Paris."), and the logits by 0.05 more (hence `precise` for the LM
+head). The price is small since the GEMMs run on
 oneDNN (ops.linear.mm_t): benchmarks/quant_kernels.py --large-rows 256 512, 1 thread, SmolLM2's
 Q8_0 / Q4_K shapes, Zen 5: the float path takes 0.69-0.84x the int8 kernel's time on the
 avx2 tier and 1.05-1.28x on VNNI (on MKL's sgemm it was 1.4-2.3x on a Zen 3). The float path also serves
@@ -70,6 +73,18 @@ def int8_max_rows() -> Optional[int]:
         return INT8_MAX_ROWS
     return max(INT8_MAX_ROWS, INT8_DECODE_MAX_ROWS)
 
+
+# bf16 prompts (more than INT8_MAX_ROWS rows) on the K-quants take the kernel's int8 GEMM where
+# the build has one (the avx512_bf16 tier: csrc/quant_gemm.h), not bf16 GEMMs on dequantized
+# chunks: x in the same int8 blocks as decode (as llama.cpp's prompts). The 0.85B Llama's
+# shapes at 512 rows, weights from memory, 2 threads, Zen 4 (benchmarks/quant_kernels.py
+# --gemm-rows): 1.3-1.6x the bf16 chunks' speed (Q4_K 585-613 GOP/s, Q6_K 501-517). Why not
+# the legacy types' prompts, which it runs as fast: the demo (Q4_1, bf16) then answers
+# "L'Étoile" to "What is the capital of France?" (-1.94 nats against "The" -1.96; the bf16
+# chunks: "The" -1.74, "Paris"), and their prompts already beat llama.cpp's 1.9-4.5x. Decode
+# steps of 16+ rows take the GEMM inside the int8 op (kGemmMinRows), every type.
+INT8_GEMM = True
+PROMPT_GEMM_TYPES = frozenset({"Q4_K", "Q5_K", "Q6_K"})
 
 # Floats per dequantized chunk of the weight (4 MiB): bounds the large-batch temporary.
 CHUNK_ELEMS = 1 << 20
@@ -142,8 +157,11 @@ class PackedQuantWeight:
         xs = x2 if keep_bf16 or x2.dtype == torch.float32 else x2.float()
         ops = kernel.ops() if x.device.type == "cpu" else None
         rows, limit = x2.shape[0], int8_max_rows()
-        if ops is not None and 0 < rows and (limit is None or rows <= limit):
-            xk = xs if bias is None else xs.float()     # a bias is added to float32 y
+        int8 = ops is not None and 0 < rows and (limit is None or rows <= limit)
+        xk = xs if bias is None else xs.float()         # a bias is added to float32 y
+        if not int8 and keep_bf16 and self._prompt_gemm(ops):
+            y = ops.gemm(xk.contiguous(), self.packed, self.fmt.ggml_type, n)
+        elif int8:
             y = (self._precise_linear(ops, xs.contiguous()) if precise
                  else ops.linear(xk.contiguous(), self.packed, self.fmt.ggml_type, n))
         else:
@@ -151,6 +169,11 @@ class PackedQuantWeight:
         if bias is not None:
             y = y + bias.float()
         return (y.float() if precise else y.to(x.dtype)).reshape(*lead, n)
+
+    def _prompt_gemm(self, ops) -> bool:
+        """Whether bf16 prompt rows take the int8 GEMM (INT8_GEMM's note)."""
+        return (INT8_GEMM and ops is not None and self.fmt.name in PROMPT_GEMM_TYPES
+                and ops.gemm_supports(self.fmt.ggml_type))
 
     def _precise_linear(self, ops, x: torch.Tensor) -> torch.Tensor:
         """W (x_q + r_q): x_q is x's int8 blocks (the kernel's own quantization of x), r_q the
