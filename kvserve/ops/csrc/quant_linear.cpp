@@ -1018,15 +1018,22 @@ at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t qty
   at::Tensor y = at::empty({M, N}, x.options());
 #if defined(QL_GEMM)
   if (M == 0 || N == 0) return y;
-  const at::Tensor xf = bf ? x.to(at::kFloat) : x;
   const int64_t nd = K / 32, ns = K / f.sum_group;
   std::vector<int8_t> q(static_cast<size_t>(M * K));
   std::vector<float> d(static_cast<size_t>(M * nd)), sd(static_cast<size_t>(M * nd));
   std::vector<int32_t> s(static_cast<size_t>(M * ns));
-  const float* xp = xf.data_ptr<float>();
+  // bf16 x is widened a row at a time (no float32 copy of a whole prompt).
+  const float* xp = bf ? nullptr : x.data_ptr<float>();
+  const c10::BFloat16* xbp = bf ? x.data_ptr<c10::BFloat16>() : nullptr;
   chunks_for(0, M, 8, [&](int64_t r0, int64_t r1) {
-    quantize_x(xp + r0 * K, r1 - r0, K, f, x_kind(qtype), q.data() + r0 * K, d.data() + r0 * nd,
-               s.data() + r0 * ns, sd.data() + r0 * nd);
+    std::vector<float> row(bf ? static_cast<size_t>(K) : 0);
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* xr = bf ? row.data() : xp + r * K;
+      if (bf)
+        for (int64_t k = 0; k < K; ++k) row[k] = static_cast<float>(xbp[r * K + k]);
+      quantize_x(xr, 1, K, f, x_kind(qtype), q.data() + r * K, d.data() + r * nd,
+                 s.data() + r * ns, sd.data() + r * nd);
+    }
   });
   const XQ xq{q.data(), d.data(), s.data(), sd.data(), K, nd, ns};
   const uint8_t* w = packed.data_ptr<uint8_t>();
