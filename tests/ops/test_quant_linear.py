@@ -109,6 +109,22 @@ def poison_padding(w: PackedQuantWeight) -> None:
         w.packed[-1:] = packing.pack_blocks(last, w.fmt)
 
 
+def poisoned_weight(name: str, shape: tuple[int, int],
+                    source: str = "random") -> tuple[np.ndarray, PackedQuantWeight]:
+    """A weight's raw blocks and its packed form with the padding poisoned."""
+    raw = make_raw(name, *shape, source=source)
+    w = PackedQuantWeight.from_gguf(name, raw, shape)
+    poison_padding(w)
+    return raw, w
+
+
+def nan_framed_x(m: int, k: int) -> torch.Tensor:
+    """activations(m, k) as the first rows of a NaN-filled buffer: a read past x shows."""
+    buf = torch.full((m + 3, k), float("nan"))
+    buf[:m] = torch.from_numpy(activations(m, k, seed=m))
+    return buf[:m]
+
+
 @pytest.fixture(scope="module")
 def ops():
     if not HAS_KERNELS:
@@ -224,14 +240,10 @@ def test_kernel_matches_float64_reference(ops, name: str, shape: tuple[int, int]
     x a slice of a NaN-filled buffer; matmul's choice (int8 up to INT8_MAX_ROWS, then the
     dequantized float path) too."""
     n, k = shape
-    raw = make_raw(name, n, k, source=source)
-    w = PackedQuantWeight.from_gguf(name, raw, shape)
-    poison_padding(w)
+    raw, w = poisoned_weight(name, shape, source)
     fmt = FORMATS[name]
     for m in ROWS:
-        buf = torch.full((m + 3, k), float("nan"))
-        buf[:m] = torch.from_numpy(activations(m, k, seed=m))
-        x = buf[:m]
+        x = nan_framed_x(m, k)
         ref, bound = reference_matmul(x.numpy(), raw, fmt, shape)
         check_close(ops.linear(x, w.packed, fmt.ggml_type, n), ref, bound, f"tier path M={m}")
         check_close(ops.linear_generic(x, w.packed, fmt.ggml_type, n), ref, bound,
@@ -382,14 +394,10 @@ def test_int8_gemm_matches_float64_reference(ops, name: str, shape: tuple[int, i
     rows' scales NaN."""
     needs_gemm(ops, name)
     n, k = shape
-    raw = make_raw(name, n, k)
-    w = PackedQuantWeight.from_gguf(name, raw, shape)
-    poison_padding(w)
+    raw, w = poisoned_weight(name, shape)
     fmt = FORMATS[name]
     for m in GEMM_ROWS:
-        buf = torch.full((m + 3, k), float("nan"))
-        buf[:m] = torch.from_numpy(activations(m, k, seed=m))
-        x = buf[:m]
+        x = nan_framed_x(m, k)
         ref, bound = reference_matmul(x.numpy(), raw, fmt, shape)
         check_close(ops.gemm(x, w.packed, fmt.ggml_type, n), ref, bound, f"gemm M={m}")
         xb = x.bfloat16()

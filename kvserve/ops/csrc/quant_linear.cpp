@@ -982,6 +982,15 @@ void check_packed(const at::Tensor& packed, const Format& f, int64_t N, int64_t 
               ", K = ", K);
 }
 
+// x of a linear op: a contiguous float32 or bfloat16 [M, K] CPU tensor; whether it is bf16.
+bool check_x(const at::Tensor& x, const char* op) {
+  const bool bf = x.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(x.device().is_cpu() && (x.scalar_type() == at::kFloat || bf) && x.dim() == 2 &&
+                  x.is_contiguous(),
+              op, ": x must be a contiguous float32 or bfloat16 [M, K]");
+  return bf;
+}
+
 QL_INLINE XKind x_kind(int64_t qt) {
   return is_k(qt) ? kXK32 : qt == kQ4_1 || qt == kQ5_1 ? kXQ8_1 : kXQ8_0;
 }
@@ -1009,10 +1018,7 @@ at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t qty
   const Format f = format_of(qtype);
   TORCH_CHECK(gemm_supports(qtype), "quant_gemm: no int8 GEMM in this build (the avx512_bf16 "
               "tier has it)");
-  const bool bf = x.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(x.device().is_cpu() && (x.scalar_type() == at::kFloat || bf) && x.dim() == 2 &&
-                  x.is_contiguous(),
-              "quant_gemm: x must be a contiguous float32 or bfloat16 [M, K]");
+  const bool bf = check_x(x, "quant_gemm");
   const int64_t M = x.size(0), K = x.size(1);
   check_packed(packed, f, N, K);
   at::Tensor y = at::empty({M, N}, x.options());
@@ -1052,10 +1058,7 @@ at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t qty
 at::Tensor linear_impl(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t N,
                        bool portable) {
   const Format f = format_of(qtype);
-  const bool bf = x.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(x.device().is_cpu() && (x.scalar_type() == at::kFloat || bf) && x.dim() == 2 &&
-                  x.is_contiguous(),
-              "quant_linear: x must be a contiguous float32 or bfloat16 [M, K]");
+  const bool bf = check_x(x, "quant_linear");
   const int64_t M = x.size(0), K = x.size(1);
   check_packed(packed, f, N, K);
 #if defined(QL_GEMM)
