@@ -86,6 +86,16 @@ def int8_max_rows() -> Optional[int]:
 INT8_GEMM = True
 PROMPT_GEMM_TYPES = frozenset({"Q4_K", "Q5_K", "Q6_K"})
 
+def prompt_gemm_ops(fmt: BlockFormat, x: torch.Tensor) -> Optional[object]:
+    """The kernel's ops where prompt rows x (past the int8 kernel's rows) on weights of `fmt`
+    take its int8 GEMM (INT8_GEMM's note: bf16 x on CPU, a K-quant, a build with it), else
+    None. Dense layers and MoE experts (fused_moe/packed.py) ask the same question."""
+    if not INT8_GEMM or x.dtype != torch.bfloat16 or x.device.type != "cpu":
+        return None
+    ops = kernel.ops() if fmt.name in PROMPT_GEMM_TYPES else None
+    return ops if ops is not None and ops.gemm_supports(fmt.ggml_type) else None
+
+
 # Floats per dequantized chunk of the weight (4 MiB): bounds the large-batch temporary.
 CHUNK_ELEMS = 1 << 20
 
@@ -159,8 +169,9 @@ class PackedQuantWeight:
         rows, limit = x2.shape[0], int8_max_rows()
         int8 = ops is not None and 0 < rows and (limit is None or rows <= limit)
         xk = xs if bias is None else xs.float()         # a bias is added to float32 y
-        if not int8 and keep_bf16 and self._prompt_gemm(ops):
-            y = ops.gemm(xk.contiguous(), self.packed, self.fmt.ggml_type, n)
+        gemm = None if int8 or not keep_bf16 else prompt_gemm_ops(self.fmt, xs)
+        if gemm is not None:
+            y = gemm.gemm(xk.contiguous(), self.packed, self.fmt.ggml_type, n)
         elif int8:
             y = (self._precise_linear(ops, xs.contiguous()) if precise
                  else ops.linear(xk.contiguous(), self.packed, self.fmt.ggml_type, n))
@@ -169,11 +180,6 @@ class PackedQuantWeight:
         if bias is not None:
             y = y + bias.float()
         return (y.float() if precise else y.to(x.dtype)).reshape(*lead, n)
-
-    def _prompt_gemm(self, ops) -> bool:
-        """Whether bf16 prompt rows take the int8 GEMM (INT8_GEMM's note)."""
-        return (INT8_GEMM and ops is not None and self.fmt.name in PROMPT_GEMM_TYPES
-                and ops.gemm_supports(self.fmt.ggml_type))
 
     def _precise_linear(self, ops, x: torch.Tensor) -> torch.Tensor:
         """W (x_q + r_q): x_q is x's int8 blocks (the kernel's own quantization of x), r_q the
