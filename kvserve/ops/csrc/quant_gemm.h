@@ -38,7 +38,7 @@ constexpr int64_t kGemmMinRows = 16;
 
 // Per weight type: H scales per 32-block (Q6_K's per 16: 2), whether a float minimum term
 // (wo * sd) follows, and the offset the unsigned values carry (w = u - kOff): folded into the
-// int32 accumulators' start, kOff * (x's int sum of the scale's span), so it costs nothing.
+// int32 accumulators' start, -kOff * (x's int sum over the scale's span), so it costs nothing.
 template <int64_t QT> struct GemmType {
   static constexpr int H = QT == kQ6_K ? 2 : 1;
   static constexpr bool kMin = QT == kQ4_1 || QT == kQ5_1 || QT == kQ4_K || QT == kQ5_K;

@@ -32,8 +32,8 @@
 // gguf's dequantizer) for the float path (a float32 GEMM on dequantized chunks): on AVX2 a
 // group-block at a time from the packed layout (0.2-0.4 ns a weight, 1 thread, Zen 3; the
 // portable row decoder, quant_dequantize_generic, takes 1.7-5.5 ns). quant_gemm (quant_gemm.h,
-// the VNNI build, Q4_K / Q5_K): the same int8 x blocks against weight panels unpacked once per
-// call, for prompts and decode batches of 16+ rows.
+// the VNNI build, every type): the same int8 x blocks against weight panels unpacked once per
+// call, for decode batches of 16+ rows (quant_linear hands them over) and K-quant prompts.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>

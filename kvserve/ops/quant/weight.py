@@ -14,7 +14,7 @@ bfloat16 x (a bf16 model: dtype "auto" for a packed file on a CPU with bf16 math
 config.resolve_dtype) the chunks are rounded to bf16 for bf16 GEMMs, twice float32's rate --
 except on the K-quants where the build has the int8 GEMM (INT8_GEMM: the avx512_bf16 tier),
 which takes bf16 prompts with x in int8 blocks as llama.cpp does (0.85B Q4_K_M prompt of 512:
-245 -> 355 tok/s, Zen 4). Why unquantized x otherwise, measured: the int8 activations of the
+244 -> 379 tok/s, Zen 4). Why unquantized x otherwise, measured: the int8 activations of the
 prompt's layers moved the demo's first answer token by 0.2 nats on a near-tie ("L'Etoile" for
 "The capital of France is Paris."), and the logits by 0.05 more (hence `precise` for the LM
 head). The price is small since the GEMMs run on
@@ -78,13 +78,14 @@ def int8_max_rows() -> Optional[int]:
 # the build has one (the avx512_bf16 tier: csrc/quant_gemm.h), not bf16 GEMMs on dequantized
 # chunks: x in the same int8 blocks as decode (as llama.cpp's prompts). The 0.85B Llama's
 # shapes at 512 rows, weights from memory, 2 threads, Zen 4 (benchmarks/quant_kernels.py
-# --gemm-rows): 1.3-1.6x the bf16 chunks' speed (Q4_K 585-613 GOP/s, Q6_K 501-517). Why not
+# --gemm-rows): 1.34-1.64x the bf16 chunks' speed (Q4_K 585-613 GOP/s, Q6_K 501-517). Why not
 # the legacy types' prompts, which it runs as fast: the demo (Q4_1, bf16) then answers
 # "L'Étoile" to "What is the capital of France?" (-1.94 nats against "The" -1.96; the bf16
-# chunks: "The" -1.74, "Paris"), and their prompts already beat llama.cpp's 1.9-4.5x. Decode
+# chunks: "The" -1.74, "Paris"), and their prompts are already 1.7-4.4x llama.cpp's. Decode
 # steps of 16+ rows take the GEMM inside the int8 op (kGemmMinRows), every type.
 INT8_GEMM = True
 PROMPT_GEMM_TYPES = frozenset({"Q4_K", "Q5_K", "Q6_K"})
+
 
 def prompt_gemm_ops(fmt: BlockFormat, x: torch.Tensor) -> Optional[object]:
     """The kernel's ops where prompt rows x (past the int8 kernel's rows) on weights of `fmt`
