@@ -62,50 +62,23 @@ struct GemmPanels {
 QL_INLINE void store32(uint8_t* dst, __m256i v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), v);
 }
-QL_INLINE __m256i bits_to(__m256i v, int s, int mask) {    // ((v >> s) << 4) & mask, per byte
-  return _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(v, s), 4), _mm256_set1_epi8(mask));
-}
 
 // Group-block gb (8 rows x one GGUF block) into half h of panel p, 32-blocks from t0.
 template <int64_t QT>
 void unpack_block(const uint8_t* gb, int p, int h, int64_t t0, GemmPanels& pn) {
-  const __m256i m4 = _mm256_set1_epi8(0xF);
   const __m256 d = load_f16x8(gb);
   if constexpr (QT == kQ4_K || QT == kQ5_K) {
-    constexpr int64_t kQs = QT == kQ5_K ? kK5Qs : kK4Qs;
-    for (int j = 0; j < 4; ++j)               // sub-blocks 2j (low nibbles) and 2j + 1
-      for (int c = 0; c < 8; ++c) {
-        const __m256i raw = load32(gb + kQs + 32 * (8 * j + c));
-        __m256i lo = _mm256_and_si256(raw, m4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
-        if constexpr (QT == kQ5_K) {
-          const __m256i qh = load32(gb + kK5Qh + 32 * c);
-          lo = _mm256_or_si256(lo, bits_to(qh, 2 * j, 0x10));
-          hi = _mm256_or_si256(hi, bits_to(qh, 2 * j + 1, 0x10));
-        }
-        store32(pn.wq(p, t0 + 2 * j, c, h), lo);
-        store32(pn.wq(p, t0 + 2 * j + 1, c, h), hi);
-      }
+    for (int sb = 0; sb < 8; ++sb)
+      for (int c = 0; c < 8; ++c) store32(pn.wq(p, t0 + sb, c, h), k45_chunk<QT>(gb, sb, c));
     const __m256 ndmin = _mm256_sub_ps(_mm256_setzero_ps(), load_f16x8(gb + kOffM));
-    for (int s = 0; s < 8; ++s) {
-      const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
-          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(gb + kKScales + 8 * s))));
-      const __m256i mn16 = _mm256_cvtepu8_epi16(     // lane r: (min 2j, min 2j + 1)
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(gb + kKMins + 16 * (s / 2))));
-      const __m256i mn = (s & 1) ? _mm256_srli_epi32(mn16, 16)
-                                 : _mm256_and_si256(mn16, _mm256_set1_epi32(0xFFFF));
-      _mm256_storeu_ps(pn.s(p, t0 + s, 0, h), _mm256_mul_ps(d, sc));
-      _mm256_storeu_ps(pn.o(p, t0 + s, h), _mm256_mul_ps(ndmin, _mm256_cvtepi32_ps(mn)));
+    for (int sb = 0; sb < 8; ++sb) {
+      _mm256_storeu_ps(pn.s(p, t0 + sb, 0, h), _mm256_mul_ps(d, k45_scale(gb, sb)));
+      _mm256_storeu_ps(pn.o(p, t0 + sb, h), _mm256_mul_ps(ndmin, k45_min(gb, sb)));
     }
   } else if constexpr (QT == kQ6_K) {
     for (int hh = 0; hh < 2; ++hh)
-      for (int t = 0; t < 4; ++t) {           // 32-block 4hh + t: weights 128hh + 32t + 4c + l
-        for (int c = 0; c < 8; ++c) {
-          const __m256i lb = load32(gb + kQ6Ql + 32 * ((2 * hh + (t & 1)) * 8 + c));
-          const __m256i qh = load32(gb + kQ6Qh + 32 * (8 * hh + c));
-          const __m256i lo = t < 2 ? _mm256_and_si256(lb, m4)
-                                   : _mm256_and_si256(_mm256_srli_epi16(lb, 4), m4);
-          store32(pn.wq(p, t0 + 4 * hh + t, c, h), _mm256_or_si256(lo, bits_to(qh, 2 * t, 0x30)));
-        }
+      for (int t = 0; t < 4; ++t) {           // 32-block 4hh + t
+        for (int c = 0; c < 8; ++c) store32(pn.wq(p, t0 + 4 * hh + t, c, h), q6k_chunk(gb, hh, t, c));
         // scales [pair][row][2]: row r's scales of groups 2p, 2p + 1 (p = 4hh + t), int8 each
         const __m128i sp = _mm_loadu_si128(reinterpret_cast<const __m128i*>(gb + kQ6Sc + 16 * (4 * hh + t)));
         for (int i = 0; i < 2; ++i) {
@@ -116,23 +89,14 @@ void unpack_block(const uint8_t* gb, int p, int h, int64_t t0, GemmPanels& pn) {
       }
   } else {                                      // the legacy types: one 32-block
     constexpr bool kMin = GemmType<QT>::kMin, kFive = QT == kQ5_0 || QT == kQ5_1;
-    constexpr int64_t kQs = legacy_qs(QT);
-    if constexpr (QT == kQ8_0) {
-      for (int c = 0; c < 8; ++c)               // w + 128 (w ^ 0x80): unsigned
-        store32(pn.wq(p, t0, c, h), _mm256_xor_si256(load32(gb + kQs + 32 * c), _mm256_set1_epi8(-128)));
-    } else {
-      __m256i qh = _mm256_setzero_si256();
-      if constexpr (kFive) qh = load32(gb + kLegacyQh + (kMin ? 16 : 0));
-      for (int c = 0; c < 4; ++c) {             // low nibbles: quad c, high: quad c + 4
-        const __m256i raw = load32(gb + kQs + 32 * c);
-        __m256i lo = _mm256_and_si256(raw, m4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
-        if constexpr (kFive) {
-          lo = _mm256_or_si256(lo, bits_to(qh, c, 0x10));
-          hi = _mm256_or_si256(hi, bits_to(qh, c + 4, 0x10));
-        }
-        store32(pn.wq(p, t0, c, h), lo);
-        store32(pn.wq(p, t0, c + 4, h), hi);
-      }
+    __m256i qh = _mm256_setzero_si256();
+    if constexpr (kFive) qh = load32(gb + kLegacyQh + (kMin ? 16 : 0));
+    for (int c = 0; c < 8; ++c) {
+      if constexpr (QT == kQ8_0)                // w + 128 (w ^ 0x80): unsigned
+        store32(pn.wq(p, t0, c, h), _mm256_xor_si256(load32(gb + legacy_qs(QT) + 32 * c),
+                                                     _mm256_set1_epi8(-128)));
+      else
+        store32(pn.wq(p, t0, c, h), legacy_chunk<QT>(gb, qh, c));
     }
     _mm256_storeu_ps(pn.s(p, t0, 0, h), d);
     if constexpr (kMin) _mm256_storeu_ps(pn.o(p, t0, h), load_f16x8(gb + kOffM));

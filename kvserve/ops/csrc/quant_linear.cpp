@@ -386,11 +386,57 @@ QL_INLINE __m512i high_bits_zmm(__m512i v, int s, __m512i mask) {
   return _mm512_and_si512(_mm512_slli_epi16(_mm512_srli_epi16(v, s), 4), mask);
 }
 #endif
-// Bit `bit` of every byte moved to bit `to` (0x10 or 0x30 masks keep it / them).
-template <int kShiftRight, int kMask>
-QL_INLINE __m256i bit_at4(__m256i v) {
-  return _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(v, kShiftRight), 4),
-                          _mm256_set1_epi8(kMask));
+// (v >> s) << 4 in every 16-bit lane, `mask`'s bits of each byte kept (0x10, 0x30): the high
+// bits of 5- and 6-bit weights moved above their low nibbles (high_bits_zmm in 256 bits).
+QL_INLINE __m256i high_bits(__m256i v, int s, int mask) {
+  return _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(v, s), 4), _mm256_set1_epi8(mask));
+}
+
+// One 32-byte unit of stored (unsigned) weights, 4 of each of the 8 rows: chunk c (weights
+// 4c .. 4c + 3) of a block, as the dequantizer, Q6_K's small-batch path and quant_gemm.h's
+// panels take them.
+// Q4_0 / Q4_1 / Q5_0 / Q5_1: the low nibbles of unit c, then the high ones of unit c - 4; the
+// 5-bit types' bit c of qh (the block's qh unit) above them.
+template <int64_t QT>
+QL_INLINE __m256i legacy_chunk(const uint8_t* gb, __m256i qh, int c) {
+  const __m256i raw = load32(gb + legacy_qs(QT) + 32 * (c & 3)), m4 = _mm256_set1_epi8(0xF);
+  const __m256i v = c < 4 ? _mm256_and_si256(raw, m4)
+                          : _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+  if constexpr (QT == kQ5_0 || QT == kQ5_1) return _mm256_or_si256(v, high_bits(qh, c, 0x10));
+  return v;
+}
+// Q4_K / Q5_K: sub-block sb (its weights 32sb + 4c ..), 0..15 / 0..31.
+template <int64_t QT>
+QL_INLINE __m256i k45_chunk(const uint8_t* gb, int sb, int c) {
+  constexpr int64_t kQs = QT == kQ5_K ? kK5Qs : kK4Qs;
+  const __m256i raw = load32(gb + kQs + 32 * (8 * (sb / 2) + c)), m4 = _mm256_set1_epi8(0xF);
+  const __m256i v = sb % 2 ? _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4)
+                           : _mm256_and_si256(raw, m4);
+  if constexpr (QT == kQ5_K)
+    return _mm256_or_si256(v, high_bits(load32(gb + kK5Qh + 32 * c), sb, 0x10));
+  return v;
+}
+// Q4_K / Q5_K: the 8 rows' 6-bit scale and minimum of sub-block sb, as floats.
+QL_INLINE __m256 k45_scale(const uint8_t* gb, int sb) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+      _mm_loadl_epi64(reinterpret_cast<const __m128i*>(gb + kKScales + 8 * sb))));
+}
+QL_INLINE __m256 k45_min(const uint8_t* gb, int sb) {
+  // mins [pair][row][2]: row r's minimum of sub-block sb is byte 2r + sb % 2 of the pair.
+  const __m128i mp = _mm_loadu_si128(reinterpret_cast<const __m128i*>(gb + kKMins + 16 * (sb / 2)));
+  const __m128i mb = _mm_shuffle_epi8(mp, sb % 2 ? _mm_setr_epi8(1, 3, 5, 7, 9, 11, 13, 15, -1,
+                                                                 -1, -1, -1, -1, -1, -1, -1)
+                                                 : _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, -1,
+                                                                 -1, -1, -1, -1, -1, -1, -1));
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mb));
+}
+// Q6_K: 32-block 4h + t (weights 128h + 32t + 4c ..), 0..63 (the weight plus 32).
+QL_INLINE __m256i q6k_chunk(const uint8_t* gb, int h, int t, int c) {
+  const __m256i lb = load32(gb + kQ6Ql + 32 * ((2 * h + (t & 1)) * 8 + c));
+  const __m256i qh = load32(gb + kQ6Qh + 32 * (8 * h + c)), m4 = _mm256_set1_epi8(0xF);
+  const __m256i lo = t < 2 ? _mm256_and_si256(lb, m4)
+                           : _mm256_and_si256(_mm256_srli_epi16(lb, 4), m4);
+  return _mm256_or_si256(lo, high_bits(qh, 2 * t, 0x30));
 }
 
 #if defined(QL_VNNI)
@@ -493,10 +539,8 @@ QL_INLINE void group_block_legacy(const uint8_t* gb, const XQ& x, int64_t m0, in
       const __m256i raw = load32(gb + kQs + 32 * c);
       __m256i lo = _mm256_and_si256(raw, m4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
       if constexpr (kFive) {
-        lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(qh, c), 4),
-                                                  _mm256_set1_epi8(0x10)));
-        hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(qh, c + 4), 4),
-                                                  _mm256_set1_epi8(0x10)));
+        lo = _mm256_or_si256(lo, high_bits(qh, c, 0x10));
+        hi = _mm256_or_si256(hi, high_bits(qh, c + 4, 0x10));
       }
       chunk(lo, c);
       chunk(hi, c + 4);
@@ -597,9 +641,8 @@ QL_INLINE void group_block_k45(const uint8_t* gb, const XQ& x, int64_t m0, int64
       __m256i lo = _mm256_and_si256(raw, m4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
       if constexpr (QT == kQ5_K) {
         const __m256i qh = load32(gb + kK5Qh + 32 * c);
-        const __m256i h = _mm256_set1_epi8(0x10);
-        lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(qh, 2 * j), 4), h));
-        hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(qh, 2 * j + 1), 4), h));
+        lo = _mm256_or_si256(lo, high_bits(qh, 2 * j, 0x10));
+        hi = _mm256_or_si256(hi, high_bits(qh, 2 * j + 1, 0x10));
       }
       for (int m = 0; m < MB; ++m) {
         const int8_t* xb = x.q + (m0 + m) * x.K + b * 256 + 64 * j + 4 * c;
@@ -693,15 +736,9 @@ QL_INLINE void group_block_q6k(const uint8_t* gb, const XQ& x, int64_t m0, int64
         sumi[m] = _mm256_add_epi32(sumi[m], _mm256_add_epi32(_mm256_mullo_epi32(ta[m], sa),
                                                              _mm256_mullo_epi32(tb[m], sb)));
 #else
-      const __m256i m4 = _mm256_set1_epi8(0xF), m3 = _mm256_set1_epi8(0x30);
 #pragma GCC unroll 8
       for (int c = 0; c < 8; ++c) {
-        const __m256i lb = load32(gb + kQ6Ql + 32 * ((2 * h + (t & 1)) * 8 + c));
-        const __m256i qh = load32(gb + kQ6Qh + 32 * (8 * h + c));
-        const __m256i lo = t < 2 ? _mm256_and_si256(lb, m4)
-                                 : _mm256_and_si256(_mm256_srli_epi16(lb, 4), m4);
-        const __m256i q = _mm256_or_si256(
-            lo, _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(qh, 2 * t), 4), m3));
+        const __m256i q = q6k_chunk(gb, h, t, c);
         const __m256i sv = c < 4 ? s_a : s_b;
         for (int m = 0; m < MB; ++m)
           sumi[m] = _mm256_add_epi32(sumi[m], _mm256_madd_epi16(_mm256_maddubs_epi16(
@@ -854,7 +891,7 @@ QL_INLINE void bcast_rows(__m256 v, __m256 (&out)[kGroup]) {
 template <int64_t QT>
 QL_INLINE void dequant_group_legacy(const uint8_t* gb, const RowDst& dst) {
   constexpr bool kMin = QT == kQ4_1 || QT == kQ5_1, kFive = QT == kQ5_0 || QT == kQ5_1;
-  constexpr int64_t kQs = QT == kQ4_1 ? 32 : QT == kQ5_0 ? 48 : QT == kQ5_1 ? 64 : 16;
+  constexpr int64_t kQs = legacy_qs(QT);
   __m256 s[kGroup], m[kGroup];
   bcast_rows(load_f16x8(gb), s);
   if constexpr (kMin) bcast_rows(load_f16x8(gb + kOffM), m);
@@ -864,17 +901,10 @@ QL_INLINE void dequant_group_legacy(const uint8_t* gb, const RowDst& dst) {
                           4 * c);
     return;
   }
-  const __m256i m4 = _mm256_set1_epi8(0xF);
   __m256i qh = _mm256_setzero_si256();
   if constexpr (kFive) qh = load32(gb + kLegacyQh + (kMin ? 16 : 0));
-  // chunk c (0..7) of the 32 weights: the low nibbles of unit c, then the high ones of c - 4.
   const auto chunk = [&](int c) {
-    const __m256i raw = load32(gb + kQs + 32 * (c & 3));
-    __m256i v = c < 4 ? _mm256_and_si256(raw, m4)
-                      : _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
-    if constexpr (kFive)
-      v = _mm256_or_si256(v, _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(qh, c), 4),
-                                              _mm256_set1_epi8(0x10)));
+    __m256i v = legacy_chunk<QT>(gb, qh, c);
     if constexpr (QT == kQ4_0) v = _mm256_sub_epi8(v, _mm256_set1_epi8(8));
     if constexpr (QT == kQ5_0) v = _mm256_sub_epi8(v, _mm256_set1_epi8(16));
     return v;
@@ -887,54 +917,25 @@ QL_INLINE void dequant_group_legacy(const uint8_t* gb, const RowDst& dst) {
 // Q4_K / Q5_K: sub-block j2 (32 weights) scales d * sc, minimums dmin * mn, per row.
 template <int64_t QT>
 QL_INLINE void dequant_group_k45(const uint8_t* gb, const RowDst& dst) {
-  constexpr int64_t kQs = QT == kQ5_K ? kK5Qs : kK4Qs;
   const __m256 d = load_f16x8(gb), dmin = load_f16x8(gb + kOffM);
-  const __m256i m4 = _mm256_set1_epi8(0xF);
   for (int sb = 0; sb < 8; ++sb) {
-    const int j = sb / 2;
-    const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
-        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(gb + kKScales + 8 * sb))));
-    // mins [pair][row][2]: row r's minimum of sub-block sb is byte 2r + sb % 2 of the pair.
-    const __m128i mp = _mm_loadu_si128(reinterpret_cast<const __m128i*>(gb + kKMins + 16 * j));
-    const __m128i mb = _mm_shuffle_epi8(mp, sb % 2 ? _mm_setr_epi8(1, 3, 5, 7, 9, 11, 13, 15, -1,
-                                                                   -1, -1, -1, -1, -1, -1, -1)
-                                                   : _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, -1,
-                                                                   -1, -1, -1, -1, -1, -1, -1));
-    const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mb));
     __m256 s[kGroup], m[kGroup];
-    bcast_rows(_mm256_mul_ps(d, sc), s);
-    bcast_rows(_mm256_mul_ps(dmin, mn), m);
-    const auto chunk = [&](int c) {
-      const __m256i raw = load32(gb + kQs + 32 * (8 * j + c));
-      __m256i v = sb % 2 ? _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4)
-                         : _mm256_and_si256(raw, m4);
-      if constexpr (QT == kQ5_K)
-        v = _mm256_or_si256(v, _mm256_and_si256(
-            _mm256_slli_epi16(_mm256_srli_epi16(load32(gb + kK5Qh + 32 * c), sb), 4),
-            _mm256_set1_epi8(0x10)));
-      return v;
-    };
+    bcast_rows(_mm256_mul_ps(d, k45_scale(gb, sb)), s);
+    bcast_rows(_mm256_mul_ps(dmin, k45_min(gb, sb)), m);
 #pragma GCC unroll 4
     for (int c = 0; c < 8; c += 2)
-      store_pair<2, false>(chunk(c), chunk(c + 1), s, m, dst, 32 * sb + 4 * c);
+      store_pair<2, false>(k45_chunk<QT>(gb, sb, c), k45_chunk<QT>(gb, sb, c + 1), s, m, dst,
+                           32 * sb + 4 * c);
   }
 }
 
 // Q6_K: weight 128h + 32t + 4c + l; 16-weight group g = 8h + 2t + c / 4 scales it by d * sc_g.
 QL_INLINE void dequant_group_q6k(const uint8_t* gb, const RowDst& dst) {
   const __m256 d = load_f16x8(gb);
-  const __m256i m4 = _mm256_set1_epi8(0xF), m3 = _mm256_set1_epi8(0x30);
   const __m256i off = _mm256_set1_epi8(32);
   for (int h = 0; h < 2; ++h)
     for (int t = 0; t < 4; ++t) {
-      const auto chunk = [&](int c) {
-        const __m256i lb = load32(gb + kQ6Ql + 32 * ((2 * h + (t & 1)) * 8 + c));
-        const __m256i qh = load32(gb + kQ6Qh + 32 * (8 * h + c));
-        const __m256i lo = t < 2 ? _mm256_and_si256(lb, m4)
-                                 : _mm256_and_si256(_mm256_srli_epi16(lb, 4), m4);
-        return _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_and_si256(
-            _mm256_slli_epi16(_mm256_srli_epi16(qh, 2 * t), 4), m3)), off);
-      };
+      const auto chunk = [&](int c) { return _mm256_sub_epi8(q6k_chunk(gb, h, t, c), off); };
       for (int half = 0; half < 2; ++half) {
         const int g = 8 * h + 2 * t + half;
         // scales [pair][row][2]: row r's scale of group g is byte 2r + g % 2 of pair g / 2.
@@ -1012,6 +1013,36 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_x_op(const a
   return {q, d, s, sd};
 }
 
+// x's int8 blocks (quantize_x) for the kernels, a float32 or bfloat16 [M, K] x (check_x) widened a
+// row at a time (no float32 copy of a whole prompt), rows in parallel chunks of >= `grain`.
+struct QuantizedX {
+  std::vector<int8_t> q;
+  std::vector<float> d, sd;
+  std::vector<int32_t> s;
+  int64_t K, nd, ns;
+  QuantizedX(const at::Tensor& x, const Format& f, int64_t qtype, int64_t grain)
+      : q(static_cast<size_t>(x.numel())), K(x.size(1)), nd(x.size(1) / 32),
+        ns(x.size(1) / f.sum_group) {
+    const int64_t M = x.size(0);
+    d.resize(static_cast<size_t>(M * nd));
+    sd.resize(static_cast<size_t>(M * nd));
+    s.resize(static_cast<size_t>(M * ns));
+    const bool bf = x.scalar_type() == at::kBFloat16;
+    const float* xp = bf ? nullptr : x.data_ptr<float>();
+    const c10::BFloat16* xbp = bf ? x.data_ptr<c10::BFloat16>() : nullptr;
+    chunks_for(0, M, std::max<int64_t>(grain, 1), [&](int64_t r0, int64_t r1) {
+      std::vector<float> row(bf ? static_cast<size_t>(K) : 0);
+      for (int64_t r = r0; r < r1; ++r) {
+        if (bf)
+          for (int64_t k = 0; k < K; ++k) row[k] = static_cast<float>(xbp[r * K + k]);
+        quantize_x(bf ? row.data() : xp + r * K, 1, K, f, x_kind(qtype), q.data() + r * K,
+                   d.data() + r * nd, s.data() + r * ns, sd.data() + r * nd);
+      }
+    });
+  }
+  XQ view() const { return XQ{q.data(), d.data(), s.data(), sd.data(), K, nd, ns}; }
+};
+
 // x of kGemmMinRows rows or more, and bf16 prompts on the K-quants (ops/quant/weight.py):
 // int8 activations into quant_gemm.h's panels.
 at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t N) {
@@ -1024,24 +1055,8 @@ at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t qty
   at::Tensor y = at::empty({M, N}, x.options());
 #if defined(QL_GEMM)
   if (M == 0 || N == 0) return y;
-  const int64_t nd = K / 32, ns = K / f.sum_group;
-  std::vector<int8_t> q(static_cast<size_t>(M * K));
-  std::vector<float> d(static_cast<size_t>(M * nd)), sd(static_cast<size_t>(M * nd));
-  std::vector<int32_t> s(static_cast<size_t>(M * ns));
-  // bf16 x is widened a row at a time (no float32 copy of a whole prompt).
-  const float* xp = bf ? nullptr : x.data_ptr<float>();
-  const c10::BFloat16* xbp = bf ? x.data_ptr<c10::BFloat16>() : nullptr;
-  chunks_for(0, M, 8, [&](int64_t r0, int64_t r1) {
-    std::vector<float> row(bf ? static_cast<size_t>(K) : 0);
-    for (int64_t r = r0; r < r1; ++r) {
-      const float* xr = bf ? row.data() : xp + r * K;
-      if (bf)
-        for (int64_t k = 0; k < K; ++k) row[k] = static_cast<float>(xbp[r * K + k]);
-      quantize_x(xr, 1, K, f, x_kind(qtype), q.data() + r * K, d.data() + r * nd,
-                 s.data() + r * ns, sd.data() + r * nd);
-    }
-  });
-  const XQ xq{q.data(), d.data(), s.data(), sd.data(), K, nd, ns};
+  const QuantizedX qx(x, f, qtype, 8);
+  const XQ xq = qx.view();
   const uint8_t* w = packed.data_ptr<uint8_t>();
   float* yf = bf ? nullptr : y.data_ptr<float>();
   c10::BFloat16* yb = bf ? y.data_ptr<c10::BFloat16>() : nullptr;
@@ -1066,21 +1081,12 @@ at::Tensor linear_impl(const at::Tensor& x, const at::Tensor& packed, int64_t qt
 #endif
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
-  // bfloat16 x (a bf16 model's decode step): widened here and y rounded once at the end, the
-  // bits of x.float() -> this op -> .to(bfloat16) without those two ATen calls (240 a demo
-  // decode step: 4 projections x 30 layers).
-  std::vector<float> xw(bf ? static_cast<size_t>(M * K) : 0), yw(bf ? static_cast<size_t>(M * N) : 0);
-  if (bf) {
-    const c10::BFloat16* xb = x.data_ptr<c10::BFloat16>();
-    for (int64_t i = 0; i < M * K; ++i) xw[i] = static_cast<float>(xb[i]);
-  }
-  std::vector<int8_t> q(static_cast<size_t>(M * K));
-  std::vector<float> d(static_cast<size_t>(M * (K / f.act_block)));
-  std::vector<int32_t> s(static_cast<size_t>(M * (K / f.sum_group)));
-  std::vector<float> sd(static_cast<size_t>(M * (K / f.act_block)));
-  quantize_x(bf ? xw.data() : x.data_ptr<float>(), M, K, f, x_kind(qtype), q.data(), d.data(),
-             s.data(), sd.data());
-  const XQ xq{q.data(), d.data(), s.data(), sd.data(), K, K / f.act_block, K / f.sum_group};
+  // bfloat16 x (a bf16 model's decode step): widened by QuantizedX and y rounded once at the
+  // end, the bits of x.float() -> this op -> .to(bfloat16) without those two ATen calls (240 a
+  // demo decode step: 4 projections x 30 layers). Its rows in one serial pass (grain M).
+  std::vector<float> yw(bf ? static_cast<size_t>(M * N) : 0);
+  const QuantizedX qx(x, f, qtype, M);
+  const XQ xq = qx.view();
   const uint8_t* w = packed.data_ptr<uint8_t>();
   float* out = bf ? yw.data() : y.data_ptr<float>();
   const int64_t group_bytes = (K / f.block) * f.gbytes;
