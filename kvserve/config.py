@@ -55,9 +55,10 @@ def _packed_gguf_in_bf16(hf_config: dict, device: str, quantization: Optional[st
                          cpu_isa: Optional[str]) -> bool:
     """dtype "auto" for a block-quantized GGUF file kept packed, on a CPU with bf16 math (the
     avx512_bf16 tier): bfloat16 activations, as vLLM runs GGUF files in 16 bits. Its prompt
-    GEMMs then run bf16 on the dequantized tiles, twice float32's rate (a 0.85B Q4_K 512-token
-    prompt 276 -> 485 tok/s, Zen 5), and the decode kernels quantize x to int8 either way;
-    the demo's perplexity moves +0.57% (benchmarks/README.md). Other tiers emulate bf16: float32."""
+    GEMMs on dequantized tiles (the legacy types') then run bf16, twice float32's rate (a 0.85B
+    Q4_K 512-token prompt 276 -> 485 tok/s, Zen 5, before the K-quants took the int8 GEMM), and
+    the int8 kernels quantize x either way; the demo's perplexity moves +0.57%
+    (benchmarks/README.md). Other tiers emulate bf16: float32."""
     if device != "cpu" or quantization != "gguf" or not hf_config.get("gguf_block_quantized"):
         return False
     if _kernel_tier(cpu_isa) != BF16_MATH_TIER:

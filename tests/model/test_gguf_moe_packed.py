@@ -28,6 +28,7 @@ from kvserve.model.layers.fused_moe.packed import (PackedExperts, _experts_loop,
                                                    fused_experts_packed)
 from kvserve.ops.fused import silu_and_mul
 from kvserve.ops.quant import kernel as quant_kernel
+from kvserve.ops.quant import weight as quant_weight
 from kvserve.ops.quant.formats import FORMATS
 from kvserve.ops.quant.reference import dequantize_gguf
 from kvserve.ops.quant.weight import (INT8_MAX_ROWS, PackedQuantWeight, QuantizedRows,
@@ -132,8 +133,10 @@ def test_decode_step_reads_each_routed_experts_blocks(types) -> None:
 @pytest.mark.parametrize("types", TYPE_SETS[:1] + TYPE_SETS[2:4],
                          ids=["-".join(t) for t in TYPE_SETS[:1] + TYPE_SETS[2:4]])
 @torch.inference_mode()
-def test_prefill_step_equals_the_dequantized_float_experts(types) -> None:
-    """More than INT8_MAX_ROWS tokens: the dequantized experts' GEMMs, bit for bit."""
+def test_prefill_step_equals_the_dequantized_float_experts(types, monkeypatch) -> None:
+    """More than INT8_MAX_ROWS tokens where no int8 GEMM takes the prompt (INT8_GEMM off: a
+    legacy type, or a build without one): the dequantized experts' GEMMs, bit for bit."""
+    monkeypatch.setattr(quant_weight, "INT8_GEMM", False)
     layer, raws = _experts(types, seed=5)
     x, weights, ids = _routing(INT8_MAX_ROWS + 13, 2)
     g, u, d = _dequantized(raws, types)
@@ -155,20 +158,21 @@ def _prompt_rows(w: PackedQuantWeight, x: torch.Tensor) -> torch.Tensor:
     return y.float()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
 @pytest.mark.parametrize("types", BF16_SETS, ids=["-".join(t) for t in BF16_SETS])
 @torch.inference_mode()
-def test_bf16_prefill_step_runs_the_dense_layers_prompt_path(types) -> None:
-    """bfloat16 hidden states above INT8_MAX_ROWS (a bf16 model's prefill): bit for bit the
+def test_prefill_step_runs_the_dense_layers_prompt_path(types, dtype) -> None:
+    """Hidden states above INT8_MAX_ROWS (a prefill; bf16: a bf16 model's): bit for bit the
     dense layers' path (PackedQuantWeight.matmul) on each expert's rows, the sum in float32, the
-    result bf16: bf16 GEMMs on the dequantized weights, or on a K-quant where the build has it
-    the int8 GEMM (x in int8 blocks). Against float64 on the bf16-rounded inputs and weights:
-    within 2^-7 of the result's norm (bf16's rounding of the two GEMMs' outputs), plus
-    INT8_REL_TOL where the int8 GEMM ran (measured 0.0101 on the K-quant set)."""
+    result in x's dtype: GEMMs on the dequantized weights, or on a K-quant where the build has it
+    the int8 GEMM (x in int8 blocks). Against float64 on the dtype-rounded inputs and weights:
+    within 2^-7 of the result's norm for bf16 (its rounding of the two GEMMs' outputs), 1e-5 for
+    float32, plus INT8_REL_TOL where the int8 GEMM ran (measured 0.0101 on the K-quant set)."""
     layer, raws = _experts(types, seed=5)
     x, weights, ids = _routing(INT8_MAX_ROWS + 13, 2)
-    xb = x.bfloat16()
+    xb = x.to(dtype)
     got = fused_experts_packed(xb, *layer.expert_stacks(), weights, ids, E)
-    assert got.dtype == torch.bfloat16
+    assert got.dtype == dtype
     shapes = [(I, H), (I, H), (H, I)]
     mats = [[PackedQuantWeight.from_gguf(q, raw[e], sh) for e in range(E)]
             for q, raw, sh in zip(types, raws, shapes)]
@@ -179,19 +183,20 @@ def test_bf16_prefill_step_runs_the_dense_layers_prompt_path(types) -> None:
             xe = xb[pairs // TOP_K]
             gate_up = torch.cat([_prompt_rows(mats[0][e], xe), _prompt_rows(mats[1][e], xe)],
                                 dim=1)
-            act = silu_and_mul(gate_up).bfloat16()
+            act = silu_and_mul(gate_up).to(dtype)
             rows[pairs] = _prompt_rows(mats[2][e], act)
     rows.mul_(weights.reshape(-1, 1).float())
-    assert torch.equal(got, rows.view(-1, TOP_K, H).sum(dim=1).bfloat16()), types
-    g, u, d = (w.bfloat16().double() for w in _dequantized(raws, types))
+    assert torch.equal(got, rows.view(-1, TOP_K, H).sum(dim=1).to(dtype)), types
+    g, u, d = (w.to(dtype).double() for w in _dequantized(raws, types))
     ref = torch.zeros(x.shape, dtype=torch.float64)
     for t in range(x.shape[0]):
         for j in range(TOP_K):
             e, xt = int(ids[t, j]), xb[t].double()
-            a = (torch.nn.functional.silu(g[e] @ xt) * (u[e] @ xt)).bfloat16().double()
+            a = (torch.nn.functional.silu(g[e] @ xt) * (u[e] @ xt)).to(dtype).double()
             ref[t] += weights[t, j].double() * (d[e] @ a)
     int8 = any(prompt_gemm_ops(m[0].fmt, xb) is not None for m in mats)
-    tol = 2.0 ** -7 + (INT8_REL_TOL if int8 else 0.0)     # x and the SiLU product in int8
+    rounding = 2.0 ** -7 if dtype == torch.bfloat16 else 1e-5
+    tol = rounding + (INT8_REL_TOL if int8 else 0.0)     # x and the SiLU product in int8
     assert (got.double() - ref).norm() <= tol * ref.norm(), types
 
 

@@ -40,7 +40,7 @@ GGUF_QUANTIZERS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
 # (N, K): N odd and below / between multiples of the 4-row interleave; K block multiples only.
 SHAPES_32 = [(1, 32), (5, 64), (37, 576), (64, 1536)]
 SHAPES_256 = [(1, 256), (7, 512), (37, 1536)]
-ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 13, 33]   # 33: the op's GEMM on the VNNI build
+ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 13, 33]   # 33: the op's GEMM on the VNNI build (AVX2: 64+)
 
 
 def _f16_bytes(a: np.ndarray) -> np.ndarray:
@@ -237,8 +237,8 @@ def test_kernel_matches_float64_reference(ops, name: str, shape: tuple[int, int]
                                           source: str) -> None:
     """The tier's int8 path (ops.linear) and the portable one (linear_generic) at M = 1..8 and
     13 (passes of 4 x rows and a remainder), with the padding rows poisoned with NaN scales and
-    x a slice of a NaN-filled buffer; matmul's choice (int8 up to INT8_MAX_ROWS, then the
-    dequantized float path) too."""
+    x a slice of a NaN-filled buffer; matmul's choice (int8 up to INT8_MAX_ROWS, then the int8
+    GEMM on the K-quants where built, else the dequantized float path) too."""
     n, k = shape
     raw, w = poisoned_weight(name, shape, source)
     fmt = FORMATS[name]
@@ -248,8 +248,8 @@ def test_kernel_matches_float64_reference(ops, name: str, shape: tuple[int, int]
         check_close(ops.linear(x, w.packed, fmt.ggml_type, n), ref, bound, f"tier path M={m}")
         check_close(ops.linear_generic(x, w.packed, fmt.ggml_type, n), ref, bound,
                     f"portable path M={m}")
-        if m <= qweight.INT8_MAX_ROWS:
-            check_close(w.matmul(x), ref, bound, f"matmul M={m}")
+        if m <= qweight.INT8_MAX_ROWS or qweight.prompt_gemm_ops(fmt, x) is not None:
+            check_close(w.matmul(x), ref, bound, f"matmul M={m}")   # int8: kernel or GEMM
         else:                       # prefill-sized: the float path, x unquantized
             check_close(w.matmul(x), *float_reference(x.numpy(), raw, name, shape),
                         f"matmul M={m}")
@@ -298,8 +298,10 @@ def chunked_weight(name: str, monkeypatch: pytest.MonkeyPatch
 @pytest.mark.parametrize("m", [9, 33])
 def test_large_batches_dequantize_into_a_float_gemm(name: str, m: int,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    """The float path (above INT8_MAX_ROWS, lowered here to 8): float32 chunks of the weight
-    (several: CHUNK_ELEMS is lowered too) into torch's GEMM, x unquantized; padding poisoned."""
+    """The float path (above INT8_MAX_ROWS, lowered here to 8; no int8 GEMM: INT8_GEMM off):
+    float32 chunks of the weight (several: CHUNK_ELEMS is lowered too) into torch's GEMM, x
+    unquantized; padding poisoned."""
+    monkeypatch.setattr(qweight, "INT8_GEMM", False)
     shape, raw, w = chunked_weight(name, monkeypatch)
     x = activations(m, shape[1], seed=m)
     ref, bound = float_reference(x, raw, name, shape)
@@ -357,6 +359,39 @@ def test_large_batches_of_bf16_x_run_bf16_gemms(name: str, monkeypatch: pytest.M
     assert (err <= 0).all(), np.abs(y.double().numpy() - ref).max()
 
 
+# Each type's stored weight values in its GGUF block (bytes [lo, hi)): every one set to its
+# largest magnitude by SATURATING_BYTE (Q8_0: -128; the others' unsigned maximum, 15 .. 63).
+QUANT_BYTES = {"Q4_0": (2, 18), "Q4_1": (4, 20), "Q5_0": (2, 22), "Q5_1": (4, 24),
+               "Q8_0": (2, 34), "Q4_K": (16, 144), "Q5_K": (16, 176), "Q6_K": (0, 192)}
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", PACKED_TYPES)
+def test_int16_sums_at_their_limit_stay_exact(ops, name: str) -> None:
+    """Every weight at its largest stored value and every x value at +-127 (rows of +1 and -1):
+    the AVX2 paths sum maddubs's int16 pairs over as many 4-value units as stay under 2^15
+    (the small-batch kernel's kFlush, the GEMM's GemmType::kI16), so these inputs reach that
+    limit; the kernel and the GEMM stay within the float64 tolerance."""
+    n, k = 40, 512
+    fmt = FORMATS[name]
+    raw = random_blocks(name, n, k, seed=5).reshape(n, k // fmt.block_size, fmt.type_size)
+    lo, hi = QUANT_BYTES[name]
+    raw[..., lo:hi] = 0x80 if name == "Q8_0" else 0xFF
+    raw = raw.reshape(n, -1)
+    w = PackedQuantWeight.from_gguf(name, raw, (n, k))
+    x = torch.ones(70, k)
+    x[1::2] = -1.0
+    q, _, _, _ = ops.quantize_x(x[:2].contiguous(), fmt.ggml_type)
+    assert (q[0] == 127).all() and (q[1] == -127).all()
+    for m in (1, 4, 13, 70):
+        ref, bound = reference_matmul(x[:m].numpy(), raw, fmt, (n, k))
+        check_close(ops.linear(x[:m].contiguous(), w.packed, fmt.ggml_type, n), ref, bound,
+                    f"kernel M={m}")
+        if ops.gemm_supports(fmt.ggml_type):
+            check_close(ops.gemm(x[:m].contiguous(), w.packed, fmt.ggml_type, n), ref, bound,
+                        f"gemm M={m}")
+
+
 # N odd, a group short of a 16-row panel, and past a 32-row work item.
 GEMM_SHAPES = {32: [(1, 32), (37, 576), (70, 1536)], 256: [(1, 256), (37, 512), (70, 1536)]}
 GEMM_ROWS = [1, 2, 3, 4, 5, 7, 9, 33]       # the 4-row microkernel and every remainder
@@ -374,14 +409,16 @@ def needs_gemm(ops, name: str) -> None:
 
 @needs_kernel
 def test_int8_gemm_only_where_the_build_has_it(ops) -> None:
-    """The avx512_bf16 tier's VNNI build has the GEMM for every packed type; other builds have
-    none (matmul keeps the float path there) and the op says so."""
-    vnni = kernel.isa().startswith("avx512 vnni")
-    assert [ops.gemm_supports(FORMATS[t].ggml_type) for t in PACKED_TYPES] == \
-        [vnni] * len(PACKED_TYPES)
-    if not vnni:
-        w = PackedQuantWeight.from_gguf("Q4_K", make_raw("Q4_K", 8, 256), (8, 256))
-        with pytest.raises(RuntimeError, match="no int8 GEMM in this build"):
+    """The avx512_bf16 tier's VNNI build has the GEMM for every packed type, the AVX2 builds
+    (avx2, avx512) for every type but Q8_0 (maddubs would saturate on its values), the portable
+    build for none (matmul keeps the float path there); the op says so where it has none."""
+    isa = kernel.isa()
+    missing = (set(PACKED_TYPES) if isa.startswith("generic") else
+               set() if isa.startswith("avx512 vnni") else {"Q8_0"})
+    assert {t for t in PACKED_TYPES if not ops.gemm_supports(FORMATS[t].ggml_type)} == missing
+    for name in missing:
+        w = PackedQuantWeight.from_gguf(name, make_raw(name, 8, 256), (8, 256))
+        with pytest.raises(RuntimeError, match="no int8 GEMM for GGML type"):
             ops.gemm(torch.zeros(2, 256), w.packed, w.fmt.ggml_type, 8)
 
 
@@ -411,25 +448,29 @@ def test_int8_gemm_matches_float64_reference(ops, name: str, shape: tuple[int, i
 @needs_kernel
 def test_prompts_and_decode_batches_take_the_int8_gemm(ops,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    """Where the GEMM runs (INT8_MAX_ROWS lowered to 8): bf16 prompt rows on a K-quant take it
-    (same bits as ops.gemm), on a legacy type the bf16 chunks; float32 prompt rows the float
-    path (x unquantized), the LM head (precise) float32 GEMMs; in a decode-only step the int8
-    op hands 16+ rows to the GEMM (same bits) and the LM head keeps its residual rows."""
+    """Where the GEMM runs (INT8_MAX_ROWS lowered to 8): bf16 and float32 prompt rows on a
+    K-quant take it (same bits as ops.gemm), on a legacy type the chunks in x's dtype; the LM
+    head (precise) float32 GEMMs; in a decode-only step the int8 op hands gemm_min_rows() rows
+    (16 with VNNI, 64 on AVX2) to the GEMM (same bits) and the LM head keeps its residual rows."""
     needs_gemm(ops, "Q4_K")
     shape, raw, w = chunked_weight("Q4_K", monkeypatch)
     n, qt = shape[0], w.fmt.ggml_type
     x = activations(20, shape[1], seed=3)
     xb, xf = torch.from_numpy(x).bfloat16(), torch.from_numpy(x)
     assert torch.equal(w.matmul(xb), ops.gemm(xb, w.packed, qt, n))
-    check_close(w.matmul(xf), *float_reference(x, raw, "Q4_K", shape), "f32 x")
+    assert torch.equal(w.matmul(xf), ops.gemm(xf, w.packed, qt, n))
     check_close(w.matmul(xb, precise=True),
                 *float_reference(xb.float().numpy(), raw, "Q4_K", shape), "precise")
     legacy = PackedQuantWeight.from_gguf("Q4_1", make_raw("Q4_1", *shape), shape)
     assert torch.equal(legacy.matmul(xb), legacy.dequantized_matmul(xb))
+    assert torch.equal(legacy.matmul(xf), legacy.dequantized_matmul(xf))
+    rows = ops.gemm_min_rows()
+    assert rows in (16, 64) and rows <= qweight.INT8_DECODE_MAX_ROWS
+    xd = torch.from_numpy(activations(rows, shape[1], seed=4))
     with qweight.decode_step(True):
-        assert torch.equal(w.matmul(xf), ops.gemm(xf, w.packed, qt, n))
-        assert torch.equal(w.matmul(xb[:16]), ops.gemm(xb[:16], w.packed, qt, n))
-        assert torch.equal(legacy.matmul(xf), ops.gemm(xf, legacy.packed, legacy.fmt.ggml_type, n))
+        assert torch.equal(w.matmul(xd), ops.gemm(xd, w.packed, qt, n))
+        assert torch.equal(w.matmul(xd.bfloat16()), ops.gemm(xd.bfloat16(), w.packed, qt, n))
+        assert torch.equal(legacy.matmul(xd), ops.gemm(xd, legacy.packed, legacy.fmt.ggml_type, n))
         precise = w.matmul(xf, precise=True)
     ref, bound = float_reference(x, raw, "Q4_K", shape)    # the residual row's 5e-5, as above
     check_close(precise, ref, bound / TOL * 5e-5, "precise, decode")
@@ -516,15 +557,19 @@ def test_demo_model_tensors(ops, smollm2_gguf: str) -> None:
 
 
 def _kernel_outputs(path: str) -> None:
-    """Every packed type's int8 kernel at M = 1, 3, 4, 13 on fixed random blocks, saved."""
-    out = {}
+    """Every packed type's int8 kernel at M = 1, 3, 4, 13 on fixed random blocks, and its int8
+    GEMM at M = 6, 13, x float32 and bf16 (every type but Q8_0, which has none on AVX2), saved."""
+    out, ops = {}, kernel.ops()
     for name in PACKED_TYPES:
         n, k = 40, 512
         w = PackedQuantWeight.from_gguf(name, make_raw(name, n, k, seed=3), (n, k))
         x = torch.from_numpy(activations(13, k, seed=3))
         for m in (1, 3, 4, 13):
-            out[f"{name} M={m}"] = kernel.ops().linear(x[:m].contiguous(), w.packed,
-                                                       w.fmt.ggml_type, n)
+            out[f"{name} M={m}"] = ops.linear(x[:m].contiguous(), w.packed, w.fmt.ggml_type, n)
+        for m in (6, 13) if name != "Q8_0" else ():
+            out[f"{name} gemm M={m}"] = ops.gemm(x[:m].contiguous(), w.packed, w.fmt.ggml_type, n)
+            out[f"{name} gemm bf16 M={m}"] = ops.gemm(x[:m].bfloat16(), w.packed,
+                                                      w.fmt.ggml_type, n)
     torch.save(out, path)
 
 
@@ -535,7 +580,8 @@ def _kernel_outputs(path: str) -> None:
                     reason="the VNNI build needs the avx512_bf16 tier (AVX-512 VNNI)")
 def test_vnni_path_gives_the_avx2_bits(tmp_path) -> None:
     """vpdpbusd (int32 sums of 4 products) and maddubs + madd (int16 pair sums) are both exact
-    integer sums here, so the VNNI build must give the AVX2 build's bits for every type."""
+    integer sums here, so the VNNI build must give the AVX2 build's bits for every type, in
+    the small-batch kernel and in the GEMM's two microkernels."""
     assert "vnni" in (kernel.isa() or "")
     _kernel_outputs(str(tmp_path / "vnni.pt"))
     code = (f"import sys; sys.path.insert(0, {REPO!r}); from tests.ops.test_quant_linear "

@@ -1,6 +1,6 @@
-// GEMMs on packed GGUF weights with int8 activations, for x of 16+ rows (the avx512_bf16 tier's
-// VNNI build; included inside quant_linear.cpp's anonymous namespace, after quantize_x and the
-// packed layout's offsets).
+// GEMMs on packed GGUF weights with int8 activations, for larger x (decode batches from
+// kGemmMinRows rows, K-quant prompts): every tier from avx2 up; included inside
+// quant_linear.cpp's anonymous namespace, after quantize_x and the packed layout's offsets.
 //
 //   quant_gemm(x [M, K] bf16 or f32, packed, qtype, N) -> y [M, N] in x's dtype
 //
@@ -8,33 +8,56 @@
 // K32 blocks: scale dx, int sums, sd = dx * sum), then, for each 32 output rows, the packed
 // weight is unpacked once into two 16-row panels of unsigned values, a 64-byte vector per 4
 // consecutive k (lane = output row, vpdpbusd's layout), with float32 scales per row and
-// 32-block (Q6_K: per 16) and, for the types with a minimum, the minimum. A 4-row x 2-panel
-// microkernel then runs the whole of x over them: 8 int32 accumulators take 8 vpdpbusd each
-// per 32-block (Q6_K: 4 per half) and are folded into 8 float32 ones (cvt, times dx * scale;
-// plus sd * minimum). The signed types' offset (w = u - 8, 16, 32 or 128) starts each int32
-// accumulator at -offset * (x's int sum over the scale's span), so it costs nothing. The int
-// parts are exact, so against a float64 reference on the same quantized x and weights it
-// differs by float32 rounding only (tests: 1e-5 of |x_q| @ |W|^T).
+// 32-block (Q6_K: per 16) and, for the types with a minimum, the minimum. A microkernel then
+// runs the whole of x over them. VNNI (the avx512_bf16 tier), 4 rows x 2 panels: 8 int32
+// accumulators take 8 vpdpbusd each per 32-block (Q6_K: 4 per half) and are folded into 8
+// float32 ones (cvt, times dx * scale; plus sd * minimum). AVX2 (avx2 and avx512 tiers), 4 rows x
+// one panel's two 8-row halves at a time: maddubs pair sums gathered in int16 lanes, then madd
+// into the int32 ones (GemmType::kI16); no Q8_0 there (its unsigned values overflow maddubs's
+// pairs). The signed types' offset (w = u - 8, 16, 32 or 128) starts each int32 accumulator at
+// -offset * (x's int sum over the scale's span), so it costs nothing. The int parts are exact,
+// so both microkernels give the same bits, and against a float64 reference on the same
+// quantized x and weights they differ by float32 rounding only (tests: 1e-5 of |x_q| @ |W|^T).
 //
-// Why: prompts on packed weights otherwise run bf16 GEMMs on dequantized chunks (oneDNN,
-// dpbf16: 32 multiply-adds an instruction); vpdpbusd does 64. One Zen 4 thread, the 0.85B
-// Llama's 2048 x 2048 and 5632-wide Q4_K layers, 512 rows of bf16 x: 305-317 GOP/s for tiles of
-// 4-6 rows x 2 panels, 297-303 at 6-8 x 1, 241-266 at 2 x 4, 199-255 at 3 x 3 (the compiler
-// spills there), 244-248 at 3 x 4; the bf16 chunks 178-194. And decode batches: against the
-// small-batch kernel, which streams the packed groups without unpacking, from 16 rows on.
+// Why: prompts on packed weights otherwise run GEMMs on dequantized chunks: bf16 ones (oneDNN,
+// dpbf16: 32 multiply-adds an instruction) where vpdpbusd does 64, float32 ones on AVX2 (8 an
+// FMA) where maddubs + an int16 add do 32. One Zen 4 thread, the 0.85B Llama's 2048 x 2048 and
+// 5632-wide Q4_K layers, 512 rows of bf16 x: 305-317 GOP/s for tiles of 4-6 rows x 2 panels,
+// 297-303 at 6-8 x 1, 241-266 at 2 x 4, 199-255 at 3 x 3 (the compiler spills there), 244-248
+// at 3 x 4; the bf16 chunks 178-194. On the avx2 tier (float32 x, 2 threads): Q4_K 298-318
+// GOP/s, 1.65-1.85x the float32 chunks' speed; Q6_K 235-244, 1.35-1.52x. And decode batches:
+// against the small-batch kernel, which streams the packed groups without unpacking, from
+// kGemmMinRows rows on.
 
 #pragma once
 
-#if defined(QL_VNNI) && defined(__AVX512BF16__)
+#if defined(KVS_AVX2)
 #define QL_GEMM 1
+#if defined(QL_VNNI) && defined(__AVX512BF16__)
+#define QL_GEMM_VNNI 1
+#endif
 
-constexpr int kGemmMR = 4;                       // x rows per microkernel call
-constexpr int kGemmNR = 2;                       // 16-row panels per call
+constexpr int kGemmNR = 2;                       // 16-row panels per work item
 constexpr int64_t kGemmRows = 16 * kGemmNR;      // output rows of a work item
+#if defined(QL_GEMM_VNNI)
+constexpr int kGemmMR = 4;                       // x rows per microkernel call
 // quant_linear hands x of this many rows or more to the GEMM: the same int8 blocks of x, in
 // less time from here on (0.85B Llama shapes, weights from memory, bf16 x, 2 threads, Zen 4,
 // every type: small-batch kernel / GEMM time 1.01-1.51x at 16 rows, 0.72-1.36x at 8).
 constexpr int64_t kGemmMinRows = 16;
+#else
+// 4 x rows by 2 of the 8-row vectors (one 16-row panel) a call: 8 int16 and 8 float
+// accumulators. The 0.85B Llama's Q4_K / Q6_K layers, 512 rows of float32 x, 2 threads, Zen 4
+// on the avx2 tier, GOP/s: 298-318 / 235-244 at 4 x 2; 282-314 / 226-244 at 3 x 2, 273-301 /
+// 223-230 at 5 x 2, 249-272 / 198-229 at 2 x 4, 254-283 / 214-220 at 4 x 1, 260-289 /
+// 198-202 at 6 x 1.
+constexpr int kGemmMR = 4;
+constexpr int kGemmVN = 2;
+// The small-batch kernel, which takes x 4 rows at a time over a group in L1, keeps up with
+// this GEMM longer on AVX2 (same shapes and host, small-batch / GEMM time: 0.58-0.98x at 8
+// rows, 0.72-1.02x at 16, 0.92-1.08x at 32, 0.98-1.18x at 64, 1.04-1.22x at 128).
+constexpr int64_t kGemmMinRows = 64;
+#endif
 
 // Per weight type: H scales per 32-block (Q6_K's per 16: 2), whether a float minimum term
 // (wo * sd) follows, and the offset the unsigned values carry (w = u - kOff): folded into the
@@ -43,6 +66,12 @@ template <int64_t QT> struct GemmType {
   static constexpr int H = QT == kQ6_K ? 2 : 1;
   static constexpr bool kMin = QT == kQ4_1 || QT == kQ5_1 || QT == kQ4_K || QT == kQ5_K;
   static constexpr int kOff = QT == kQ8_0 ? 128 : QT == kQ4_0 ? 8 : QT == kQ5_0 ? 16 : QT == kQ6_K ? 32 : 0;
+  // The largest unsigned value, and so the quads whose maddubs pairs (|u0 x0 + u1 x1| <=
+  // 2 * 127 * umax) an int16 lane can sum without saturating (the AVX2 microkernel): 8 for the
+  // 4-bit types, 4 for the 5-bit ones, 2 for Q6_K. Q8_0's 255 allows none (no AVX2 GEMM).
+  static constexpr int kMaxU = QT == kQ8_0 ? 255 : QT == kQ6_K ? 63 :
+                               QT == kQ5_0 || QT == kQ5_1 || QT == kQ5_K ? 31 : 15;
+  static constexpr int kI16 = 32767 / (2 * 127 * kMaxU) >= 8 ? 8 : 32767 / (2 * 127 * kMaxU) >= 4 ? 4 : 2;
 };
 
 // One work item's weight rows as panels: w [NR][K/32][8 quads][16 rows][4] u8,
@@ -126,6 +155,7 @@ void unpack_panels(const uint8_t* packed, int64_t G, int64_t nb, int64_t n0, Gem
     }
 }
 
+#if defined(QL_GEMM_VNNI)
 // y rows [m0, m0 + MR) x the panels' columns from n0 (the valid ones: N - n0 of them).
 template <int64_t QT, int MR>
 __attribute__((noinline)) void gemm_tile(const XQ& x, int64_t m0, const GemmPanels& pn,
@@ -188,6 +218,103 @@ __attribute__((noinline)) void gemm_tile(const XQ& x, int64_t m0, const GemmPane
   }
 }
 
+#else
+// y[at, at + min(8, valid)) = v's lanes (bf16: rounded to nearest even, as vcvtneps2bf16);
+// the padding rows' lanes past them are dropped.
+QL_INLINE void store_valid(__m256 v, int64_t at, int64_t valid, float* yf, c10::BFloat16* yb) {
+  alignas(32) float out[8];
+  _mm256_store_ps(out, v);
+  for (int64_t j = 0; j < std::min<int64_t>(8, valid); ++j) {
+    if (yb != nullptr) yb[at + j] = c10::BFloat16(out[j]);
+    else yf[at + j] = out[j];
+  }
+}
+
+// The AVX2 microkernel: the same panels, read as 8-row vectors (v = 2p + half). maddubs (u8
+// weights x s8 x -> int16 pair sums) into int16 lanes for kI16 quads, then madd (x 1 -> int32).
+// The int32 sums are the VNNI path's exactly, so the bits are the same. Rows [m0, m0 + MR) x
+// vectors [v0, v0 + VN).
+template <int64_t QT, int MR, int VN>
+__attribute__((noinline)) void gemm_tile(const XQ& x, int64_t m0, int v0, const GemmPanels& pn,
+                                         float* yf, c10::BFloat16* yb, int64_t N, int64_t n0) {
+  using T = GemmType<QT>;
+  static_assert(T::kMaxU < 255, "maddubs pairs of u8 weights would saturate");
+  constexpr int kQuads = 8 / T::H;              // quads under one scale
+  constexpr int kRun = T::kI16 < kQuads ? T::kI16 : kQuads;
+  const int64_t nt = pn.nt;
+  const __m256i ones = _mm256_set1_epi16(1);
+  const uint8_t* wq[VN];
+  const float* ws[VN];
+  const float* wo[VN];
+  for (int v = 0; v < VN; ++v) {
+    const int p = (v0 + v) / 2, h = (v0 + v) % 2;
+    wq[v] = pn.w.data() + p * nt * 8 * 64 + h * 32;
+    ws[v] = pn.ws.data() + p * nt * T::H * 16 + h * 8;
+    wo[v] = pn.wo.data() + p * nt * 16 + h * 8;
+  }
+  __m256 f[MR][VN];
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < VN; ++v) f[m][v] = _mm256_setzero_ps();
+  for (int64_t t = 0; t < nt; ++t) {
+    for (int i = 0; i < T::H; ++i) {
+      __m256i a[MR][VN];
+      for (int m = 0; m < MR; ++m) {
+        const int32_t* xs = x.s + (m0 + m) * x.ns;
+        const int32_t span = T::kOff == 0 ? 0 : T::H == 2 ? xs[2 * t + i] : xs[t];
+        for (int v = 0; v < VN; ++v) a[m][v] = _mm256_set1_epi32(-T::kOff * span);
+      }
+      for (int c0 = kQuads * i; c0 < kQuads * (i + 1); c0 += kRun) {
+        __m256i s16[MR][VN];
+        for (int m = 0; m < MR; ++m)
+          for (int v = 0; v < VN; ++v) s16[m][v] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int c = c0; c < c0 + kRun; ++c) {
+          __m256i wv[VN];
+          for (int v = 0; v < VN; ++v) wv[v] = load32(wq[v] + (t * 8 + c) * 64);
+          for (int m = 0; m < MR; ++m) {
+            const __m256i xb = bcast4(x.q + (m0 + m) * x.K + t * 32 + 4 * c);
+            for (int v = 0; v < VN; ++v)
+              s16[m][v] = _mm256_add_epi16(s16[m][v], _mm256_maddubs_epi16(wv[v], xb));
+          }
+        }
+        for (int m = 0; m < MR; ++m)
+          for (int v = 0; v < VN; ++v)
+            a[m][v] = _mm256_add_epi32(a[m][v], _mm256_madd_epi16(s16[m][v], ones));
+      }
+      for (int m = 0; m < MR; ++m) {
+        const __m256 dx = _mm256_set1_ps(x.d[(m0 + m) * x.nd + t]);
+        for (int v = 0; v < VN; ++v)
+          f[m][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[m][v]),
+                                    _mm256_mul_ps(dx, _mm256_loadu_ps(ws[v] + (t * T::H + i) * 16)),
+                                    f[m][v]);
+      }
+    }
+    if constexpr (T::kMin)
+      for (int m = 0; m < MR; ++m) {
+        const __m256 sd = _mm256_set1_ps(x.sd[(m0 + m) * x.nd + t]);
+        for (int v = 0; v < VN; ++v)
+          f[m][v] = _mm256_fmadd_ps(_mm256_loadu_ps(wo[v] + t * 16), sd, f[m][v]);
+      }
+  }
+  for (int v = 0; v < VN; ++v) {
+    const int64_t col = n0 + 8 * (v0 + v);
+    if (col >= N) break;
+    for (int m = 0; m < MR; ++m) store_valid(f[m][v], (m0 + m) * N + col, N - col, yf, yb);
+  }
+}
+#endif
+
+// All of x against the panels of output rows [n0, n0 + kGemmRows).
+template <int64_t QT, int MR>
+QL_INLINE void gemm_rows(const XQ& x, int64_t m0, const GemmPanels& pn, float* yf,
+                         c10::BFloat16* yb, int64_t N, int64_t n0) {
+#if defined(QL_GEMM_VNNI)
+  gemm_tile<QT, MR>(x, m0, pn, yf, yb, N, n0);
+#else
+  for (int v0 = 0; v0 < 2 * kGemmNR; v0 += kGemmVN) gemm_tile<QT, MR, kGemmVN>(x, m0, v0, pn, yf, yb, N, n0);
+#endif
+}
+
 template <int64_t QT>
 void gemm_blocks(const uint8_t* packed, const XQ& x, float* yf, c10::BFloat16* yb, int64_t M,
                  int64_t N, int64_t G, int64_t nb, int64_t i0, int64_t i1) {
@@ -196,11 +323,13 @@ void gemm_blocks(const uint8_t* packed, const XQ& x, float* yf, c10::BFloat16* y
     const int64_t n0 = i * kGemmRows;
     unpack_panels<QT>(packed, G, nb, n0, pn);
     int64_t m0 = 0;
-    for (; m0 + kGemmMR <= M; m0 += kGemmMR) gemm_tile<QT, kGemmMR>(x, m0, pn, yf, yb, N, n0);
-    switch (M - m0) {       // the remainder (kGemmMR <= 4)
-      case 3: gemm_tile<QT, 3>(x, m0, pn, yf, yb, N, n0); break;
-      case 2: gemm_tile<QT, 2>(x, m0, pn, yf, yb, N, n0); break;
-      case 1: gemm_tile<QT, 1>(x, m0, pn, yf, yb, N, n0); break;
+    for (; m0 + kGemmMR <= M; m0 += kGemmMR) gemm_rows<QT, kGemmMR>(x, m0, pn, yf, yb, N, n0);
+    switch (M - m0) {       // the remainder (kGemmMR <= 6)
+      case 5: gemm_rows<QT, 5>(x, m0, pn, yf, yb, N, n0); break;
+      case 4: gemm_rows<QT, 4>(x, m0, pn, yf, yb, N, n0); break;
+      case 3: gemm_rows<QT, 3>(x, m0, pn, yf, yb, N, n0); break;
+      case 2: gemm_rows<QT, 2>(x, m0, pn, yf, yb, N, n0); break;
+      case 1: gemm_rows<QT, 1>(x, m0, pn, yf, yb, N, n0); break;
       default: break;
     }
   }
@@ -213,18 +342,32 @@ void run_gemm(int64_t qt, const uint8_t* packed, const XQ& x, float* yf, c10::BF
     case kQ4_1: return gemm_blocks<kQ4_1>(packed, x, yf, yb, M, N, G, nb, i0, i1);
     case kQ5_0: return gemm_blocks<kQ5_0>(packed, x, yf, yb, M, N, G, nb, i0, i1);
     case kQ5_1: return gemm_blocks<kQ5_1>(packed, x, yf, yb, M, N, G, nb, i0, i1);
+#if defined(QL_GEMM_VNNI)
     case kQ8_0: return gemm_blocks<kQ8_0>(packed, x, yf, yb, M, N, G, nb, i0, i1);
+#endif
     case kQ4_K: return gemm_blocks<kQ4_K>(packed, x, yf, yb, M, N, G, nb, i0, i1);
     case kQ5_K: return gemm_blocks<kQ5_K>(packed, x, yf, yb, M, N, G, nb, i0, i1);
     case kQ6_K: return gemm_blocks<kQ6_K>(packed, x, yf, yb, M, N, G, nb, i0, i1);
     default: TORCH_CHECK(false, "quant_gemm: unsupported GGML type ", qt);
   }
 }
-#endif  // QL_VNNI && __AVX512BF16__
+#endif  // KVS_AVX2
+
+// The rows from which quant_linear hands x to the GEMM (0: no GEMM in this build).
+int64_t gemm_min_rows() {
+#if defined(QL_GEMM)
+  return kGemmMinRows;
+#else
+  return 0;
+#endif
+}
 
 bool gemm_supports(int64_t qtype) {
 #if defined(QL_GEMM)
-  return qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ5_0 || qtype == kQ5_1 || qtype == kQ8_0 ||
+#if defined(QL_GEMM_VNNI)
+  if (qtype == kQ8_0) return true;
+#endif
+  return qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ5_0 || qtype == kQ5_1 ||
          qtype == kQ4_K || qtype == kQ5_K || qtype == kQ6_K;
 #else
   (void)qtype;

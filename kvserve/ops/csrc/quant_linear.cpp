@@ -32,8 +32,9 @@
 // gguf's dequantizer) for the float path (a float32 GEMM on dequantized chunks): on AVX2 a
 // group-block at a time from the packed layout (0.2-0.4 ns a weight, 1 thread, Zen 3; the
 // portable row decoder, quant_dequantize_generic, takes 1.7-5.5 ns). quant_gemm (quant_gemm.h,
-// the VNNI build, every type): the same int8 x blocks against weight panels unpacked once per
-// call, for decode batches of 16+ rows (quant_linear hands them over) and K-quant prompts.
+// every tier from avx2; every type, but Q8_0 on AVX2): the same int8 x blocks against weight
+// panels unpacked once per call, for decode batches of kGemmMinRows+ rows (quant_linear hands
+// them over: 16 with VNNI, 64 on AVX2) and K-quant prompts.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -1047,8 +1048,8 @@ struct QuantizedX {
 // int8 activations into quant_gemm.h's panels.
 at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t N) {
   const Format f = format_of(qtype);
-  TORCH_CHECK(gemm_supports(qtype), "quant_gemm: no int8 GEMM in this build (the avx512_bf16 "
-              "tier has it)");
+  TORCH_CHECK(gemm_supports(qtype), "quant_gemm: no int8 GEMM for GGML type ", qtype,
+              " in this build (the avx2 tier and above have one; Q8_0's on avx512_bf16 only)");
   const bool bf = check_x(x, "quant_gemm");
   const int64_t M = x.size(0), K = x.size(1);
   check_packed(packed, f, N, K);
@@ -1077,7 +1078,7 @@ at::Tensor linear_impl(const at::Tensor& x, const at::Tensor& packed, int64_t qt
   const int64_t M = x.size(0), K = x.size(1);
   check_packed(packed, f, N, K);
 #if defined(QL_GEMM)
-  if (!portable && M >= kGemmMinRows) return quant_gemm(x, packed, qtype, N);
+  if (!portable && M >= kGemmMinRows && gemm_supports(qtype)) return quant_gemm(x, packed, qtype, N);
 #endif
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
@@ -1221,6 +1222,7 @@ TORCH_LIBRARY_FRAGMENT(kvserve, m) {
   m.def("quant_dequantize_ids(Tensor packed, int qtype, int n, Tensor ids) -> Tensor");
   m.def("quant_gemm(Tensor x, Tensor packed, int qtype, int n) -> Tensor");
   m.def("quant_gemm_supports(int qtype) -> bool", &gemm_supports);
+  m.def("quant_gemm_min_rows() -> int", &gemm_min_rows);
   m.def("quant_linear_isa() -> str", &isa);
 }
 

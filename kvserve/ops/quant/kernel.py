@@ -4,14 +4,15 @@
 failed build), looked up once per process:
 
     linear(x [M, K] f32, packed, qtype, n) -> [M, N] f32          int8 dot products (tier's path;
-                                                                  16+ rows: gemm where built)
+                                                                  gemm_min_rows()+: gemm where built)
     linear_generic(...)                                           the portable path, any build
     quantize_x(x, qtype) -> (q int8 [M, K], d f32, sums int32, sd f32)   llama.cpp's Q8_0/1/K blocks
     dequantize(packed, qtype, n, row0, row1) -> f32 [rows, K]     gguf-exact float32 rows
     dequantize_generic(...)                                       the same, the portable path
     dequantize_ids(packed, qtype, n, ids [R] int64) -> f32 [R, K]   rows `ids` (embeddings)
-    gemm(x [M, K] bf16/f32, packed, qtype, n) -> [M, N] x's dtype  int8 GEMM (the VNNI build)
+    gemm(x [M, K] bf16/f32, packed, qtype, n) -> [M, N] x's dtype  int8 GEMM (avx2 tier and up)
     gemm_supports(qtype) -> bool                                  whether this build has gemm for it
+    gemm_min_rows() -> int                                        linear's rows for gemm (0: none)
 """
 from __future__ import annotations
 
@@ -35,7 +36,8 @@ def _load() -> Optional[SimpleNamespace]:
                            quantize_x=k.quant_quantize_x, dequantize=k.quant_dequantize,
                            dequantize_generic=k.quant_dequantize_generic,
                            dequantize_ids=k.quant_dequantize_ids, gemm=k.quant_gemm,
-                           gemm_supports=k.quant_gemm_supports)
+                           gemm_supports=k.quant_gemm_supports,
+                           gemm_min_rows=k.quant_gemm_min_rows)
 
 
 @functools.lru_cache(maxsize=1)

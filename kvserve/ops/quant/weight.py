@@ -12,15 +12,15 @@ CHUNK_ELEMS floats at a time into a float32 temporary for oneDNN's GEMM (dequant
 x unquantized, so a prompt's hidden states are those of the dequantized float32 model; with
 bfloat16 x (a bf16 model: dtype "auto" for a packed file on a CPU with bf16 math,
 config.resolve_dtype) the chunks are rounded to bf16 for bf16 GEMMs, twice float32's rate --
-except on the K-quants where the build has the int8 GEMM (INT8_GEMM: the avx512_bf16 tier),
-which takes bf16 prompts with x in int8 blocks as llama.cpp does (0.85B Q4_K_M prompt of 512:
-244 -> 379 tok/s, Zen 4). Why unquantized x otherwise, measured: the int8 activations of the
-prompt's layers moved the demo's first answer token by 0.2 nats on a near-tie ("L'Etoile" for
-"The capital of France is Paris."), and the logits by 0.05 more (hence `precise` for the LM
-head). The price is small since the GEMMs run on
-oneDNN (ops.linear.mm_t): benchmarks/quant_kernels.py --large-rows 256 512, 1 thread, SmolLM2's
-Q8_0 / Q4_K shapes, Zen 5: the float path takes 0.69-0.84x the int8 kernel's time on the
-avx2 tier and 1.05-1.28x on VNNI (on MKL's sgemm it was 1.4-2.3x on a Zen 3). The float path also serves
+except on the K-quants where the build has the int8 GEMM (INT8_GEMM: every tier from avx2),
+which takes prompts with x in int8 blocks as llama.cpp does (0.85B Q4_K_M prompt of 512, Zen 4:
+244 -> 379 tok/s in bf16; on the avx2 tier, float32, 121 -> 182). Why unquantized x otherwise,
+measured: the int8 activations of the prompt's layers moved the demo's first answer token by
+0.2 nats on a near-tie ("L'Etoile" for "The capital of France is Paris."), and the logits by
+0.05 more (hence `precise` for the LM head). The price is small since the GEMMs run on oneDNN
+(ops.linear.mm_t): benchmarks/quant_kernels.py --large-rows 256 512, 1 thread, SmolLM2's Q8_0 /
+Q4_K shapes, Zen 5: the float path takes 0.69-0.84x the int8 kernel's time on the avx2 tier
+and 1.05-1.28x on VNNI (on MKL's sgemm it was 1.4-2.3x on a Zen 3). The float path also serves
 x on another device and builds without the kernel (not x86-64, no compiler,
 KVSERVE_DISABLE_CPU_KERNELS=1), where the chunks are dequantized with torch ops.
 
@@ -74,24 +74,27 @@ def int8_max_rows() -> Optional[int]:
     return max(INT8_MAX_ROWS, INT8_DECODE_MAX_ROWS)
 
 
-# bf16 prompts (more than INT8_MAX_ROWS rows) on the K-quants take the kernel's int8 GEMM where
-# the build has one (the avx512_bf16 tier: csrc/quant_gemm.h), not bf16 GEMMs on dequantized
-# chunks: x in the same int8 blocks as decode (as llama.cpp's prompts). The 0.85B Llama's
-# shapes at 512 rows, weights from memory, 2 threads, Zen 4 (benchmarks/quant_kernels.py
-# --gemm-rows): 1.34-1.64x the bf16 chunks' speed (Q4_K 585-613 GOP/s, Q6_K 501-517). Why not
-# the legacy types' prompts, which it runs as fast: the demo (Q4_1, bf16) then answers
-# "L'Étoile" to "What is the capital of France?" (-1.94 nats against "The" -1.96; the bf16
-# chunks: "The" -1.74, "Paris"), and their prompts are already 1.7-4.4x llama.cpp's. Decode
-# steps of 16+ rows take the GEMM inside the int8 op (kGemmMinRows), every type.
+# Prompts (more than INT8_MAX_ROWS rows) on the K-quants take the kernel's int8 GEMM where the
+# build has one (every tier from avx2: csrc/quant_gemm.h), not GEMMs on dequantized chunks: x
+# in the same int8 blocks as decode, as llama.cpp's prompts and vLLM's GGUF kernels (whatever
+# the activation dtype). The 0.85B Llama's shapes at 512 rows, weights from memory, 2 threads,
+# Zen 4 (benchmarks/quant_kernels.py --gemm-rows): bf16 x on the avx512_bf16 tier 1.34-1.64x
+# the bf16 chunks' speed (Q4_K 585-613 GOP/s, Q6_K 501-517); float32 x on the avx2 tier (its
+# default dtype) 1.63-1.87x the float32 chunks' (Q4_K 302-318 GOP/s), Q6_K 1.34-1.57x (228-248). Why not the legacy types' prompts, which it
+# runs as fast: the demo (Q4_1, bf16) then answers "L'Étoile" to "What is the capital of
+# France?" (-1.94 nats against "The" -1.96; the bf16 chunks: "The" -1.74, "Paris"), and their
+# prompts are already 1.7-4.4x llama.cpp's (2.2x on the avx2 tier). Decode steps of
+# kGemmMinRows+ rows (16 with VNNI, 64 on AVX2) take the GEMM inside the int8 op, every type
+# the build has it for (all but Q8_0 on AVX2). The LM head (precise) keeps float x.
 INT8_GEMM = True
 PROMPT_GEMM_TYPES = frozenset({"Q4_K", "Q5_K", "Q6_K"})
 
 
 def prompt_gemm_ops(fmt: BlockFormat, x: torch.Tensor) -> Optional[object]:
     """The kernel's ops where prompt rows x (past the int8 kernel's rows) on weights of `fmt`
-    take its int8 GEMM (INT8_GEMM's note: bf16 x on CPU, a K-quant, a build with it), else
-    None. Dense layers and MoE experts (fused_moe/packed.py) ask the same question."""
-    if not INT8_GEMM or x.dtype != torch.bfloat16 or x.device.type != "cpu":
+    take its int8 GEMM (INT8_GEMM's note: float32 or bf16 x on CPU, a K-quant, a build with
+    it), else None. Dense layers and MoE experts (fused_moe/packed.py) ask the same question."""
+    if not INT8_GEMM or x.dtype not in (torch.bfloat16, torch.float32) or x.device.type != "cpu":
         return None
     ops = kernel.ops() if fmt.name in PROMPT_GEMM_TYPES else None
     return ops if ops is not None and ops.gemm_supports(fmt.ggml_type) else None
@@ -170,7 +173,7 @@ class PackedQuantWeight:
         rows, limit = x2.shape[0], int8_max_rows()
         int8 = ops is not None and 0 < rows and (limit is None or rows <= limit)
         xk = xs if bias is None else xs.float()         # a bias is added to float32 y
-        gemm = None if int8 or not keep_bf16 else prompt_gemm_ops(self.fmt, xs)
+        gemm = None if int8 or precise else prompt_gemm_ops(self.fmt, xk)
         if gemm is not None:
             y = gemm.gemm(xk.contiguous(), self.packed, self.fmt.ggml_type, n)
         elif int8:

@@ -99,9 +99,9 @@ def expert_matmul(w: ExpertStack, e: int, x: torch.Tensor, int8_ops: Optional[ob
                   ) -> torch.Tensor:
     """x [n, K] float32 (or bfloat16, a bf16 model's prefill) @ expert e's W^T -> [n, N]
     float32: the int8 kernel on its packed blocks (`int8_ops`: kernel.ops(), a decode-sized
-    step), else a dense layer's prompt arithmetic (PackedQuantWeight.matmul: bf16 x on a
-    K-quant the int8 GEMM, otherwise the dequantized GEMM in x's dtype, so a float32 prefill
-    equals the dequantized model's); a float stack widened per expert."""
+    step), else a dense layer's prompt arithmetic (PackedQuantWeight.matmul: on a K-quant the
+    int8 GEMM where the build has one, otherwise the dequantized GEMM in x's dtype); a float
+    stack widened per expert."""
     if isinstance(w, torch.Tensor):
         return mm_t(x.float(), widened(w[e], torch.float32))
     if int8_ops is not None:
