@@ -23,12 +23,14 @@ benchmarks/linear.py).
         [--large-rows 16 64 256] [--dequant] [--threads 1] [--iters 30] [--stat median] [--clock cpu]
         [--output-json out.json]
 
-The int8 GEMM (--gemm-rows, prompts and decode-only steps of Q4_K / Q5_K on the avx512_bf16
-tier): bf16 x on the 0.85B Llama's shapes, against the bf16 path it replaces (dequantized
-chunks into bf16 GEMMs) and the small-batch kernel.
+The int8 GEMM (--gemm-rows: the K-quants' prompts and large decode batches, every tier from
+avx2): x in --gemm-dtype (bfloat16, the avx512_bf16 tier's default; float32, the avx2 tier's)
+on the 0.85B Llama's shapes, against the path it replaces (dequantized chunks into GEMMs in
+x's dtype) and the small-batch kernel (`ops.linear`, which itself hands the GEMM
+gemm_min_rows() rows and more).
 
     python benchmarks/quant_kernels.py --types Q4_K --rows --large-rows --gemm-rows 4 8 16 64 512
-        --threads 2
+        --threads 2 [--gemm-dtype float32]
 
 K-quants apply only where K is a multiple of 256 (down, 1536 wide); llama.cpp's Q4_K_M stores
 the 576-wide rows as Q5_0. On a shared machine: --threads 1 --clock cpu --stat median.
@@ -194,18 +196,20 @@ GEMM_SHAPES = [("qkv", 3072, 2048), ("o", 2048, 2048), ("gate_up", 11264, 2048),
 
 
 def gemm_batches(args: argparse.Namespace, ops: Any) -> list[dict[str, Any]]:
-    """The int8 GEMM (csrc/quant_gemm.h) against the bf16 path it replaces for prompts
-    (dequantized chunks into bf16 GEMMs) and the small-batch kernel, bf16 x, per call."""
+    """The int8 GEMM (csrc/quant_gemm.h) against the path it replaces for prompts (dequantized
+    chunks into GEMMs in x's dtype, --gemm-dtype) and the small-batch kernel, per call."""
     rng = np.random.default_rng(3)
     rows: list[dict[str, Any]] = []
-    print(f"\n{'type':>5} {'shape':>8} {'M':>4} {'gemm us':>9} {'bf16 deq us':>11} "
-          f"{'int8 small us':>13} {'gemm GOP/s':>10} {'bf16/gemm':>9} {'small/gemm':>10}")
+    dtype = getattr(torch, args.gemm_dtype)
+    tag = "bf16" if dtype == torch.bfloat16 else "f32"
+    print(f"\n{'type':>5} {'shape':>8} {'M':>4} {'gemm us':>9} {tag + ' deq us':>11} "
+          f"{'int8 small us':>13} {'gemm GOP/s':>10} {tag + '/gemm':>9} {'small/gemm':>10}")
     for qtype in [t for t in args.types if ops.gemm_supports(FORMATS[t].ggml_type)]:
         fmt = FORMATS[qtype]
         for label, n, k in GEMM_SHAPES:
             ws = [random_weight(qtype, n, k, rng) for _ in range(2)]
             for m in args.gemm_rows:
-                x = torch.randn(m, k).bfloat16()
+                x = torch.randn(m, k).to(dtype)
                 fns = {"gemm": lambda i: ops.gemm(x, ws[i % 2].packed, fmt.ggml_type, n),
                        "bf16": lambda i: ws[i % 2].dequantized_matmul(x),
                        "small": lambda i: ops.linear(x, ws[i % 2].packed, fmt.ggml_type, n)}
@@ -215,7 +219,8 @@ def gemm_batches(args: argparse.Namespace, ops: Any) -> list[dict[str, Any]]:
                       f"{2 * m * n * k / t['gemm'] / 1e9:>10.0f} {t['bf16'] / t['gemm']:>8.2f}x "
                       f"{t['small'] / t['gemm']:>9.2f}x", flush=True)
                 rows.append(dict(section="gemm", type=qtype, shape=label, n=n, k=k, m=m,
-                                 gemm_s=t["gemm"], bf16_dequant_gemm_s=t["bf16"],
+                                 x_dtype=args.gemm_dtype, gemm_s=t["gemm"],
+                                 **{f"{tag}_dequant_gemm_s": t["bf16"]},
                                  int8_small_s=t["small"]))
     return rows
 
@@ -230,6 +235,8 @@ def main() -> None:
                    help="the dequantizers' speed (tier vs portable), and a portable column")
     p.add_argument("--gemm-rows", type=int, nargs="*", default=[],
                    help="the int8 GEMM on the 0.85B Llama's shapes at these rows (bf16 x)")
+    p.add_argument("--gemm-dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                   help="--gemm-rows: x's dtype (float32: the avx2 tier's prompts)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--stat", choices=["best", "median"], default="median")
