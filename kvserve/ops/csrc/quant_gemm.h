@@ -71,7 +71,8 @@ template <int64_t QT> struct GemmType {
   // 4-bit types, 4 for the 5-bit ones, 2 for Q6_K. Q8_0's 255 allows none (no AVX2 GEMM).
   static constexpr int kMaxU = QT == kQ8_0 ? 255 : QT == kQ6_K ? 63 :
                                QT == kQ5_0 || QT == kQ5_1 || QT == kQ5_K ? 31 : 15;
-  static constexpr int kI16 = 32767 / (2 * 127 * kMaxU) >= 8 ? 8 : 32767 / (2 * 127 * kMaxU) >= 4 ? 4 : 2;
+  static constexpr int kFit = 32767 / (2 * 127 * kMaxU);
+  static constexpr int kI16 = kFit >= 8 ? 8 : kFit >= 4 ? 4 : 2;
 };
 
 // One work item's weight rows as panels: w [NR][K/32][8 quads][16 rows][4] u8,
@@ -311,7 +312,8 @@ QL_INLINE void gemm_rows(const XQ& x, int64_t m0, const GemmPanels& pn, float* y
 #if defined(QL_GEMM_VNNI)
   gemm_tile<QT, MR>(x, m0, pn, yf, yb, N, n0);
 #else
-  for (int v0 = 0; v0 < 2 * kGemmNR; v0 += kGemmVN) gemm_tile<QT, MR, kGemmVN>(x, m0, v0, pn, yf, yb, N, n0);
+  for (int v0 = 0; v0 < 2 * kGemmNR; v0 += kGemmVN)
+    gemm_tile<QT, MR, kGemmVN>(x, m0, v0, pn, yf, yb, N, n0);
 #endif
 }
 

@@ -7,17 +7,17 @@ matmul on CPU with the kernel built runs the int8 kernel up to INT8_MAX_ROWS row
 speculative verification: x quantized per block to int8 exactly as llama.cpp quantizes it for
 this weight type, integer dot products), and up to INT8_DECODE_MAX_ROWS in a step of decode
 tokens only (decode_step, set by the model runner): a stream over the packed bytes (0.56 - 1.06
-bytes a weight instead of float32's 4). Larger batches (prefill) take the weight dequantized
-CHUNK_ELEMS floats at a time into a float32 temporary for oneDNN's GEMM (dequantized_matmul),
-x unquantized, so a prompt's hidden states are those of the dequantized float32 model; with
-bfloat16 x (a bf16 model: dtype "auto" for a packed file on a CPU with bf16 math,
-config.resolve_dtype) the chunks are rounded to bf16 for bf16 GEMMs, twice float32's rate --
-except on the K-quants where the build has the int8 GEMM (INT8_GEMM: every tier from avx2),
-which takes prompts with x in int8 blocks as llama.cpp does (0.85B Q4_K_M prompt of 512, Zen 4:
-244 -> 379 tok/s in bf16; on the avx2 tier, float32, 121 -> 182). Why unquantized x otherwise,
-measured: the int8 activations of the prompt's layers moved the demo's first answer token by
-0.2 nats on a near-tie ("L'Etoile" for "The capital of France is Paris."), and the logits by
-0.05 more (hence `precise` for the LM head). The price is small since the GEMMs run on oneDNN
+bytes a weight instead of float32's 4). Larger batches (prefill) on the K-quants take the int8
+GEMM where the build has one (INT8_GEMM: every tier from avx2), x in int8 blocks as llama.cpp
+does (0.85B Q4_K_M prompt of 512, Zen 4: 244 -> 379 tok/s in bf16; on the avx2 tier, float32,
+121 -> 182). Other larger batches take the weight dequantized CHUNK_ELEMS floats at a time into
+a float32 temporary for oneDNN's GEMM (dequantized_matmul), x unquantized, so a prompt's hidden
+states are those of the dequantized float32 model; with bfloat16 x (a bf16 model: dtype "auto"
+for a packed file on a CPU with bf16 math, config.resolve_dtype) the chunks are rounded to bf16
+for bf16 GEMMs, twice float32's rate. Why unquantized x there, measured: the int8 activations
+of the prompt's layers moved the demo's first answer token by 0.2 nats on a near-tie
+("L'Etoile" for "The capital of France is Paris."), and the logits by 0.05 more (hence
+`precise` for the LM head). The price is small since the GEMMs run on oneDNN
 (ops.linear.mm_t): benchmarks/quant_kernels.py --large-rows 256 512, 1 thread, SmolLM2's Q8_0 /
 Q4_K shapes, Zen 5: the float path takes 0.69-0.84x the int8 kernel's time on the avx2 tier
 and 1.05-1.28x on VNNI (on MKL's sgemm it was 1.4-2.3x on a Zen 3). The float path also serves
@@ -80,10 +80,11 @@ def int8_max_rows() -> Optional[int]:
 # the activation dtype). The 0.85B Llama's shapes at 512 rows, weights from memory, 2 threads,
 # Zen 4 (benchmarks/quant_kernels.py --gemm-rows): bf16 x on the avx512_bf16 tier 1.34-1.64x
 # the bf16 chunks' speed (Q4_K 585-613 GOP/s, Q6_K 501-517); float32 x on the avx2 tier (its
-# default dtype) 1.63-1.87x the float32 chunks' (Q4_K 302-318 GOP/s), Q6_K 1.34-1.57x (228-248). Why not the legacy types' prompts, which it
-# runs as fast: the demo (Q4_1, bf16) then answers "L'Étoile" to "What is the capital of
-# France?" (-1.94 nats against "The" -1.96; the bf16 chunks: "The" -1.74, "Paris"), and their
-# prompts are already 1.7-4.4x llama.cpp's (2.2x on the avx2 tier). Decode steps of
+# default dtype) 1.63-1.87x the float32 chunks' (Q4_K 302-318 GOP/s), Q6_K 1.34-1.57x (228-248).
+# Why not the legacy types' prompts, which it runs as fast: the demo (Q4_1, bf16) then answers
+# "L'Étoile" to "What is the capital of France?" (-1.94 nats against "The" -1.96; the bf16
+# chunks: "The" -1.74, "Paris"), and their prompts are already 1.7-4.4x llama.cpp's (2.1-2.2x
+# on the avx2 tier). Decode steps of
 # kGemmMinRows+ rows (16 with VNNI, 64 on AVX2) take the GEMM inside the int8 op, every type
 # the build has it for (all but Q8_0 on AVX2). The LM head (precise) keeps float x.
 INT8_GEMM = True
