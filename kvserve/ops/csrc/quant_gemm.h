@@ -156,6 +156,16 @@ void unpack_panels(const uint8_t* packed, int64_t G, int64_t nb, int64_t n0, Gem
     }
 }
 
+// An int32 accumulator's start for x row `row`, 32-block t, scale i: -offset * x's int sum over
+// the scale's span (Q6_K's 16 values, the legacy types' 32; the offset-free types read none).
+template <int64_t QT>
+QL_INLINE int32_t offset_term(const XQ& x, int64_t row, int64_t t, int i) {
+  using T = GemmType<QT>;
+  if constexpr (T::kOff == 0) return 0;
+  const int32_t* xs = x.s + row * x.ns;
+  return -T::kOff * (T::H == 2 ? xs[2 * t + i] : xs[t]);
+}
+
 #if defined(QL_GEMM_VNNI)
 // y rows [m0, m0 + MR) x the panels' columns from n0 (the valid ones: N - n0 of them).
 template <int64_t QT, int MR>
@@ -172,11 +182,7 @@ __attribute__((noinline)) void gemm_tile(const XQ& x, int64_t m0, const GemmPane
     for (int i = 0; i < T::H; ++i) {
       __m512i a[MR][kGemmNR];
       for (int m = 0; m < MR; ++m) {
-        // x's int sum over this scale's span: Q6_K's 16 values, the legacy types' 32 (the
-        // offset-free Q4_K / Q5_K read none)
-        const int32_t* xs = x.s + (m0 + m) * x.ns;
-        const int32_t span = T::kOff == 0 ? 0 : T::H == 2 ? xs[2 * t + i] : xs[t];
-        const __m512i start = _mm512_set1_epi32(-T::kOff * span);
+        const __m512i start = _mm512_set1_epi32(offset_term<QT>(x, m0 + m, t, i));
         for (int r = 0; r < kGemmNR; ++r) a[m][r] = start;
       }
 #pragma GCC unroll 8
@@ -260,9 +266,8 @@ __attribute__((noinline)) void gemm_tile(const XQ& x, int64_t m0, int v0, const 
     for (int i = 0; i < T::H; ++i) {
       __m256i a[MR][VN];
       for (int m = 0; m < MR; ++m) {
-        const int32_t* xs = x.s + (m0 + m) * x.ns;
-        const int32_t span = T::kOff == 0 ? 0 : T::H == 2 ? xs[2 * t + i] : xs[t];
-        for (int v = 0; v < VN; ++v) a[m][v] = _mm256_set1_epi32(-T::kOff * span);
+        const __m256i start = _mm256_set1_epi32(offset_term<QT>(x, m0 + m, t, i));
+        for (int v = 0; v < VN; ++v) a[m][v] = start;
       }
       for (int c0 = kQuads * i; c0 < kQuads * (i + 1); c0 += kRun) {
         __m256i s16[MR][VN];
