@@ -211,16 +211,16 @@ def gemm_batches(args: argparse.Namespace, ops: Any) -> list[dict[str, Any]]:
             for m in args.gemm_rows:
                 x = torch.randn(m, k).to(dtype)
                 fns = {"gemm": lambda i: ops.gemm(x, ws[i % 2].packed, fmt.ggml_type, n),
-                       "bf16": lambda i: ws[i % 2].dequantized_matmul(x),
+                       "deq": lambda i: ws[i % 2].dequantized_matmul(x),
                        "small": lambda i: ops.linear(x, ws[i % 2].packed, fmt.ggml_type, n)}
                 t = time_alternately(fns, 2, max(5, args.iters // 3), args.stat, args.clock)
                 print(f"{qtype:>5} {label:>8} {m:>4} {t['gemm'] * 1e6:>9.0f} "
-                      f"{t['bf16'] * 1e6:>11.0f} {t['small'] * 1e6:>13.0f} "
-                      f"{2 * m * n * k / t['gemm'] / 1e9:>10.0f} {t['bf16'] / t['gemm']:>8.2f}x "
+                      f"{t['deq'] * 1e6:>11.0f} {t['small'] * 1e6:>13.0f} "
+                      f"{2 * m * n * k / t['gemm'] / 1e9:>10.0f} {t['deq'] / t['gemm']:>8.2f}x "
                       f"{t['small'] / t['gemm']:>9.2f}x", flush=True)
                 rows.append(dict(section="gemm", type=qtype, shape=label, n=n, k=k, m=m,
                                  x_dtype=args.gemm_dtype, gemm_s=t["gemm"],
-                                 **{f"{tag}_dequant_gemm_s": t["bf16"]},
+                                 **{f"{tag}_dequant_gemm_s": t["deq"]},
                                  int8_small_s=t["small"]))
     return rows
 
@@ -234,7 +234,7 @@ def main() -> None:
     p.add_argument("--dequant", action="store_true",
                    help="the dequantizers' speed (tier vs portable), and a portable column")
     p.add_argument("--gemm-rows", type=int, nargs="*", default=[],
-                   help="the int8 GEMM on the 0.85B Llama's shapes at these rows (bf16 x)")
+                   help="the int8 GEMM on the 0.85B Llama's shapes at these rows (x: --gemm-dtype)")
     p.add_argument("--gemm-dtype", choices=["bfloat16", "float32"], default="bfloat16",
                    help="--gemm-rows: x's dtype (float32: the avx2 tier's prompts)")
     p.add_argument("--threads", type=int, default=1)

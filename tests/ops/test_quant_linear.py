@@ -359,8 +359,8 @@ def test_large_batches_of_bf16_x_run_bf16_gemms(name: str, monkeypatch: pytest.M
     assert (err <= 0).all(), np.abs(y.double().numpy() - ref).max()
 
 
-# Each type's stored weight values in its GGUF block (bytes [lo, hi)): every one set to its
-# largest magnitude by SATURATING_BYTE (Q8_0: -128; the others' unsigned maximum, 15 .. 63).
+# Each type's stored weight values in its GGUF block (bytes [lo, hi)), which the limit test sets
+# to their largest magnitude (0x80: Q8_0's -128; 0xFF: the others' unsigned maximum, 15 .. 63).
 QUANT_BYTES = {"Q4_0": (2, 18), "Q4_1": (4, 20), "Q5_0": (2, 22), "Q5_1": (4, 24),
                "Q8_0": (2, 34), "Q4_K": (16, 144), "Q5_K": (16, 176), "Q6_K": (0, 192)}
 

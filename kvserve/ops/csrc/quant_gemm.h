@@ -46,13 +46,12 @@ constexpr int kGemmMR = 4;                       // x rows per microkernel call
 // every type: small-batch kernel / GEMM time 1.01-1.51x at 16 rows, 0.72-1.36x at 8).
 constexpr int64_t kGemmMinRows = 16;
 #else
-// 4 x rows by 2 of the 8-row vectors (one 16-row panel) a call: 8 int16 and 8 float
+// 4 x rows by one 16-row panel (its two 8-row halves) a call: 8 int16 and 8 float
 // accumulators. The 0.85B Llama's Q4_K / Q6_K layers, 512 rows of float32 x, 2 threads, Zen 4
 // on the avx2 tier, GOP/s: 298-318 / 235-244 at 4 x 2; 282-314 / 226-244 at 3 x 2, 273-301 /
 // 223-230 at 5 x 2, 249-272 / 198-229 at 2 x 4, 254-283 / 214-220 at 4 x 1, 260-289 /
 // 198-202 at 6 x 1.
 constexpr int kGemmMR = 4;
-constexpr int kGemmVN = 2;
 // The small-batch kernel, which takes x 4 rows at a time over a group in L1, keeps up with
 // this GEMM longer on AVX2 (same shapes and host, small-batch / GEMM time: 0.58-0.98x at 8
 // rows, 0.72-1.02x at 16, 0.92-1.08x at 32, 0.98-1.18x at 64, 1.04-1.22x at 128).
@@ -84,9 +83,16 @@ struct GemmPanels {
   GemmPanels(int64_t K, int64_t h)
       : w(static_cast<size_t>(kGemmRows * K)), ws(static_cast<size_t>(kGemmNR * K / 2 * h)),
         wo(static_cast<size_t>(kGemmNR * K / 2)), nt(K / 32), hs(h) {}
-  uint8_t* wq(int p, int64_t t, int c, int h) { return w.data() + ((p * nt + t) * 8 + c) * 64 + h * 32; }
-  float* s(int p, int64_t t, int i, int h) { return ws.data() + ((p * nt + t) * hs + i) * 16 + h * 8; }
-  float* o(int p, int64_t t, int h) { return wo.data() + (p * nt + t) * 16 + h * 8; }
+  // Panel p, 32-block t, quad c / scale i, 8-row half h (the microkernels read 16 rows from h 0).
+  size_t wq_at(int p, int64_t t, int c, int h) const { return ((p * nt + t) * 8 + c) * 64 + h * 32; }
+  size_t s_at(int p, int64_t t, int i, int h) const { return ((p * nt + t) * hs + i) * 16 + h * 8; }
+  size_t o_at(int p, int64_t t, int h) const { return (p * nt + t) * 16 + h * 8; }
+  uint8_t* wq(int p, int64_t t, int c, int h) { return w.data() + wq_at(p, t, c, h); }
+  float* s(int p, int64_t t, int i, int h) { return ws.data() + s_at(p, t, i, h); }
+  float* o(int p, int64_t t, int h) { return wo.data() + o_at(p, t, h); }
+  const uint8_t* wq(int p, int64_t t, int c, int h) const { return w.data() + wq_at(p, t, c, h); }
+  const float* s(int p, int64_t t, int i, int h) const { return ws.data() + s_at(p, t, i, h); }
+  const float* o(int p, int64_t t, int h) const { return wo.data() + o_at(p, t, h); }
 };
 
 QL_INLINE void store32(uint8_t* dst, __m256i v) {
@@ -177,7 +183,6 @@ __attribute__((noinline)) void gemm_tile(const XQ& x, int64_t m0, const GemmPane
   __m512 f[MR][kGemmNR];
   for (int m = 0; m < MR; ++m)
     for (int r = 0; r < kGemmNR; ++r) f[m][r] = _mm512_setzero_ps();
-  const uint8_t* w = pn.w.data();
   for (int64_t t = 0; t < nt; ++t) {
     for (int i = 0; i < T::H; ++i) {
       __m512i a[MR][kGemmNR];
@@ -188,7 +193,7 @@ __attribute__((noinline)) void gemm_tile(const XQ& x, int64_t m0, const GemmPane
 #pragma GCC unroll 8
       for (int c = kQuads * i; c < kQuads * (i + 1); ++c) {
         __m512i wv[kGemmNR];
-        for (int r = 0; r < kGemmNR; ++r) wv[r] = _mm512_loadu_si512(w + ((r * nt + t) * 8 + c) * 64);
+        for (int r = 0; r < kGemmNR; ++r) wv[r] = _mm512_loadu_si512(pn.wq(r, t, c, 0));
         for (int m = 0; m < MR; ++m) {
           int32_t quad;
           std::memcpy(&quad, x.q + (m0 + m) * x.K + t * 32 + 4 * c, sizeof(quad));
@@ -199,7 +204,7 @@ __attribute__((noinline)) void gemm_tile(const XQ& x, int64_t m0, const GemmPane
       for (int m = 0; m < MR; ++m) {
         const __m512 dx = _mm512_set1_ps(x.d[(m0 + m) * x.nd + t]);
         for (int r = 0; r < kGemmNR; ++r) {
-          const __m512 ws = _mm512_loadu_ps(pn.ws.data() + ((r * nt + t) * T::H + i) * 16);
+          const __m512 ws = _mm512_loadu_ps(pn.s(r, t, i, 0));
           f[m][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[m][r]), _mm512_mul_ps(dx, ws), f[m][r]);
         }
       }
@@ -208,7 +213,7 @@ __attribute__((noinline)) void gemm_tile(const XQ& x, int64_t m0, const GemmPane
       for (int m = 0; m < MR; ++m) {
         const __m512 sd = _mm512_set1_ps(x.sd[(m0 + m) * x.nd + t]);
         for (int r = 0; r < kGemmNR; ++r)
-          f[m][r] = _mm512_fmadd_ps(_mm512_loadu_ps(pn.wo.data() + (r * nt + t) * 16), sd, f[m][r]);
+          f[m][r] = _mm512_fmadd_ps(_mm512_loadu_ps(pn.o(r, t, 0)), sd, f[m][r]);
       }
   }
   for (int r = 0; r < kGemmNR; ++r) {
@@ -237,28 +242,20 @@ QL_INLINE void store_valid(__m256 v, int64_t at, int64_t valid, float* yf, c10::
   }
 }
 
-// The AVX2 microkernel: the same panels, read as 8-row vectors (v = 2p + half). maddubs (u8
-// weights x s8 x -> int16 pair sums) into int16 lanes for kI16 quads, then madd (x 1 -> int32).
-// The int32 sums are the VNNI path's exactly, so the bits are the same. Rows [m0, m0 + MR) x
-// vectors [v0, v0 + VN).
-template <int64_t QT, int MR, int VN>
-__attribute__((noinline)) void gemm_tile(const XQ& x, int64_t m0, int v0, const GemmPanels& pn,
+// The AVX2 microkernel: the same panels, a 16-row panel read as two 8-row halves (vectors h).
+// maddubs (u8 weights x s8 x -> int16 pair sums) into int16 lanes for kI16 quads, then madd
+// (x 1 -> int32). The int32 sums are the VNNI path's exactly, so the bits are the same. Rows
+// [m0, m0 + MR) x panel p.
+template <int64_t QT, int MR>
+__attribute__((noinline)) void gemm_tile(const XQ& x, int64_t m0, int p, const GemmPanels& pn,
                                          float* yf, c10::BFloat16* yb, int64_t N, int64_t n0) {
+  constexpr int VN = 2;                         // the panel's halves
   using T = GemmType<QT>;
   static_assert(T::kMaxU < 255, "maddubs pairs of u8 weights would saturate");
   constexpr int kQuads = 8 / T::H;              // quads under one scale
   constexpr int kRun = T::kI16 < kQuads ? T::kI16 : kQuads;
   const int64_t nt = pn.nt;
   const __m256i ones = _mm256_set1_epi16(1);
-  const uint8_t* wq[VN];
-  const float* ws[VN];
-  const float* wo[VN];
-  for (int v = 0; v < VN; ++v) {
-    const int p = (v0 + v) / 2, h = (v0 + v) % 2;
-    wq[v] = pn.w.data() + p * nt * 8 * 64 + h * 32;
-    ws[v] = pn.ws.data() + p * nt * T::H * 16 + h * 8;
-    wo[v] = pn.wo.data() + p * nt * 16 + h * 8;
-  }
   __m256 f[MR][VN];
   for (int m = 0; m < MR; ++m)
     for (int v = 0; v < VN; ++v) f[m][v] = _mm256_setzero_ps();
@@ -276,7 +273,7 @@ __attribute__((noinline)) void gemm_tile(const XQ& x, int64_t m0, int v0, const 
 #pragma GCC unroll 8
         for (int c = c0; c < c0 + kRun; ++c) {
           __m256i wv[VN];
-          for (int v = 0; v < VN; ++v) wv[v] = load32(wq[v] + (t * 8 + c) * 64);
+          for (int v = 0; v < VN; ++v) wv[v] = load32(pn.wq(p, t, c, v));
           for (int m = 0; m < MR; ++m) {
             const __m256i xb = bcast4(x.q + (m0 + m) * x.K + t * 32 + 4 * c);
             for (int v = 0; v < VN; ++v)
@@ -291,7 +288,7 @@ __attribute__((noinline)) void gemm_tile(const XQ& x, int64_t m0, int v0, const 
         const __m256 dx = _mm256_set1_ps(x.d[(m0 + m) * x.nd + t]);
         for (int v = 0; v < VN; ++v)
           f[m][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[m][v]),
-                                    _mm256_mul_ps(dx, _mm256_loadu_ps(ws[v] + (t * T::H + i) * 16)),
+                                    _mm256_mul_ps(dx, _mm256_loadu_ps(pn.s(p, t, i, v))),
                                     f[m][v]);
       }
     }
@@ -299,11 +296,11 @@ __attribute__((noinline)) void gemm_tile(const XQ& x, int64_t m0, int v0, const 
       for (int m = 0; m < MR; ++m) {
         const __m256 sd = _mm256_set1_ps(x.sd[(m0 + m) * x.nd + t]);
         for (int v = 0; v < VN; ++v)
-          f[m][v] = _mm256_fmadd_ps(_mm256_loadu_ps(wo[v] + t * 16), sd, f[m][v]);
+          f[m][v] = _mm256_fmadd_ps(_mm256_loadu_ps(pn.o(p, t, v)), sd, f[m][v]);
       }
   }
   for (int v = 0; v < VN; ++v) {
-    const int64_t col = n0 + 8 * (v0 + v);
+    const int64_t col = n0 + 16 * p + 8 * v;
     if (col >= N) break;
     for (int m = 0; m < MR; ++m) store_valid(f[m][v], (m0 + m) * N + col, N - col, yf, yb);
   }
@@ -317,8 +314,7 @@ QL_INLINE void gemm_rows(const XQ& x, int64_t m0, const GemmPanels& pn, float* y
 #if defined(QL_GEMM_VNNI)
   gemm_tile<QT, MR>(x, m0, pn, yf, yb, N, n0);
 #else
-  for (int v0 = 0; v0 < 2 * kGemmNR; v0 += kGemmVN)
-    gemm_tile<QT, MR, kGemmVN>(x, m0, v0, pn, yf, yb, N, n0);
+  for (int p = 0; p < kGemmNR; ++p) gemm_tile<QT, MR>(x, m0, p, pn, yf, yb, N, n0);
 #endif
 }
 
@@ -331,9 +327,8 @@ void gemm_blocks(const uint8_t* packed, const XQ& x, float* yf, c10::BFloat16* y
     unpack_panels<QT>(packed, G, nb, n0, pn);
     int64_t m0 = 0;
     for (; m0 + kGemmMR <= M; m0 += kGemmMR) gemm_rows<QT, kGemmMR>(x, m0, pn, yf, yb, N, n0);
-    switch (M - m0) {       // the remainder (kGemmMR <= 6)
-      case 5: gemm_rows<QT, 5>(x, m0, pn, yf, yb, N, n0); break;
-      case 4: gemm_rows<QT, 4>(x, m0, pn, yf, yb, N, n0); break;
+    static_assert(kGemmMR <= 4, "the remainder's cases");
+    switch (M - m0) {       // the remainder
       case 3: gemm_rows<QT, 3>(x, m0, pn, yf, yb, N, n0); break;
       case 2: gemm_rows<QT, 2>(x, m0, pn, yf, yb, N, n0); break;
       case 1: gemm_rows<QT, 1>(x, m0, pn, yf, yb, N, n0); break;

@@ -1044,8 +1044,8 @@ struct QuantizedX {
   XQ view() const { return XQ{q.data(), d.data(), s.data(), sd.data(), K, nd, ns}; }
 };
 
-// x of kGemmMinRows rows or more, and bf16 prompts on the K-quants (ops/quant/weight.py):
-// int8 activations into quant_gemm.h's panels.
+// x of kGemmMinRows rows or more, and prompts on the K-quants (ops/quant/weight.py): int8
+// activations into quant_gemm.h's panels.
 at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t N) {
   const Format f = format_of(qtype);
   TORCH_CHECK(gemm_supports(qtype), "quant_gemm: no int8 GEMM for GGML type ", qtype,
