@@ -51,9 +51,13 @@ _MIXTRAL = ("MixtralForCausalLM", "mixtral")
 # Architectures whose q/k rows llama.cpp's converter permutes.
 _PERMUTED_ARCHITECTURES = {"llama"}
 
-# Tensor types dequantized at load (by `gguf.quants.dequantize`).
+# Tensor types kvserve loads. With --quantization gguf (a .gguf path's default) the packed
+# types (ops.quant.PACKED_TYPES) stay packed, Q3_K, IQ4_NL and IQ4_XS are rewritten as packed
+# Q6_K / Q8_0 (ops/quant/transcode.py), and the rest are dequantized (`gguf.quants.dequantize`),
+# as every type is with --quantization gguf-dequantized.
 SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K",
-                          "Q5_K", "Q6_K")
+                          "Q5_K", "Q6_K", "Q3_K", "IQ4_NL", "Q2_K", "IQ4_XS", "IQ3_S", "IQ3_XXS",
+                          "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ1_M", "IQ1_S")
 
 # llama.cpp tensor name -> HF name; "{i}" is the layer index.
 _GLOBAL_NAMES = {
@@ -425,9 +429,6 @@ def iterate_gguf_weights(path: str, hf_config: dict, packed: bool = False,
     import gguf
     from gguf.quants import dequantize
 
-    from kvserve.ops.quant import PACKED_TYPES
-    from kvserve.ops.quant.weight import QuantizedRows
-
     meta = read_gguf_metadata(path)
     permuted = meta.architecture in _PERMUTED_ARCHITECTURES
     n_head = int(hf_config["num_attention_heads"])
@@ -444,12 +445,12 @@ def iterate_gguf_weights(path: str, hf_config: dict, packed: bool = False,
         if expert_tensor(t.name) is not None:
             keep = t.name in packed_experts
             yield from _expert_weights(t, raw, hf_config, skip, keep)
-            (kept if keep else floats)[t.type_name] += 1
+            (kept if keep else floats)[_packed_name(t.type_name) if keep else t.type_name] += 1
             continue
         if name is None or (skip is not None and skip(name)):
             continue                 # rope_freqs: check_gguf_supported allowed it (HF config)
-        keep = packed and t.type_name in PACKED_TYPES and len(t.shape) == 2
-        (kept if keep else floats)[t.type_name] += 1
+        keep = packed and _packable(t.type_name) and len(t.shape) == 2
+        (kept if keep else floats)[_packed_name(t.type_name) if keep else t.type_name] += 1
         if keep:
             data = raw.view(np.uint8).reshape(t.shape[0], -1)   # rows of blocks
         else:
@@ -462,18 +463,42 @@ def iterate_gguf_weights(path: str, hf_config: dict, packed: bool = False,
             data = unpermute_qk(data, n_head)
         elif permuted and ".k_proj." in name:
             data = unpermute_qk(data, n_kv)
-        yield name, (QuantizedRows(t.type_name, data, t.shape) if keep else data)
+        yield name, (_quantized_rows(t.type_name, data, t.shape) if keep else data)
     del mapped
     _log_packing(meta.path, kept, floats)
 
 
-def _packed_expert_tensors(tensors: list[GGUFTensorInfo]) -> set[str]:
-    """The stacked-experts tensors kept packed: of a type ops.quant packs, gate and up of a
-    layer only when both are (the module doc)."""
+def _packable(qtype: str) -> bool:
+    """A type kept packed: one ops.quant packs, or one it rewrites into such a type."""
     from kvserve.ops.quant import PACKED_TYPES
+    from kvserve.ops.quant.transcode import TRANSCODED
 
+    return qtype in PACKED_TYPES or qtype in TRANSCODED
+
+
+def _packed_name(qtype: str) -> str:
+    """How the load log names a packed type: "Q3_K as Q6_K" where it is rewritten."""
+    from kvserve.ops.quant.transcode import TRANSCODED
+
+    return f"{qtype} as {TRANSCODED[qtype]}" if qtype in TRANSCODED else qtype
+
+
+def _quantized_rows(qtype: str, rows: np.ndarray, shape: tuple[int, ...]) -> Any:
+    """[N, row_bytes] raw blocks of a packable type (a file view) as ops.quant.QuantizedRows,
+    rewritten first (a copy) where the type is not packed itself."""
+    from kvserve.ops.quant.transcode import TRANSCODED, transcode
+    from kvserve.ops.quant.weight import QuantizedRows
+
+    if qtype in TRANSCODED:
+        qtype, rows = transcode(qtype, rows)
+    return QuantizedRows(qtype, rows, tuple(shape))
+
+
+def _packed_expert_tensors(tensors: list[GGUFTensorInfo]) -> set[str]:
+    """The stacked-experts tensors kept packed: of a type ops.quant packs (or rewrites), gate
+    and up of a layer only when both are (the module doc)."""
     packable = {t.name for t in tensors
-                if expert_tensor(t.name) is not None and t.type_name in PACKED_TYPES}
+                if expert_tensor(t.name) is not None and _packable(t.type_name)}
     keep = set()
     for name in packable:
         layer, shard = expert_tensor(name)
@@ -492,8 +517,6 @@ def _expert_weights(t: GGUFTensorInfo, raw: np.ndarray, hf_config: dict,
     import gguf
     from gguf.quants import dequantize
 
-    from kvserve.ops.quant.weight import QuantizedRows
-
     layer, shard = expert_tensor(t.name)
     qtype = gguf.GGMLQuantizationType[t.type_name]
     for expert in range(t.shape[0]):
@@ -502,7 +525,7 @@ def _expert_weights(t: GGUFTensorInfo, raw: np.ndarray, hf_config: dict,
             continue
         if keep:
             rows = raw[expert].view(np.uint8).reshape(t.shape[1], -1)     # rows of blocks
-            yield name, QuantizedRows(t.type_name, rows, tuple(t.shape[1:]))
+            yield name, _quantized_rows(t.type_name, rows, t.shape[1:])
             continue
         data = np.array(dequantize(raw[expert], qtype), dtype=np.float32)   # a copy: the
         yield name, torch.from_numpy(data.reshape(t.shape[1:]))             # map is read-only

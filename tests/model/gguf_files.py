@@ -32,6 +32,60 @@ def roundtrip(t: torch.Tensor, qtype: str) -> torch.Tensor:
                                      dtype=np.float32)).reshape(t.shape)
 
 
+def quantize_blocks(w: np.ndarray, qtype: str) -> np.ndarray:
+    """[..., K] float32 -> [..., row_bytes] uint8 blocks of `qtype`: gguf's quantizers, and for
+    IQ4_NL and Q3_K (which gguf only dequantizes) plain round-to-nearest ones written here
+    for test files. Their blocks are read back by gguf.quants.dequantize; llama.cpp's own
+    quantizer (search, imatrix) makes better ones, which the llama.cpp tests use."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    w = np.ascontiguousarray(w, dtype=np.float32)
+    if qtype == "IQ4_NL":
+        return _iq4_nl_blocks(w.reshape(-1, 32)).reshape(*w.shape[:-1], -1)
+    if qtype == "Q3_K":
+        return _q3_k_blocks(w.reshape(-1, 256)).reshape(*w.shape[:-1], -1)
+    return quantize(w, GGMLQuantizationType[qtype])
+
+
+def _f16(a: np.ndarray) -> np.ndarray:
+    return a.astype(np.float16)
+
+
+def _iq4_nl_blocks(x: np.ndarray) -> np.ndarray:
+    from kvserve.ops.quant.transcode import IQ4_NL_VALUES
+
+    table = IQ4_NL_VALUES.astype(np.float32)
+    d = _f16(np.abs(x).max(axis=1) / 127.0)
+    scaled = x / np.where(d == 0, 1, d.astype(np.float32))[:, None]
+    q = np.abs(scaled[..., None] - table).argmin(axis=-1).astype(np.uint8)    # [n, 32]
+    return np.concatenate([d[:, None].view(np.uint8), q[:, :16] | (q[:, 16:] << 4)], axis=1)
+
+
+def _q3_k_blocks(x: np.ndarray) -> np.ndarray:
+    """Q3_K: per 16 weights a 6-bit signed scale (of the block's float16 d), q in -4..3."""
+    n = x.shape[0]
+    g = x.reshape(n, 16, 16)
+    amax = np.abs(g).max(axis=2)
+    sign = np.where(np.take_along_axis(g, np.abs(g).argmax(axis=2)[..., None], 2)[..., 0] < 0,
+                    1.0, -1.0)
+    scale = sign * amax / 4.0                    # the largest |w| of a group lands on q = -4
+    d = _f16(np.abs(scale).max(axis=1) / 32.0)
+    d32 = np.where(d == 0, 1, d.astype(np.float32))[:, None]
+    sc = np.clip(np.rint(scale / d32), -32, 31)
+    step = (d32 * sc)[..., None]
+    q = np.clip(np.rint(g / np.where(step == 0, 1, step)), -4, 3).astype(np.int16) + 4
+    q = q.reshape(n, 256).astype(np.uint8)                 # 0..7: value e = 128 h + 32 s + l
+    qs = (q.reshape(n, 2, 4, 32) & 3) << (2 * np.arange(4, dtype=np.uint8))[None, None, :, None]
+    hm = (q.reshape(n, 8, 32) >> 2) << np.arange(8, dtype=np.uint8)[None, :, None]
+    s = (sc + 32).astype(np.uint8)                          # [n, 16]
+    scales = np.concatenate([(s[:, :8] & 15) | ((s[:, 8:] & 15) << 4),
+                             ((s >> 4).reshape(n, 4, 4) << (2 * np.arange(4, dtype=np.uint8))[
+                                 None, :, None]).sum(axis=1, dtype=np.uint8)], axis=1)
+    return np.concatenate([hm.sum(axis=1, dtype=np.uint8), qs.sum(axis=2, dtype=np.uint8)
+                           .reshape(n, 64), scales, d[:, None].view(np.uint8)], axis=1)
+
+
 def _add_tokenizer(writer, ckpt: str, pre: str) -> None:
     import gguf
 
@@ -57,16 +111,15 @@ def _add_tokenizer(writer, ckpt: str, pre: str) -> None:
 
 
 def store_tensor(writer, name: str, t: torch.Tensor, qtype: str) -> None:
-    """Add `t` to a GGUFWriter as F32, F16 or a block type quantized by gguf's quantizers."""
+    """Add `t` to a GGUFWriter as F32, F16 or a block type (quantize_blocks)."""
     import gguf
-    from gguf.quants import quantize
 
     data = t.float().numpy()
     if qtype in ("F32", "F16"):
         writer.add_tensor(name, data.astype(np.float16 if qtype == "F16" else np.float32))
     else:
         q = gguf.GGMLQuantizationType[qtype]
-        writer.add_tensor(name, quantize(data, q), raw_dtype=q)
+        writer.add_tensor(name, quantize_blocks(data, qtype), raw_dtype=q)
 
 
 def add_model_header(w: Any, cfg: dict, n_kv: int, head_dim: int, rope_theta: float) -> None:

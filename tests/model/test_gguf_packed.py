@@ -1,10 +1,12 @@
 """GGUF quantized tensors kept packed on CPU (issue 29 part 1), end to end on the real demo
 model (SmolLM2-135M-Instruct, Q4_1) and on files requantized from it with `gguf`'s own
 quantizers (no llama.cpp): a mix of Q8_0 (most tensors, the embedding and tied head included)
-with Q5_0 / Q5_1 / Q4_0 (ffn_down), whose fused q|k|v holds two types. `gguf` has no K-quant quantizer: the Q4_K_M file (Q4_K, Q6_K and the
-Q5_0 that llama.cpp stores SmolLM2's 576-wide rows in) and a Q8_0 one are made by llama.cpp's
-own quantizer through llama-cpp-python, cached under KVSERVE_CACHE_DIR; those tests skip where
-it is not installed (CI), and the K types are then covered by the kernel tests
+with Q5_0 / Q5_1 / Q4_0 (ffn_down), whose fused q|k|v holds two types; and one of IQ4_NL and
+Q3_K (round-to-nearest quantizers in gguf_files.py), the types rewritten as packed Q8_0 / Q6_K.
+`gguf` has no K-quant quantizer: the Q4_K_M file (Q4_K, Q6_K and the Q5_0 that llama.cpp stores
+SmolLM2's 576-wide rows in), a Q8_0 one, and IQ4_NL / IQ4_XS / Q3_K_S ones are made by
+llama.cpp's own quantizer through llama-cpp-python, cached under KVSERVE_CACHE_DIR; those tests
+skip where it is not installed (CI), and the K types are then covered by the kernel tests
 (tests/ops/test_quant_linear.py) only.
 
 The packed path quantizes decode-sized steps' activations to int8 per block (as llama.cpp
@@ -42,9 +44,11 @@ MIXED = {"attn_q": "Q5_0", "attn_k": "Q5_0", "attn_v": "Q5_1", "ffn_down": "Q4_0
 
 def _requantize(src: str, out: str, type_of) -> str:
     """`src`'s metadata and tensors, the 2-D ones dequantized and requantized as type_of(name)
-    by gguf.quants (1-D norms stay F32)."""
+    by gguf.quants (IQ4_NL, Q3_K: gguf_files.quantize_blocks; 1-D norms stay F32)."""
     import gguf
-    from gguf.quants import dequantize, quantize
+    from gguf.quants import dequantize
+
+    from tests.model.gguf_files import quantize_blocks
 
     reader = gguf.GGUFReader(src)
     arch = reader.fields["general.architecture"].contents()
@@ -60,7 +64,7 @@ def _requantize(src: str, out: str, type_of) -> str:
             writer.add_tensor(t.name, np.ascontiguousarray(data, dtype=np.float32))
             continue
         qtype = gguf.GGMLQuantizationType[type_of(t.name)]
-        q = quantize(np.ascontiguousarray(data, dtype=np.float32), qtype)
+        q = quantize_blocks(data, qtype.name)
         writer.add_tensor(t.name, q, raw_shape=q.shape, raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -102,11 +106,19 @@ def _mixed_type(name: str) -> str:
     return MIXED.get(part, "Q8_0")
 
 
+def _rewritten_type(name: str) -> str:
+    """Types with no kernels of their own (ops/quant/transcode.py): Q3_K where rows are whole
+    256-weight blocks (ffn_down's 1536), IQ4_NL elsewhere (the embedding and tied head too)."""
+    return "Q3_K" if ".ffn_down." in name else "IQ4_NL"
+
+
 @pytest.fixture(scope="module")
 def files(smollm2_gguf: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     out = tmp_path_factory.mktemp("requantized")
     return {"Q4_1": smollm2_gguf,
-            "mixed": _requantize(smollm2_gguf, str(out / "smollm2-mixed.gguf"), _mixed_type)}
+            "mixed": _requantize(smollm2_gguf, str(out / "smollm2-mixed.gguf"), _mixed_type),
+            "rewritten": _requantize(smollm2_gguf, str(out / "smollm2-rewritten.gguf"),
+                                     _rewritten_type)}
 
 
 def _perplexity(path: str, quantization: str, dtype: str = "float32") -> float:
@@ -331,6 +343,90 @@ def test_greedy_chat_says_paris(files) -> None:
     assert "Paris" in out[0].outputs[0].text, out[0].outputs[0].text
 
 
+def test_rewritten_types_stay_packed_as_q6_k_and_q8_0(files, caplog) -> None:
+    """Q3_K and IQ4_NL (no kernels of their own) load as packed Q6_K / Q8_0 holding the same
+    weights (ops/quant/transcode.py): the log says so, the embedding's rows (IQ4_NL) are the
+    dequantized file's exactly, and the weights take under twice the file (6.56 / 8.5 bits a
+    weight for 3.44 / 4.5)."""
+    with caplog.at_level("INFO", logger="kvserve.model.gguf"):
+        packed = _load(files["rewritten"])
+    logs = " ".join(r.getMessage() for r in caplog.records)
+    assert "(181 IQ4_NL as Q8_0, 30 Q3_K as Q6_K); 61 loaded as float (61 F32)" in logs, logs
+    layer = packed.model.layers[0]
+    assert [p.qtype for p in layer.self_attn.qkv_proj.linear_weight.parts] == ["Q8_0"]
+    assert [p.qtype for p in layer.mlp.down_proj.linear_weight.parts] == ["Q6_K"]
+    assert packed.lm_head.linear_weight is packed.model.embed_tokens.linear_weight
+    plain = _load(files["rewritten"], "gguf-dequantized")
+    ids = torch.tensor([[0, 17, 49151], [5, 5, 300]])
+    assert torch.equal(packed.model.embed_tokens(ids), plain.model.embed_tokens(ids))
+    resident, size = weight_memory_bytes(packed), _tensor_bytes(files["rewritten"])
+    assert resident <= 2.0 * size, (resident, size)
+
+
+def test_rewritten_types_perplexity_and_paris(files) -> None:
+    """The file of Q3_K and IQ4_NL (round-to-nearest quantizers: gguf_files.quantize_blocks)
+    run packed: perplexity within 1% of its float32 dequantized path's (int8 activations in
+    8-token steps, and bf16; measured -0.25% / +0.36%), and the greedy chat says Paris."""
+    path = files["rewritten"]
+    float32 = _perplexity(path, "gguf-dequantized")
+    for dtype in ("float32", "bfloat16"):
+        packed = _perplexity(path, "gguf", dtype)
+        assert abs(packed / float32 - 1) < 0.01, (dtype, packed, float32)
+    assert "Paris" in _greedy_chat(path, "gguf").text
+
+
+def _with_random_ffn_down(src: str, out: str, qtype: str) -> str:
+    """`src` as it is (raw tensors), but every ffn_down holds random `qtype` blocks."""
+    import gguf
+
+    reader = gguf.GGUFReader(src)
+    writer = gguf.GGUFWriter(out, reader.fields["general.architecture"].contents())
+    for name, field in reader.fields.items():
+        if not name.startswith("GGUF.") and name != "general.architecture":
+            sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+            writer.add_key_value(name, field.contents(), field.types[0], sub_type=sub)
+    kind = gguf.GGMLQuantizationType[qtype]
+    size, nbytes = gguf.GGML_QUANT_SIZES[kind]
+    rng = np.random.default_rng(0)
+    for t in reader.tensors:
+        data, raw_type = np.asarray(t.data), t.tensor_type
+        if ".ffn_down." in t.name:
+            n, k = int(t.shape[1]), int(t.shape[0])
+            data = rng.integers(0, 256, (n, k // size * nbytes), dtype=np.uint8)
+            blocks = data.reshape(n, k // size, nbytes)
+            # float16 scales (the first two bytes of these blocks; Q2_K's last four): finite
+            for at in ((nbytes - 4, nbytes - 2) if qtype == "Q2_K" else (0,)):
+                blocks[..., at:at + 2] = rng.uniform(-1e-3, 1e-3, blocks.shape[:2]).astype(
+                    np.float16).view(np.uint8).reshape(*blocks.shape[:2], 2)
+            raw_type = kind
+        writer.add_tensor(t.name, data, raw_shape=data.shape, raw_dtype=raw_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("qtype", ["Q2_K", "IQ2_XXS", "IQ3_S"])
+def test_types_without_kernels_load_dequantized(smollm2_gguf: str, tmp_path, qtype: str,
+                                                caplog) -> None:
+    """Q2_K and the IQ1-IQ3 types (kvserve.model.gguf.SUPPORTED_TENSOR_TYPES) load as float
+    beside the packed tensors, the log says so, and they compute what the dequantized file's
+    do."""
+    path = _with_random_ffn_down(smollm2_gguf, str(tmp_path / f"{qtype}.gguf"), qtype)
+    with caplog.at_level("INFO", logger="kvserve.model.gguf"):
+        packed = _load(path)
+    logs = " ".join(r.getMessage() for r in caplog.records)
+    assert f"61 F32, 30 {qtype})" in logs and "(180 Q4_1, 1 Q8_0)" in logs, logs
+    down = packed.model.layers[3].mlp.down_proj
+    assert not isinstance(down.linear_weight, cw.PackedWeight)
+    x = torch.randn(3, 1536)
+    want = _load(path, "gguf-dequantized").model.layers[3].mlp.down_proj(x)
+    torch.testing.assert_close(down(x), want)
+    assert want.abs().sum() > 0
+
+
 def _greedy_chat(path: str, quantization: str, logprobs: Optional[int] = None):
     with LLM(path, quantization=quantization, **ENGINE) as llm:
         out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
@@ -364,6 +460,36 @@ def test_llamacpp_quantized_files(smollm2_gguf: str, ftype: str) -> None:
     assert same >= (5 if ftype == "Q8_0" else 0), same
     for pos in range(min(same + 1, len(float32.token_ids))):
         tok = float32.token_ids[pos]        # in both lists (greedy_prefix_near_tie)
+        diff = packed.logprobs[pos][tok].logprob - float32.logprobs[pos][tok].logprob
+        assert abs(diff) < 0.1, (ftype, pos, diff)
+
+
+# llama.cpp's files of types with no kernels of their own, their types on the demo's shapes
+# (576-weight rows, not whole 256-weight blocks, fall back to Q4_0 / IQ4_NL).
+REWRITTEN_FILES = {"IQ4_NL": {"IQ4_NL"}, "IQ4_XS": {"IQ4_NL", "IQ4_XS"},
+                   "Q3_K_S": {"Q3_K", "Q4_0"}}
+
+
+@pytest.mark.parametrize("ftype", sorted(REWRITTEN_FILES))
+def test_llamacpp_files_of_rewritten_types(smollm2_gguf: str, ftype: str) -> None:
+    """llama.cpp's IQ4_NL, IQ4_XS and Q3_K_S files (ops/quant/transcode.py rewrites their
+    IQ4_NL, IQ4_XS and Q3_K tensors as packed Q8_0 / Q6_K): perplexity with the default dtype
+    within 1% of the float32 dequantized path's (measured on avx512_bf16: +0.04%, -0.05%,
+    -0.52%; with int8 activations in 8-token float32 steps +0.56%, +1.11%, +0.27%, where
+    llama.cpp itself is +0.92%, +0.14%, -0.04%), and the greedy chat float32's up to a near-tie,
+    its tokens' logprobs within 0.1 nats up to there (measured 0.048 / 0.045 / 0.038)."""
+    from kvserve.model.gguf import read_gguf_metadata
+
+    path = llamacpp_file(smollm2_gguf, ftype)
+    types = {t.type_name for t in read_gguf_metadata(path).tensors}
+    assert REWRITTEN_FILES[ftype] <= types, types
+    packed, float32 = _perplexity(path, "gguf", "auto"), _perplexity(path, "gguf-dequantized")
+    assert abs(packed / float32 - 1) < 0.01, (ftype, packed, float32)
+    packed, float32 = _greedy_chat(path, "gguf", 3), _greedy_chat(path, "gguf-dequantized", 3)
+    same = greedy_prefix_near_tie(packed, float32, ftype)
+    assert same >= 8 and "Paris" in packed.text, (same, packed.text)
+    for pos in range(min(same + 1, len(float32.token_ids))):
+        tok = float32.token_ids[pos]
         diff = packed.logprobs[pos][tok].logprob - float32.logprobs[pos][tok].logprob
         assert abs(diff) < 0.1, (ftype, pos, diff)
 

@@ -1,0 +1,103 @@
+"""GGUF types with no kernels of their own, rewritten at load as a type that has them. The
+first two are exact (every weight dequantizes to the same number; gguf.quants is the
+reference in the tests), the third rounds one product to float16:
+
+    Q3_K   -> Q6_K   w = d * (s - 32) * q,  q in -4..3 and s 6-bit, per 16 weights: Q6_K's
+                     w = d * sc * (q6 - 32) with sc = s - 32 (int8) and q6 = q + 32
+    IQ4_NL -> Q8_0   w = d * table[nibble], table int8 (llama.cpp's kvalues_iq4nl): Q8_0's
+                     w = d * q8 with q8 = table[nibble]
+    IQ4_XS -> Q8_0   w = d * (s - 32) * table[nibble], s 6-bit per 32 weights: Q8_0's scale
+                     is float16(d * (s - 32)), within 2^-11 of the product (relative; Q8_0
+                     has one float16 scale a block, and no int8 holds (s - 32) * table[.])
+
+Q3_K_M / Q3_K_L / Q3_K_S files are mostly Q3_K (llama.cpp stores such tensors with rows that
+are not whole 256-weight blocks, SmolLM2's 576, as Q4_0); IQ4_XS files keep those rows as
+IQ4_NL. The rewritten tensors take 6.56 / 8.5 / 8.5 bits a weight where the file has 3.44 /
+4.5 / 4.25: about 1.9-2x the memory, and decode reads as much more (the kernels are Q6_K's and
+Q8_0's). The other types no kernel covers (Q2_K, the IQ2 / IQ3 / IQ1 types) the loader
+dequantizes.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+TRANSCODED: dict[str, str] = {"Q3_K": "Q6_K", "IQ4_NL": "Q8_0", "IQ4_XS": "Q8_0"}
+# llama.cpp's kvalues_iq4nl (ggml-common.h)
+IQ4_NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89,
+                          113], dtype=np.int8)
+
+
+def transcode(qtype: str, rows: np.ndarray) -> tuple[str, np.ndarray]:
+    """[N, row_bytes] uint8 rows of `qtype` blocks -> (the target type, its [N, row_bytes']
+    uint8 rows), a new array holding the same weights."""
+    rows = np.asarray(rows).view(np.uint8)
+    n = rows.shape[0]
+    if qtype == "Q3_K":
+        out = _q3_k_as_q6_k(rows.reshape(-1, 110))
+    elif qtype == "IQ4_NL":
+        out = _iq4_nl_as_q8_0(rows.reshape(-1, 18))
+    elif qtype == "IQ4_XS":
+        out = _iq4_xs_as_q8_0(rows.reshape(-1, 136))
+    else:
+        raise ValueError(f"GGUF type {qtype} has no rewrite into a packed type; rewritten "
+                         f"types: {', '.join(TRANSCODED)}.")
+    return TRANSCODED[qtype], out.reshape(n, -1)
+
+
+def _q3_k_as_q6_k(blocks: np.ndarray) -> np.ndarray:
+    # Q3_K block: hmask[32], qs[64], scales[12], d (fp16). Value e = 128 h + 32 s + l takes
+    # bits 2s..2s+1 of qs[32 h + l] and, inverted, bit e // 32 of hmask[e % 32] as -4.
+    n = blocks.shape[0]
+    hmask, qs, scales, d = blocks[:, :32], blocks[:, 32:96], blocks[:, 96:108], blocks[:, 108:]
+    shifts = np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
+    low = ((qs.reshape(n, 2, 1, 32) >> shifts) & 3).reshape(n, 256)
+    high = ((hmask.reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1)
+    q6 = low + 28 + (high.reshape(n, 256) << 2)        # q + 32, q = low - 4 (1 - bit)
+    # Scale j (6 bits): its low 4 in nibble j // 8 of scales[j % 8], its high 2 at bits
+    # 2 (j // 4) of scales[8 + j % 4].
+    lo = (scales[:, :8].reshape(n, 1, 8) >> np.array([0, 4], dtype=np.uint8).reshape(1, 2, 1))
+    hi = (scales[:, 8:].reshape(n, 1, 4) >> shifts.reshape(1, 4, 1))
+    s = (lo.reshape(n, 16) & 15) | ((hi.reshape(n, 16) & 3) << 4)
+    out = np.empty((n, 210), dtype=np.uint8)
+    out[:, :192] = _q6_k_quants(q6)
+    out[:, 192:208] = (s.astype(np.int16) - 32).astype(np.int8).view(np.uint8)
+    out[:, 208:] = d
+    return out
+
+
+def _q6_k_quants(q6: np.ndarray) -> np.ndarray:
+    """[n, 256] 6-bit values in weight order -> Q6_K's ql[128] + qh[64]: value 128 h + 32 j + l
+    has its low nibble in ql[64 h + 32 (j % 2) + l] (the high nibble for j >= 2) and its top
+    two bits at bits 2j of qh[32 h + l]."""
+    n = q6.shape[0]
+    q = q6.reshape(n, 2, 4, 32)
+    low, high = q & 15, q >> 4
+    ql = low[:, :, :2] | (low[:, :, 2:] << 4)
+    shifts = (2 * np.arange(4, dtype=np.uint8)).reshape(1, 1, 4, 1)
+    qh = (high << shifts).sum(axis=2, dtype=np.uint8)          # bits don't overlap: an OR
+    return np.concatenate([ql.reshape(n, 128), qh.reshape(n, 64)], axis=1)
+
+
+def _iq4_nl_as_q8_0(blocks: np.ndarray) -> np.ndarray:
+    # IQ4_NL block: d (fp16), qs[16].
+    return _q8_0_blocks(blocks[:, :2], blocks[:, 2:])
+
+
+def _iq4_xs_as_q8_0(blocks: np.ndarray) -> np.ndarray:
+    # IQ4_XS block of 256: d (fp16), scales_h (u16: the high 2 bits of scale j at bits 2j),
+    # scales_l[4] (the low 4 bits of scale j in nibble j % 2 of byte j // 2), then per 32
+    # weights 16 bytes of nibbles as IQ4_NL's.
+    n = blocks.shape[0]
+    d = blocks[:, :2].copy().view(np.float16).astype(np.float32)
+    high = (blocks[:, 2:4].copy().view(np.uint16) >> (2 * np.arange(8, dtype=np.uint16))) & 3
+    low = (blocks[:, 4:8, None] >> np.array([0, 4], dtype=np.uint8)).reshape(n, 8) & 15
+    s = (low | (high.astype(np.uint8) << 4)).astype(np.float32) - 32
+    scale = (d * s).astype(np.float16).reshape(-1, 1).view(np.uint8)    # [n * 8, 2]
+    return _q8_0_blocks(scale, blocks[:, 8:].reshape(n * 8, 16)).reshape(n, -1)
+
+
+def _q8_0_blocks(scale: np.ndarray, qs: np.ndarray) -> np.ndarray:
+    """Q8_0 blocks from float16 scales ([n, 2] bytes) and IQ4_NL's 16 bytes of nibbles a block
+    (the low nibbles are values 0-15, the high ones 16-31)."""
+    nibbles = np.concatenate([qs & 15, qs >> 4], axis=1)
+    return np.concatenate([scale, IQ4_NL_VALUES[nibbles].view(np.uint8)], axis=1)

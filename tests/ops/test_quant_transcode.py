@@ -1,0 +1,76 @@
+"""GGUF types rewritten at load as packed types (kvserve/ops/quant/transcode.py): the rewritten
+blocks dequantize, by gguf.quants (the reference), to the original blocks' weights: exactly for
+Q3_K -> Q6_K and IQ4_NL -> Q8_0, within float16's rounding of each 32 weights' scale (2^-11,
+relative) for IQ4_XS -> Q8_0. Every byte pattern of the quants and scales occurs in the random
+blocks; the float16 super-block scales are finite, as a file's are."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvserve.ops.quant.transcode import TRANSCODED, transcode
+from tests.model.gguf_files import quantize_blocks
+
+# type -> (weights a block, bytes a block, offset of its float16 scale)
+BLOCKS = {"Q3_K": (256, 110, 108), "IQ4_NL": (32, 18, 0), "IQ4_XS": (256, 136, 0)}
+
+
+def _random_rows(qtype: str, n: int, k: int, seed: int) -> np.ndarray:
+    size, nbytes, at = BLOCKS[qtype]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(n, k // size, nbytes), dtype=np.uint8)
+    d = rng.uniform(-0.02, 0.02, size=raw.shape[:2]).astype(np.float16)
+    raw[..., at:at + 2] = d.view(np.uint8).reshape(*raw.shape[:2], 2)
+    return raw.reshape(n, -1)
+
+
+def _dequantize(qtype: str, rows: np.ndarray) -> np.ndarray:
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    return np.asarray(dequantize(rows, GGMLQuantizationType[qtype]), dtype=np.float64)
+
+
+# Blocks of random bytes, and quantized ones (tests/model/gguf_files.py; none for IQ4_XS).
+CASES = [pytest.param(t, s, src, id=f"{t}-{s[0]}x{s[1]}-{src}")
+         for t in sorted(TRANSCODED) for s in [(1, 256), (7, 512), (33, 1536)]
+         for src in (["random"] if t == "IQ4_XS" else ["random", "quantized"])]
+
+
+@pytest.mark.parametrize("qtype, shape, source", CASES)
+def test_rewritten_blocks_hold_the_same_weights(qtype: str, shape, source: str) -> None:
+    n, k = shape
+    if source == "random":
+        rows = _random_rows(qtype, n, k, seed=n)
+    else:
+        w = np.random.default_rng(n).standard_normal((n, k)).astype(np.float32)
+        rows = quantize_blocks(w, qtype)
+    target, out = transcode(qtype, rows)
+    assert target == TRANSCODED[qtype] and out.dtype == np.uint8 and out.shape[0] == n
+    want, got = _dequantize(qtype, rows), _dequantize(target, out)
+    assert want.shape == got.shape == (n, k)
+    if qtype == "IQ4_XS":
+        # float16(d * (s - 32)): normal results within 2^-11; subnormal ones 2^-25 absolute.
+        assert np.all(np.abs(got - want) <= 2.0 ** -11 * np.abs(want) + 127 * 2.0 ** -25)
+        assert not np.array_equal(got, want)        # the rounding is real, so the bound is used
+    else:
+        assert np.array_equal(got, want)
+
+
+def test_rewritten_rows_pack_and_dequantize_as_the_file() -> None:
+    """A rewritten tensor through the packed weight (ops.quant.PackedQuantWeight): its rows
+    dequantize to the original's weights."""
+    import torch
+
+    from kvserve.ops.quant.weight import QuantizedRows
+
+    rows = _random_rows("Q3_K", 9, 512, seed=3)
+    target, out = transcode("Q3_K", rows)
+    weight = QuantizedRows.pack([QuantizedRows(target, out, (9, 512))])
+    got = weight.dequantize_rows(torch.arange(9)).double().numpy()
+    assert np.array_equal(got, _dequantize("Q3_K", rows))
+
+
+def test_types_without_a_rewrite_are_errors() -> None:
+    with pytest.raises(ValueError, match="Q2_K has no rewrite"):
+        transcode("Q2_K", np.zeros((1, 84), np.uint8))
