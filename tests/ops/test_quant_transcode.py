@@ -57,6 +57,16 @@ def test_rewritten_blocks_hold_the_same_weights(qtype: str, shape, source: str) 
         assert np.array_equal(got, want)
 
 
+@pytest.mark.parametrize("qtype", sorted(TRANSCODED))
+def test_rewrites_in_row_chunks_are_the_whole_tensors(qtype: str, monkeypatch) -> None:
+    from kvserve.ops.quant import transcode as module
+
+    rows = _random_rows(qtype, 11, 512, seed=5)
+    whole = transcode(qtype, rows)[1]
+    monkeypatch.setattr(module, "_CHUNK_BLOCKS", 7)       # 1 or 3 rows a chunk here
+    assert np.array_equal(transcode(qtype, rows)[1], whole)
+
+
 def test_rewritten_rows_pack_and_dequantize_as_the_file() -> None:
     """A rewritten tensor through the packed weight (ops.quant.PackedQuantWeight): its rows
     dequantize to the original's weights."""

@@ -30,18 +30,20 @@ IQ4_NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 3
 def transcode(qtype: str, rows: np.ndarray) -> tuple[str, np.ndarray]:
     """[N, row_bytes] uint8 rows of `qtype` blocks -> (the target type, its [N, row_bytes']
     uint8 rows), a new array holding the same weights."""
-    rows = np.asarray(rows).view(np.uint8)
-    n = rows.shape[0]
-    if qtype == "Q3_K":
-        out = _q3_k_as_q6_k(rows.reshape(-1, 110))
-    elif qtype == "IQ4_NL":
-        out = _iq4_nl_as_q8_0(rows.reshape(-1, 18))
-    elif qtype == "IQ4_XS":
-        out = _iq4_xs_as_q8_0(rows.reshape(-1, 136))
-    else:
+    rewrite = _REWRITES.get(qtype)
+    if rewrite is None:
         raise ValueError(f"GGUF type {qtype} has no rewrite into a packed type; rewritten "
                          f"types: {', '.join(TRANSCODED)}.")
-    return TRANSCODED[qtype], out.reshape(n, -1)
+    fn, size, out_size = rewrite
+    rows = np.asarray(rows).view(np.uint8)
+    n = rows.shape[0]
+    per_row = rows.shape[1] // size
+    out = np.empty((n, per_row * out_size), dtype=np.uint8)
+    # Rows a chunk: the temporaries (a few bytes a weight) stay ~100 MB on a large tensor.
+    step = max(1, _CHUNK_BLOCKS // max(per_row, 1))
+    for r in range(0, n, step):
+        out[r:r + step] = fn(rows[r:r + step].reshape(-1, size)).reshape(-1, out.shape[1])
+    return TRANSCODED[qtype], out
 
 
 def _q3_k_as_q6_k(blocks: np.ndarray) -> np.ndarray:
@@ -101,3 +103,9 @@ def _q8_0_blocks(scale: np.ndarray, qs: np.ndarray) -> np.ndarray:
     (the low nibbles are values 0-15, the high ones 16-31)."""
     nibbles = np.concatenate([qs & 15, qs >> 4], axis=1)
     return np.concatenate([scale, IQ4_NL_VALUES[nibbles].view(np.uint8)], axis=1)
+
+
+# type -> (the rewrite of [blocks, bytes], its block bytes, the target's)
+_REWRITES = {"Q3_K": (_q3_k_as_q6_k, 110, 210), "IQ4_NL": (_iq4_nl_as_q8_0, 18, 34),
+             "IQ4_XS": (_iq4_xs_as_q8_0, 136, 8 * 34)}
+_CHUNK_BLOCKS = 1 << 16
