@@ -158,6 +158,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def main(args: argparse.Namespace) -> int:
+    from kvserve.benchmarks.weights import weights_label
     from kvserve.entrypoints.llm import LLM
 
     engine_args = EngineArgs.from_cli_args(args)
@@ -170,6 +171,7 @@ def main(args: argparse.Namespace) -> int:
         result = run_latency(llm, args.batch_size, args.input_len, args.output_len, args.n,
                              args.num_iters_warmup, args.num_iters,
                              detokenize=not args.disable_detokenize, seed=engine_args.seed)
+        result["weights"] = weights_label(llm.llm_engine.config.model_config)
     finally:
         llm.shutdown()
     print(format_latency(result))
@@ -184,6 +186,8 @@ def format_latency(result: dict[str, Any]) -> str:
              f"input {result['input_len']}, output {result['output_len']})"]
     lines += [f"{p}% percentile latency: {v:.4f} s" for p, v in result["percentiles"].items()]
     lines.append(f"Output tokens/s (batch): {result['output_tokens_per_second']:.1f}")
+    if result.get("weights"):
+        lines.append(f"Weights: {result['weights']}")
     return "\n".join(lines)
 
 

@@ -38,6 +38,7 @@ from typing import Any, AsyncIterator, Optional, Sequence
 import numpy as np
 
 from kvserve.benchmarks.datasets import SampleRequest, add_dataset_args, get_samples
+from kvserve.benchmarks.weights import served_weights_label
 
 logger = logging.getLogger(__name__)
 
@@ -379,6 +380,8 @@ def format_summary(result: dict[str, Any], selected_percentile_metrics: Sequence
         fmt = "{:<40} {:<10.2f}" if isinstance(value, float) else "{:<40} {:<10}"
         lines.append(fmt.format(label, value))
 
+    if result.get("weights"):
+        lines.append(f"Weights: {result['weights']}")
     row("Successful requests:", result["completed"])
     row("Failed requests:", result["failed"])
     if result.get("max_concurrency"):
@@ -471,6 +474,7 @@ class BenchSession:
         self.extra_body = self._extra_body(args)
         self.client: Any = None
         self.model_id = ""
+        self.weights: Optional[str] = None     # a local GGUF file's quantization (weights.py)
         self.tokenizer_path = ""
         self.tokenizer: Any = None
         self.max_model_len: Optional[int] = None
@@ -509,6 +513,7 @@ class BenchSession:
             if not self.model_id:
                 raise ValueError(f"{self.base_url}/v1/models lists no model: pass --model.")
             self.max_model_len = (card or {}).get("max_model_len")
+            self.weights = served_weights_label((card or {}).get("root") or self.model_id)
             self.tokenizer_path = resolve_tokenizer_path(self.args, card)
             self.tokenizer = Tokenizer.from_pretrained(self.tokenizer_path)
         except BaseException:
@@ -540,6 +545,7 @@ class BenchSession:
             "base_url": self.base_url,
             "endpoint": args.endpoint,
             "model_id": self.model_id,
+            "weights": self.weights,
             "tokenizer_id": self.tokenizer_path,
             "dataset_name": args.dataset_name,
             "num_prompts": len(requests),

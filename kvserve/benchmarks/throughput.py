@@ -162,6 +162,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def main(args: argparse.Namespace) -> int:
+    from kvserve.benchmarks.weights import gguf_quantization, weights_label
     from kvserve.config import is_gguf, load_hf_config, resolve_dtype
     from kvserve.model.demo import resolve_model_path
     from kvserve.model.gguf import read_gguf_config
@@ -186,6 +187,7 @@ def main(args: argparse.Namespace) -> int:
         llm = LLM(**vars(engine_args))
         try:
             extra["dtype"] = str(llm.llm_engine.config.model_config.dtype).replace("torch.", "")
+            extra["weights"] = weights_label(llm.llm_engine.config.model_config)
             warmup_kvserve(llm, requests[0].prompt_token_ids[-1])
             before = llm.get_stats()
             elapsed, output_lens = run_kvserve(requests, llm, args.n, args.temperature,
@@ -209,7 +211,10 @@ def main(args: argparse.Namespace) -> int:
         elapsed, output_lens = run_hf(requests, model, args.hf_max_batch_size, pad, args.n,
                                       args.temperature)
         extra.update(dtype=str(dtype).replace("torch.", ""),
-                     hf_max_batch_size=args.hf_max_batch_size)
+                     hf_max_batch_size=args.hf_max_batch_size,
+                     weights=(f"{gguf_quantization(model_path)}, dequantized by transformers, "
+                              if os.path.isfile(model_path) else "")
+                     + str(dtype).replace("torch.", ""))
     result = make_result(args.backend, elapsed, requests, output_lens, args.n, extra)
     print(format_throughput(result))
     if args.output_json:
@@ -223,6 +228,8 @@ def format_throughput(result: dict[str, Any]) -> str:
             f"{result['output_tokens_per_second']:.2f} output tokens/s "
             f"({result['num_requests']} requests, {result['total_prompt_tokens']} prompt + "
             f"{result['total_output_tokens']} output tokens in {result['elapsed_time']:.2f} s)")
+    if result.get("weights"):
+        line += f"\nWeights: {result['weights']}"
     if result.get("prefix_cache_queries"):
         line += f"\nPrefix cache hit rate: {100 * result['prefix_cache_hit_rate']:.1f}% of prompt tokens"
     return line

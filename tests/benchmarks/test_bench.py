@@ -73,6 +73,20 @@ def test_latency(tiny_llama: str, tmp_path: Any) -> None:
     assert min(r["latencies"]) <= values[0] and values[-1] <= max(r["latencies"])
     assert r["num_output_tokens_per_iter"] == [3 * 2 * 5] * 4     # batch x n x output_len
     assert r["output_tokens_per_second"] > 0
+    assert r["weights"] == "float32"
+
+
+@pytest.mark.timeout(300)
+def test_bench_names_a_gguf_files_quantization(tmp_path: Any, capsys: Any) -> None:
+    """The weights' quantization beside the numbers (issue 29 part 5): llama.cpp's name for
+    the demo file (general.file_type Q4_1), its types, and how kvserve ran them."""
+    r = _run(tmp_path, ["latency", "--model", "demo", "--dtype", "float32",
+                        "--max-model-len", "64", "--kv-cache-memory", str(16 << 20),
+                        "--no-multiprocessing", "--batch-size", "1", "--input-len", "8",
+                        "--output-len", "2", "--num-iters-warmup", "0", "--num-iters", "1"])
+    want = "Q4_1 GGUF (210 Q4_1, 1 Q8_0), packed, float32 activations"
+    assert r["weights"] == want
+    assert f"Weights: {want}" in capsys.readouterr().out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -103,7 +117,7 @@ def test_throughput_kvserve_and_hf(tiny_llama: str, tmp_path: Any) -> None:
         assert r["backend"] == backend and r["num_requests"] == 5
         assert r["total_output_tokens"] == want_out
         assert r["total_prompt_tokens"] == want_in
-        assert r["dtype"] == "float32"
+        assert r["dtype"] == "float32" and r["weights"] == "float32"
         _check_rates(r)
     assert hf["hf_max_batch_size"] == 2
     assert ours["num_preemptions"] == 0

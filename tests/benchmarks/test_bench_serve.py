@@ -95,6 +95,7 @@ def test_bench_serve_rate_inf(server: RemoteServer, tmp_path: Any) -> None:
     assert r["request_rate"] == "inf" and r["max_concurrency"] == 3
     assert 2 <= r["max_concurrent_requests"] <= 3   # they overlap; the semaphore holds
     assert r["model_id"] == server.model            # the first of GET /v1/models
+    assert r["weights"] is None                     # a checkpoint directory, not a GGUF file
     # SLOs every request meets: goodput is the request throughput.
     assert math.isclose(r["request_goodput"], r["request_throughput"])
 
