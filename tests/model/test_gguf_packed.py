@@ -42,6 +42,30 @@ ENGINE = dict(dtype="float32", max_model_len=1024, kv_cache_memory=64 << 20,
 MIXED = {"attn_q": "Q5_0", "attn_k": "Q5_0", "attn_v": "Q5_1", "ffn_down": "Q4_0"}
 
 
+def _copy_gguf(src: str, out: str, tensor) -> str:
+    """`src`'s metadata, and each tensor as tensor(t) gives it: (data, raw GGML type or None
+    for a float array)."""
+    import gguf
+
+    reader = gguf.GGUFReader(src)
+    writer = gguf.GGUFWriter(out, reader.fields["general.architecture"].contents())
+    for name, field in reader.fields.items():
+        if not name.startswith("GGUF.") and name != "general.architecture":
+            sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+            writer.add_key_value(name, field.contents(), field.types[0], sub_type=sub)
+    for t in reader.tensors:
+        data, raw_type = tensor(t)
+        if raw_type is None:
+            writer.add_tensor(t.name, data)
+        else:
+            writer.add_tensor(t.name, data, raw_shape=data.shape, raw_dtype=raw_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
 def _requantize(src: str, out: str, type_of) -> str:
     """`src`'s metadata and tensors, the 2-D ones dequantized and requantized as type_of(name)
     by gguf.quants (IQ4_NL, Q3_K: gguf_files.quantize_blocks; 1-D norms stay F32)."""
@@ -50,27 +74,13 @@ def _requantize(src: str, out: str, type_of) -> str:
 
     from tests.model.gguf_files import quantize_blocks
 
-    reader = gguf.GGUFReader(src)
-    arch = reader.fields["general.architecture"].contents()
-    writer = gguf.GGUFWriter(out, arch)
-    for name, field in reader.fields.items():
-        if name.startswith("GGUF.") or name == "general.architecture":
-            continue
-        sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(name, field.contents(), field.types[0], sub_type=sub)
-    for t in reader.tensors:
+    def tensor(t):
         data = dequantize(t.data, t.tensor_type)
         if len(t.shape) < 2:
-            writer.add_tensor(t.name, np.ascontiguousarray(data, dtype=np.float32))
-            continue
-        qtype = gguf.GGMLQuantizationType[type_of(t.name)]
-        q = quantize_blocks(data, qtype.name)
-        writer.add_tensor(t.name, q, raw_shape=q.shape, raw_dtype=qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return out
+            return np.ascontiguousarray(data, dtype=np.float32), None
+        return quantize_blocks(data, type_of(t.name)), gguf.GGMLQuantizationType[type_of(t.name)]
+
+    return _copy_gguf(src, out, tensor)
 
 
 def llamacpp_file(src: str, ftype: str) -> str:
@@ -379,32 +389,23 @@ def _with_random_ffn_down(src: str, out: str, qtype: str) -> str:
     """`src` as it is (raw tensors), but every ffn_down holds random `qtype` blocks."""
     import gguf
 
-    reader = gguf.GGUFReader(src)
-    writer = gguf.GGUFWriter(out, reader.fields["general.architecture"].contents())
-    for name, field in reader.fields.items():
-        if not name.startswith("GGUF.") and name != "general.architecture":
-            sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
-            writer.add_key_value(name, field.contents(), field.types[0], sub_type=sub)
     kind = gguf.GGMLQuantizationType[qtype]
     size, nbytes = gguf.GGML_QUANT_SIZES[kind]
     rng = np.random.default_rng(0)
-    for t in reader.tensors:
-        data, raw_type = np.asarray(t.data), t.tensor_type
-        if ".ffn_down." in t.name:
-            n, k = int(t.shape[1]), int(t.shape[0])
-            data = rng.integers(0, 256, (n, k // size * nbytes), dtype=np.uint8)
-            blocks = data.reshape(n, k // size, nbytes)
-            # float16 scales (the first two bytes of these blocks; Q2_K's last four): finite
-            for at in ((nbytes - 4, nbytes - 2) if qtype == "Q2_K" else (0,)):
-                blocks[..., at:at + 2] = rng.uniform(-1e-3, 1e-3, blocks.shape[:2]).astype(
-                    np.float16).view(np.uint8).reshape(*blocks.shape[:2], 2)
-            raw_type = kind
-        writer.add_tensor(t.name, data, raw_shape=data.shape, raw_dtype=raw_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return out
+
+    def tensor(t):
+        if ".ffn_down." not in t.name:
+            return np.asarray(t.data), t.tensor_type
+        n, k = int(t.shape[1]), int(t.shape[0])
+        data = rng.integers(0, 256, (n, k // size * nbytes), dtype=np.uint8)
+        blocks = data.reshape(n, k // size, nbytes)
+        # float16 scales (the first two bytes of these blocks; Q2_K's last four): finite
+        for at in ((nbytes - 4, nbytes - 2) if qtype == "Q2_K" else (0,)):
+            blocks[..., at:at + 2] = rng.uniform(-1e-3, 1e-3, blocks.shape[:2]).astype(
+                np.float16).view(np.uint8).reshape(*blocks.shape[:2], 2)
+        return data, kind
+
+    return _copy_gguf(src, out, tensor)
 
 
 @torch.inference_mode()
