@@ -429,6 +429,9 @@ def iterate_gguf_weights(path: str, hf_config: dict, packed: bool = False,
     import gguf
     from gguf.quants import dequantize
 
+    from kvserve.ops.quant import KEPT_TYPES
+    from kvserve.ops.quant.weight import QuantizedRows
+
     meta = read_gguf_metadata(path)
     permuted = meta.architecture in _PERMUTED_ARCHITECTURES
     n_head = int(hf_config["num_attention_heads"])
@@ -449,7 +452,7 @@ def iterate_gguf_weights(path: str, hf_config: dict, packed: bool = False,
             continue
         if name is None or (skip is not None and skip(name)):
             continue                 # rope_freqs: check_gguf_supported allowed it (HF config)
-        keep = packed and _packable(t.type_name) and len(t.shape) == 2
+        keep = packed and t.type_name in KEPT_TYPES and len(t.shape) == 2
         (kept if keep else floats)[_packed_name(t.type_name) if keep else t.type_name] += 1
         if keep:
             data = raw.view(np.uint8).reshape(t.shape[0], -1)   # rows of blocks
@@ -463,42 +466,25 @@ def iterate_gguf_weights(path: str, hf_config: dict, packed: bool = False,
             data = unpermute_qk(data, n_head)
         elif permuted and ".k_proj." in name:
             data = unpermute_qk(data, n_kv)
-        yield name, (_quantized_rows(t.type_name, data, t.shape) if keep else data)
+        yield name, (QuantizedRows.from_file(t.type_name, data, t.shape) if keep else data)
     del mapped
     _log_packing(meta.path, kept, floats)
 
 
-def _packable(qtype: str) -> bool:
-    """A type kept packed: one ops.quant packs, or one it rewrites into such a type."""
-    from kvserve.ops.quant import PACKED_TYPES
-    from kvserve.ops.quant.transcode import TRANSCODED
-
-    return qtype in PACKED_TYPES or qtype in TRANSCODED
-
-
 def _packed_name(qtype: str) -> str:
     """How the load log names a packed type: "Q3_K as Q6_K" where it is rewritten."""
-    from kvserve.ops.quant.transcode import TRANSCODED
+    from kvserve.ops.quant import TRANSCODED
 
     return f"{qtype} as {TRANSCODED[qtype]}" if qtype in TRANSCODED else qtype
 
 
-def _quantized_rows(qtype: str, rows: np.ndarray, shape: tuple[int, ...]) -> Any:
-    """[N, row_bytes] raw blocks of a packable type (a file view) as ops.quant.QuantizedRows,
-    rewritten first (a copy) where the type is not packed itself."""
-    from kvserve.ops.quant.transcode import TRANSCODED, transcode
-    from kvserve.ops.quant.weight import QuantizedRows
-
-    if qtype in TRANSCODED:
-        qtype, rows = transcode(qtype, rows)
-    return QuantizedRows(qtype, rows, tuple(shape))
-
-
 def _packed_expert_tensors(tensors: list[GGUFTensorInfo]) -> set[str]:
-    """The stacked-experts tensors kept packed: of a type ops.quant packs (or rewrites), gate
-    and up of a layer only when both are (the module doc)."""
+    """The stacked-experts tensors kept packed: of a type ops.quant keeps packed (KEPT_TYPES),
+    gate and up of a layer only when both are (the module doc)."""
+    from kvserve.ops.quant import KEPT_TYPES
+
     packable = {t.name for t in tensors
-                if expert_tensor(t.name) is not None and _packable(t.type_name)}
+                if expert_tensor(t.name) is not None and t.type_name in KEPT_TYPES}
     keep = set()
     for name in packable:
         layer, shard = expert_tensor(name)
@@ -517,6 +503,8 @@ def _expert_weights(t: GGUFTensorInfo, raw: np.ndarray, hf_config: dict,
     import gguf
     from gguf.quants import dequantize
 
+    from kvserve.ops.quant.weight import QuantizedRows
+
     layer, shard = expert_tensor(t.name)
     qtype = gguf.GGMLQuantizationType[t.type_name]
     for expert in range(t.shape[0]):
@@ -525,7 +513,7 @@ def _expert_weights(t: GGUFTensorInfo, raw: np.ndarray, hf_config: dict,
             continue
         if keep:
             rows = raw[expert].view(np.uint8).reshape(t.shape[1], -1)     # rows of blocks
-            yield name, _quantized_rows(t.type_name, rows, t.shape[1:])
+            yield name, QuantizedRows.from_file(t.type_name, rows, t.shape[1:])
             continue
         data = np.array(dequantize(raw[expert], qtype), dtype=np.float32)   # a copy: the
         yield name, torch.from_numpy(data.reshape(t.shape[1:]))             # map is read-only

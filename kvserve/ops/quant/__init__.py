@@ -8,7 +8,11 @@
     reference.py  float64 / gguf references for tests and benchmarks
 """
 from kvserve.ops.quant.formats import FORMATS, PACKED_TYPES, ROW_GROUP, BlockFormat, block_format
+from kvserve.ops.quant.transcode import TRANSCODED
 from kvserve.ops.quant.weight import PackedQuantWeight
 
-__all__ = ["FORMATS", "PACKED_TYPES", "ROW_GROUP", "BlockFormat", "PackedQuantWeight",
-           "block_format"]
+# The GGUF types a file's matrices stay packed in: packed as they are, or rewritten first.
+KEPT_TYPES = (*PACKED_TYPES, *TRANSCODED)
+
+__all__ = ["FORMATS", "KEPT_TYPES", "PACKED_TYPES", "ROW_GROUP", "TRANSCODED", "BlockFormat",
+           "PackedQuantWeight", "block_format"]

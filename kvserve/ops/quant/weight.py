@@ -43,6 +43,7 @@ import torch
 from kvserve.ops.linear import SMALL_BATCH_MAX_ROWS, mm_t
 from kvserve.ops.quant import kernel, packing
 from kvserve.ops.quant.formats import ROW_GROUP, BlockFormat, block_format
+from kvserve.ops.quant.transcode import TRANSCODED, transcode
 
 # Largest row count of x that takes the int8 kernel (the small-batch threshold of the float
 # weights, ops.linear); None: every batch (see the module doc).
@@ -289,6 +290,15 @@ class QuantizedRows:
     qtype: str
     raw: Union[np.ndarray, torch.Tensor]
     shape: tuple[int, int]
+
+    @staticmethod
+    def from_file(qtype: str, rows: Union[np.ndarray, torch.Tensor],
+                  shape: tuple[int, ...]) -> "QuantizedRows":
+        """A file's raw rows of a KEPT_TYPES type: kept as they are (a file view), or rewritten
+        (a copy) as the packed type TRANSCODED names (transcode.py)."""
+        if qtype in TRANSCODED:
+            qtype, rows = transcode(qtype, rows)
+        return QuantizedRows(qtype, rows, (int(shape[0]), int(shape[1])))
 
     def dim(self) -> int:
         return 2
