@@ -433,10 +433,9 @@ def weights_label(model: str, dtype: str) -> str:
     tensor type (kvserve keeps those packed), else the dtype."""
     if not model.endswith(".gguf"):
         return dtype
-    from collections import Counter
-
+    from kvserve.benchmarks.weights import matrix_types
     from kvserve.model.gguf import read_gguf_metadata
-    types = Counter(t.type_name for t in read_gguf_metadata(model).tensors if len(t.shape) == 2)
+    types = matrix_types(read_gguf_metadata(model))
     return types.most_common(1)[0][0] if types else dtype
 
 

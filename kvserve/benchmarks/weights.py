@@ -8,15 +8,20 @@ from collections import Counter
 from typing import Any, Optional
 
 
+def matrix_types(meta: Any) -> Counter:
+    """A GGUF file's matrices (its GGUFMetadata's tensors, 1-D norms left out) by type."""
+    return Counter(t.type_name for t in meta.tensors if len(t.shape) >= 2)
+
+
 def gguf_quantization(path: str) -> str:
     """"Q4_K_M GGUF (96 Q4_K, 17 Q6_K, 13 Q5_0)": llama.cpp's file type (general.file_type),
-    else the most common matrix type, then the matrices' types by count (1-D norms left out)."""
+    else the most common matrix type, then the matrices' types by count."""
     import gguf
 
     from kvserve.model.gguf import read_gguf_metadata
 
     meta = read_gguf_metadata(path)
-    counts = Counter(t.type_name for t in meta.tensors if len(t.shape) >= 2)
+    counts = matrix_types(meta)
     name = counts.most_common(1)[0][0] if counts else "F32"
     try:
         name = gguf.LlamaFileType(int(meta.fields["general.file_type"])).name
@@ -40,11 +45,9 @@ def weights_label(model_config: Any) -> str:
 
 
 def served_weights_label(model: Optional[str]) -> Optional[str]:
-    """For `bench serve`, which sees the server's model name only: the GGUF file's quantization
-    where that name is a .gguf file on this machine (or "demo"), else None."""
-    if model == "demo":
-        from kvserve.model.demo import fetch_demo_gguf
-        model = fetch_demo_gguf()
+    """For `bench serve`, which sees the server's model path (its /v1/models root) or name
+    only: the GGUF file's quantization where that is a .gguf file on this machine, else None
+    (nothing is fetched: the server resolved "demo" to its file already)."""
     if model and model.endswith(".gguf") and os.path.isfile(model):
         return gguf_quantization(model)
     return None
