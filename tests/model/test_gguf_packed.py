@@ -389,21 +389,14 @@ def _with_random_ffn_down(src: str, out: str, qtype: str) -> str:
     """`src` as it is (raw tensors), but every ffn_down holds random `qtype` blocks."""
     import gguf
 
-    kind = gguf.GGMLQuantizationType[qtype]
-    size, nbytes = gguf.GGML_QUANT_SIZES[kind]
-    rng = np.random.default_rng(0)
+    from tests.ops.test_quant_linear import random_blocks
 
     def tensor(t):
         if ".ffn_down." not in t.name:
             return np.asarray(t.data), t.tensor_type
-        n, k = int(t.shape[1]), int(t.shape[0])
-        data = rng.integers(0, 256, (n, k // size * nbytes), dtype=np.uint8)
-        blocks = data.reshape(n, k // size, nbytes)
-        # float16 scales (the first two bytes of these blocks; Q2_K's last four): finite
-        for at in ((nbytes - 4, nbytes - 2) if qtype == "Q2_K" else (0,)):
-            blocks[..., at:at + 2] = rng.uniform(-1e-3, 1e-3, blocks.shape[:2]).astype(
-                np.float16).view(np.uint8).reshape(*blocks.shape[:2], 2)
-        return data, kind
+        layer = int(t.name.split(".")[1])
+        rows = random_blocks(qtype, int(t.shape[1]), int(t.shape[0]), layer, scale=1e-3)
+        return rows, gguf.GGMLQuantizationType[qtype]
 
     return _copy_gguf(src, out, tensor)
 

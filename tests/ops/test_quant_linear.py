@@ -47,18 +47,21 @@ def _f16_bytes(a: np.ndarray) -> np.ndarray:
     return np.frombuffer(a.astype(np.float16).tobytes(), np.uint8).reshape(*a.shape, 2)
 
 
-def random_blocks(name: str, n: int, k: int, seed: int) -> np.ndarray:
-    """[N, row_bytes] uint8: random bytes with finite float16 scales of either sign."""
-    fmt = FORMATS[name]
+# Byte offsets of a block's float16 fields (scale, then minimum / dmin) where not just (0,).
+FP16_FIELDS = {"Q4_1": (0, 2), "Q5_1": (0, 2), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
+               "Q2_K": (80, 82), "Q3_K": (108,)}
+
+
+def random_blocks(name: str, n: int, k: int, seed: int, scale: float = 0.02) -> np.ndarray:
+    """[N, row_bytes] uint8 of any GGUF block type: random bytes with finite float16 scales
+    (and minimums) of either sign, up to `scale`. (IQ1_S / IQ1_M keep their scales elsewhere.)"""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    size, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType[name]]
     rng = np.random.default_rng(seed)
-    raw = rng.integers(0, 256, size=(n, k // fmt.block_size, fmt.type_size), dtype=np.uint8)
-    scale = lambda: _f16_bytes(rng.uniform(-0.02, 0.02, size=raw.shape[:2]))  # noqa: E731
-    if name == "Q6_K":
-        raw[..., 208:210] = scale()
-    else:
-        raw[..., 0:2] = scale()
-        if name in ("Q4_1", "Q5_1", "Q4_K", "Q5_K"):
-            raw[..., 2:4] = scale()      # the minimum (dmin for the K-quants)
+    raw = rng.integers(0, 256, size=(n, k // size, nbytes), dtype=np.uint8)
+    for at in FP16_FIELDS.get(name, (0,)):
+        raw[..., at:at + 2] = _f16_bytes(rng.uniform(-scale, scale, size=raw.shape[:2]))
     return raw.reshape(n, -1)
 
 

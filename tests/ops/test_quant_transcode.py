@@ -10,18 +10,8 @@ import pytest
 
 from kvserve.ops.quant.transcode import TRANSCODED, transcode
 from tests.model.gguf_files import quantize_blocks
+from tests.ops.test_quant_linear import random_blocks
 
-# type -> (weights a block, bytes a block, offset of its float16 scale)
-BLOCKS = {"Q3_K": (256, 110, 108), "IQ4_NL": (32, 18, 0), "IQ4_XS": (256, 136, 0)}
-
-
-def _random_rows(qtype: str, n: int, k: int, seed: int) -> np.ndarray:
-    size, nbytes, at = BLOCKS[qtype]
-    rng = np.random.default_rng(seed)
-    raw = rng.integers(0, 256, size=(n, k // size, nbytes), dtype=np.uint8)
-    d = rng.uniform(-0.02, 0.02, size=raw.shape[:2]).astype(np.float16)
-    raw[..., at:at + 2] = d.view(np.uint8).reshape(*raw.shape[:2], 2)
-    return raw.reshape(n, -1)
 
 
 def _dequantize(qtype: str, rows: np.ndarray) -> np.ndarray:
@@ -41,7 +31,7 @@ CASES = [pytest.param(t, s, src, id=f"{t}-{s[0]}x{s[1]}-{src}")
 def test_rewritten_blocks_hold_the_same_weights(qtype: str, shape, source: str) -> None:
     n, k = shape
     if source == "random":
-        rows = _random_rows(qtype, n, k, seed=n)
+        rows = random_blocks(qtype, n, k, seed=n)
     else:
         w = np.random.default_rng(n).standard_normal((n, k)).astype(np.float32)
         rows = quantize_blocks(w, qtype)
@@ -61,7 +51,7 @@ def test_rewritten_blocks_hold_the_same_weights(qtype: str, shape, source: str) 
 def test_rewrites_in_row_chunks_are_the_whole_tensors(qtype: str, monkeypatch) -> None:
     from kvserve.ops.quant import transcode as module
 
-    rows = _random_rows(qtype, 11, 512, seed=5)
+    rows = random_blocks(qtype, 11, 512, seed=5)
     whole = transcode(qtype, rows)[1]
     monkeypatch.setattr(module, "_CHUNK_BLOCKS", 7)       # 1 or 3 rows a chunk here
     assert np.array_equal(transcode(qtype, rows)[1], whole)
@@ -74,7 +64,7 @@ def test_rewritten_rows_pack_and_dequantize_as_the_file() -> None:
 
     from kvserve.ops.quant.weight import QuantizedRows
 
-    rows = _random_rows("Q3_K", 9, 512, seed=3)
+    rows = random_blocks("Q3_K", 9, 512, seed=3)
     target, out = transcode("Q3_K", rows)
     weight = QuantizedRows.pack([QuantizedRows(target, out, (9, 512))])
     got = weight.dequantize_rows(torch.arange(9)).double().numpy()
