@@ -53,7 +53,7 @@ def _f16(a: np.ndarray) -> np.ndarray:
 
 
 def _iq4_nl_blocks(x: np.ndarray) -> np.ndarray:
-    from kvserve.ops.quant.transcode import IQ4_NL_VALUES
+    from kvserve.ops.quant.formats import IQ4_NL_VALUES
 
     table = IQ4_NL_VALUES.astype(np.float32)
     d = _f16(np.abs(x).max(axis=1) / 127.0)

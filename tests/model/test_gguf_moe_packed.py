@@ -44,8 +44,8 @@ pytestmark = pytest.mark.skipif(quant_kernel.ops() is None,
 # Logprob tolerance, packed (int8 activations in decode steps: ~1% relative error per MoE
 # layer, INT8_REL_TOL) vs the dequantized float32 experts, on these tiny random models
 # (hidden 64, peaked logits): measured at most 0.023 (Qwen3-MoE Q8_0) and 0.20 (Mixtral
-# Q8_0 / Q4_1 / Q5_0) over the 6 prompts x 10 tokens; Qwen3-MoE IQ4_NL (its experts rewritten
-# as Q8_0) takes Q8_0's bound.
+# Q8_0 / Q4_1 / Q5_0) over the 6 prompts x 10 tokens; Qwen3-MoE IQ4_NL (Q8_0's activations and
+# int8 weights, looked up from the nibbles) takes Q8_0's bound.
 PACKED_LOGPROB_ATOL = {"qwen3_moe-Q8_0": 0.05, "mixtral-mixed": 0.3, "qwen3_moe-IQ4_NL": 0.05}
 # The float64 model with unquantized activations vs the int8 kernel's: relative error norm
 # (measured 0.009-0.013 for every type set here: x and the SiLU product each quantized).
@@ -266,7 +266,7 @@ def test_mixed_float_and_packed_experts_of_one_projection_is_an_error() -> None:
 FILES = {  # name: (arch, the expert stacks' types: gate, up, down)
     "qwen3_moe-Q8_0": ("qwen3_moe", ("Q8_0", "Q8_0", "Q8_0")),
     "mixtral-mixed": ("mixtral", ("Q8_0", "Q4_1", "Q5_0")),
-    # rewritten as Q8_0 at load (ops/quant/transcode.py); hidden 64: no Q3_K / IQ4_XS blocks
+    # packed as IQ4_NL (its own kernels); hidden 64: no Q3_K / IQ4_XS blocks
     "qwen3_moe-IQ4_NL": ("qwen3_moe", ("IQ4_NL", "IQ4_NL", "IQ4_NL")),
 }
 

@@ -365,7 +365,10 @@ def test_large_batches_of_bf16_x_run_bf16_gemms(name: str, monkeypatch: pytest.M
 # Each type's stored weight values in its GGUF block (bytes [lo, hi)), which the limit test sets
 # to their largest magnitude (0x80: Q8_0's -128; 0xFF: the others' unsigned maximum, 15 .. 63).
 QUANT_BYTES = {"Q4_0": (2, 18), "Q4_1": (4, 20), "Q5_0": (2, 22), "Q5_1": (4, 24),
-               "Q8_0": (2, 34), "Q4_K": (16, 144), "Q5_K": (16, 176), "Q6_K": (0, 192)}
+               "Q8_0": (2, 34), "Q4_K": (16, 144), "Q5_K": (16, 176), "Q6_K": (0, 192),
+               "IQ4_NL": (2, 18)}
+# The stored byte of the largest weights: Q8_0's -128, IQ4_NL's nibbles 0 (-127); others 0xFF.
+LIMIT_BYTE = {"Q8_0": 0x80, "IQ4_NL": 0x00}
 
 
 @needs_kernel
@@ -379,7 +382,7 @@ def test_int16_sums_at_their_limit_stay_exact(ops, name: str) -> None:
     fmt = FORMATS[name]
     raw = random_blocks(name, n, k, seed=5).reshape(n, k // fmt.block_size, fmt.type_size)
     lo, hi = QUANT_BYTES[name]
-    raw[..., lo:hi] = 0x80 if name == "Q8_0" else 0xFF
+    raw[..., lo:hi] = LIMIT_BYTE.get(name, 0xFF)
     raw = raw.reshape(n, -1)
     w = PackedQuantWeight.from_gguf(name, raw, (n, k))
     x = torch.ones(70, k)
@@ -395,6 +398,8 @@ def test_int16_sums_at_their_limit_stay_exact(ops, name: str) -> None:
                         f"gemm M={m}")
 
 
+# The types the AVX2 builds have no int8 GEMM for (VNNI's has).
+NO_AVX2_GEMM = ("Q8_0", "IQ4_NL")
 # N odd, a group short of a 16-row panel, and past a 32-row work item.
 GEMM_SHAPES = {32: [(1, 32), (37, 576), (70, 1536)], 256: [(1, 256), (37, 512), (70, 1536)]}
 GEMM_ROWS = [1, 2, 3, 4, 5, 7, 9, 33]       # the 4-row microkernel and every remainder
@@ -413,11 +418,12 @@ def needs_gemm(ops, name: str) -> None:
 @needs_kernel
 def test_int8_gemm_only_where_the_build_has_it(ops) -> None:
     """The avx512_bf16 tier's VNNI build has the GEMM for every packed type, the AVX2 builds
-    (avx2, avx512) for every type but Q8_0 (maddubs would saturate on its values), the portable
-    build for none (matmul keeps the float path there); the op says so where it has none."""
+    (avx2, avx512) for every type but Q8_0 and IQ4_NL (maddubs would saturate on their values),
+    the portable build for none (matmul keeps the float path there); the op says so where it
+    has none."""
     isa = kernel.isa()
     missing = (set(PACKED_TYPES) if isa.startswith("generic") else
-               set() if isa.startswith("avx512 vnni") else {"Q8_0"})
+               set() if isa.startswith("avx512 vnni") else set(NO_AVX2_GEMM))
     assert {t for t in PACKED_TYPES if not ops.gemm_supports(FORMATS[t].ggml_type)} == missing
     for name in missing:
         w = PackedQuantWeight.from_gguf(name, make_raw(name, 8, 256), (8, 256))
@@ -561,7 +567,7 @@ def test_demo_model_tensors(ops, smollm2_gguf: str) -> None:
 
 def _kernel_outputs(path: str) -> None:
     """Every packed type's int8 kernel at M = 1, 3, 4, 13 on fixed random blocks, and its int8
-    GEMM at M = 6, 13, x float32 and bf16 (every type but Q8_0, which has none on AVX2), saved."""
+    GEMM at M = 6, 13, x float32 and bf16 (every type but those with none on AVX2), saved."""
     out, ops = {}, kernel.ops()
     for name in PACKED_TYPES:
         n, k = 40, 512
@@ -569,7 +575,7 @@ def _kernel_outputs(path: str) -> None:
         x = torch.from_numpy(activations(13, k, seed=3))
         for m in (1, 3, 4, 13):
             out[f"{name} M={m}"] = ops.linear(x[:m].contiguous(), w.packed, w.fmt.ggml_type, n)
-        for m in (6, 13) if name != "Q8_0" else ():
+        for m in (6, 13) if name not in NO_AVX2_GEMM else ():
             out[f"{name} gemm M={m}"] = ops.gemm(x[:m].contiguous(), w.packed, w.fmt.ggml_type, n)
             out[f"{name} gemm bf16 M={m}"] = ops.gemm(x[:m].bfloat16(), w.packed,
                                                       w.fmt.ggml_type, n)

@@ -1,7 +1,7 @@
 """GGUF types rewritten at load as packed types (kvserve/ops/quant/transcode.py): the rewritten
 blocks dequantize, by gguf.quants (the reference), to the original blocks' weights: exactly for
-Q3_K -> Q6_K and IQ4_NL -> Q8_0, within float16's rounding of each 32 weights' scale (2^-11,
-relative) for IQ4_XS -> Q8_0. Every byte pattern of the quants and scales occurs in the random
+Q3_K -> Q6_K, within float16's rounding of each 32 weights' scale (2^-11, relative) for
+IQ4_XS -> IQ4_NL. Every byte pattern of the quants and scales occurs in the random
 blocks; the float16 super-block scales are finite, as a file's are."""
 from __future__ import annotations
 
@@ -59,16 +59,20 @@ def test_rewrites_in_row_chunks_are_the_whole_tensors(qtype: str, monkeypatch) -
 
 def test_rewritten_rows_pack_and_dequantize_as_the_file() -> None:
     """A rewritten tensor through the packed weight (ops.quant.PackedQuantWeight): its rows
-    dequantize to the original's weights."""
+    dequantize to the rewritten blocks' weights (the original's, for Q3_K)."""
     import torch
 
     from kvserve.ops.quant.weight import QuantizedRows
 
-    rows = random_blocks("Q3_K", 9, 512, seed=3)
-    target, out = transcode("Q3_K", rows)
-    weight = QuantizedRows.pack([QuantizedRows(target, out, (9, 512))])
-    got = weight.dequantize_rows(torch.arange(9)).double().numpy()
-    assert np.array_equal(got, _dequantize("Q3_K", rows))
+    for qtype in sorted(TRANSCODED):
+        rows = random_blocks(qtype, 9, 512, seed=3)
+        target, out = transcode(qtype, rows)
+        weight = QuantizedRows.pack([QuantizedRows.from_file(qtype, rows, (9, 512))])
+        assert weight.qtype == target
+        got = weight.dequantize_rows(torch.arange(9)).double().numpy()
+        assert np.array_equal(got, _dequantize(target, out))
+        if qtype == "Q3_K":
+            assert np.array_equal(got, _dequantize("Q3_K", rows))
 
 
 def test_types_without_a_rewrite_are_errors() -> None:

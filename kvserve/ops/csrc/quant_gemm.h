@@ -13,11 +13,12 @@
 // accumulators take 8 vpdpbusd each per 32-block (Q6_K: 4 per half) and are folded into 8
 // float32 ones (cvt, times dx * scale; plus sd * minimum). AVX2 (avx2 and avx512 tiers), 4 rows x
 // one panel's two 8-row halves at a time: maddubs pair sums gathered in int16 lanes, then madd
-// into the int32 ones (GemmType::kI16); no Q8_0 there (its unsigned values overflow maddubs's
-// pairs). The signed types' offset (w = u - 8, 16, 32 or 128) starts each int32 accumulator at
-// -offset * (x's int sum over the scale's span), so it costs nothing. The int parts are exact,
-// so both microkernels give the same bits, and against a float64 reference on the same
-// quantized x and weights they differ by float32 rounding only (tests: 1e-5 of |x_q| @ |W|^T).
+// into the int32 ones (GemmType::kI16); no Q8_0 or IQ4_NL there (their unsigned values
+// overflow maddubs's pairs). The signed types' offset (w = u - 8, 16, 32 or 128) starts each
+// int32 accumulator at -offset * (x's int sum over the scale's span), so it costs nothing. The
+// int parts are exact, so both microkernels give the same bits, and against a float64 reference
+// on the same quantized x and weights they differ by float32 rounding only (tests: 1e-5 of
+// |x_q| @ |W|^T).
 //
 // Why: prompts on packed weights otherwise run GEMMs on dequantized chunks: bf16 ones (oneDNN,
 // dpbf16: 32 multiply-adds an instruction) where vpdpbusd does 64, float32 ones on AVX2 (8 an
@@ -64,11 +65,13 @@ constexpr int64_t kGemmMinRows = 64;
 template <int64_t QT> struct GemmType {
   static constexpr int H = QT == kQ6_K ? 2 : 1;
   static constexpr bool kMin = QT == kQ4_1 || QT == kQ5_1 || QT == kQ4_K || QT == kQ5_K;
-  static constexpr int kOff = QT == kQ8_0 ? 128 : QT == kQ4_0 ? 8 : QT == kQ5_0 ? 16 : QT == kQ6_K ? 32 : 0;
+  static constexpr int kOff = QT == kQ8_0 || QT == kIQ4_NL ? 128 : QT == kQ4_0 ? 8 :
+                              QT == kQ5_0 ? 16 : QT == kQ6_K ? 32 : 0;
   // The largest unsigned value, and so the quads whose maddubs pairs (|u0 x0 + u1 x1| <=
   // 2 * 127 * umax) an int16 lane can sum without saturating (the AVX2 microkernel): 8 for the
-  // 4-bit types, 4 for the 5-bit ones, 2 for Q6_K. Q8_0's 255 allows none (no AVX2 GEMM).
-  static constexpr int kMaxU = QT == kQ8_0 ? 255 : QT == kQ6_K ? 63 :
+  // 4-bit types, 4 for the 5-bit ones, 2 for Q6_K. Q8_0's 255 and IQ4_NL's 241 (kIQ4NLu)
+  // allow none (no AVX2 GEMM for them).
+  static constexpr int kMaxU = QT == kQ8_0 ? 255 : QT == kIQ4_NL ? 241 : QT == kQ6_K ? 63 :
                                QT == kQ5_0 || QT == kQ5_1 || QT == kQ5_K ? 31 : 15;
   static constexpr int kFit = 32767 / (2 * 127 * kMaxU);
   static constexpr int kI16 = kFit >= 8 ? 8 : kFit >= 4 ? 4 : 2;
@@ -131,6 +134,8 @@ void unpack_block(const uint8_t* gb, int p, int h, int64_t t0, GemmPanels& pn) {
       if constexpr (QT == kQ8_0)                // w + 128 (w ^ 0x80): unsigned
         store32(pn.wq(p, t0, c, h), _mm256_xor_si256(load32(gb + legacy_qs(QT) + 32 * c),
                                                      _mm256_set1_epi8(-128)));
+      else if constexpr (QT == kIQ4_NL)         // w + 128, looked up
+        store32(pn.wq(p, t0, c, h), iq4nl_values<true>(legacy_chunk<QT>(gb, qh, c)));
       else
         store32(pn.wq(p, t0, c, h), legacy_chunk<QT>(gb, qh, c));
     }
@@ -251,7 +256,7 @@ __attribute__((noinline)) void gemm_tile(const XQ& x, int64_t m0, int p, const G
                                          float* yf, c10::BFloat16* yb, int64_t N, int64_t n0) {
   constexpr int VN = 2;                         // the panel's halves
   using T = GemmType<QT>;
-  static_assert(T::kMaxU < 255, "maddubs pairs of u8 weights would saturate");
+  static_assert(T::kFit >= 2, "maddubs pairs of u8 weights would saturate");
   constexpr int kQuads = 8 / T::H;              // quads under one scale
   constexpr int kRun = T::kI16 < kQuads ? T::kI16 : kQuads;
   const int64_t nt = pn.nt;
@@ -346,6 +351,7 @@ void run_gemm(int64_t qt, const uint8_t* packed, const XQ& x, float* yf, c10::BF
     case kQ5_1: return gemm_blocks<kQ5_1>(packed, x, yf, yb, M, N, G, nb, i0, i1);
 #if defined(QL_GEMM_VNNI)
     case kQ8_0: return gemm_blocks<kQ8_0>(packed, x, yf, yb, M, N, G, nb, i0, i1);
+    case kIQ4_NL: return gemm_blocks<kIQ4_NL>(packed, x, yf, yb, M, N, G, nb, i0, i1);
 #endif
     case kQ4_K: return gemm_blocks<kQ4_K>(packed, x, yf, yb, M, N, G, nb, i0, i1);
     case kQ5_K: return gemm_blocks<kQ5_K>(packed, x, yf, yb, M, N, G, nb, i0, i1);
@@ -367,7 +373,7 @@ int64_t gemm_min_rows() {
 bool gemm_supports(int64_t qtype) {
 #if defined(QL_GEMM)
 #if defined(QL_GEMM_VNNI)
-  if (qtype == kQ8_0) return true;
+  if (qtype == kQ8_0 || qtype == kIQ4_NL) return true;
 #endif
   return qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ5_0 || qtype == kQ5_1 ||
          qtype == kQ4_K || qtype == kQ5_K || qtype == kQ6_K;

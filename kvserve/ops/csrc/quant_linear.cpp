@@ -4,7 +4,8 @@
 //   packed  [ceil(N/8), K/B, 8*T] uint8: GGUF blocks (B weights in T bytes each) of 8 rows at a
 //           time, interleaved field by field so that one 32-byte load holds 4 weights of each
 //           of the 8 rows (ops/quant/formats.py, packing.py; "the packed layout" below)
-//   qtype   the GGML type id: Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7, Q8_0 8, Q4_K 12, Q5_K 13, Q6_K 14
+//   qtype   the GGML type id: Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7, Q8_0 8, Q4_K 12, Q5_K 13, Q6_K 14,
+//           IQ4_NL 20 (Q4_0's layout; each nibble indexes llama.cpp's kvalues_iq4nl)
 //   -> y    [M, N] float32
 //
 // As llama.cpp does, x is first quantized per block of 32 to int8, as llama.cpp's Q8_0 / Q8_1
@@ -32,9 +33,9 @@
 // gguf's dequantizer) for the float path (a float32 GEMM on dequantized chunks): on AVX2 a
 // group-block at a time from the packed layout (0.2-0.4 ns a weight, 1 thread, Zen 3; the
 // portable row decoder, quant_dequantize_generic, takes 1.7-5.5 ns). quant_gemm (quant_gemm.h,
-// every tier from avx2; every type, but Q8_0 on AVX2): the same int8 x blocks against weight
-// panels unpacked once per call, for decode batches of kGemmMinRows+ rows (quant_linear hands
-// them over: 16 with VNNI, 64 on AVX2) and K-quant prompts.
+// every tier from avx2; every type, but Q8_0 and IQ4_NL on AVX2): the same int8 x blocks
+// against weight panels unpacked once per call, for decode batches of kGemmMinRows+ rows
+// (quant_linear hands them over: 16 with VNNI, 64 on AVX2) and K-quant prompts.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -69,7 +70,14 @@ constexpr int64_t kMinBytesPerTask = 16384;
 constexpr int64_t kPrefetchBytes = 4096;
 
 enum QType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8,
-                       kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
+                       kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kIQ4_NL = 20 };
+
+// IQ4_NL's 16 weight values (llama.cpp's kvalues_iq4nl), and the same plus 128 as unsigned
+// bytes (VNNI's vpdpbusd and the GEMM panels take unsigned weights; the offset is taken off).
+constexpr int8_t kIQ4NL[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                               1,    13,   25,  38,  53,  69,  89,  113};
+constexpr uint8_t kIQ4NLu[16] = {1,   24,  45,  63,  79,  93,  106, 118,
+                                 129, 141, 153, 166, 181, 197, 217, 241};
 
 // block: weights per block; bytes: per GGUF block; gbytes: per packed group-block of 8 rows.
 struct Format { int64_t block, bytes, act_block, sum_group, gbytes; };
@@ -84,6 +92,7 @@ Format format_of(int64_t qtype) {
     case kQ4_K: return {256, 144, 32, 16, 1184};
     case kQ5_K: return {256, 176, 32, 16, 1440};
     case kQ6_K: return {256, 210, 32, 16, 1680};
+    case kIQ4_NL: return {32, 18, 32, 32, 144};
     default: TORCH_CHECK(false, "quant_linear: unsupported GGML type ", qtype);
   }
   return {};
@@ -234,7 +243,8 @@ constexpr int64_t kQ6Sc = 16, kQ6Ql = 144, kQ6Qh = 1168;
 
 // One row of one group-block decoded: integer weights and their scales.
 struct Decoded {
-  int8_t q[256];        // Q8_0 / Q4_0 / Q5_0 / Q6_K signed (offset applied); others unsigned
+  int8_t q[256];        // Q8_0 / Q4_0 / Q5_0 / Q6_K / IQ4_NL signed (offset applied or looked
+                        // up); others unsigned
   float d = 0.f, m = 0.f;   // d; m: the _1 types' minimum, the K-quants' dmin
   int sc[16] = {};      // K-quants: sub-block scales (Q6_K: 16 int8; Q4_K / Q5_K: 8 six-bit)
   int mn[8] = {};       // Q4_K / Q5_K: sub-block minimums
@@ -253,6 +263,10 @@ void decode_legacy(int64_t qt, const uint8_t* gb, int64_t r, Decoded& o) {
     }
     const uint8_t byte = unit(gb, qs, 4, (k % 16) / 4, r)[k % 4];
     int v = k < 16 ? byte & 0xF : byte >> 4;
+    if (qt == kIQ4_NL) {
+      o.q[k] = kIQ4NL[v];
+      continue;
+    }
     if (five) v |= ((qh[k % 4] >> (k / 4)) & 1) << 4;     // chunk k/4's bit of byte k%4
     o.q[k] = static_cast<int8_t>(v - (qt == kQ4_0 ? 8 : qt == kQ5_0 ? 16 : 0));
   }
@@ -392,6 +406,20 @@ QL_INLINE __m512i high_bits_zmm(__m512i v, int s, __m512i mask) {
 QL_INLINE __m256i high_bits(__m256i v, int s, int mask) {
   return _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(v, s), 4), _mm256_set1_epi8(mask));
 }
+// IQ4_NL: nibbles (0..15 a byte) -> its weight values (one vpshufb on the 16-byte table in
+// each 128-bit lane): signed kIQ4NL, or kIQ4NLu (the value + 128) for unsigned products.
+template <bool kUnsigned>
+QL_INLINE __m256i iq4nl_values(__m256i nibbles) {
+  const __m128i t = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kUnsigned ? kIQ4NLu
+                                    : reinterpret_cast<const uint8_t*>(kIQ4NL)));
+  return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(t), nibbles);
+}
+#if defined(QL_VNNI)
+QL_INLINE __m512i iq4nl_values_u_zmm(__m512i nibbles) {
+  const __m128i t = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kIQ4NLu));
+  return _mm512_shuffle_epi8(_mm512_broadcast_i32x4(t), nibbles);
+}
+#endif
 
 // One 32-byte unit of stored (unsigned) weights, 4 of each of the 8 rows: chunk c (weights
 // 4c .. 4c + 3) of a block, as the dequantizer, Q6_K's small-batch path and quant_gemm.h's
@@ -473,6 +501,10 @@ QL_INLINE void legacy_sums_zmm(const uint8_t* gb, const XQ& x, int64_t m0, int64
         lo = _mm512_or_si512(lo, high_bits_zmm(qh2, c, h5));
         hi = _mm512_or_si512(hi, high_bits_zmm(qh2, c + 4, h5));
       }
+      if constexpr (QT == kIQ4_NL) {
+        lo = iq4nl_values_u_zmm(lo);
+        hi = iq4nl_values_u_zmm(hi);
+      }
       dot(lo, 4 * c);
       dot(hi, 16 + 4 * c);
     }
@@ -483,12 +515,13 @@ QL_INLINE void legacy_sums_zmm(const uint8_t* gb, const XQ& x, int64_t m0, int64
 
 // What the legacy paths add to the signed weights to feed them as unsigned (their integer dot
 // products then carry offset x x's block sum, taken off after): Q4_0's / Q5_0's stored 0..15 /
-// 0..31 are w + 8 / w + 16; VNNI reads Q8_0 as w ^ 0x80 (w + 128), where AVX2's maddubs would
-// overflow its int16 pair sums, so AVX2 keeps Q8_0 signed (the sign trick).
+// 0..31 are w + 8 / w + 16; VNNI reads Q8_0 as w ^ 0x80 (w + 128) and IQ4_NL from kIQ4NLu
+// (w + 128), where AVX2's maddubs would overflow its int16 pair sums, so AVX2 keeps those two
+// signed (the sign trick).
 template <int64_t QT>
 constexpr int legacy_offset() {
 #if defined(QL_VNNI)
-  if (QT == kQ8_0) return 128;
+  if (QT == kQ8_0 || QT == kIQ4_NL) return 128;
 #endif
   return QT == kQ4_0 ? 8 : QT == kQ5_0 ? 16 : 0;
 }
@@ -502,15 +535,16 @@ QL_INLINE void group_block_legacy(const uint8_t* gb, const XQ& x, int64_t m0, in
 #if defined(QL_VNNI)
   legacy_sums_zmm<QT, MB>(gb, x, m0, b, sumi);
 #else
-  // maddubs takes unsigned weights: all but Q8_0's go in as stored (legacy_offset).
-  constexpr bool kSigned = QT == kQ8_0;
+  // maddubs takes unsigned weights: all but Q8_0's and IQ4_NL's (looked up, signed) go in as
+  // stored (legacy_offset).
+  constexpr bool kSigned = QT == kQ8_0 || QT == kIQ4_NL;
   constexpr int64_t kQs = legacy_qs(QT);
   __m256i qh = _mm256_setzero_si256();
   if constexpr (kFive) qh = load32(gb + kLegacyQh + (kMin ? 16 : 0));
   // maddubs' int16 pair sums are added in int16 for kFlush chunks, then widened by one madd:
   // w <= 15 (Q4_0, Q4_1) keeps 8 chunks under 2^15 (8 x 2 x 15 x 127), w <= 31 (Q5_0, Q5_1)
-  // 4 chunks, Q8_0 (|w| <= 128) one.
-  constexpr int kFlush = QT == kQ8_0 ? 1 : kFive ? 4 : 8;
+  // 4 chunks, Q8_0 and IQ4_NL (|w| <= 128) one.
+  constexpr int kFlush = kSigned ? 1 : kFive ? 4 : 8;
   __m256i s16[MB];
   for (int m = 0; m < MB; ++m) sumi[m] = s16[m] = _mm256_setzero_si256();
   const __m256i m4 = _mm256_set1_epi8(0xF);
@@ -542,6 +576,13 @@ QL_INLINE void group_block_legacy(const uint8_t* gb, const XQ& x, int64_t m0, in
       if constexpr (kFive) {
         lo = _mm256_or_si256(lo, high_bits(qh, c, 0x10));
         hi = _mm256_or_si256(hi, high_bits(qh, c + 4, 0x10));
+      }
+      if constexpr (QT == kIQ4_NL) {
+        chunk(iq4nl_values<false>(lo), c);
+        flush();
+        chunk(iq4nl_values<false>(hi), c + 4);
+        flush();
+        continue;
       }
       chunk(lo, c);
       chunk(hi, c + 4);
@@ -815,6 +856,7 @@ void run_avx2(int64_t qt, const Format& f, const uint8_t* packed, const XQ& x, f
     case kQ4_K: return run_avx2_t<kQ4_K>(f, packed, x, y, M, N, g0, g1);
     case kQ5_K: return run_avx2_t<kQ5_K>(f, packed, x, y, M, N, g0, g1);
     case kQ6_K: return run_avx2_t<kQ6_K>(f, packed, x, y, M, N, g0, g1);
+    case kIQ4_NL: return run_avx2_t<kIQ4_NL>(f, packed, x, y, M, N, g0, g1);
     default: TORCH_CHECK(false, "quant_linear: unsupported GGML type ", qt);
   }
 }
@@ -908,6 +950,7 @@ QL_INLINE void dequant_group_legacy(const uint8_t* gb, const RowDst& dst) {
     __m256i v = legacy_chunk<QT>(gb, qh, c);
     if constexpr (QT == kQ4_0) v = _mm256_sub_epi8(v, _mm256_set1_epi8(8));
     if constexpr (QT == kQ5_0) v = _mm256_sub_epi8(v, _mm256_set1_epi8(16));
+    if constexpr (QT == kIQ4_NL) v = iq4nl_values<false>(v);
     return v;
   };
 #pragma GCC unroll 4
@@ -962,6 +1005,7 @@ void dequant_group_avx2(int64_t qt, const uint8_t* gb, const RowDst& dst) {
     case kQ4_K: return dequant_group_k45<kQ4_K>(gb, dst);
     case kQ5_K: return dequant_group_k45<kQ5_K>(gb, dst);
     case kQ6_K: return dequant_group_q6k(gb, dst);
+    case kIQ4_NL: return dequant_group_legacy<kIQ4_NL>(gb, dst);
     default: TORCH_CHECK(false, "quant_dequantize: unsupported GGML type ", qt);
   }
 }
@@ -1049,7 +1093,8 @@ struct QuantizedX {
 at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t N) {
   const Format f = format_of(qtype);
   TORCH_CHECK(gemm_supports(qtype), "quant_gemm: no int8 GEMM for GGML type ", qtype,
-              " in this build (the avx2 tier and above have one; Q8_0's on avx512_bf16 only)");
+              " in this build (the avx2 tier and above have one; Q8_0's and IQ4_NL's on "
+              "avx512_bf16 only)");
   const bool bf = check_x(x, "quant_gemm");
   const int64_t M = x.size(0), K = x.size(1);
   check_packed(packed, f, N, K);

@@ -1,8 +1,8 @@
 """GGUF block-quantized weights kept packed: formats, repacking, kernels and the weight type.
 
-    formats.py    the block formats (Q4_0 .. Q8_0, Q4_K .. Q6_K) and the packed layout
+    formats.py    the block formats (Q4_0 .. Q8_0, Q4_K .. Q6_K, IQ4_NL) and the packed layout
     packing.py    raw GGUF rows -> the kernels' interleaved layout; torch dequantization
-    transcode.py  Q3_K, IQ4_NL, IQ4_XS rows rewritten as Q6_K / Q8_0 ones at load
+    transcode.py  Q3_K, IQ4_XS rows rewritten as Q6_K / IQ4_NL ones at load
     kernel.py     the compiled kernels (csrc/quant_linear.cpp)
     weight.py     PackedQuantWeight: from_gguf, matmul, dequantize_rows, shard
     reference.py  float64 / gguf references for tests and benchmarks

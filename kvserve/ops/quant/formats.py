@@ -13,6 +13,7 @@ Every type quantizes a row of K weights in blocks along K. A block is `type_size
     Q5_K 256 w, 176 B  d, dmin, scales[12], qh[32], nibbles[128]    as Q4_K, q 5-bit
     Q6_K 256 w, 210 B  ql[128], qh[64], scales[16] int8, d          16-value groups g:
                                                                      w = d * sc_g * (q - 32)
+    IQ4_NL 32 w, 18 B  d, nibbles[16] as Q4_0's                     w = d * IQ4_NL_VALUES[q]
 
 The packed layout (packing.pack_blocks) takes ROW_GROUP = 8 rows at a time and, block by block,
 interleaves their bytes field by field so that one 32-byte load holds 4 consecutive weights of
@@ -34,10 +35,10 @@ needed. The bytes are only moved, except Q5_0 / Q5_1's 32 high bits, which are r
 is exactly invertible (unpack_blocks). Rows N..8*ceil(N/8)-1 are padding that no output reads.
 
 Activations are quantized to int8 in blocks of 32 values, as llama.cpp's x86 code does for the
-32-weight types (its "vec_dot_type"): Q8_0 (float16 scale) for Q4_0 / Q5_0 / Q8_0, Q8_1 (plus
-fp16(d * sum q), which the minimum multiplies) for Q4_1 / Q5_1; near-ties between logits then
-fall where llama.cpp's do on the same file. The K-quants take the same 32-value blocks with a
-float32 scale (plus the sums of each 16 for their minimums and Q6_K's -32 offset), where
+32-weight types (its "vec_dot_type"): Q8_0 (float16 scale) for Q4_0 / Q5_0 / Q8_0 / IQ4_NL, Q8_1
+(plus fp16(d * sum q), which the minimum multiplies) for Q4_1 / Q5_1; near-ties between logits
+then fall where llama.cpp's do on the same file. The K-quants take the same 32-value blocks with
+a float32 scale (plus the sums of each 16 for their minimums and Q6_K's -32 offset), where
 llama.cpp takes Q8_K (one scale per 256): measured on the demo's llama.cpp Q4_K_M file (its
 K-quants are ffn_down, whose SiLU-gated input has outliers that one scale per 256 flattens),
 perplexity over the test text went from 1.28% above the dequantized float32 path's to 0.4%
@@ -49,12 +50,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+import numpy as np
+
 # Output rows per interleaved group in the packed layout (and per kernel work item).
 ROW_GROUP = 8
 # A field of a block: (byte offset in the GGUF block, length, width of its interleaved unit);
 # width 0: Q4_K / Q5_K's packed 6-bit scales, stored decoded in K_SCALES_BYTES per group-block.
 Field = tuple[int, int, int]
 K_SCALES_BYTES = 128
+# IQ4_NL's weight values, indexed by the stored nibble (llama.cpp's kvalues_iq4nl, ggml-common.h)
+IQ4_NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89,
+                          113], dtype=np.int8)
 
 
 @dataclass(frozen=True)
@@ -116,6 +122,7 @@ FORMATS: dict[str, BlockFormat] = {f.name: f for f in (
     _fmt("Q5_K", 13, 256, 176, (_D, _M, (4, 12, 0), (16, 32, 4), (48, 128, 4))),
     # d, the 16 int8 scales ([pair of groups][row][2]), ql, qh
     _fmt("Q6_K", 14, 256, 210, ((208, 2, 2), (192, 16, 2), (0, 128, 4), (128, 64, 4))),
+    _fmt("IQ4_NL", 20, 32, 18, (_D, (2, 16, 4))),
 )}
 PACKED_TYPES = tuple(FORMATS)
 

@@ -16,7 +16,7 @@ from typing import Union
 import numpy as np
 import torch
 
-from kvserve.ops.quant.formats import K_SCALES_BYTES, ROW_GROUP, BlockFormat
+from kvserve.ops.quant.formats import IQ4_NL_VALUES, K_SCALES_BYTES, ROW_GROUP, BlockFormat
 
 ArrayLike = Union[np.ndarray, torch.Tensor]
 
@@ -177,6 +177,12 @@ def _q4_0(b: torch.Tensor) -> torch.Tensor:
     return _f16(b[:, 0:2]).unsqueeze(-1) * q.float()
 
 
+def _iq4_nl(b: torch.Tensor) -> torch.Tensor:
+    table = torch.from_numpy(IQ4_NL_VALUES).to(b.device).float()
+    q = _nibbles(b[:, 2:]).reshape(-1, 32).long()
+    return _f16(b[:, 0:2]).unsqueeze(-1) * table[q]
+
+
 def _q4_1(b: torch.Tensor) -> torch.Tensor:
     q = _nibbles(b[:, 4:]).reshape(-1, 32).float()
     return _f16(b[:, 0:2]).unsqueeze(-1) * q + _f16(b[:, 2:4]).unsqueeze(-1)
@@ -227,4 +233,4 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
 
 
 _DEQUANT = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1,
-            "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
+            "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k, "IQ4_NL": _iq4_nl}

@@ -1,30 +1,26 @@
-"""GGUF types with no kernels of their own, rewritten at load as a type that has them. The
-first two are exact (every weight dequantizes to the same number; gguf.quants is the
-reference in the tests), the third rounds one product to float16:
+"""GGUF types with no kernels of their own, rewritten at load as a type that has them. Q3_K's
+rewrite is exact (every weight dequantizes to the same number; gguf.quants is the reference in
+the tests), IQ4_XS's rounds one product to float16:
 
     Q3_K   -> Q6_K   w = d * (s - 32) * q,  q in -4..3 and s 6-bit, per 16 weights: Q6_K's
                      w = d * sc * (q6 - 32) with sc = s - 32 (int8) and q6 = q + 32
-    IQ4_NL -> Q8_0   w = d * table[nibble], table int8 (llama.cpp's kvalues_iq4nl): Q8_0's
-                     w = d * q8 with q8 = table[nibble]
-    IQ4_XS -> Q8_0   w = d * (s - 32) * table[nibble], s 6-bit per 32 weights: Q8_0's scale
-                     is float16(d * (s - 32)), within 2^-11 of the product (relative; Q8_0
-                     has one float16 scale a block, and no int8 holds (s - 32) * table[.])
+    IQ4_XS -> IQ4_NL w = d * (s - 32) * table[nibble], s 6-bit per 32 weights: IQ4_NL's
+                     w = d' * table[nibble] (the same nibbles) with d' = float16(d * (s - 32)),
+                     within 2^-11 of the product (relative; IQ4_NL has one float16 scale a
+                     32-weight block)
 
 Q3_K_M / Q3_K_L / Q3_K_S files are mostly Q3_K (llama.cpp stores such tensors with rows that
 are not whole 256-weight blocks, SmolLM2's 576, as Q4_0); IQ4_XS files keep those rows as
-IQ4_NL. The rewritten tensors take 6.56 / 8.5 / 8.5 bits a weight where the file has 3.44 /
-4.5 / 4.25: about 1.9-2x the memory, and decode reads as much more (the kernels are Q6_K's and
-Q8_0's). The other types no kernel covers (Q2_K, the IQ2 / IQ3 / IQ1 types) the loader
-dequantizes.
+IQ4_NL, which has kernels of its own. The rewritten tensors take 6.56 / 4.5 bits a weight where
+the file has 3.44 / 4.25: Q3_K about 1.9x the memory, and decode reads as much more (the kernels
+are Q6_K's); IQ4_XS 1.06x. The other types no kernel covers (Q2_K, the IQ2 / IQ3 / IQ1 types)
+the loader dequantizes.
 """
 from __future__ import annotations
 
 import numpy as np
 
-TRANSCODED: dict[str, str] = {"Q3_K": "Q6_K", "IQ4_NL": "Q8_0", "IQ4_XS": "Q8_0"}
-# llama.cpp's kvalues_iq4nl (ggml-common.h)
-IQ4_NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89,
-                          113], dtype=np.int8)
+TRANSCODED: dict[str, str] = {"Q3_K": "Q6_K", "IQ4_XS": "IQ4_NL"}
 
 
 def transcode(qtype: str, rows: np.ndarray) -> tuple[str, np.ndarray]:
@@ -80,12 +76,7 @@ def _q6_k_quants(q6: np.ndarray) -> np.ndarray:
     return np.concatenate([ql.reshape(n, 128), qh.reshape(n, 64)], axis=1)
 
 
-def _iq4_nl_as_q8_0(blocks: np.ndarray) -> np.ndarray:
-    # IQ4_NL block: d (fp16), qs[16].
-    return _q8_0_blocks(blocks[:, :2], blocks[:, 2:])
-
-
-def _iq4_xs_as_q8_0(blocks: np.ndarray) -> np.ndarray:
+def _iq4_xs_as_iq4_nl(blocks: np.ndarray) -> np.ndarray:
     # IQ4_XS block of 256: d (fp16), scales_h (u16: the high 2 bits of scale j at bits 2j),
     # scales_l[4] (the low 4 bits of scale j in nibble j % 2 of byte j // 2), then per 32
     # weights 16 bytes of nibbles as IQ4_NL's.
@@ -95,17 +86,9 @@ def _iq4_xs_as_q8_0(blocks: np.ndarray) -> np.ndarray:
     low = (blocks[:, 4:8, None] >> np.array([0, 4], dtype=np.uint8)).reshape(n, 8) & 15
     s = (low | (high.astype(np.uint8) << 4)).astype(np.float32) - 32
     scale = (d * s).astype(np.float16).reshape(-1, 1).view(np.uint8)    # [n * 8, 2]
-    return _q8_0_blocks(scale, blocks[:, 8:].reshape(n * 8, 16)).reshape(n, -1)
-
-
-def _q8_0_blocks(scale: np.ndarray, qs: np.ndarray) -> np.ndarray:
-    """Q8_0 blocks from float16 scales ([n, 2] bytes) and IQ4_NL's 16 bytes of nibbles a block
-    (the low nibbles are values 0-15, the high ones 16-31)."""
-    nibbles = np.concatenate([qs & 15, qs >> 4], axis=1)
-    return np.concatenate([scale, IQ4_NL_VALUES[nibbles].view(np.uint8)], axis=1)
+    return np.concatenate([scale, blocks[:, 8:].reshape(n * 8, 16)], axis=1).reshape(n, -1)
 
 
 # type -> (the rewrite of [blocks, bytes], its block bytes, the target's)
-_REWRITES = {"Q3_K": (_q3_k_as_q6_k, 110, 210), "IQ4_NL": (_iq4_nl_as_q8_0, 18, 34),
-             "IQ4_XS": (_iq4_xs_as_q8_0, 136, 8 * 34)}
+_REWRITES = {"Q3_K": (_q3_k_as_q6_k, 110, 210), "IQ4_XS": (_iq4_xs_as_iq4_nl, 136, 8 * 18)}
 _CHUNK_BLOCKS = 1 << 16

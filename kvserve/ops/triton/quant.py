@@ -49,7 +49,16 @@ GEMV_MAX_ROWS = 8
 # cuBLAS multiplies (the crossover measured on an H100: see the module docstring).
 DOT_MAX_ROWS = 128
 TILE = 256      # weights per row per step (one super-block; 8 blocks of the 32-weight types)
-Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 6, 7, 8, 12, 13, 14
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL = 2, 3, 6, 7, 8, 12, 13, 14, 20
+
+
+@triton.jit
+def _iq4_nl_value(q):
+    """IQ4_NL's value of nibbles q (int32, 0..15), as int32: formats.IQ4_NL_VALUES as 4
+    little-endian int32 words, value j byte j % 4 of word j // 4 (a lookup in registers)."""
+    word = tl.where(q < 8, tl.where(q < 4, -1079142271, -152379953),
+                    tl.where(q < 12, 639175937, 1901675829))
+    return ((word >> (8 * (q & 3))) << 24) >> 24
 
 
 @triton.jit
@@ -76,11 +85,12 @@ def _u8(p, blk, GBB: tl.constexpr, POS: tl.constexpr, idx, mask):
 
 @triton.jit
 def _q4_family(p, gblk, r, rmask, blk0, nb, QT: tl.constexpr, GBB: tl.constexpr):
-    """Q4_0 / Q4_1 / Q5_0 / Q5_1: 8 blocks [BN, 8 blocks, 4 words, 8 nibbles]. Word u of a
-    block holds bytes 4u..4u+3; nibble slot (i, h): byte i, low (h = 0: weight 4u + i) or high
-    (h = 1: weight 4u + i + 16). Q5's high bits (packing's reordered u32): weight j = 4c + i at
-    bit 8i + c, i.e. slot (i, h) of word u at bit 8i + 4h + u. Field byte offsets (formats.py):
-    d 0; Q4_1 / Q5_1's m 16; qh 16 (Q5_0) / 32 (Q5_1); quants 16 / 32 / 48 / 64."""
+    """Q4_0 / Q4_1 / Q5_0 / Q5_1 / IQ4_NL (Q4_0's layout): 8 blocks [BN, 8 blocks, 4 words,
+    8 nibbles]. Word u of a block holds bytes 4u..4u+3; nibble slot (i, h): byte i, low (h = 0:
+    weight 4u + i) or high (h = 1: weight 4u + i + 16). Q5's high bits (packing's reordered
+    u32): weight j = 4c + i at bit 8i + c, i.e. slot (i, h) of word u at bit 8i + 4h + u. Field
+    byte offsets (formats.py): d 0; Q4_1 / Q5_1's m 16; qh 16 (Q5_0) / 32 (Q5_1); quants 16 /
+    32 / 48 / 64 (IQ4_NL 16)."""
     b = blk0 + tl.arange(0, 8)[None, :, None, None]
     u = tl.arange(0, 4)[None, None, :, None]
     slot = tl.arange(0, 8)[None, None, None, :]
@@ -92,6 +102,9 @@ def _q4_family(p, gblk, r, rmask, blk0, nb, QT: tl.constexpr, GBB: tl.constexpr)
     if QT == 2:
         q = (_u32(p, blk, GBB, 16, 8 * u + r, mask) >> shift) & 15
         w = d * (q - 8).to(tl.float32)
+    elif QT == 20:
+        q = (_u32(p, blk, GBB, 16, 8 * u + r, mask) >> shift) & 15
+        w = d * _iq4_nl_value(q).to(tl.float32)
     elif QT == 3:
         q = (_u32(p, blk, GBB, 32, 8 * u + r, mask) >> shift) & 15
         w = d * q.to(tl.float32) + _f16(p, blk, GBB, 16, r, mask)
