@@ -2,7 +2,7 @@
 model (SmolLM2-135M-Instruct, Q4_1) and on files requantized from it with `gguf`'s own
 quantizers (no llama.cpp): a mix of Q8_0 (most tensors, the embedding and tied head included)
 with Q5_0 / Q5_1 / Q4_0 (ffn_down), whose fused q|k|v holds two types; and one of IQ4_NL (kept
-packed) and Q3_K (rewritten as packed Q6_K; round-to-nearest quantizers in gguf_files.py).
+packed) and Q3_K (rewritten as packed Q3_K4; round-to-nearest quantizers in gguf_files.py).
 `gguf` has no K-quant quantizer: the Q4_K_M file (Q4_K, Q6_K and the Q5_0 that llama.cpp stores
 SmolLM2's 576-wide rows in), a Q8_0 one, and IQ4_NL / IQ4_XS / Q3_K_S ones are made by
 llama.cpp's own quantizer through llama-cpp-python, cached under KVSERVE_CACHE_DIR; those tests
@@ -354,23 +354,26 @@ def test_greedy_chat_says_paris(files) -> None:
 
 
 def test_iq4_nl_and_rewritten_q3_k_stay_packed(files, caplog) -> None:
-    """IQ4_NL stays packed as it is, Q3_K (no kernels of its own) loads as packed Q6_K holding
+    """IQ4_NL stays packed as it is, Q3_K (no kernels of its own) loads as packed Q3_K4 holding
     the same weights (ops/quant/transcode.py): the log says so, the embedding's rows (IQ4_NL)
-    are the dequantized file's exactly, and the weights take 1.2x the file (Q3_K's 3.44 bits a
-    weight as 6.56 in 30 of the 211 matrices)."""
+    and ffn_down's (Q3_K) are the dequantized file's exactly, and the weights take 1.1x the file
+    (Q3_K's 3.44 bits a weight as 4.56 in 30 of the 211 matrices)."""
     with caplog.at_level("INFO", logger="kvserve.model.gguf"):
         packed = _load(files["rewritten"])
     logs = " ".join(r.getMessage() for r in caplog.records)
-    assert "(181 IQ4_NL, 30 Q3_K as Q6_K); 61 loaded as float (61 F32)" in logs, logs
+    assert "(181 IQ4_NL, 30 Q3_K as Q3_K4); 61 loaded as float (61 F32)" in logs, logs
     layer = packed.model.layers[0]
     assert [p.qtype for p in layer.self_attn.qkv_proj.linear_weight.parts] == ["IQ4_NL"]
-    assert [p.qtype for p in layer.mlp.down_proj.linear_weight.parts] == ["Q6_K"]
+    down = layer.mlp.down_proj.linear_weight
+    assert [p.qtype for p in down.parts] == ["Q3_K4"]
     assert packed.lm_head.linear_weight is packed.model.embed_tokens.linear_weight
     plain = _load(files["rewritten"], "gguf-dequantized")
     ids = torch.tensor([[0, 17, 49151], [5, 5, 300]])
     assert torch.equal(packed.model.embed_tokens(ids), plain.model.embed_tokens(ids))
+    plain_down = plain.model.layers[0].mlp.down_proj.linear_weight.rows(torch.arange(576))
+    assert torch.equal(down.parts[0].dequantize(), plain_down.float())
     resident, size = weight_memory_bytes(packed), _tensor_bytes(files["rewritten"])
-    assert resident <= 1.25 * size, (resident, size)
+    assert resident <= 1.15 * size, (resident, size)
 
 
 def test_rewritten_types_perplexity_and_paris(files) -> None:

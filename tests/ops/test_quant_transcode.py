@@ -1,13 +1,16 @@
 """GGUF types rewritten at load as packed types (kvserve/ops/quant/transcode.py): the rewritten
-blocks dequantize, by gguf.quants (the reference), to the original blocks' weights: exactly for
-Q3_K -> Q6_K, within float16's rounding of each 32 weights' scale (2^-11, relative) for
-IQ4_XS -> IQ4_NL. Every byte pattern of the quants and scales occurs in the random
-blocks; the float16 super-block scales are finite, as a file's are."""
+blocks dequantize to the original blocks' weights (gguf.quants the reference; for kvserve's own
+Q3_K4, reference.dequantize_gguf's numpy dequantizer): exactly for Q3_K -> Q3_K4, within
+float16's rounding of each 32 weights' scale (2^-11, relative) for IQ4_XS -> IQ4_NL. Every byte
+pattern of the quants and scales occurs in the random blocks; the float16 super-block scales are
+finite, as a file's are."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
+from kvserve.ops.quant import FORMATS
+from kvserve.ops.quant.reference import dequantize_gguf
 from kvserve.ops.quant.transcode import TRANSCODED, transcode
 from tests.model.gguf_files import quantize_blocks
 from tests.ops.test_quant_linear import random_blocks
@@ -15,9 +18,14 @@ from tests.ops.test_quant_linear import random_blocks
 
 
 def _dequantize(qtype: str, rows: np.ndarray) -> np.ndarray:
+    """gguf's dequantizer (for kvserve's Q3_K4, reference.dequantize_gguf's numpy one)."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
+    if qtype == "Q3_K4":
+        n = rows.shape[0]
+        return dequantize_gguf(rows, FORMATS[qtype], (n, rows.shape[1] // 146 * 256)).astype(
+            np.float64)
     return np.asarray(dequantize(rows, GGMLQuantizationType[qtype]), dtype=np.float64)
 
 

@@ -63,15 +63,16 @@ constexpr int64_t kGemmMinRows = 64;
 // (wo * sd) follows, and the offset the unsigned values carry (w = u - kOff): folded into the
 // int32 accumulators' start, -kOff * (x's int sum over the scale's span), so it costs nothing.
 template <int64_t QT> struct GemmType {
-  static constexpr int H = QT == kQ6_K ? 2 : 1;
+  static constexpr int H = is_q6(QT) ? 2 : 1;
   static constexpr bool kMin = QT == kQ4_1 || QT == kQ5_1 || QT == kQ4_K || QT == kQ5_K;
   static constexpr int kOff = QT == kQ8_0 || QT == kIQ4_NL ? 128 : QT == kQ4_0 ? 8 :
-                              QT == kQ5_0 ? 16 : QT == kQ6_K ? 32 : 0;
+                              QT == kQ5_0 ? 16 : QT == kQ6_K ? 32 : QT == kQ3_K4 ? 4 : 0;
   // The largest unsigned value, and so the quads whose maddubs pairs (|u0 x0 + u1 x1| <=
   // 2 * 127 * umax) an int16 lane can sum without saturating (the AVX2 microkernel): 8 for the
   // 4-bit types, 4 for the 5-bit ones, 2 for Q6_K. Q8_0's 255 and IQ4_NL's 241 (kIQ4NLu)
   // allow none (no AVX2 GEMM for them).
   static constexpr int kMaxU = QT == kQ8_0 ? 255 : QT == kIQ4_NL ? 241 : QT == kQ6_K ? 63 :
+                               QT == kQ3_K4 ? 7 :
                                QT == kQ5_0 || QT == kQ5_1 || QT == kQ5_K ? 31 : 15;
   static constexpr int kFit = 32767 / (2 * 127 * kMaxU);
   static constexpr int kI16 = kFit >= 8 ? 8 : kFit >= 4 ? 4 : 2;
@@ -114,10 +115,11 @@ void unpack_block(const uint8_t* gb, int p, int h, int64_t t0, GemmPanels& pn) {
       _mm256_storeu_ps(pn.s(p, t0 + sb, 0, h), _mm256_mul_ps(d, k45_scale(gb, sb)));
       _mm256_storeu_ps(pn.o(p, t0 + sb, h), _mm256_mul_ps(ndmin, k45_min(gb, sb)));
     }
-  } else if constexpr (QT == kQ6_K) {
+  } else if constexpr (is_q6(QT)) {
     for (int hh = 0; hh < 2; ++hh)
       for (int t = 0; t < 4; ++t) {           // 32-block 4hh + t
-        for (int c = 0; c < 8; ++c) store32(pn.wq(p, t0 + 4 * hh + t, c, h), q6k_chunk(gb, hh, t, c));
+        for (int c = 0; c < 8; ++c)
+          store32(pn.wq(p, t0 + 4 * hh + t, c, h), q6k_chunk<QT>(gb, hh, t, c));
         // scales [pair][row][2]: row r's scales of groups 2p, 2p + 1 (p = 4hh + t), int8 each
         const __m128i sp = _mm_loadu_si128(reinterpret_cast<const __m128i*>(gb + kQ6Sc + 16 * (4 * hh + t)));
         for (int i = 0; i < 2; ++i) {
@@ -356,6 +358,7 @@ void run_gemm(int64_t qt, const uint8_t* packed, const XQ& x, float* yf, c10::BF
     case kQ4_K: return gemm_blocks<kQ4_K>(packed, x, yf, yb, M, N, G, nb, i0, i1);
     case kQ5_K: return gemm_blocks<kQ5_K>(packed, x, yf, yb, M, N, G, nb, i0, i1);
     case kQ6_K: return gemm_blocks<kQ6_K>(packed, x, yf, yb, M, N, G, nb, i0, i1);
+    case kQ3_K4: return gemm_blocks<kQ3_K4>(packed, x, yf, yb, M, N, G, nb, i0, i1);
     default: TORCH_CHECK(false, "quant_gemm: unsupported GGML type ", qt);
   }
 }
@@ -376,7 +379,7 @@ bool gemm_supports(int64_t qtype) {
   if (qtype == kQ8_0 || qtype == kIQ4_NL) return true;
 #endif
   return qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ5_0 || qtype == kQ5_1 ||
-         qtype == kQ4_K || qtype == kQ5_K || qtype == kQ6_K;
+         qtype == kQ4_K || qtype == kQ5_K || qtype == kQ6_K || qtype == kQ3_K4;
 #else
   (void)qtype;
   return false;

@@ -5,7 +5,9 @@
 //           time, interleaved field by field so that one 32-byte load holds 4 weights of each
 //           of the 8 rows (ops/quant/formats.py, packing.py; "the packed layout" below)
 //   qtype   the GGML type id: Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7, Q8_0 8, Q4_K 12, Q5_K 13, Q6_K 14,
-//           IQ4_NL 20 (Q4_0's layout; each nibble indexes llama.cpp's kvalues_iq4nl)
+//           IQ4_NL 20 (Q4_0's layout; each nibble indexes llama.cpp's kvalues_iq4nl); and
+//           kvserve's Q3_K4 111 (GGUF's Q3_K rewritten at load, ops/quant/transcode.py: Q6_K's
+//           layout without its high bits, w = d * sc * (q - 4), q a nibble 0..7)
 //   -> y    [M, N] float32
 //
 // As llama.cpp does, x is first quantized per block of 32 to int8, as llama.cpp's Q8_0 / Q8_1
@@ -70,7 +72,7 @@ constexpr int64_t kMinBytesPerTask = 16384;
 constexpr int64_t kPrefetchBytes = 4096;
 
 enum QType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8,
-                       kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kIQ4_NL = 20 };
+                       kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kIQ4_NL = 20, kQ3_K4 = 111 };
 
 // IQ4_NL's 16 weight values (llama.cpp's kvalues_iq4nl), and the same plus 128 as unsigned
 // bytes (VNNI's vpdpbusd and the GEMM panels take unsigned weights; the offset is taken off).
@@ -93,6 +95,7 @@ Format format_of(int64_t qtype) {
     case kQ5_K: return {256, 176, 32, 16, 1440};
     case kQ6_K: return {256, 210, 32, 16, 1680};
     case kIQ4_NL: return {32, 18, 32, 32, 144};
+    case kQ3_K4: return {256, 146, 32, 16, 1168};
     default: TORCH_CHECK(false, "quant_linear: unsupported GGML type ", qtype);
   }
   return {};
@@ -250,6 +253,12 @@ struct Decoded {
   int mn[8] = {};       // Q4_K / Q5_K: sub-block minimums
 };
 
+// The 256-weight types; of them, those with a signed int8 scale per 16 weights and no minimum.
+QL_INLINE bool is_k(int64_t qt) {
+  return qt == kQ4_K || qt == kQ5_K || qt == kQ6_K || qt == kQ3_K4;
+}
+constexpr bool is_q6(int64_t qt) { return qt == kQ6_K || qt == kQ3_K4; }
+
 void decode_legacy(int64_t qt, const uint8_t* gb, int64_t r, Decoded& o) {
   o.d = f16(unit(gb, 0, 2, 0, r));
   const bool has_min = qt == kQ4_1 || qt == kQ5_1, five = qt == kQ5_0 || qt == kQ5_1;
@@ -274,13 +283,18 @@ void decode_legacy(int64_t qt, const uint8_t* gb, int64_t r, Decoded& o) {
 
 void decode_k(int64_t qt, const uint8_t* gb, int64_t r, Decoded& o) {
   o.d = f16(unit(gb, 0, 2, 0, r));
-  if (qt == kQ6_K) {
+  if (is_q6(qt)) {
     for (int g = 0; g < 16; ++g) o.sc[g] = static_cast<int8_t>(unit(gb, kQ6Sc, 2, g / 2, r)[g % 2]);
     for (int k = 0; k < 256; ++k) {
       const int h = k / 128, t = (k % 128) / 32, l = k % 32;
       const uint8_t lb = unit(gb, kQ6Ql, 4, (2 * h + (t & 1)) * 8 + l / 4, r)[l % 4];
+      const int lo = (t < 2 ? lb : lb >> 4) & 0xF;
+      if (qt == kQ3_K4) {
+        o.q[k] = static_cast<int8_t>(lo - 4);
+        continue;
+      }
       const uint8_t hb = unit(gb, kQ6Qh, 4, 8 * h + l / 4, r)[l % 4];
-      o.q[k] = static_cast<int8_t>((((t < 2 ? lb : lb >> 4) & 0xF) | (((hb >> (2 * t)) & 3) << 4)) - 32);
+      o.q[k] = static_cast<int8_t>((lo | (((hb >> (2 * t)) & 3) << 4)) - 32);
     }
     return;
   }
@@ -299,7 +313,6 @@ void decode_k(int64_t qt, const uint8_t* gb, int64_t r, Decoded& o) {
   }
 }
 
-QL_INLINE bool is_k(int64_t qt) { return qt == kQ4_K || qt == kQ5_K || qt == kQ6_K; }
 
 void decode(int64_t qt, const uint8_t* gb, int64_t r, Decoded& o) {
   if (is_k(qt)) decode_k(qt, gb, r, o);
@@ -329,10 +342,10 @@ float dot_decoded(int64_t qt, const Decoded& w, const XQ& x, int64_t m, int64_t 
     for (int h = 0; h < 2; ++h) {      // Q6_K: a scale per 16; Q4_K / Q5_K: per 32
       int32_t part = 0;
       for (int l = 32 * j + 16 * h; l < 32 * j + 16 * h + 16; ++l) part += w.q[l] * xb[l];
-      sumi += w.sc[qt == kQ6_K ? 2 * j + h : j] * part;
+      sumi += w.sc[is_q6(qt) ? 2 * j + h : j] * part;
     }
     r += xd[j] * static_cast<float>(sumi);
-    if (qt != kQ6_K) rm += xsd[j] * static_cast<float>(w.mn[j]);
+    if (!is_q6(qt)) rm += xsd[j] * static_cast<float>(w.mn[j]);
   }
   return w.d * r - w.m * rm;
 }
@@ -459,13 +472,16 @@ QL_INLINE __m256 k45_min(const uint8_t* gb, int sb) {
                                                                  -1, -1, -1, -1, -1, -1, -1));
   return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mb));
 }
-// Q6_K: 32-block 4h + t (weights 128h + 32t + 4c ..), 0..63 (the weight plus 32).
+// Q6_K: 32-block 4h + t (weights 128h + 32t + 4c ..), 0..63 (the weight plus 32); Q3_K4:
+// the same without the high bits, 0..7 (the weight plus 4).
+template <int64_t QT>
 QL_INLINE __m256i q6k_chunk(const uint8_t* gb, int h, int t, int c) {
   const __m256i lb = load32(gb + kQ6Ql + 32 * ((2 * h + (t & 1)) * 8 + c));
-  const __m256i qh = load32(gb + kQ6Qh + 32 * (8 * h + c)), m4 = _mm256_set1_epi8(0xF);
+  const __m256i m4 = _mm256_set1_epi8(0xF);
   const __m256i lo = t < 2 ? _mm256_and_si256(lb, m4)
                            : _mm256_and_si256(_mm256_srli_epi16(lb, 4), m4);
-  return _mm256_or_si256(lo, high_bits(qh, 2 * t, 0x30));
+  if constexpr (QT == kQ3_K4) return lo;
+  return _mm256_or_si256(lo, high_bits(load32(gb + kQ6Qh + 32 * (8 * h + c)), 2 * t, 0x30));
 }
 
 #if defined(QL_VNNI)
@@ -715,9 +731,9 @@ QL_INLINE void group_block_k45(const uint8_t* gb, const XQ& x, int64_t m0, int64
 }
 
 #if defined(QL_VNNI)
-// Q6_K's x block p = 4h + t: the int32 dot products of its two 16-weight groups (ta: units
-// 0-3, tb: 4-7) in lane r, two units per 512-bit vpdpbusd as in k45_units_zmm.
-template <int MB>
+// Q6_K's (Q3_K4's) x block p = 4h + t: the int32 dot products of its two 16-weight groups (ta:
+// units 0-3, tb: 4-7) in lane r, two units per 512-bit vpdpbusd as in k45_units_zmm.
+template <int64_t QT, int MB>
 QL_INLINE void q6k_units_zmm(const uint8_t* gb, const XQ& x, int64_t m0, int64_t b, int h, int t,
                              __m256i (&ta)[MB], __m256i (&tb)[MB]) {
   const __m512i m4 = _mm512_set1_epi8(0xF), m3 = _mm512_set1_epi8(0x30);
@@ -726,10 +742,12 @@ QL_INLINE void q6k_units_zmm(const uint8_t* gb, const XQ& x, int64_t m0, int64_t
 #pragma GCC unroll 4
   for (int c = 0; c < 8; c += 2) {
     const __m512i lb = _mm512_loadu_si512(gb + kQ6Ql + 32 * ((2 * h + (t & 1)) * 8 + c));
-    const __m512i qh = _mm512_loadu_si512(gb + kQ6Qh + 32 * (8 * h + c));
     const __m512i lo = t < 2 ? _mm512_and_si512(lb, m4)
                              : _mm512_and_si512(_mm512_srli_epi16(lb, 4), m4);
-    const __m512i q = _mm512_or_si512(lo, high_bits_zmm(qh, 2 * t, m3));
+    __m512i q = lo;
+    if constexpr (QT == kQ6_K)
+      q = _mm512_or_si512(lo, high_bits_zmm(_mm512_loadu_si512(gb + kQ6Qh + 32 * (8 * h + c)),
+                                            2 * t, m3));
     for (int m = 0; m < MB; ++m) {
       const __m512i xv = bcast4x2(x.q + (m0 + m) * x.K + b * 256 + 128 * h + 32 * t + 4 * c);
       if (c < 4) za[m] = _mm512_dpbusd_epi32(za[m], q, xv);
@@ -745,12 +763,14 @@ QL_INLINE void q6k_units_zmm(const uint8_t* gb, const XQ& x, int64_t m0, int64_t
 
 // Q6_K: q (0..63) with x, each 16-weight group's pair sums scaled by the lane's int8 scale in
 // madd; the -32 offset is 32 x (scale, scale) pairs madd x's 16-sums, subtracted per 32-block
-// (one (h, t) step), whose int32 x's block scale then multiplies in float.
-template <int MB>
+// (one (h, t) step), whose int32 x's block scale then multiplies in float. Q3_K4: q 0..7,
+// offset 4.
+template <int64_t QT, int MB>
 QL_INLINE void group_block_q6k(const uint8_t* gb, const XQ& x, int64_t m0, int64_t b,
                                __m256 (&acc)[MB]) {
   __m256 fs[MB];
   for (int m = 0; m < MB; ++m) fs[m] = _mm256_setzero_ps();
+  constexpr int kShift = QT == kQ3_K4 ? 2 : 5;      // the offset: 4 or 32
   const auto pairs = [&](int p) {      // lane r: (sc[2p][r], sc[2p+1][r]) int16
     return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gb + kQ6Sc + 16 * p)));
   };
@@ -765,12 +785,12 @@ QL_INLINE void group_block_q6k(const uint8_t* gb, const XQ& x, int64_t m0, int64
       __m256i sumi[MB];
       for (int m = 0; m < MB; ++m) {
         const int32_t* bs = x.s + (m0 + m) * x.ns + b * 16 + 2 * p;
-        sumi[m] = _mm256_slli_epi32(_mm256_madd_epi16(pr, pair16(bs[0], bs[1])), 5);
+        sumi[m] = _mm256_slli_epi32(_mm256_madd_epi16(pr, pair16(bs[0], bs[1])), kShift);
         sumi[m] = _mm256_sub_epi32(_mm256_setzero_si256(), sumi[m]);
       }
 #if defined(QL_VNNI)
       __m256i ta[MB], tb[MB];
-      q6k_units_zmm<MB>(gb, x, m0, b, h, t, ta, tb);
+      q6k_units_zmm<QT, MB>(gb, x, m0, b, h, t, ta, tb);
       // lane r's int8 scales of groups 2p and 2p + 1, sign-extended from pr's int16 halves
       const __m256i sa = _mm256_srai_epi32(_mm256_slli_epi32(pr, 16), 16);
       const __m256i sb = _mm256_srai_epi32(pr, 16);
@@ -780,7 +800,7 @@ QL_INLINE void group_block_q6k(const uint8_t* gb, const XQ& x, int64_t m0, int64
 #else
 #pragma GCC unroll 8
       for (int c = 0; c < 8; ++c) {
-        const __m256i q = q6k_chunk(gb, h, t, c);
+        const __m256i q = q6k_chunk<QT>(gb, h, t, c);
         const __m256i sv = c < 4 ? s_a : s_b;
         for (int m = 0; m < MB; ++m)
           sumi[m] = _mm256_add_epi32(sumi[m], _mm256_madd_epi16(_mm256_maddubs_epi16(
@@ -808,7 +828,7 @@ __attribute__((noinline)) void pass_avx2(const uint8_t* wg, const XQ& x, int64_t
       for (int64_t o = 0; o < gbytes; o += 64)
         _mm_prefetch(reinterpret_cast<const char*>(gb) + kPrefetchBytes + o, _MM_HINT_T1);
     if constexpr (QT == kQ4_K || QT == kQ5_K) group_block_k45<QT, MB>(gb, x, m0, b, acc);
-    else if constexpr (QT == kQ6_K) group_block_q6k<MB>(gb, x, m0, b, acc);
+    else if constexpr (is_q6(QT)) group_block_q6k<QT, MB>(gb, x, m0, b, acc);
     else group_block_legacy<QT, MB>(gb, x, m0, b, acc);
   }
   for (int m = 0; m < MB; ++m) {
@@ -857,6 +877,7 @@ void run_avx2(int64_t qt, const Format& f, const uint8_t* packed, const XQ& x, f
     case kQ5_K: return run_avx2_t<kQ5_K>(f, packed, x, y, M, N, g0, g1);
     case kQ6_K: return run_avx2_t<kQ6_K>(f, packed, x, y, M, N, g0, g1);
     case kIQ4_NL: return run_avx2_t<kIQ4_NL>(f, packed, x, y, M, N, g0, g1);
+    case kQ3_K4: return run_avx2_t<kQ3_K4>(f, packed, x, y, M, N, g0, g1);
     default: TORCH_CHECK(false, "quant_linear: unsupported GGML type ", qt);
   }
 }
@@ -870,7 +891,7 @@ void run_avx2(int64_t qt, const Format& f, const uint8_t* packed, const XQ& x, f
 void dequant_row(int64_t qt, const uint8_t* gb, int64_t r, float* out) {
   Decoded w;
   decode(qt, gb, r, w);
-  if (qt == kQ6_K) {
+  if (is_q6(qt)) {
     for (int k = 0; k < 256; ++k) out[k] = (w.d * static_cast<float>(w.sc[k / 16])) * w.q[k];
   } else if (is_k(qt)) {
     for (int j = 0; j < 8; ++j) {
@@ -974,12 +995,13 @@ QL_INLINE void dequant_group_k45(const uint8_t* gb, const RowDst& dst) {
 }
 
 // Q6_K: weight 128h + 32t + 4c + l; 16-weight group g = 8h + 2t + c / 4 scales it by d * sc_g.
+template <int64_t QT>
 QL_INLINE void dequant_group_q6k(const uint8_t* gb, const RowDst& dst) {
   const __m256 d = load_f16x8(gb);
-  const __m256i off = _mm256_set1_epi8(32);
+  const __m256i off = _mm256_set1_epi8(QT == kQ3_K4 ? 4 : 32);
   for (int h = 0; h < 2; ++h)
     for (int t = 0; t < 4; ++t) {
-      const auto chunk = [&](int c) { return _mm256_sub_epi8(q6k_chunk(gb, h, t, c), off); };
+      const auto chunk = [&](int c) { return _mm256_sub_epi8(q6k_chunk<QT>(gb, h, t, c), off); };
       for (int half = 0; half < 2; ++half) {
         const int g = 8 * h + 2 * t + half;
         // scales [pair][row][2]: row r's scale of group g is byte 2r + g % 2 of pair g / 2.
@@ -1004,8 +1026,9 @@ void dequant_group_avx2(int64_t qt, const uint8_t* gb, const RowDst& dst) {
     case kQ8_0: return dequant_group_legacy<kQ8_0>(gb, dst);
     case kQ4_K: return dequant_group_k45<kQ4_K>(gb, dst);
     case kQ5_K: return dequant_group_k45<kQ5_K>(gb, dst);
-    case kQ6_K: return dequant_group_q6k(gb, dst);
+    case kQ6_K: return dequant_group_q6k<kQ6_K>(gb, dst);
     case kIQ4_NL: return dequant_group_legacy<kIQ4_NL>(gb, dst);
+    case kQ3_K4: return dequant_group_q6k<kQ3_K4>(gb, dst);
     default: TORCH_CHECK(false, "quant_dequantize: unsupported GGML type ", qt);
   }
 }

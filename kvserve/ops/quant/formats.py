@@ -15,6 +15,11 @@ Every type quantizes a row of K weights in blocks along K. A block is `type_size
                                                                      w = d * sc_g * (q - 32)
     IQ4_NL 32 w, 18 B  d, nibbles[16] as Q4_0's                     w = d * IQ4_NL_VALUES[q]
 
+and one block type of kvserve's own, which no file holds (transcode.py writes it at load):
+
+    Q3_K4 256 w, 146 B Q6_K's block without qh: ql[128], scales[16] int8, d
+                       16-value groups g: w = d * sc_g * (q - 4), q 0..7 (GGUF's Q3_K exactly)
+
 The packed layout (packing.pack_blocks) takes ROW_GROUP = 8 rows at a time and, block by block,
 interleaves their bytes field by field so that one 32-byte load holds 4 consecutive weights of
 each of the 8 rows (one per 32-bit lane), as llama.cpp's repacked "x8" GEMV layouts do:
@@ -74,10 +79,11 @@ class BlockFormat:
     act_sum_group: int      # activation values per stored int sum (32, or 16 for K-quants)
     fields: tuple[Field, ...]  # in packed order (see the module doc)
     permuted_high_bits: Optional[int] = None   # offset of Q5_0 / Q5_1's reordered u32
+    gguf: bool = True       # a GGUF type (False: kvserve's own, Q3_K4)
 
     @property
     def k_quant(self) -> bool:
-        """A 256-weight super-block type (Q4_K, Q5_K, Q6_K)."""
+        """A 256-weight super-block type (Q4_K, Q5_K, Q6_K, Q3_K4)."""
         return self.block_size == 256
 
     @property
@@ -103,12 +109,12 @@ class BlockFormat:
 
 
 def _fmt(name: str, ggml_type: int, block_size: int, type_size: int, fields: tuple[Field, ...],
-         permuted_high_bits: Optional[int] = None) -> BlockFormat:
+         permuted_high_bits: Optional[int] = None, gguf: bool = True) -> BlockFormat:
     k_quant = block_size == 256
     assert sum(length for _, length, _ in fields) == type_size
     return BlockFormat(name, ggml_type, block_size, type_size, act_block=32,
                        act_sum_group=16 if k_quant else 32, fields=fields,
-                       permuted_high_bits=permuted_high_bits)
+                       permuted_high_bits=permuted_high_bits, gguf=gguf)
 
 
 _D, _M = (0, 2, 2), (2, 2, 2)
@@ -123,8 +129,12 @@ FORMATS: dict[str, BlockFormat] = {f.name: f for f in (
     # d, the 16 int8 scales ([pair of groups][row][2]), ql, qh
     _fmt("Q6_K", 14, 256, 210, ((208, 2, 2), (192, 16, 2), (0, 128, 4), (128, 64, 4))),
     _fmt("IQ4_NL", 20, 32, 18, (_D, (2, 16, 4))),
+    # Q6_K's fields but qh; 111: an id outside GGML's types (the kernels' qtype)
+    _fmt("Q3_K4", 111, 256, 146, ((144, 2, 2), (128, 16, 2), (0, 128, 4)), gguf=False),
 )}
+# Every format the kernels take; of them, the GGUF types a file's tensors stay packed in as is.
 PACKED_TYPES = tuple(FORMATS)
+GGUF_PACKED_TYPES = tuple(name for name, f in FORMATS.items() if f.gguf)
 
 
 def block_format(qtype: object) -> BlockFormat:

@@ -161,7 +161,7 @@ def _scale_min_k4(sc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def dequantize_blocks(blocks: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
     """[..., type_size] uint8 blocks -> [..., block_size] float32, bit-identical to
-    gguf.quants.dequantize."""
+    gguf.quants.dequantize (Q3_K4: to reference.dequantize_gguf's, gguf's of the Q3_K blocks)."""
     shape = blocks.shape[:-1]
     b = blocks.reshape(-1, fmt.type_size)
     out = _DEQUANT[fmt.name](b)
@@ -226,11 +226,21 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
     ql = _nibbles(b[:, 0:128].reshape(-1, 2, 64)).reshape(-1, 8, 32)
     shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=b.device).view(4, 1)
     qh = ((b[:, 128:192].reshape(-1, 2, 1, 32) >> shifts) & 3).reshape(-1, 8, 32)
-    q = (ql | (qh << 4)).to(torch.int8) - 32
-    sc = b[:, 192:208].contiguous().view(torch.int8).float()
-    d = (_f16(b[:, 208:210]).unsqueeze(-1) * sc).reshape(-1, 16, 1)
-    return (d * q.reshape(-1, 16, 16).float()).reshape(-1, 256)
+    return _q6_like((ql | (qh << 4)).to(torch.int8) - 32, b[:, 192:208], b[:, 208:210])
+
+
+def _q3_k4(b: torch.Tensor) -> torch.Tensor:
+    ql = _nibbles(b[:, 0:128].reshape(-1, 2, 64)).reshape(-1, 8, 32)
+    return _q6_like(ql.to(torch.int8) - 4, b[:, 128:144], b[:, 144:146])
+
+
+def _q6_like(q: torch.Tensor, scales: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """w = d * sc_g * q per 16-weight group g (Q6_K, Q3_K4): q [nb, 8, 32] int8 (offset taken
+    off), scales [nb, 16] int8 bytes, d [nb, 2] float16 bytes."""
+    sc = scales.contiguous().view(torch.int8).float()
+    dd = (_f16(d).unsqueeze(-1) * sc).reshape(-1, 16, 1)
+    return (dd * q.reshape(-1, 16, 16).float()).reshape(-1, 256)
 
 
 _DEQUANT = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1,
-            "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k, "IQ4_NL": _iq4_nl}
+            "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k, "IQ4_NL": _iq4_nl, "Q3_K4": _q3_k4}

@@ -91,7 +91,7 @@ def int8_max_rows() -> Optional[int]:
 # kGemmMinRows+ rows (16 with VNNI, 64 on AVX2) take the GEMM inside the int8 op, every type
 # the build has it for (all but Q8_0 and IQ4_NL on AVX2). The LM head (precise) keeps float x.
 INT8_GEMM = True
-PROMPT_GEMM_TYPES = frozenset({"Q4_K", "Q5_K", "Q6_K"})
+PROMPT_GEMM_TYPES = frozenset({"Q4_K", "Q5_K", "Q6_K", "Q3_K4"})
 
 
 def prompt_gemm_ops(fmt: BlockFormat, x: torch.Tensor) -> Optional[object]:

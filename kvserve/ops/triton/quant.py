@@ -49,7 +49,6 @@ GEMV_MAX_ROWS = 8
 # cuBLAS multiplies (the crossover measured on an H100: see the module docstring).
 DOT_MAX_ROWS = 128
 TILE = 256      # weights per row per step (one super-block; 8 blocks of the 32-weight types)
-Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL = 2, 3, 6, 7, 8, 12, 13, 14, 20
 
 
 @triton.jit
@@ -159,24 +158,28 @@ def _k_quant(p, gblk, r, rmask, blk0, QT: tl.constexpr, GBB: tl.constexpr):
 
 
 @triton.jit
-def _q6_k(p, gblk, r, rmask, blk0):
+def _q6_k(p, gblk, r, rmask, blk0, QT: tl.constexpr, GBB: tl.constexpr):
     """Q6_K: one super-block [BN, 2 halves, 16 (v), 8 slots]: ql word u = 16 * half + v, slot
     (i, nib) is weight 128 half + 64 nib + 4v + i; its 2 high bits are in qh byte 32 half + 4 (v
     % 8) + i at bit 2 (2 nib + v // 8); its int8 scale is group (weight // 16), stored
-    [group // 2][row][group % 2] at byte 16. d at 0, ql at 144, qh at 1168."""
+    [group // 2][row][group % 2] at byte 16. d at 0, ql at 144, qh at 1168. Q3_K4: the same
+    without qh, q - 4 for q - 32."""
     hf = tl.arange(0, 2)[None, :, None, None]
     v = tl.arange(0, 16)[None, None, :, None]
     slot = tl.arange(0, 8)[None, None, None, :]
     i = slot % 4
     nib = slot // 4
     blk = gblk + blk0
-    ql = (_u32(p, blk, 1680, 144, 8 * (16 * hf + v) + r, rmask) >> (8 * i + 4 * nib)) & 15
-    qh = _u32(p, blk, 1680, 1168, 8 * (8 * hf + v % 8) + r, rmask)
-    q = (ql | (((qh >> (8 * i + 4 * nib + 2 * (v // 8))) & 3) << 4)) - 32
+    ql = (_u32(p, blk, GBB, 144, 8 * (16 * hf + v) + r, rmask) >> (8 * i + 4 * nib)) & 15
+    if QT == 14:
+        qh = _u32(p, blk, GBB, 1168, 8 * (8 * hf + v % 8) + r, rmask)
+        q = (ql | (((qh >> (8 * i + 4 * nib + 2 * (v // 8))) & 3) << 4)) - 32
+    else:
+        q = ql - 4
     kk = 128 * hf + 64 * nib + 4 * v + i
     g = kk // 16
-    sc = _u8(p, blk, 1680, 16, 16 * (g // 2) + 2 * r + g % 2, rmask)
-    d = _f16(p, blk, 1680, 0, r, rmask)
+    sc = _u8(p, blk, GBB, 16, 16 * (g // 2) + 2 * r + g % 2, rmask)
+    d = _f16(p, blk, GBB, 0, r, rmask)
     return (d * sc.to(tl.int8, bitcast=True).to(tl.float32)) * q.to(tl.float32), kk
 
 
@@ -199,8 +202,8 @@ def _tile(p, n, N, nb, t, QT: tl.constexpr, GBB: tl.constexpr, BN: tl.constexpr,
         w, kk = _q8_0(p, gblk, r, rmask, 8 * t, nb)
     elif QT == 12 or QT == 13:
         w, kk = _k_quant(p, gblk, r, rmask, t, QT, GBB)
-    elif QT == 14:
-        w, kk = _q6_k(p, gblk, r, rmask, t)
+    elif QT == 14 or QT == 111:
+        w, kk = _q6_k(p, gblk, r, rmask, t, QT, GBB)
     else:
         w, kk = _q4_family(p, gblk, r, rmask, 8 * t, nb, QT, GBB)
     return tl.reshape(w, (BN, 256)), tl.reshape(kk, (256,))
