@@ -52,10 +52,10 @@ _MIXTRAL = ("MixtralForCausalLM", "mixtral")
 _PERMUTED_ARCHITECTURES = {"llama"}
 
 # Tensor types kvserve loads. With --quantization gguf (a .gguf path's default) the packed
-# types (ops.quant.PACKED_TYPES, IQ4_NL among them) stay packed, Q3_K and IQ4_XS are rewritten
-# as packed Q6_K / IQ4_NL (ops/quant/transcode.py), and the rest are dequantized
-# (`gguf.quants.dequantize`),
-# as every type is with --quantization gguf-dequantized.
+# types (ops.quant.GGUF_PACKED_TYPES, Q2_K and IQ4_NL among them) stay packed, Q3_K and IQ4_XS
+# are rewritten as packed Q3_K4 / IQ4_NL (ops/quant/transcode.py), and the rest (the IQ1-IQ3
+# types) are dequantized (`gguf.quants.dequantize`), as every type is with
+# --quantization gguf-dequantized.
 SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K",
                           "Q5_K", "Q6_K", "Q3_K", "IQ4_NL", "Q2_K", "IQ4_XS", "IQ3_S", "IQ3_XXS",
                           "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ1_M", "IQ1_S")

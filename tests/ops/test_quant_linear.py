@@ -377,7 +377,7 @@ def test_large_batches_of_bf16_x_run_bf16_gemms(name: str, monkeypatch: pytest.M
 # to their largest magnitude (0x80: Q8_0's -128; 0xFF: the others' unsigned maximum, 15 .. 63).
 QUANT_BYTES = {"Q4_0": (2, 18), "Q4_1": (4, 20), "Q5_0": (2, 22), "Q5_1": (4, 24),
                "Q8_0": (2, 34), "Q4_K": (16, 144), "Q5_K": (16, 176), "Q6_K": (0, 192),
-               "IQ4_NL": (2, 18), "Q3_K4": (0, 128)}
+               "IQ4_NL": (2, 18), "Q3_K4": (0, 128), "Q2_K": (16, 80)}
 # The stored byte of the largest weights: Q8_0's -128, IQ4_NL's nibbles 0 (-127), Q3_K4's 7s
 # (Q3_K's largest, +3); others 0xFF.
 LIMIT_BYTE = {"Q8_0": 0x80, "IQ4_NL": 0x00, "Q3_K4": 0x77}
@@ -410,8 +410,10 @@ def test_int16_sums_at_their_limit_stay_exact(ops, name: str) -> None:
                         f"gemm M={m}")
 
 
-# The types the AVX2 builds have no int8 GEMM for (VNNI's has).
-NO_AVX2_GEMM = ("Q8_0", "IQ4_NL")
+# The types no build has an int8 GEMM for (their prompts and decode batches take the float
+# path / the small-batch kernel), and those the AVX2 builds have none for (VNNI's has).
+NO_GEMM = ("Q2_K",)
+NO_AVX2_GEMM = ("Q8_0", "IQ4_NL", *NO_GEMM)
 # N odd, a group short of a 16-row panel, and past a 32-row work item.
 GEMM_SHAPES = {32: [(1, 32), (37, 576), (70, 1536)], 256: [(1, 256), (37, 512), (70, 1536)]}
 GEMM_ROWS = [1, 2, 3, 4, 5, 7, 9, 33]       # the 4-row microkernel and every remainder
@@ -429,13 +431,13 @@ def needs_gemm(ops, name: str) -> None:
 
 @needs_kernel
 def test_int8_gemm_only_where_the_build_has_it(ops) -> None:
-    """The avx512_bf16 tier's VNNI build has the GEMM for every packed type, the AVX2 builds
-    (avx2, avx512) for every type but Q8_0 and IQ4_NL (maddubs would saturate on their values),
-    the portable build for none (matmul keeps the float path there); the op says so where it
-    has none."""
+    """The avx512_bf16 tier's VNNI build has the GEMM for every packed type but Q2_K, the AVX2
+    builds (avx2, avx512) not for Q8_0 and IQ4_NL either (maddubs would saturate on their
+    values), the portable build for none (matmul keeps the float path there); the op says so
+    where it has none."""
     isa = kernel.isa()
     missing = (set(PACKED_TYPES) if isa.startswith("generic") else
-               set() if isa.startswith("avx512 vnni") else set(NO_AVX2_GEMM))
+               set(NO_GEMM) if isa.startswith("avx512 vnni") else set(NO_AVX2_GEMM))
     assert {t for t in PACKED_TYPES if not ops.gemm_supports(FORMATS[t].ggml_type)} == missing
     for name in missing:
         w = PackedQuantWeight.from_gguf(name, make_raw(name, 8, 256), (8, 256))

@@ -84,5 +84,5 @@ def test_rewritten_rows_pack_and_dequantize_as_the_file() -> None:
 
 
 def test_types_without_a_rewrite_are_errors() -> None:
-    with pytest.raises(ValueError, match="Q2_K has no rewrite"):
-        transcode("Q2_K", np.zeros((1, 84), np.uint8))
+    with pytest.raises(ValueError, match="IQ2_XS has no rewrite"):
+        transcode("IQ2_XS", np.zeros((1, 74), np.uint8))

@@ -4,7 +4,8 @@
 //   packed  [ceil(N/8), K/B, 8*T] uint8: GGUF blocks (B weights in T bytes each) of 8 rows at a
 //           time, interleaved field by field so that one 32-byte load holds 4 weights of each
 //           of the 8 rows (ops/quant/formats.py, packing.py; "the packed layout" below)
-//   qtype   the GGML type id: Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7, Q8_0 8, Q4_K 12, Q5_K 13, Q6_K 14,
+//   qtype   the GGML type id: Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7, Q8_0 8, Q2_K 10, Q4_K 12, Q5_K 13,
+//           Q6_K 14,
 //           IQ4_NL 20 (Q4_0's layout; each nibble indexes llama.cpp's kvalues_iq4nl); and
 //           kvserve's Q3_K4 111 (GGUF's Q3_K rewritten at load, ops/quant/transcode.py: Q6_K's
 //           layout without its high bits, w = d * sc * (q - 4), q a nibble 0..7)
@@ -71,7 +72,7 @@ constexpr int64_t kMinBytesPerTask = 16384;
 // 23-28, 8 KB and 16 KB no better; none at all: Q6_K 8-9 (its fields are read out of order).
 constexpr int64_t kPrefetchBytes = 4096;
 
-enum QType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8,
+enum QType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ2_K = 10,
                        kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kIQ4_NL = 20, kQ3_K4 = 111 };
 
 // IQ4_NL's 16 weight values (llama.cpp's kvalues_iq4nl), and the same plus 128 as unsigned
@@ -96,6 +97,7 @@ Format format_of(int64_t qtype) {
     case kQ6_K: return {256, 210, 32, 16, 1680};
     case kIQ4_NL: return {32, 18, 32, 32, 144};
     case kQ3_K4: return {256, 146, 32, 16, 1168};
+    case kQ2_K: return {256, 84, 32, 16, 672};
     default: TORCH_CHECK(false, "quant_linear: unsupported GGML type ", qtype);
   }
   return {};
@@ -243,21 +245,26 @@ constexpr int64_t legacy_qs(int64_t qt) {
 // Q4_K / Q5_K: scales [j][row] (64 B), mins [j / 2][row][j % 2] (64 B), then qh, qs.
 constexpr int64_t kKScales = 32, kKMins = 96, kK4Qs = 160, kK5Qh = 160, kK5Qs = 416;
 constexpr int64_t kQ6Sc = 16, kQ6Ql = 144, kQ6Qh = 1168;
+// Q2_K: d, dmin, scales [pair][row][2] (scale: low nibble, minimum: high), qs (Q6_K's qh layout).
+constexpr int64_t kQ2Sc = 32, kQ2Qs = 160;
 
 // One row of one group-block decoded: integer weights and their scales.
 struct Decoded {
   int8_t q[256];        // Q8_0 / Q4_0 / Q5_0 / Q6_K / IQ4_NL signed (offset applied or looked
                         // up); others unsigned
   float d = 0.f, m = 0.f;   // d; m: the _1 types' minimum, the K-quants' dmin
-  int sc[16] = {};      // K-quants: sub-block scales (Q6_K: 16 int8; Q4_K / Q5_K: 8 six-bit)
-  int mn[8] = {};       // Q4_K / Q5_K: sub-block minimums
+  int sc[16] = {};      // K-quants: sub-block scales (Q6_K: 16 int8; Q4_K / Q5_K: 8 six-bit;
+                        // Q2_K: 16 four-bit)
+  int mn[16] = {};      // Q4_K / Q5_K: sub-block minimums (8); Q2_K: 16
 };
 
-// The 256-weight types; of them, those with a signed int8 scale per 16 weights and no minimum.
+// The 256-weight types; of them, those with a scale per 16 weights (Q2_K: and a minimum), and
+// those with a signed int8 one and no minimum.
 QL_INLINE bool is_k(int64_t qt) {
-  return qt == kQ4_K || qt == kQ5_K || qt == kQ6_K || qt == kQ3_K4;
+  return qt == kQ4_K || qt == kQ5_K || qt == kQ6_K || qt == kQ3_K4 || qt == kQ2_K;
 }
 constexpr bool is_q6(int64_t qt) { return qt == kQ6_K || qt == kQ3_K4; }
+constexpr bool per16(int64_t qt) { return is_q6(qt) || qt == kQ2_K; }
 
 void decode_legacy(int64_t qt, const uint8_t* gb, int64_t r, Decoded& o) {
   o.d = f16(unit(gb, 0, 2, 0, r));
@@ -283,6 +290,19 @@ void decode_legacy(int64_t qt, const uint8_t* gb, int64_t r, Decoded& o) {
 
 void decode_k(int64_t qt, const uint8_t* gb, int64_t r, Decoded& o) {
   o.d = f16(unit(gb, 0, 2, 0, r));
+  if (qt == kQ2_K) {
+    o.m = f16(unit(gb, kOffM, 2, 0, r));
+    for (int g = 0; g < 16; ++g) {
+      const uint8_t v = unit(gb, kQ2Sc, 2, g / 2, r)[g % 2];
+      o.sc[g] = v & 0xF;
+      o.mn[g] = v >> 4;
+    }
+    for (int k = 0; k < 256; ++k) {
+      const int h = k / 128, t = (k % 128) / 32, l = k % 32;
+      o.q[k] = static_cast<int8_t>((unit(gb, kQ2Qs, 4, 8 * h + l / 4, r)[l % 4] >> (2 * t)) & 3);
+    }
+    return;
+  }
   if (is_q6(qt)) {
     for (int g = 0; g < 16; ++g) o.sc[g] = static_cast<int8_t>(unit(gb, kQ6Sc, 2, g / 2, r)[g % 2]);
     for (int k = 0; k < 256; ++k) {
@@ -336,16 +356,19 @@ float dot_decoded(int64_t qt, const Decoded& w, const XQ& x, int64_t m, int64_t 
   const int8_t* xb = x.q + m * x.K + b * 256;
   const float* xd = x.d + m * x.nd + b * 8;
   const float* xsd = x.sd + m * x.nd + b * 8;
+  const int32_t* xs = x.s + m * x.ns + b * 16;
   float r = 0.f, rm = 0.f;
   for (int j = 0; j < 8; ++j) {
-    int32_t sumi = 0;
-    for (int h = 0; h < 2; ++h) {      // Q6_K: a scale per 16; Q4_K / Q5_K: per 32
+    int32_t sumi = 0, summ = 0;
+    for (int h = 0; h < 2; ++h) {      // Q6_K, Q2_K: a scale per 16; Q4_K / Q5_K: per 32
       int32_t part = 0;
       for (int l = 32 * j + 16 * h; l < 32 * j + 16 * h + 16; ++l) part += w.q[l] * xb[l];
-      sumi += w.sc[is_q6(qt) ? 2 * j + h : j] * part;
+      sumi += w.sc[per16(qt) ? 2 * j + h : j] * part;
+      if (qt == kQ2_K) summ += w.mn[2 * j + h] * xs[2 * j + h];      // x's sum of the 16
     }
     r += xd[j] * static_cast<float>(sumi);
-    if (!is_q6(qt)) rm += xsd[j] * static_cast<float>(w.mn[j]);
+    if (qt == kQ2_K) rm += xd[j] * static_cast<float>(summ);
+    else if (!is_q6(qt)) rm += xsd[j] * static_cast<float>(w.mn[j]);
   }
   return w.d * r - w.m * rm;
 }
@@ -473,9 +496,12 @@ QL_INLINE __m256 k45_min(const uint8_t* gb, int sb) {
   return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mb));
 }
 // Q6_K: 32-block 4h + t (weights 128h + 32t + 4c ..), 0..63 (the weight plus 32); Q3_K4:
-// the same without the high bits, 0..7 (the weight plus 4).
+// the same without the high bits, 0..7 (the weight plus 4); Q2_K: 0..3 (qs as Q6_K's qh).
 template <int64_t QT>
 QL_INLINE __m256i q6k_chunk(const uint8_t* gb, int h, int t, int c) {
+  if constexpr (QT == kQ2_K)
+    return _mm256_and_si256(_mm256_srli_epi16(load32(gb + kQ2Qs + 32 * (8 * h + c)), 2 * t),
+                            _mm256_set1_epi8(3));
   const __m256i lb = load32(gb + kQ6Ql + 32 * ((2 * h + (t & 1)) * 8 + c));
   const __m256i m4 = _mm256_set1_epi8(0xF);
   const __m256i lo = t < 2 ? _mm256_and_si256(lb, m4)
@@ -731,8 +757,9 @@ QL_INLINE void group_block_k45(const uint8_t* gb, const XQ& x, int64_t m0, int64
 }
 
 #if defined(QL_VNNI)
-// Q6_K's (Q3_K4's) x block p = 4h + t: the int32 dot products of its two 16-weight groups (ta:
-// units 0-3, tb: 4-7) in lane r, two units per 512-bit vpdpbusd as in k45_units_zmm.
+// Q6_K's (Q3_K4's, Q2_K's) x block p = 4h + t: the int32 dot products of its two 16-weight
+// groups (ta: units 0-3, tb: 4-7) in lane r, two units per 512-bit vpdpbusd as in
+// k45_units_zmm.
 template <int64_t QT, int MB>
 QL_INLINE void q6k_units_zmm(const uint8_t* gb, const XQ& x, int64_t m0, int64_t b, int h, int t,
                              __m256i (&ta)[MB], __m256i (&tb)[MB]) {
@@ -741,13 +768,17 @@ QL_INLINE void q6k_units_zmm(const uint8_t* gb, const XQ& x, int64_t m0, int64_t
   for (int m = 0; m < MB; ++m) za[m] = zb[m] = _mm512_setzero_si512();
 #pragma GCC unroll 4
   for (int c = 0; c < 8; c += 2) {
-    const __m512i lb = _mm512_loadu_si512(gb + kQ6Ql + 32 * ((2 * h + (t & 1)) * 8 + c));
-    const __m512i lo = t < 2 ? _mm512_and_si512(lb, m4)
-                             : _mm512_and_si512(_mm512_srli_epi16(lb, 4), m4);
-    __m512i q = lo;
-    if constexpr (QT == kQ6_K)
-      q = _mm512_or_si512(lo, high_bits_zmm(_mm512_loadu_si512(gb + kQ6Qh + 32 * (8 * h + c)),
-                                            2 * t, m3));
+    __m512i q;
+    if constexpr (QT == kQ2_K) {
+      q = _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512(gb + kQ2Qs + 32 * (8 * h + c)),
+                                             2 * t), _mm512_set1_epi8(3));
+    } else {
+      const __m512i lb = _mm512_loadu_si512(gb + kQ6Ql + 32 * ((2 * h + (t & 1)) * 8 + c));
+      q = t < 2 ? _mm512_and_si512(lb, m4) : _mm512_and_si512(_mm512_srli_epi16(lb, 4), m4);
+      if constexpr (QT == kQ6_K)
+        q = _mm512_or_si512(q, high_bits_zmm(_mm512_loadu_si512(gb + kQ6Qh + 32 * (8 * h + c)),
+                                             2 * t, m3));
+    }
     for (int m = 0; m < MB; ++m) {
       const __m512i xv = bcast4x2(x.q + (m0 + m) * x.K + b * 256 + 128 * h + 32 * t + 4 * c);
       if (c < 4) za[m] = _mm512_dpbusd_epi32(za[m], q, xv);
@@ -764,20 +795,36 @@ QL_INLINE void q6k_units_zmm(const uint8_t* gb, const XQ& x, int64_t m0, int64_t
 // Q6_K: q (0..63) with x, each 16-weight group's pair sums scaled by the lane's int8 scale in
 // madd; the -32 offset is 32 x (scale, scale) pairs madd x's 16-sums, subtracted per 32-block
 // (one (h, t) step), whose int32 x's block scale then multiplies in float. Q3_K4: q 0..7,
-// offset 4.
+// offset 4. Q2_K: q 0..3, 4-bit scales, no offset, and its 4-bit minimums the same way as the
+// offset: (min, min) pairs madd x's 16-sums, times x's block scale into their own float sum,
+// which dmin multiplies at the end.
 template <int64_t QT, int MB>
 QL_INLINE void group_block_q6k(const uint8_t* gb, const XQ& x, int64_t m0, int64_t b,
                                __m256 (&acc)[MB]) {
-  __m256 fs[MB];
-  for (int m = 0; m < MB; ++m) fs[m] = _mm256_setzero_ps();
+  constexpr bool kQ2 = QT == kQ2_K;
+  __m256 fs[MB], fm[MB];
+  for (int m = 0; m < MB; ++m) fs[m] = fm[m] = _mm256_setzero_ps();
   constexpr int kShift = QT == kQ3_K4 ? 2 : 5;      // the offset: 4 or 32
-  const auto pairs = [&](int p) {      // lane r: (sc[2p][r], sc[2p+1][r]) int16
-    return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gb + kQ6Sc + 16 * p)));
+  // lane r: (sc[2p][r], sc[2p+1][r]) int16; Q2_K's low nibbles (its minimums: high, `mins`)
+  const auto pairs = [&](int p, bool mins = false) {
+    const __m128i v =
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(gb + (kQ2 ? kQ2Sc : kQ6Sc) + 16 * p));
+    if constexpr (!kQ2) return _mm256_cvtepi8_epi16(v);
+    const __m128i nib = _mm_and_si128(mins ? _mm_srli_epi16(v, 4) : v, _mm_set1_epi8(0xF));
+    return _mm256_cvtepu8_epi16(nib);
   };
   for (int h = 0; h < 2; ++h)
     for (int t = 0; t < 4; ++t) {
       const int p = 4 * h + t;                       // x's 32-block; groups 2p and 2p + 1
       const __m256i pr = pairs(p);
+      __m256i summ[MB];                              // Q2_K: the minimums' int32 terms
+      if constexpr (kQ2) {
+        const __m256i mp = pairs(p, true);
+        for (int m = 0; m < MB; ++m) {
+          const int32_t* bs = x.s + (m0 + m) * x.ns + b * 16 + 2 * p;
+          summ[m] = _mm256_madd_epi16(mp, pair16(bs[0], bs[1]));
+        }
+      }
 #if !defined(QL_VNNI)
       const __m256i s_a = _mm256_blend_epi16(pr, _mm256_slli_epi32(pr, 16), 0xAA);
       const __m256i s_b = _mm256_blend_epi16(_mm256_srli_epi32(pr, 16), pr, 0xAA);
@@ -786,7 +833,7 @@ QL_INLINE void group_block_q6k(const uint8_t* gb, const XQ& x, int64_t m0, int64
       for (int m = 0; m < MB; ++m) {
         const int32_t* bs = x.s + (m0 + m) * x.ns + b * 16 + 2 * p;
         sumi[m] = _mm256_slli_epi32(_mm256_madd_epi16(pr, pair16(bs[0], bs[1])), kShift);
-        sumi[m] = _mm256_sub_epi32(_mm256_setzero_si256(), sumi[m]);
+        sumi[m] = kQ2 ? _mm256_setzero_si256() : _mm256_sub_epi32(_mm256_setzero_si256(), sumi[m]);
       }
 #if defined(QL_VNNI)
       __m256i ta[MB], tb[MB];
@@ -807,12 +854,18 @@ QL_INLINE void group_block_q6k(const uint8_t* gb, const XQ& x, int64_t m0, int64
               q, bcast4(x.q + (m0 + m) * x.K + b * 256 + 128 * h + 32 * t + 4 * c)), sv));
       }
 #endif
-      for (int m = 0; m < MB; ++m)
-        fs[m] = _mm256_fmadd_ps(_mm256_set1_ps(x.d[(m0 + m) * x.nd + b * 8 + p]),
-                                _mm256_cvtepi32_ps(sumi[m]), fs[m]);
+      for (int m = 0; m < MB; ++m) {
+        const __m256 xd = _mm256_set1_ps(x.d[(m0 + m) * x.nd + b * 8 + p]);
+        fs[m] = _mm256_fmadd_ps(xd, _mm256_cvtepi32_ps(sumi[m]), fs[m]);
+        if constexpr (kQ2) fm[m] = _mm256_fmadd_ps(xd, _mm256_cvtepi32_ps(summ[m]), fm[m]);
+      }
     }
   const __m256 d = load_f16x8(gb);
   for (int m = 0; m < MB; ++m) acc[m] = _mm256_fmadd_ps(d, fs[m], acc[m]);
+  if constexpr (kQ2) {
+    const __m256 dmin = load_f16x8(gb + kOffM);
+    for (int m = 0; m < MB; ++m) acc[m] = _mm256_fnmadd_ps(dmin, fm[m], acc[m]);
+  }
 }
 
 // One group of 8 rows against x rows m0 .. m0 + MB - 1, every block.
@@ -828,7 +881,7 @@ __attribute__((noinline)) void pass_avx2(const uint8_t* wg, const XQ& x, int64_t
       for (int64_t o = 0; o < gbytes; o += 64)
         _mm_prefetch(reinterpret_cast<const char*>(gb) + kPrefetchBytes + o, _MM_HINT_T1);
     if constexpr (QT == kQ4_K || QT == kQ5_K) group_block_k45<QT, MB>(gb, x, m0, b, acc);
-    else if constexpr (is_q6(QT)) group_block_q6k<QT, MB>(gb, x, m0, b, acc);
+    else if constexpr (per16(QT)) group_block_q6k<QT, MB>(gb, x, m0, b, acc);
     else group_block_legacy<QT, MB>(gb, x, m0, b, acc);
   }
   for (int m = 0; m < MB; ++m) {
@@ -878,6 +931,7 @@ void run_avx2(int64_t qt, const Format& f, const uint8_t* packed, const XQ& x, f
     case kQ6_K: return run_avx2_t<kQ6_K>(f, packed, x, y, M, N, g0, g1);
     case kIQ4_NL: return run_avx2_t<kIQ4_NL>(f, packed, x, y, M, N, g0, g1);
     case kQ3_K4: return run_avx2_t<kQ3_K4>(f, packed, x, y, M, N, g0, g1);
+    case kQ2_K: return run_avx2_t<kQ2_K>(f, packed, x, y, M, N, g0, g1);
     default: TORCH_CHECK(false, "quant_linear: unsupported GGML type ", qt);
   }
 }
@@ -891,7 +945,11 @@ void run_avx2(int64_t qt, const Format& f, const uint8_t* packed, const XQ& x, f
 void dequant_row(int64_t qt, const uint8_t* gb, int64_t r, float* out) {
   Decoded w;
   decode(qt, gb, r, w);
-  if (is_q6(qt)) {
+  if (qt == kQ2_K) {
+    for (int k = 0; k < 256; ++k)
+      out[k] = (w.d * static_cast<float>(w.sc[k / 16])) * w.q[k] -
+               w.m * static_cast<float>(w.mn[k / 16]);
+  } else if (is_q6(qt)) {
     for (int k = 0; k < 256; ++k) out[k] = (w.d * static_cast<float>(w.sc[k / 16])) * w.q[k];
   } else if (is_k(qt)) {
     for (int j = 0; j < 8; ++j) {
@@ -997,22 +1055,32 @@ QL_INLINE void dequant_group_k45(const uint8_t* gb, const RowDst& dst) {
 // Q6_K: weight 128h + 32t + 4c + l; 16-weight group g = 8h + 2t + c / 4 scales it by d * sc_g.
 template <int64_t QT>
 QL_INLINE void dequant_group_q6k(const uint8_t* gb, const RowDst& dst) {
-  const __m256 d = load_f16x8(gb);
-  const __m256i off = _mm256_set1_epi8(QT == kQ3_K4 ? 4 : 32);
+  constexpr bool kQ2 = QT == kQ2_K;
+  const __m256 d = load_f16x8(gb), dmin = kQ2 ? load_f16x8(gb + kOffM) : d;
+  const __m256i off = _mm256_set1_epi8(QT == kQ3_K4 ? 4 : kQ2 ? 0 : 32);
   for (int h = 0; h < 2; ++h)
     for (int t = 0; t < 4; ++t) {
       const auto chunk = [&](int c) { return _mm256_sub_epi8(q6k_chunk<QT>(gb, h, t, c), off); };
       for (int half = 0; half < 2; ++half) {
         const int g = 8 * h + 2 * t + half;
-        // scales [pair][row][2]: row r's scale of group g is byte 2r + g % 2 of pair g / 2.
-        const __m128i sp = _mm_loadu_si128(reinterpret_cast<const __m128i*>(gb + kQ6Sc + 16 * (g / 2)));
-        const __m128i sb = _mm_srai_epi16(g % 2 ? sp : _mm_slli_epi16(sp, 8), 8);  // int16 each
-        const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(sb));
+        // scales [pair][row][2]: row r's scale of group g is byte 2r + g % 2 of pair g / 2
+        // (Q2_K: its low nibble; the minimum the high one).
+        const __m128i sp = _mm_loadu_si128(
+            reinterpret_cast<const __m128i*>(gb + (kQ2 ? kQ2Sc : kQ6Sc) + 16 * (g / 2)));
         __m256 s[kGroup], m[kGroup];
-        bcast_rows(_mm256_mul_ps(d, sc), s);
+        if constexpr (kQ2) {
+          const __m128i sb = _mm_srli_epi16(g % 2 ? sp : _mm_slli_epi16(sp, 8), 8);  // u8 each
+          const __m128i lo = _mm_and_si128(sb, _mm_set1_epi16(0xF)), hi = _mm_srli_epi16(sb, 4);
+          bcast_rows(_mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(lo))), s);
+          bcast_rows(_mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(hi))), m);
+        } else {
+          const __m128i sb = _mm_srai_epi16(g % 2 ? sp : _mm_slli_epi16(sp, 8), 8);  // int16 each
+          bcast_rows(_mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(sb))), s);
+        }
 #pragma GCC unroll 2
         for (int c = 4 * half; c < 4 * half + 4; c += 2)
-          store_pair<0, true>(chunk(c), chunk(c + 1), s, m, dst, 128 * h + 32 * t + 4 * c);
+          store_pair<kQ2 ? 2 : 0, !kQ2>(chunk(c), chunk(c + 1), s, m, dst,
+                                        128 * h + 32 * t + 4 * c);
       }
     }
 }
@@ -1029,6 +1097,7 @@ void dequant_group_avx2(int64_t qt, const uint8_t* gb, const RowDst& dst) {
     case kQ6_K: return dequant_group_q6k<kQ6_K>(gb, dst);
     case kIQ4_NL: return dequant_group_legacy<kIQ4_NL>(gb, dst);
     case kQ3_K4: return dequant_group_q6k<kQ3_K4>(gb, dst);
+    case kQ2_K: return dequant_group_q6k<kQ2_K>(gb, dst);
     default: TORCH_CHECK(false, "quant_dequantize: unsupported GGML type ", qt);
   }
 }

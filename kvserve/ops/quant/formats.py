@@ -14,6 +14,8 @@ Every type quantizes a row of K weights in blocks along K. A block is `type_size
     Q6_K 256 w, 210 B  ql[128], qh[64], scales[16] int8, d          16-value groups g:
                                                                      w = d * sc_g * (q - 32)
     IQ4_NL 32 w, 18 B  d, nibbles[16] as Q4_0's                     w = d * IQ4_NL_VALUES[q]
+    Q2_K 256 w, 84 B   scales[16] (low nibble sc, high m), qs[64] (Q6_K's qh layout), d, dmin
+                       16-value groups g: w = d * sc_g * q - dmin * m_g, q 0..3
 
 and one block type of kvserve's own, which no file holds (transcode.py writes it at load):
 
@@ -83,7 +85,7 @@ class BlockFormat:
 
     @property
     def k_quant(self) -> bool:
-        """A 256-weight super-block type (Q4_K, Q5_K, Q6_K, Q3_K4)."""
+        """A 256-weight super-block type (Q2_K, Q4_K, Q5_K, Q6_K, Q3_K4)."""
         return self.block_size == 256
 
     @property
@@ -129,6 +131,8 @@ FORMATS: dict[str, BlockFormat] = {f.name: f for f in (
     # d, the 16 int8 scales ([pair of groups][row][2]), ql, qh
     _fmt("Q6_K", 14, 256, 210, ((208, 2, 2), (192, 16, 2), (0, 128, 4), (128, 64, 4))),
     _fmt("IQ4_NL", 20, 32, 18, (_D, (2, 16, 4))),
+    # d, dmin, the 16 scale bytes ([pair of groups][row][2], as Q6_K's), qs
+    _fmt("Q2_K", 10, 256, 84, ((80, 2, 2), (82, 2, 2), (0, 16, 2), (16, 64, 4))),
     # Q6_K's fields but qh; 111: an id outside GGML's types (the kernels' qtype)
     _fmt("Q3_K4", 111, 256, 146, ((144, 2, 2), (128, 16, 2), (0, 128, 4)), gguf=False),
 )}

@@ -229,6 +229,15 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
     return _q6_like((ql | (qh << 4)).to(torch.int8) - 32, b[:, 192:208], b[:, 208:210])
 
 
+def _q2_k(b: torch.Tensor) -> torch.Tensor:
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=b.device).view(4, 1)
+    q = ((b[:, 16:80].reshape(-1, 2, 1, 32) >> shifts) & 3).reshape(-1, 16, 16).float()
+    sc = b[:, 0:16]
+    dl = (_f16(b[:, 80:82]).unsqueeze(-1) * (sc & 0xF).float()).unsqueeze(-1)
+    ml = (_f16(b[:, 82:84]).unsqueeze(-1) * (sc >> 4).float()).unsqueeze(-1)
+    return (dl * q - ml).reshape(-1, 256)
+
+
 def _q3_k4(b: torch.Tensor) -> torch.Tensor:
     ql = _nibbles(b[:, 0:128].reshape(-1, 2, 64)).reshape(-1, 8, 32)
     return _q6_like(ql.to(torch.int8) - 4, b[:, 128:144], b[:, 144:146])
@@ -243,4 +252,5 @@ def _q6_like(q: torch.Tensor, scales: torch.Tensor, d: torch.Tensor) -> torch.Te
 
 
 _DEQUANT = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1,
-            "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k, "IQ4_NL": _iq4_nl, "Q3_K4": _q3_k4}
+            "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k, "IQ4_NL": _iq4_nl, "Q3_K4": _q3_k4,
+            "Q2_K": _q2_k}

@@ -14,8 +14,8 @@ Q3_K_M / Q3_K_L / Q3_K_S files are mostly Q3_K (llama.cpp stores such tensors wi
 are not whole 256-weight blocks, SmolLM2's 576, as Q4_0); IQ4_XS files keep those rows as
 IQ4_NL, which has kernels of its own. The rewritten tensors take 4.56 / 4.5 bits a weight where
 the file has 3.44 / 4.25: Q3_K 1.33x the memory (its 2-bit and 1-bit fields as one nibble: the
-kernels read whole nibbles), IQ4_XS 1.06x. The other types no kernel covers (Q2_K, the IQ2 /
-IQ3 / IQ1 types) the loader dequantizes.
+kernels read whole nibbles), IQ4_XS 1.06x. The other types no kernel covers (the IQ1 / IQ2 /
+IQ3 types) the loader dequantizes.
 """
 from __future__ import annotations
 

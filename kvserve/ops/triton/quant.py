@@ -163,24 +163,33 @@ def _q6_k(p, gblk, r, rmask, blk0, QT: tl.constexpr, GBB: tl.constexpr):
     (i, nib) is weight 128 half + 64 nib + 4v + i; its 2 high bits are in qh byte 32 half + 4 (v
     % 8) + i at bit 2 (2 nib + v // 8); its int8 scale is group (weight // 16), stored
     [group // 2][row][group % 2] at byte 16. d at 0, ql at 144, qh at 1168. Q3_K4: the same
-    without qh, q - 4 for q - 32."""
+    without qh, q - 4 for q - 32. Q2_K: q is Q6_K's 2 high bits (qs at byte 160), the scale
+    byte (at 32) holds sc (low nibble) and m (high), dmin at 16: w = d sc q - dmin m."""
     hf = tl.arange(0, 2)[None, :, None, None]
     v = tl.arange(0, 16)[None, None, :, None]
     slot = tl.arange(0, 8)[None, None, None, :]
     i = slot % 4
     nib = slot // 4
     blk = gblk + blk0
-    ql = (_u32(p, blk, GBB, 144, 8 * (16 * hf + v) + r, rmask) >> (8 * i + 4 * nib)) & 15
-    if QT == 14:
-        qh = _u32(p, blk, GBB, 1168, 8 * (8 * hf + v % 8) + r, rmask)
-        q = (ql | (((qh >> (8 * i + 4 * nib + 2 * (v // 8))) & 3) << 4)) - 32
-    else:
-        q = ql - 4
     kk = 128 * hf + 64 * nib + 4 * v + i
     g = kk // 16
-    sc = _u8(p, blk, GBB, 16, 16 * (g // 2) + 2 * r + g % 2, rmask)
     d = _f16(p, blk, GBB, 0, r, rmask)
-    return (d * sc.to(tl.int8, bitcast=True).to(tl.float32)) * q.to(tl.float32), kk
+    if QT == 10:
+        q2 = (_u32(p, blk, GBB, 160, 8 * (8 * hf + v % 8) + r, rmask)
+              >> (8 * i + 4 * nib + 2 * (v // 8))) & 3
+        sm = _u8(p, blk, GBB, 32, 16 * (g // 2) + 2 * r + g % 2, rmask).to(tl.int32)
+        dmin = _f16(p, blk, GBB, 16, r, rmask)
+        w = (d * (sm & 15).to(tl.float32)) * q2.to(tl.float32) - dmin * (sm >> 4).to(tl.float32)
+    else:
+        ql = (_u32(p, blk, GBB, 144, 8 * (16 * hf + v) + r, rmask) >> (8 * i + 4 * nib)) & 15
+        if QT == 14:
+            qh = _u32(p, blk, GBB, 1168, 8 * (8 * hf + v % 8) + r, rmask)
+            q = (ql | (((qh >> (8 * i + 4 * nib + 2 * (v // 8))) & 3) << 4)) - 32
+        else:
+            q = ql - 4
+        sc = _u8(p, blk, GBB, 16, 16 * (g // 2) + 2 * r + g % 2, rmask)
+        w = (d * sc.to(tl.int8, bitcast=True).to(tl.float32)) * q.to(tl.float32)
+    return w, kk
 
 
 @triton.jit
@@ -202,7 +211,7 @@ def _tile(p, n, N, nb, t, QT: tl.constexpr, GBB: tl.constexpr, BN: tl.constexpr,
         w, kk = _q8_0(p, gblk, r, rmask, 8 * t, nb)
     elif QT == 12 or QT == 13:
         w, kk = _k_quant(p, gblk, r, rmask, t, QT, GBB)
-    elif QT == 14 or QT == 111:
+    elif QT == 14 or QT == 111 or QT == 10:
         w, kk = _q6_k(p, gblk, r, rmask, t, QT, GBB)
     else:
         w, kk = _q4_family(p, gblk, r, rmask, 8 * t, nb, QT, GBB)
