@@ -396,8 +396,9 @@ void run_generic(int64_t qt, const Format& f, const uint8_t* packed, const XQ& x
 // Lane r of every vector is row r of the group: a 32-byte load of a [unit][row][4] field holds
 // 4 consecutive weights of each row; x's 4 matching int8 values are broadcast to all lanes, so
 // maddubs + madd leave row r's partial dot product in lane r. Scales of the 8 rows are one
-// float16 load (or int8 / 6-bit integers multiplied in). Signed weights (Q8_0, Q4_0, Q5_0) use
-// the sign trick: |w| (unsigned) times x with w's sign. x rows are taken MB at a time.
+// float16 load (or int8 / 6-bit integers multiplied in). Signed weights (Q8_0, IQ4_NL's
+// looked-up values) use the sign trick: |w| (unsigned) times x with w's sign; Q4_0 / Q5_0 go in
+// as stored (legacy_offset). x rows are taken MB at a time.
 #if defined(KVS_AVX2)
 
 QL_INLINE __m256i load32(const uint8_t* p) {

@@ -87,9 +87,10 @@ def int8_max_rows() -> Optional[int]:
 # chunks: "The" -1.74, "Paris"), and their prompts are already 1.7-4.4x llama.cpp's (2.1-2.2x
 # on the avx2 tier). IQ4_NL (and IQ4_XS, rewritten as it) likewise: llama.cpp's demo IQ4_NL /
 # IQ4_XS files' perplexity (bf16) went from +0.04% / -0.05% of the float32 path's to +0.73% /
-# +1.15% with its prompts on the GEMM. Decode steps of
-# kGemmMinRows+ rows (16 with VNNI, 64 on AVX2) take the GEMM inside the int8 op, every type
-# the build has it for (all but Q8_0 and IQ4_NL on AVX2). The LM head (precise) keeps float x.
+# +1.15% with its prompts on the GEMM. Q2_K has no GEMM (its minimums are per 16 weights, the
+# panels keep one per 32). Decode steps of kGemmMinRows+ rows (16 with VNNI, 64 on AVX2) take
+# the GEMM inside the int8 op, every type the build has it for (not Q2_K; nor Q8_0 and IQ4_NL
+# on AVX2). The LM head (precise) keeps float x. Q3_K4 is Q3_K as rewritten (transcode.py).
 INT8_GEMM = True
 PROMPT_GEMM_TYPES = frozenset({"Q4_K", "Q5_K", "Q6_K", "Q3_K4"})
 
