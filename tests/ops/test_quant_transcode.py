@@ -22,10 +22,10 @@ def _dequantize(qtype: str, rows: np.ndarray) -> np.ndarray:
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    if qtype == "Q3_K4":
-        n = rows.shape[0]
-        return dequantize_gguf(rows, FORMATS[qtype], (n, rows.shape[1] // 146 * 256)).astype(
-            np.float64)
+    fmt = FORMATS.get(qtype)
+    if fmt is not None and not fmt.gguf:
+        shape = (rows.shape[0], rows.shape[1] // fmt.type_size * fmt.block_size)
+        return dequantize_gguf(rows, fmt, shape).astype(np.float64)
     return np.asarray(dequantize(rows, GGMLQuantizationType[qtype]), dtype=np.float64)
 
 

@@ -833,8 +833,10 @@ QL_INLINE void group_block_q6k(const uint8_t* gb, const XQ& x, int64_t m0, int64
       __m256i sumi[MB];
       for (int m = 0; m < MB; ++m) {
         const int32_t* bs = x.s + (m0 + m) * x.ns + b * 16 + 2 * p;
-        sumi[m] = _mm256_slli_epi32(_mm256_madd_epi16(pr, pair16(bs[0], bs[1])), kShift);
-        sumi[m] = kQ2 ? _mm256_setzero_si256() : _mm256_sub_epi32(_mm256_setzero_si256(), sumi[m]);
+        sumi[m] = _mm256_setzero_si256();                       // Q2_K: no offset
+        if constexpr (!kQ2)
+          sumi[m] = _mm256_sub_epi32(sumi[m], _mm256_slli_epi32(
+              _mm256_madd_epi16(pr, pair16(bs[0], bs[1])), kShift));
       }
 #if defined(QL_VNNI)
       __m256i ta[MB], tb[MB];

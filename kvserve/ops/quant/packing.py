@@ -222,16 +222,21 @@ def _q5_k(b: torch.Tensor) -> torch.Tensor:
     return (d * (ql | (qh << 4)).float() - dm).reshape(-1, 256)
 
 
+def _two_bit(qs: torch.Tensor) -> torch.Tensor:
+    """[nb, 64] bytes of 2-bit fields (Q6_K's qh, Q2_K's qs) -> [nb, 8, 32] in weight order:
+    weight 128 h + 32 j + l at bits 2j of byte 32 h + l."""
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=qs.device).view(4, 1)
+    return ((qs.reshape(-1, 2, 1, 32) >> shifts) & 3).reshape(-1, 8, 32)
+
+
 def _q6_k(b: torch.Tensor) -> torch.Tensor:
     ql = _nibbles(b[:, 0:128].reshape(-1, 2, 64)).reshape(-1, 8, 32)
-    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=b.device).view(4, 1)
-    qh = ((b[:, 128:192].reshape(-1, 2, 1, 32) >> shifts) & 3).reshape(-1, 8, 32)
+    qh = _two_bit(b[:, 128:192])
     return _q6_like((ql | (qh << 4)).to(torch.int8) - 32, b[:, 192:208], b[:, 208:210])
 
 
 def _q2_k(b: torch.Tensor) -> torch.Tensor:
-    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=b.device).view(4, 1)
-    q = ((b[:, 16:80].reshape(-1, 2, 1, 32) >> shifts) & 3).reshape(-1, 16, 16).float()
+    q = _two_bit(b[:, 16:80]).reshape(-1, 16, 16).float()
     sc = b[:, 0:16]
     dl = (_f16(b[:, 80:82]).unsqueeze(-1) * (sc & 0xF).float()).unsqueeze(-1)
     ml = (_f16(b[:, 82:84]).unsqueeze(-1) * (sc >> 4).float()).unsqueeze(-1)

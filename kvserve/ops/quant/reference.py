@@ -72,7 +72,7 @@ def dequantize_gguf(raw: np.ndarray, fmt: BlockFormat, shape: tuple[int, int]) -
     """gguf's own dequantizer on raw blocks [N, row_bytes] -> float32 [N, K]; for kvserve's own
     Q3_K4 (no GGUF type), its definition in numpy (formats.py; exact products, as gguf's)."""
     raw = np.ascontiguousarray(raw, dtype=np.uint8)
-    if fmt.name == "Q3_K4":
+    if not fmt.gguf:
         return _dequantize_q3_k4(raw.reshape(-1, fmt.type_size)).reshape(shape)
     from gguf import GGMLQuantizationType, quants
 
