@@ -52,8 +52,8 @@ _MIXTRAL = ("MixtralForCausalLM", "mixtral")
 _PERMUTED_ARCHITECTURES = {"llama"}
 
 # Tensor types kvserve loads. With --quantization gguf (a .gguf path's default) the packed
-# types (ops.quant.GGUF_PACKED_TYPES, Q2_K and IQ4_NL among them) stay packed, Q3_K and IQ4_XS
-# are rewritten as packed Q3_K4 / IQ4_NL (ops/quant/transcode.py), and the rest (the IQ1-IQ3
+# types (ops.quant.PACKED_TYPES, Q2_K, Q3_K and IQ4_NL among them) stay packed, IQ4_XS is
+# rewritten as packed IQ4_NL (ops/quant/transcode.py), and the rest (the IQ1-IQ3
 # types) are dequantized (`gguf.quants.dequantize`), as every type is with
 # --quantization gguf-dequantized.
 SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K",
@@ -473,7 +473,7 @@ def iterate_gguf_weights(path: str, hf_config: dict, packed: bool = False,
 
 
 def _packed_name(qtype: str) -> str:
-    """How the load log names a packed type: "Q3_K as Q6_K" where it is rewritten."""
+    """How the load log names a packed type: "IQ4_XS as IQ4_NL" where it is rewritten."""
     from kvserve.ops.quant import TRANSCODED
 
     return f"{qtype} as {TRANSCODED[qtype]}" if qtype in TRANSCODED else qtype

@@ -54,14 +54,8 @@ FP16_FIELDS = {"Q4_1": (0, 2), "Q5_1": (0, 2), "Q4_K": (0, 2), "Q5_K": (0, 2), "
 
 def random_blocks(name: str, n: int, k: int, seed: int, scale: float = 0.02) -> np.ndarray:
     """[N, row_bytes] uint8 of any GGUF block type: random bytes with finite float16 scales
-    (and minimums) of either sign, up to `scale`. (IQ1_S / IQ1_M keep their scales elsewhere.)
-    kvserve's Q3_K4: random Q3_K blocks rewritten (its values are Q3_K's)."""
+    (and minimums) of either sign, up to `scale`. (IQ1_S / IQ1_M keep their scales elsewhere.)"""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
-    if name == "Q3_K4":
-        from kvserve.ops.quant.transcode import transcode
-
-        return transcode("Q3_K", random_blocks("Q3_K", n, k, seed, scale))[1]
 
     size, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType[name]]
     rng = np.random.default_rng(seed)
@@ -148,12 +142,7 @@ def ops():
 def test_formats_match_gguf() -> None:
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-    assert [name for name, fmt in FORMATS.items() if not fmt.gguf] == ["Q3_K4"]
     for name, fmt in FORMATS.items():
-        if not fmt.gguf:        # kvserve's own: an id outside GGML's, which block_format takes
-            assert fmt.ggml_type not in {int(t) for t in GGMLQuantizationType}
-            assert block_format(fmt.ggml_type) is fmt and block_format(name.lower()) is fmt
-            continue
         t = GGMLQuantizationType[name]
         assert (fmt.ggml_type, fmt.block_size, fmt.type_size) == (int(t), *GGML_QUANT_SIZES[t])
         assert block_format(t) is fmt and block_format(int(t)) is fmt
@@ -176,7 +165,7 @@ def test_repack_and_dequantize_match_gguf_exactly(name: str, shape: tuple[int, i
     groups = -(-n // ROW_GROUP)
     assert w.packed.shape == (groups, k // fmt.block_size, fmt.group_block_bytes)
     assert w.nbytes == groups * k // fmt.block_size * fmt.group_block_bytes
-    decoded_scales = 32 if name in ("Q4_K", "Q5_K") else 0
+    decoded_scales = 32 if name in ("Q3_K", "Q4_K", "Q5_K") else 0
     assert fmt.group_block_bytes == ROW_GROUP * fmt.type_size + decoded_scales
     assert torch.equal(w.raw_rows(), torch.from_numpy(raw))
     ref = torch.from_numpy(dequantize_gguf(raw, fmt, shape))
@@ -377,10 +366,10 @@ def test_large_batches_of_bf16_x_run_bf16_gemms(name: str, monkeypatch: pytest.M
 # to their largest magnitude (0x80: Q8_0's -128; 0xFF: the others' unsigned maximum, 15 .. 63).
 QUANT_BYTES = {"Q4_0": (2, 18), "Q4_1": (4, 20), "Q5_0": (2, 22), "Q5_1": (4, 24),
                "Q8_0": (2, 34), "Q4_K": (16, 144), "Q5_K": (16, 176), "Q6_K": (0, 192),
-               "IQ4_NL": (2, 18), "Q3_K4": (0, 128), "Q2_K": (16, 80)}
-# The stored byte of the largest weights: Q8_0's -128, IQ4_NL's nibbles 0 (-127), Q3_K4's 7s
-# (Q3_K's largest, +3); others 0xFF.
-LIMIT_BYTE = {"Q8_0": 0x80, "IQ4_NL": 0x00, "Q3_K4": 0x77}
+               "IQ4_NL": (2, 18), "Q3_K": (0, 96), "Q2_K": (16, 80)}
+# The stored byte of the largest weights: Q8_0's -128, IQ4_NL's nibbles 0 (-127); others 0xFF
+# (Q3_K: hmask and qs all ones, every q + 4 at 7).
+LIMIT_BYTE = {"Q8_0": 0x80, "IQ4_NL": 0x00}
 
 
 @needs_kernel

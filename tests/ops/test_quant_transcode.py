@@ -1,58 +1,40 @@
 """GGUF types rewritten at load as packed types (kvserve/ops/quant/transcode.py): the rewritten
-blocks dequantize to the original blocks' weights (gguf.quants the reference; for kvserve's own
-Q3_K4, reference.dequantize_gguf's numpy dequantizer): exactly for Q3_K -> Q3_K4, within
-float16's rounding of each 32 weights' scale (2^-11, relative) for IQ4_XS -> IQ4_NL. Every byte
-pattern of the quants and scales occurs in the random blocks; the float16 super-block scales are
-finite, as a file's are."""
+blocks dequantize to the original blocks' weights (gguf.quants the reference) within float16's
+rounding of each 32 weights' scale (2^-11, relative) for IQ4_XS -> IQ4_NL. Every byte pattern of
+the quants and scales occurs in the random blocks; the float16 super-block scales are finite, as
+a file's are."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from kvserve.ops.quant import FORMATS
-from kvserve.ops.quant.reference import dequantize_gguf
 from kvserve.ops.quant.transcode import TRANSCODED, transcode
-from tests.model.gguf_files import quantize_blocks
 from tests.ops.test_quant_linear import random_blocks
 
 
-
 def _dequantize(qtype: str, rows: np.ndarray) -> np.ndarray:
-    """gguf's dequantizer (for kvserve's Q3_K4, reference.dequantize_gguf's numpy one)."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    fmt = FORMATS.get(qtype)
-    if fmt is not None and not fmt.gguf:
-        shape = (rows.shape[0], rows.shape[1] // fmt.type_size * fmt.block_size)
-        return dequantize_gguf(rows, fmt, shape).astype(np.float64)
     return np.asarray(dequantize(rows, GGMLQuantizationType[qtype]), dtype=np.float64)
 
 
-# Blocks of random bytes, and quantized ones (tests/model/gguf_files.py; none for IQ4_XS).
-CASES = [pytest.param(t, s, src, id=f"{t}-{s[0]}x{s[1]}-{src}")
-         for t in sorted(TRANSCODED) for s in [(1, 256), (7, 512), (33, 1536)]
-         for src in (["random"] if t == "IQ4_XS" else ["random", "quantized"])]
+# Blocks of random bytes (gguf has no IQ4_XS quantizer).
+CASES = [pytest.param(t, s, id=f"{t}-{s[0]}x{s[1]}")
+         for t in sorted(TRANSCODED) for s in [(1, 256), (7, 512), (33, 1536)]]
 
 
-@pytest.mark.parametrize("qtype, shape, source", CASES)
-def test_rewritten_blocks_hold_the_same_weights(qtype: str, shape, source: str) -> None:
+@pytest.mark.parametrize("qtype, shape", CASES)
+def test_rewritten_blocks_hold_the_same_weights(qtype: str, shape) -> None:
     n, k = shape
-    if source == "random":
-        rows = random_blocks(qtype, n, k, seed=n)
-    else:
-        w = np.random.default_rng(n).standard_normal((n, k)).astype(np.float32)
-        rows = quantize_blocks(w, qtype)
+    rows = random_blocks(qtype, n, k, seed=n)
     target, out = transcode(qtype, rows)
     assert target == TRANSCODED[qtype] and out.dtype == np.uint8 and out.shape[0] == n
     want, got = _dequantize(qtype, rows), _dequantize(target, out)
     assert want.shape == got.shape == (n, k)
-    if qtype == "IQ4_XS":
-        # float16(d * (s - 32)): normal results within 2^-11; subnormal ones 2^-25 absolute.
-        assert np.all(np.abs(got - want) <= 2.0 ** -11 * np.abs(want) + 127 * 2.0 ** -25)
-        assert not np.array_equal(got, want)        # the rounding is real, so the bound is used
-    else:
-        assert np.array_equal(got, want)
+    # float16(d * (s - 32)): normal results within 2^-11; subnormal ones 2^-25 absolute.
+    assert np.all(np.abs(got - want) <= 2.0 ** -11 * np.abs(want) + 127 * 2.0 ** -25)
+    assert not np.array_equal(got, want)        # the rounding is real, so the bound is used
 
 
 @pytest.mark.parametrize("qtype", sorted(TRANSCODED))
@@ -67,7 +49,7 @@ def test_rewrites_in_row_chunks_are_the_whole_tensors(qtype: str, monkeypatch) -
 
 def test_rewritten_rows_pack_and_dequantize_as_the_file() -> None:
     """A rewritten tensor through the packed weight (ops.quant.PackedQuantWeight): its rows
-    dequantize to the rewritten blocks' weights (the original's, for Q3_K)."""
+    dequantize to the rewritten blocks' weights."""
     import torch
 
     from kvserve.ops.quant.weight import QuantizedRows
@@ -79,8 +61,6 @@ def test_rewritten_rows_pack_and_dequantize_as_the_file() -> None:
         assert weight.qtype == target
         got = weight.dequantize_rows(torch.arange(9)).double().numpy()
         assert np.array_equal(got, _dequantize(target, out))
-        if qtype == "Q3_K":
-            assert np.array_equal(got, _dequantize("Q3_K", rows))
 
 
 def test_types_without_a_rewrite_are_errors() -> None:

@@ -66,13 +66,13 @@ template <int64_t QT> struct GemmType {
   static constexpr int H = is_q6(QT) ? 2 : 1;
   static constexpr bool kMin = QT == kQ4_1 || QT == kQ5_1 || QT == kQ4_K || QT == kQ5_K;
   static constexpr int kOff = QT == kQ8_0 || QT == kIQ4_NL ? 128 : QT == kQ4_0 ? 8 :
-                              QT == kQ5_0 ? 16 : QT == kQ6_K ? 32 : QT == kQ3_K4 ? 4 : 0;
+                              QT == kQ5_0 ? 16 : QT == kQ6_K ? 32 : QT == kQ3_K ? 4 : 0;
   // The largest unsigned value, and so the quads whose maddubs pairs (|u0 x0 + u1 x1| <=
   // 2 * 127 * umax) an int16 lane can sum without saturating (the AVX2 microkernel): 8 for the
   // 4-bit types, 4 for the 5-bit ones, 2 for Q6_K. Q8_0's 255 and IQ4_NL's 241 (kIQ4NLu)
   // allow none (no AVX2 GEMM for them).
   static constexpr int kMaxU = QT == kQ8_0 ? 255 : QT == kIQ4_NL ? 241 : QT == kQ6_K ? 63 :
-                               QT == kQ3_K4 ? 7 :
+                               QT == kQ3_K ? 7 :
                                QT == kQ5_0 || QT == kQ5_1 || QT == kQ5_K ? 31 : 15;
   static constexpr int kFit = 32767 / (2 * 127 * kMaxU);
   static constexpr int kI16 = kFit >= 8 ? 8 : kFit >= 4 ? 4 : 2;
@@ -358,7 +358,7 @@ void run_gemm(int64_t qt, const uint8_t* packed, const XQ& x, float* yf, c10::BF
     case kQ4_K: return gemm_blocks<kQ4_K>(packed, x, yf, yb, M, N, G, nb, i0, i1);
     case kQ5_K: return gemm_blocks<kQ5_K>(packed, x, yf, yb, M, N, G, nb, i0, i1);
     case kQ6_K: return gemm_blocks<kQ6_K>(packed, x, yf, yb, M, N, G, nb, i0, i1);
-    case kQ3_K4: return gemm_blocks<kQ3_K4>(packed, x, yf, yb, M, N, G, nb, i0, i1);
+    case kQ3_K: return gemm_blocks<kQ3_K>(packed, x, yf, yb, M, N, G, nb, i0, i1);
     default: TORCH_CHECK(false, "quant_gemm: unsupported GGML type ", qt);
   }
 }
@@ -379,7 +379,7 @@ bool gemm_supports(int64_t qtype) {
   if (qtype == kQ8_0 || qtype == kIQ4_NL) return true;
 #endif
   return qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ5_0 || qtype == kQ5_1 ||
-         qtype == kQ4_K || qtype == kQ5_K || qtype == kQ6_K || qtype == kQ3_K4;
+         qtype == kQ4_K || qtype == kQ5_K || qtype == kQ6_K || qtype == kQ3_K;
 #else
   (void)qtype;
   return false;

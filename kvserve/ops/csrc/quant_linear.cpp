@@ -4,11 +4,9 @@
 //   packed  [ceil(N/8), K/B, 8*T] uint8: GGUF blocks (B weights in T bytes each) of 8 rows at a
 //           time, interleaved field by field so that one 32-byte load holds 4 weights of each
 //           of the 8 rows (ops/quant/formats.py, packing.py; "the packed layout" below)
-//   qtype   the GGML type id: Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7, Q8_0 8, Q2_K 10, Q4_K 12, Q5_K 13,
-//           Q6_K 14,
-//           IQ4_NL 20 (Q4_0's layout; each nibble indexes llama.cpp's kvalues_iq4nl); and
-//           kvserve's Q3_K4 111 (GGUF's Q3_K rewritten at load, ops/quant/transcode.py: Q6_K's
-//           layout without its high bits, w = d * sc * (q - 4), q a nibble 0..7)
+//   qtype   the GGML type id: Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7, Q8_0 8, Q2_K 10, Q3_K 11,
+//           Q4_K 12, Q5_K 13, Q6_K 14, IQ4_NL 20 (Q4_0's layout; each nibble indexes
+//           llama.cpp's kvalues_iq4nl)
 //   -> y    [M, N] float32
 //
 // As llama.cpp does, x is first quantized per block of 32 to int8, as llama.cpp's Q8_0 / Q8_1
@@ -73,7 +71,7 @@ constexpr int64_t kMinBytesPerTask = 16384;
 constexpr int64_t kPrefetchBytes = 4096;
 
 enum QType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ2_K = 10,
-                       kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kIQ4_NL = 20, kQ3_K4 = 111 };
+                       kQ3_K = 11, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kIQ4_NL = 20 };
 
 // IQ4_NL's 16 weight values (llama.cpp's kvalues_iq4nl), and the same plus 128 as unsigned
 // bytes (VNNI's vpdpbusd and the GEMM panels take unsigned weights; the offset is taken off).
@@ -96,7 +94,7 @@ Format format_of(int64_t qtype) {
     case kQ5_K: return {256, 176, 32, 16, 1440};
     case kQ6_K: return {256, 210, 32, 16, 1680};
     case kIQ4_NL: return {32, 18, 32, 32, 144};
-    case kQ3_K4: return {256, 146, 32, 16, 1168};
+    case kQ3_K: return {256, 110, 32, 16, 912};
     case kQ2_K: return {256, 84, 32, 16, 672};
     default: TORCH_CHECK(false, "quant_linear: unsupported GGML type ", qtype);
   }
@@ -247,6 +245,8 @@ constexpr int64_t kKScales = 32, kKMins = 96, kK4Qs = 160, kK5Qh = 160, kK5Qs = 
 constexpr int64_t kQ6Sc = 16, kQ6Ql = 144, kQ6Qh = 1168;
 // Q2_K: d, dmin, scales [pair][row][2] (scale: low nibble, minimum: high), qs (Q6_K's qh layout).
 constexpr int64_t kQ2Sc = 32, kQ2Qs = 160;
+// Q3_K: d, scales as Q6_K's (int8 s - 32, decoded at packing), qs (as Q2_K's), hmask (Q5_K's qh).
+constexpr int64_t kQ3Qs = 144, kQ3Hm = 656;
 
 // One row of one group-block decoded: integer weights and their scales.
 struct Decoded {
@@ -261,9 +261,9 @@ struct Decoded {
 // The 256-weight types; of them, those with a scale per 16 weights (Q2_K: and a minimum), and
 // those with a signed int8 one and no minimum.
 QL_INLINE bool is_k(int64_t qt) {
-  return qt == kQ4_K || qt == kQ5_K || qt == kQ6_K || qt == kQ3_K4 || qt == kQ2_K;
+  return qt == kQ4_K || qt == kQ5_K || qt == kQ6_K || qt == kQ3_K || qt == kQ2_K;
 }
-constexpr bool is_q6(int64_t qt) { return qt == kQ6_K || qt == kQ3_K4; }
+constexpr bool is_q6(int64_t qt) { return qt == kQ6_K || qt == kQ3_K; }
 constexpr bool per16(int64_t qt) { return is_q6(qt) || qt == kQ2_K; }
 
 void decode_legacy(int64_t qt, const uint8_t* gb, int64_t r, Decoded& o) {
@@ -307,12 +307,14 @@ void decode_k(int64_t qt, const uint8_t* gb, int64_t r, Decoded& o) {
     for (int g = 0; g < 16; ++g) o.sc[g] = static_cast<int8_t>(unit(gb, kQ6Sc, 2, g / 2, r)[g % 2]);
     for (int k = 0; k < 256; ++k) {
       const int h = k / 128, t = (k % 128) / 32, l = k % 32;
-      const uint8_t lb = unit(gb, kQ6Ql, 4, (2 * h + (t & 1)) * 8 + l / 4, r)[l % 4];
-      const int lo = (t < 2 ? lb : lb >> 4) & 0xF;
-      if (qt == kQ3_K4) {
-        o.q[k] = static_cast<int8_t>(lo - 4);
+      if (qt == kQ3_K) {     // 2 bits of qs as Q2_K's, bit 4h + t of hmask byte l above them
+        const int lo = (unit(gb, kQ3Qs, 4, 8 * h + l / 4, r)[l % 4] >> (2 * t)) & 3;
+        const int hi = (unit(gb, kQ3Hm, 4, l / 4, r)[l % 4] >> (4 * h + t)) & 1;
+        o.q[k] = static_cast<int8_t>((lo | (hi << 2)) - 4);
         continue;
       }
+      const uint8_t lb = unit(gb, kQ6Ql, 4, (2 * h + (t & 1)) * 8 + l / 4, r)[l % 4];
+      const int lo = (t < 2 ? lb : lb >> 4) & 0xF;
       const uint8_t hb = unit(gb, kQ6Qh, 4, 8 * h + l / 4, r)[l % 4];
       o.q[k] = static_cast<int8_t>((lo | (((hb >> (2 * t)) & 3) << 4)) - 32);
     }
@@ -496,18 +498,34 @@ QL_INLINE __m256 k45_min(const uint8_t* gb, int sb) {
                                                                  -1, -1, -1, -1, -1, -1, -1));
   return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mb));
 }
-// Q6_K: 32-block 4h + t (weights 128h + 32t + 4c ..), 0..63 (the weight plus 32); Q3_K4:
-// the same without the high bits, 0..7 (the weight plus 4); Q2_K: 0..3 (qs as Q6_K's qh).
+// Q3_K's hmask bytes with bit s of each byte moved to bit 2 (other bits: garbage), one shift.
+template <typename V>
+QL_INLINE V q3k_bit2(V hm, int s) {
+  if constexpr (sizeof(V) == 32)
+    return s >= 2 ? _mm256_srli_epi16(hm, s - 2) : _mm256_slli_epi16(hm, 2 - s);
+#if defined(QL_VNNI)
+  else
+    return s >= 2 ? _mm512_srli_epi16(hm, s - 2) : _mm512_slli_epi16(hm, 2 - s);
+#endif
+}
+
+// Q6_K: 32-block 4h + t (weights 128h + 32t + 4c ..), 0..63 (the weight plus 32); Q2_K: 0..3
+// (qs as Q6_K's qh); Q3_K: 0..7 (the weight plus 4), qs's 2 bits as Q2_K's and hmask's bit
+// 4h + t (unit c of it: the same weights' bytes) above them.
 template <int64_t QT>
 QL_INLINE __m256i q6k_chunk(const uint8_t* gb, int h, int t, int c) {
-  if constexpr (QT == kQ2_K)
-    return _mm256_and_si256(_mm256_srli_epi16(load32(gb + kQ2Qs + 32 * (8 * h + c)), 2 * t),
-                            _mm256_set1_epi8(3));
+  if constexpr (QT == kQ2_K || QT == kQ3_K) {
+    const __m256i lo = _mm256_and_si256(
+        _mm256_srli_epi16(load32(gb + (QT == kQ2_K ? kQ2Qs : kQ3Qs) + 32 * (8 * h + c)), 2 * t),
+        _mm256_set1_epi8(3));
+    if constexpr (QT == kQ2_K) return lo;
+    return _mm256_or_si256(lo, _mm256_and_si256(q3k_bit2(load32(gb + kQ3Hm + 32 * c), 4 * h + t),
+                                                _mm256_set1_epi8(4)));
+  }
   const __m256i lb = load32(gb + kQ6Ql + 32 * ((2 * h + (t & 1)) * 8 + c));
   const __m256i m4 = _mm256_set1_epi8(0xF);
   const __m256i lo = t < 2 ? _mm256_and_si256(lb, m4)
                            : _mm256_and_si256(_mm256_srli_epi16(lb, 4), m4);
-  if constexpr (QT == kQ3_K4) return lo;
   return _mm256_or_si256(lo, high_bits(load32(gb + kQ6Qh + 32 * (8 * h + c)), 2 * t, 0x30));
 }
 
@@ -758,7 +776,7 @@ QL_INLINE void group_block_k45(const uint8_t* gb, const XQ& x, int64_t m0, int64
 }
 
 #if defined(QL_VNNI)
-// Q6_K's (Q3_K4's, Q2_K's) x block p = 4h + t: the int32 dot products of its two 16-weight
+// Q6_K's (Q3_K's, Q2_K's) x block p = 4h + t: the int32 dot products of its two 16-weight
 // groups (ta: units 0-3, tb: 4-7) in lane r, two units per 512-bit vpdpbusd as in
 // k45_units_zmm.
 template <int64_t QT, int MB>
@@ -770,9 +788,12 @@ QL_INLINE void q6k_units_zmm(const uint8_t* gb, const XQ& x, int64_t m0, int64_t
 #pragma GCC unroll 4
   for (int c = 0; c < 8; c += 2) {
     __m512i q;
-    if constexpr (QT == kQ2_K) {
-      q = _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512(gb + kQ2Qs + 32 * (8 * h + c)),
-                                             2 * t), _mm512_set1_epi8(3));
+    if constexpr (QT == kQ2_K || QT == kQ3_K) {
+      q = _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512(
+          gb + (QT == kQ2_K ? kQ2Qs : kQ3Qs) + 32 * (8 * h + c)), 2 * t), _mm512_set1_epi8(3));
+      if constexpr (QT == kQ3_K)     // q | (hmask's bit 4h + t at bit 2 & 4): one ternlog
+        q = _mm512_ternarylogic_epi32(q, q3k_bit2(_mm512_loadu_si512(gb + kQ3Hm + 32 * c),
+                                                  4 * h + t), _mm512_set1_epi8(4), 0xF8);
     } else {
       const __m512i lb = _mm512_loadu_si512(gb + kQ6Ql + 32 * ((2 * h + (t & 1)) * 8 + c));
       q = t < 2 ? _mm512_and_si512(lb, m4) : _mm512_and_si512(_mm512_srli_epi16(lb, 4), m4);
@@ -795,7 +816,7 @@ QL_INLINE void q6k_units_zmm(const uint8_t* gb, const XQ& x, int64_t m0, int64_t
 
 // Q6_K: q (0..63) with x, each 16-weight group's pair sums scaled by the lane's int8 scale in
 // madd; the -32 offset is 32 x (scale, scale) pairs madd x's 16-sums, subtracted per 32-block
-// (one (h, t) step), whose int32 x's block scale then multiplies in float. Q3_K4: q 0..7,
+// (one (h, t) step), whose int32 x's block scale then multiplies in float. Q3_K: q 0..7,
 // offset 4. Q2_K: q 0..3, 4-bit scales, no offset, and its 4-bit minimums the same way as the
 // offset: (min, min) pairs madd x's 16-sums, times x's block scale into their own float sum,
 // which dmin multiplies at the end.
@@ -805,7 +826,7 @@ QL_INLINE void group_block_q6k(const uint8_t* gb, const XQ& x, int64_t m0, int64
   constexpr bool kQ2 = QT == kQ2_K;
   __m256 fs[MB], fm[MB];
   for (int m = 0; m < MB; ++m) fs[m] = fm[m] = _mm256_setzero_ps();
-  constexpr int kShift = QT == kQ3_K4 ? 2 : 5;      // the offset: 4 or 32
+  constexpr int kShift = QT == kQ3_K ? 2 : 5;       // the offset: 4 or 32
   // lane r: (sc[2p][r], sc[2p+1][r]) int16; Q2_K's low nibbles (its minimums: high, `mins`)
   const auto pairs = [&](int p, bool mins = false) {
     const __m128i v =
@@ -814,7 +835,9 @@ QL_INLINE void group_block_q6k(const uint8_t* gb, const XQ& x, int64_t m0, int64
     const __m128i nib = _mm_and_si128(mins ? _mm_srli_epi16(v, 4) : v, _mm_set1_epi8(0xF));
     return _mm256_cvtepu8_epi16(nib);
   };
+#pragma GCC unroll 2
   for (int h = 0; h < 2; ++h)
+#pragma GCC unroll 4
     for (int t = 0; t < 4; ++t) {
       const int p = 4 * h + t;                       // x's 32-block; groups 2p and 2p + 1
       const __m256i pr = pairs(p);
@@ -933,7 +956,7 @@ void run_avx2(int64_t qt, const Format& f, const uint8_t* packed, const XQ& x, f
     case kQ5_K: return run_avx2_t<kQ5_K>(f, packed, x, y, M, N, g0, g1);
     case kQ6_K: return run_avx2_t<kQ6_K>(f, packed, x, y, M, N, g0, g1);
     case kIQ4_NL: return run_avx2_t<kIQ4_NL>(f, packed, x, y, M, N, g0, g1);
-    case kQ3_K4: return run_avx2_t<kQ3_K4>(f, packed, x, y, M, N, g0, g1);
+    case kQ3_K: return run_avx2_t<kQ3_K>(f, packed, x, y, M, N, g0, g1);
     case kQ2_K: return run_avx2_t<kQ2_K>(f, packed, x, y, M, N, g0, g1);
     default: TORCH_CHECK(false, "quant_linear: unsupported GGML type ", qt);
   }
@@ -1060,7 +1083,7 @@ template <int64_t QT>
 QL_INLINE void dequant_group_q6k(const uint8_t* gb, const RowDst& dst) {
   constexpr bool kQ2 = QT == kQ2_K;
   const __m256 d = load_f16x8(gb), dmin = kQ2 ? load_f16x8(gb + kOffM) : d;
-  const __m256i off = _mm256_set1_epi8(QT == kQ3_K4 ? 4 : kQ2 ? 0 : 32);
+  const __m256i off = _mm256_set1_epi8(QT == kQ3_K ? 4 : kQ2 ? 0 : 32);
   for (int h = 0; h < 2; ++h)
     for (int t = 0; t < 4; ++t) {
       const auto chunk = [&](int c) { return _mm256_sub_epi8(q6k_chunk<QT>(gb, h, t, c), off); };
@@ -1099,7 +1122,7 @@ void dequant_group_avx2(int64_t qt, const uint8_t* gb, const RowDst& dst) {
     case kQ5_K: return dequant_group_k45<kQ5_K>(gb, dst);
     case kQ6_K: return dequant_group_q6k<kQ6_K>(gb, dst);
     case kIQ4_NL: return dequant_group_legacy<kIQ4_NL>(gb, dst);
-    case kQ3_K4: return dequant_group_q6k<kQ3_K4>(gb, dst);
+    case kQ3_K: return dequant_group_q6k<kQ3_K>(gb, dst);
     case kQ2_K: return dequant_group_q6k<kQ2_K>(gb, dst);
     default: TORCH_CHECK(false, "quant_dequantize: unsupported GGML type ", qt);
   }

@@ -16,11 +16,8 @@ Every type quantizes a row of K weights in blocks along K. A block is `type_size
     IQ4_NL 32 w, 18 B  d, nibbles[16] as Q4_0's                     w = d * IQ4_NL_VALUES[q]
     Q2_K 256 w, 84 B   scales[16] (low nibble sc, high m), qs[64] (Q6_K's qh layout), d, dmin
                        16-value groups g: w = d * sc_g * q - dmin * m_g, q 0..3
-
-and one block type of kvserve's own, which no file holds (transcode.py writes it at load):
-
-    Q3_K4 256 w, 146 B Q6_K's block without qh: ql[128], scales[16] int8, d
-                       16-value groups g: w = d * sc_g * (q - 4), q 0..7 (GGUF's Q3_K exactly)
+    Q3_K 256 w, 110 B  hmask[32] (Q5_K's qh layout), qs[64] (Q2_K's), scales[12] (16 x 6-bit), d
+                       16-value groups g: w = d * (s_g - 32) * (q + 4 h - 4), q 2-bit, h 1-bit
 
 The packed layout (packing.pack_blocks) takes ROW_GROUP = 8 rows at a time and, block by block,
 interleaves their bytes field by field so that one 32-byte load holds 4 consecutive weights of
@@ -34,7 +31,9 @@ so a field of 4-byte units (quants, high bits) is [unit][row][4] and a scale is 
 Q4_K / Q5_K's 12 bytes of 6-bit scales and minimums (width 0 below) are stored decoded
 instead: 8 scales [sub-block][row] and 8 minimums [pair][row][2], one byte each (128 bytes per
 group-block where 96 held them: +2.8% for Q4_K, +2.3% for Q5_K), so that the kernel multiplies
-them in with madd instead of unpacking 6-bit fields per row.
+them in with madd instead of unpacking 6-bit fields per row. Q3_K's 16 six-bit scales are
+stored decoded the same way, as Q6_K's int8 scales (s - 32, [pair][row][2]; +3.6%), so that
+Q3_K runs Q6_K's code with its 3 bits read from qs and hmask and an offset of 4.
 The integer dot products then run lane-parallel: lane r accumulates row r (maddubs with x's 4
 values broadcast), the scales of 8 rows are one float16 load, and no horizontal sum is
 needed. The bytes are only moved, except Q5_0 / Q5_1's 32 high bits, which are reordered
@@ -81,11 +80,10 @@ class BlockFormat:
     act_sum_group: int      # activation values per stored int sum (32, or 16 for K-quants)
     fields: tuple[Field, ...]  # in packed order (see the module doc)
     permuted_high_bits: Optional[int] = None   # offset of Q5_0 / Q5_1's reordered u32
-    gguf: bool = True       # a GGUF type (False: kvserve's own, Q3_K4)
 
     @property
     def k_quant(self) -> bool:
-        """A 256-weight super-block type (Q2_K, Q4_K, Q5_K, Q6_K, Q3_K4)."""
+        """A 256-weight super-block type (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)."""
         return self.block_size == 256
 
     @property
@@ -111,12 +109,12 @@ class BlockFormat:
 
 
 def _fmt(name: str, ggml_type: int, block_size: int, type_size: int, fields: tuple[Field, ...],
-         permuted_high_bits: Optional[int] = None, gguf: bool = True) -> BlockFormat:
+         permuted_high_bits: Optional[int] = None) -> BlockFormat:
     k_quant = block_size == 256
     assert sum(length for _, length, _ in fields) == type_size
     return BlockFormat(name, ggml_type, block_size, type_size, act_block=32,
                        act_sum_group=16 if k_quant else 32, fields=fields,
-                       permuted_high_bits=permuted_high_bits, gguf=gguf)
+                       permuted_high_bits=permuted_high_bits)
 
 
 _D, _M = (0, 2, 2), (2, 2, 2)
@@ -133,12 +131,11 @@ FORMATS: dict[str, BlockFormat] = {f.name: f for f in (
     _fmt("IQ4_NL", 20, 32, 18, (_D, (2, 16, 4))),
     # d, dmin, the 16 scale bytes ([pair of groups][row][2], as Q6_K's), qs
     _fmt("Q2_K", 10, 256, 84, ((80, 2, 2), (82, 2, 2), (0, 16, 2), (16, 64, 4))),
-    # Q6_K's fields but qh; 111: an id outside GGML's types (the kernels' qtype)
-    _fmt("Q3_K4", 111, 256, 146, ((144, 2, 2), (128, 16, 2), (0, 128, 4)), gguf=False),
+    # d, the 16 scales decoded (as Q6_K's, [pair][row][2]), qs, hmask
+    _fmt("Q3_K", 11, 256, 110, ((108, 2, 2), (96, 12, 0), (32, 64, 4), (0, 32, 4))),
 )}
-# Every format the kernels take; of them, the GGUF types a file's tensors stay packed in as is.
+# Every format the kernels take: a file's tensors of these types stay packed as they are.
 PACKED_TYPES = tuple(FORMATS)
-GGUF_PACKED_TYPES = tuple(name for name, f in FORMATS.items() if f.gguf)
 
 
 def block_format(qtype: object) -> BlockFormat:

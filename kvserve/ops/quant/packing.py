@@ -2,7 +2,7 @@
 
     raw     [N, K / block_size * type_size] uint8   rows of blocks, as gguf's GGUFReader gives
     packed  [ceil(N / 8), K / block_size, group_block_bytes] uint8   8 rows interleaved
-            (formats.py: 8 * type_size bytes, Q4_K / Q5_K 32 more for their decoded scales)
+            (formats.py: 8 * type_size bytes, Q3_K / Q4_K / Q5_K 32 more for decoded scales)
 
 dequantize_blocks is the portable dequantizer (torch ops, any device): the fallback where no
 C++ kernel is built, and the embedding gather. It does gguf.quants' float32 operations in the
@@ -74,6 +74,38 @@ def _k_scales_packed(dec: torch.Tensor) -> torch.Tensor:
     return torch.cat((lo, mid, hi), dim=-1)
 
 
+def _q3_scales(sc12: torch.Tensor) -> torch.Tensor:
+    """Q3_K's 12 scale bytes [..., 12] -> its 16 scales minus 32 [..., 16] int16: scale j's
+    low 4 bits are nibble j // 8 of byte j % 8, its high 2 bits 2 (j // 4) of byte 8 + j % 4."""
+    lo = torch.cat((sc12[..., :8] & 15, sc12[..., :8] >> 4), dim=-1)
+    hi = torch.cat([(sc12[..., 8:12] >> (2 * k)) & 3 for k in range(4)], dim=-1)
+    return (lo | (hi << 4)).to(torch.int16) - 32
+
+
+def _q3_scales_decoded(sc12: torch.Tensor) -> torch.Tensor:
+    """[G, 8 rows, nb, 12] Q3_K scales -> [G, nb, 128]: int8 s - 32 [pair][row][2], as Q6_K's."""
+    g, r, nb, _ = sc12.shape
+    s8 = _q3_scales(sc12).to(torch.int8).view(torch.uint8)          # [G, 8, nb, 16]
+    return s8.reshape(g, r, nb, 8, 2).permute(0, 2, 3, 1, 4).reshape(g, nb, 128)
+
+
+def _q3_scales_packed(dec: torch.Tensor) -> torch.Tensor:
+    """_q3_scales_decoded's inverse: [G, nb, 128] -> [G, 8 rows, nb, 12]."""
+    g, nb, _ = dec.shape
+    s = dec.reshape(g, nb, 8, ROW_GROUP, 2).permute(0, 3, 1, 2, 4).reshape(g, ROW_GROUP, nb, 16)
+    u = (s.contiguous().view(torch.int8).to(torch.int16) + 32).to(torch.uint8)
+    low = (u[..., :8] & 15) | ((u[..., 8:] & 15) << 4)
+    high = ((u[..., 0:4] >> 4) & 3) | (((u[..., 4:8] >> 4) & 3) << 2) | \
+        (((u[..., 8:12] >> 4) & 3) << 4) | (((u[..., 12:16] >> 4) & 3) << 6)
+    return torch.cat((low, high), dim=-1)
+
+
+# The 12 bytes of 6-bit scales (a width-0 field) stored decoded: (decode, encode) per type.
+_DECODED_SCALES = {"Q4_K": (_k_scales_decoded, _k_scales_packed),
+                   "Q5_K": (_k_scales_decoded, _k_scales_packed),
+                   "Q3_K": (_q3_scales_decoded, _q3_scales_packed)}
+
+
 def pack_blocks(rows: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
     """[N, row_bytes] uint8 -> packed [ceil(N/8), nb, 8 * type_size] (formats.py); padding rows
     are zero blocks (a zero scale: they dequantize to 0)."""
@@ -86,7 +118,7 @@ def pack_blocks(rows: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
         o = fmt.permuted_high_bits
         blocks[:n, :, o:o + 4] = _reorder_bits(blocks[:n, :, o:o + 4], _high_bit_order()[0])
     blocks = blocks.view(groups, r, nb, ts)
-    parts = [_k_scales_decoded(blocks[..., off:off + length]) if width == 0 else
+    parts = [_DECODED_SCALES[fmt.name][0](blocks[..., off:off + length]) if width == 0 else
              blocks[..., off:off + length].reshape(groups, r, nb, length // width, width)
              .permute(0, 2, 3, 1, 4).reshape(groups, nb, r * length)
              for off, length, width in fmt.fields]
@@ -101,7 +133,8 @@ def _unpack_groups(packed: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
     pos = 0
     for off, length, width in fmt.fields:
         if width == 0:
-            blocks[..., off:off + length] = _k_scales_packed(packed[..., pos:pos + K_SCALES_BYTES])
+            blocks[..., off:off + length] = _DECODED_SCALES[fmt.name][1](
+                packed[..., pos:pos + K_SCALES_BYTES])
             pos += K_SCALES_BYTES
             continue
         blocks[..., off:off + length] = (packed[..., pos:pos + r * length]
@@ -161,7 +194,7 @@ def _scale_min_k4(sc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def dequantize_blocks(blocks: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
     """[..., type_size] uint8 blocks -> [..., block_size] float32, bit-identical to
-    gguf.quants.dequantize (Q3_K4: to reference.dequantize_gguf's, gguf's of the Q3_K blocks)."""
+    gguf.quants.dequantize."""
     shape = blocks.shape[:-1]
     b = blocks.reshape(-1, fmt.type_size)
     out = _DEQUANT[fmt.name](b)
@@ -243,13 +276,15 @@ def _q2_k(b: torch.Tensor) -> torch.Tensor:
     return (dl * q - ml).reshape(-1, 256)
 
 
-def _q3_k4(b: torch.Tensor) -> torch.Tensor:
-    ql = _nibbles(b[:, 0:128].reshape(-1, 2, 64)).reshape(-1, 8, 32)
-    return _q6_like(ql.to(torch.int8) - 4, b[:, 128:144], b[:, 144:146])
+def _q3_k(b: torch.Tensor) -> torch.Tensor:
+    # weight 128 h + 32 j + l: bits 2j of qs[32 h + l], plus 4 x bit 4h + j of hmask[l]
+    q = _two_bit(b[:, 32:96]) | (_bits(b[:, 0:32], 8) << 2)
+    sc = _q3_scales(b[:, 96:108]).to(torch.int8).view(torch.uint8)
+    return _q6_like(q.to(torch.int8) - 4, sc, b[:, 108:110])
 
 
 def _q6_like(q: torch.Tensor, scales: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-    """w = d * sc_g * q per 16-weight group g (Q6_K, Q3_K4): q [nb, 8, 32] int8 (offset taken
+    """w = d * sc_g * q per 16-weight group g (Q6_K, Q3_K): q [nb, 8, 32] int8 (offset taken
     off), scales [nb, 16] int8 bytes, d [nb, 2] float16 bytes."""
     sc = scales.contiguous().view(torch.int8).float()
     dd = (_f16(d).unsqueeze(-1) * sc).reshape(-1, 16, 1)
@@ -257,5 +292,5 @@ def _q6_like(q: torch.Tensor, scales: torch.Tensor, d: torch.Tensor) -> torch.Te
 
 
 _DEQUANT = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1,
-            "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k, "IQ4_NL": _iq4_nl, "Q3_K4": _q3_k4,
+            "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k, "IQ4_NL": _iq4_nl, "Q3_K": _q3_k,
             "Q2_K": _q2_k}

@@ -69,26 +69,11 @@ Q8_1_TYPES = ("Q4_1", "Q5_1")
 
 
 def dequantize_gguf(raw: np.ndarray, fmt: BlockFormat, shape: tuple[int, int]) -> np.ndarray:
-    """gguf's own dequantizer on raw blocks [N, row_bytes] -> float32 [N, K]; for kvserve's own
-    Q3_K4 (no GGUF type), its definition in numpy (formats.py; exact products, as gguf's)."""
-    raw = np.ascontiguousarray(raw, dtype=np.uint8)
-    if not fmt.gguf:
-        return _dequantize_q3_k4(raw.reshape(-1, fmt.type_size)).reshape(shape)
+    """gguf's own dequantizer on raw blocks [N, row_bytes] -> float32 [N, K]."""
     from gguf import GGMLQuantizationType, quants
 
+    raw = np.ascontiguousarray(raw, dtype=np.uint8)
     return quants.dequantize(raw, GGMLQuantizationType[fmt.name]).reshape(shape)
-
-
-def _dequantize_q3_k4(blocks: np.ndarray) -> np.ndarray:
-    """[n, 146] Q3_K4 blocks -> [n, 256]: weight 128 h + 32 j + l is nibble j // 2 of byte
-    64 h + 32 (j % 2) + l, minus 4, times d * scales[weight // 16]."""
-    n = blocks.shape[0]
-    ql = blocks[:, :128].reshape(n, 2, 2, 32)
-    q = np.stack([ql[:, :, 0] & 15, ql[:, :, 1] & 15, ql[:, :, 0] >> 4, ql[:, :, 1] >> 4], axis=2)
-    q = q.reshape(n, 16, 16).astype(np.float32) - 4
-    sc = blocks[:, 128:144].view(np.int8).astype(np.float32)
-    d = blocks[:, 144:146].copy().view(np.float16).astype(np.float32)         # [n, 1]
-    return ((d * sc)[..., None] * q).reshape(n, 256)
 
 
 def reference_matmul(x: np.ndarray, raw: np.ndarray, fmt: BlockFormat,

@@ -90,9 +90,9 @@ def int8_max_rows() -> Optional[int]:
 # +1.15% with its prompts on the GEMM. Q2_K has no GEMM (its minimums are per 16 weights, the
 # panels keep one per 32). Decode steps of kGemmMinRows+ rows (16 with VNNI, 64 on AVX2) take
 # the GEMM inside the int8 op, every type the build has it for (not Q2_K; nor Q8_0 and IQ4_NL
-# on AVX2). The LM head (precise) keeps float x. Q3_K4 is Q3_K as rewritten (transcode.py).
+# on AVX2). The LM head (precise) keeps float x.
 INT8_GEMM = True
-PROMPT_GEMM_TYPES = frozenset({"Q4_K", "Q5_K", "Q6_K", "Q3_K4"})
+PROMPT_GEMM_TYPES = frozenset({"Q3_K", "Q4_K", "Q5_K", "Q6_K"})
 
 
 def prompt_gemm_ops(fmt: BlockFormat, x: torch.Tensor) -> Optional[object]:

@@ -162,9 +162,10 @@ def _q6_k(p, gblk, r, rmask, blk0, QT: tl.constexpr, GBB: tl.constexpr):
     """Q6_K: one super-block [BN, 2 halves, 16 (v), 8 slots]: ql word u = 16 * half + v, slot
     (i, nib) is weight 128 half + 64 nib + 4v + i; its 2 high bits are in qh byte 32 half + 4 (v
     % 8) + i at bit 2 (2 nib + v // 8); its int8 scale is group (weight // 16), stored
-    [group // 2][row][group % 2] at byte 16. d at 0, ql at 144, qh at 1168. Q3_K4: the same
-    without qh, q - 4 for q - 32. Q2_K: q is Q6_K's 2 high bits (qs at byte 160), the scale
-    byte (at 32) holds sc (low nibble) and m (high), dmin at 16: w = d sc q - dmin m."""
+    [group // 2][row][group % 2] at byte 16. d at 0, ql at 144, qh at 1168. Q2_K: q is Q6_K's
+    2 high bits (qs at byte 160), the scale byte (at 32) holds sc (low nibble) and m (high),
+    dmin at 16: w = d sc q - dmin m. Q3_K: Q6_K's scales; q's 2 low bits as Q2_K's (qs at 144),
+    its third bit 4 half + t (t = 2 nib + v // 8) of hmask byte 4 (v % 8) + i (at 656), q - 4."""
     hf = tl.arange(0, 2)[None, :, None, None]
     v = tl.arange(0, 16)[None, None, :, None]
     slot = tl.arange(0, 8)[None, None, None, :]
@@ -181,12 +182,15 @@ def _q6_k(p, gblk, r, rmask, blk0, QT: tl.constexpr, GBB: tl.constexpr):
         dmin = _f16(p, blk, GBB, 16, r, rmask)
         w = (d * (sm & 15).to(tl.float32)) * q2.to(tl.float32) - dmin * (sm >> 4).to(tl.float32)
     else:
-        ql = (_u32(p, blk, GBB, 144, 8 * (16 * hf + v) + r, rmask) >> (8 * i + 4 * nib)) & 15
         if QT == 14:
+            ql = (_u32(p, blk, GBB, 144, 8 * (16 * hf + v) + r, rmask) >> (8 * i + 4 * nib)) & 15
             qh = _u32(p, blk, GBB, 1168, 8 * (8 * hf + v % 8) + r, rmask)
             q = (ql | (((qh >> (8 * i + 4 * nib + 2 * (v // 8))) & 3) << 4)) - 32
         else:
-            q = ql - 4
+            t = 2 * nib + v // 8
+            lo = (_u32(p, blk, GBB, 144, 8 * (8 * hf + v % 8) + r, rmask) >> (8 * i + 2 * t)) & 3
+            hm = (_u32(p, blk, GBB, 656, 8 * (v % 8) + r, rmask) >> (8 * i + 4 * hf + t)) & 1
+            q = (lo | (hm << 2)) - 4
         sc = _u8(p, blk, GBB, 16, 16 * (g // 2) + 2 * r + g % 2, rmask)
         w = (d * sc.to(tl.int8, bitcast=True).to(tl.float32)) * q.to(tl.float32)
     return w, kk
@@ -211,7 +215,7 @@ def _tile(p, n, N, nb, t, QT: tl.constexpr, GBB: tl.constexpr, BN: tl.constexpr,
         w, kk = _q8_0(p, gblk, r, rmask, 8 * t, nb)
     elif QT == 12 or QT == 13:
         w, kk = _k_quant(p, gblk, r, rmask, t, QT, GBB)
-    elif QT == 14 or QT == 111 or QT == 10:
+    elif QT == 14 or QT == 11 or QT == 10:
         w, kk = _q6_k(p, gblk, r, rmask, t, QT, GBB)
     else:
         w, kk = _q4_family(p, gblk, r, rmask, 8 * t, nb, QT, GBB)
