@@ -16,7 +16,7 @@
 // integer parts are exact, so the result differs from float64 math on the same quantized
 // values only by float32 rounding of the per-block terms (tests: 1e-5 of |x_q| @ |W|^T).
 //
-// With M small the op is a stream over the packed weight (0.56-1.06 bytes a weight) and x's
+// With M small the op is a stream over the packed weight (0.33-1.06 bytes a weight) and x's
 // int8 blocks stay in L1. Work items are groups of 8 output rows (chunks_for's chunks of them);
 // a group's blocks are one sequential stream, and lane r of every vector is row r, so there are
 // no per-row scalar scale conversions and no horizontal sums. x rows are taken 4 at a time while
@@ -250,11 +250,11 @@ constexpr int64_t kQ3Qs = 144, kQ3Hm = 656;
 
 // One row of one group-block decoded: integer weights and their scales.
 struct Decoded {
-  int8_t q[256];        // Q8_0 / Q4_0 / Q5_0 / Q6_K / IQ4_NL signed (offset applied or looked
-                        // up); others unsigned
+  int8_t q[256];        // Q8_0 / Q4_0 / Q5_0 / Q3_K / Q6_K / IQ4_NL signed (offset applied
+                        // or looked up); others unsigned
   float d = 0.f, m = 0.f;   // d; m: the _1 types' minimum, the K-quants' dmin
-  int sc[16] = {};      // K-quants: sub-block scales (Q6_K: 16 int8; Q4_K / Q5_K: 8 six-bit;
-                        // Q2_K: 16 four-bit)
+  int sc[16] = {};      // K-quants: sub-block scales (Q3_K / Q6_K: 16 int8; Q4_K / Q5_K: 8
+                        // six-bit; Q2_K: 16 four-bit)
   int mn[16] = {};      // Q4_K / Q5_K: sub-block minimums (8); Q2_K: 16
 };
 
