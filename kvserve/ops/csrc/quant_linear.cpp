@@ -247,6 +247,8 @@ constexpr int64_t kQ6Sc = 16, kQ6Ql = 144, kQ6Qh = 1168;
 constexpr int64_t kQ2Sc = 32, kQ2Qs = 160;
 // Q3_K: d, scales as Q6_K's (int8 s - 32, decoded at packing), qs (as Q2_K's), hmask (Q5_K's qh).
 constexpr int64_t kQ3Qs = 144, kQ3Hm = 656;
+// Where Q2_K's / Q3_K's 2-bit quants (Q6_K's qh layout) start.
+constexpr int64_t qs2_at(int64_t qt) { return qt == kQ2_K ? kQ2Qs : kQ3Qs; }
 
 // One row of one group-block decoded: integer weights and their scales.
 struct Decoded {
@@ -288,6 +290,13 @@ void decode_legacy(int64_t qt, const uint8_t* gb, int64_t r, Decoded& o) {
   }
 }
 
+// Row r's 2-bit field of weight k in Q6_K's qh layout at `off` (Q6_K's qh, Q2_K's / Q3_K's qs):
+// weight 128h + 32t + l at bits 2t of byte 32h + l.
+int two_bit(const uint8_t* gb, int64_t off, int k, int64_t r) {
+  const int h = k / 128, t = (k % 128) / 32, l = k % 32;
+  return (unit(gb, off, 4, 8 * h + l / 4, r)[l % 4] >> (2 * t)) & 3;
+}
+
 void decode_k(int64_t qt, const uint8_t* gb, int64_t r, Decoded& o) {
   o.d = f16(unit(gb, 0, 2, 0, r));
   if (qt == kQ2_K) {
@@ -297,10 +306,7 @@ void decode_k(int64_t qt, const uint8_t* gb, int64_t r, Decoded& o) {
       o.sc[g] = v & 0xF;
       o.mn[g] = v >> 4;
     }
-    for (int k = 0; k < 256; ++k) {
-      const int h = k / 128, t = (k % 128) / 32, l = k % 32;
-      o.q[k] = static_cast<int8_t>((unit(gb, kQ2Qs, 4, 8 * h + l / 4, r)[l % 4] >> (2 * t)) & 3);
-    }
+    for (int k = 0; k < 256; ++k) o.q[k] = static_cast<int8_t>(two_bit(gb, kQ2Qs, k, r));
     return;
   }
   if (is_q6(qt)) {
@@ -308,15 +314,13 @@ void decode_k(int64_t qt, const uint8_t* gb, int64_t r, Decoded& o) {
     for (int k = 0; k < 256; ++k) {
       const int h = k / 128, t = (k % 128) / 32, l = k % 32;
       if (qt == kQ3_K) {     // 2 bits of qs as Q2_K's, bit 4h + t of hmask byte l above them
-        const int lo = (unit(gb, kQ3Qs, 4, 8 * h + l / 4, r)[l % 4] >> (2 * t)) & 3;
         const int hi = (unit(gb, kQ3Hm, 4, l / 4, r)[l % 4] >> (4 * h + t)) & 1;
-        o.q[k] = static_cast<int8_t>((lo | (hi << 2)) - 4);
+        o.q[k] = static_cast<int8_t>((two_bit(gb, kQ3Qs, k, r) | (hi << 2)) - 4);
         continue;
       }
       const uint8_t lb = unit(gb, kQ6Ql, 4, (2 * h + (t & 1)) * 8 + l / 4, r)[l % 4];
       const int lo = (t < 2 ? lb : lb >> 4) & 0xF;
-      const uint8_t hb = unit(gb, kQ6Qh, 4, 8 * h + l / 4, r)[l % 4];
-      o.q[k] = static_cast<int8_t>((lo | (((hb >> (2 * t)) & 3) << 4)) - 32);
+      o.q[k] = static_cast<int8_t>((lo | (two_bit(gb, kQ6Qh, k, r) << 4)) - 32);
     }
     return;
   }
@@ -499,15 +503,14 @@ QL_INLINE __m256 k45_min(const uint8_t* gb, int sb) {
   return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mb));
 }
 // Q3_K's hmask bytes with bit s of each byte moved to bit 2 (other bits: garbage), one shift.
-template <typename V>
-QL_INLINE V q3k_bit2(V hm, int s) {
-  if constexpr (sizeof(V) == 32)
-    return s >= 2 ? _mm256_srli_epi16(hm, s - 2) : _mm256_slli_epi16(hm, 2 - s);
-#if defined(QL_VNNI)
-  else
-    return s >= 2 ? _mm512_srli_epi16(hm, s - 2) : _mm512_slli_epi16(hm, 2 - s);
-#endif
+QL_INLINE __m256i q3k_bit2(__m256i hm, int s) {
+  return s >= 2 ? _mm256_srli_epi16(hm, s - 2) : _mm256_slli_epi16(hm, 2 - s);
 }
+#if defined(QL_VNNI)
+QL_INLINE __m512i q3k_bit2(__m512i hm, int s) {
+  return s >= 2 ? _mm512_srli_epi16(hm, s - 2) : _mm512_slli_epi16(hm, 2 - s);
+}
+#endif
 
 // Q6_K: 32-block 4h + t (weights 128h + 32t + 4c ..), 0..63 (the weight plus 32); Q2_K: 0..3
 // (qs as Q6_K's qh); Q3_K: 0..7 (the weight plus 4), qs's 2 bits as Q2_K's and hmask's bit
@@ -516,7 +519,7 @@ template <int64_t QT>
 QL_INLINE __m256i q6k_chunk(const uint8_t* gb, int h, int t, int c) {
   if constexpr (QT == kQ2_K || QT == kQ3_K) {
     const __m256i lo = _mm256_and_si256(
-        _mm256_srli_epi16(load32(gb + (QT == kQ2_K ? kQ2Qs : kQ3Qs) + 32 * (8 * h + c)), 2 * t),
+        _mm256_srli_epi16(load32(gb + qs2_at(QT) + 32 * (8 * h + c)), 2 * t),
         _mm256_set1_epi8(3));
     if constexpr (QT == kQ2_K) return lo;
     return _mm256_or_si256(lo, _mm256_and_si256(q3k_bit2(load32(gb + kQ3Hm + 32 * c), 4 * h + t),
@@ -790,7 +793,7 @@ QL_INLINE void q6k_units_zmm(const uint8_t* gb, const XQ& x, int64_t m0, int64_t
     __m512i q;
     if constexpr (QT == kQ2_K || QT == kQ3_K) {
       q = _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512(
-          gb + (QT == kQ2_K ? kQ2Qs : kQ3Qs) + 32 * (8 * h + c)), 2 * t), _mm512_set1_epi8(3));
+          gb + qs2_at(QT) + 32 * (8 * h + c)), 2 * t), _mm512_set1_epi8(3));
       if constexpr (QT == kQ3_K)     // q | (hmask's bit 4h + t at bit 2 & 4): one ternlog
         q = _mm512_ternarylogic_epi32(q, q3k_bit2(_mm512_loadu_si512(gb + kQ3Hm + 32 * c),
                                                   4 * h + t), _mm512_set1_epi8(4), 0xF8);

@@ -83,6 +83,13 @@ def _u8(p, blk, GBB: tl.constexpr, POS: tl.constexpr, idx, mask):
 
 
 @triton.jit
+def _two_bit(p, blk, GBB: tl.constexpr, POS: tl.constexpr, hf, v, i, t, r, rmask):
+    """A 2-bit field in Q6_K's qh layout at byte POS (Q6_K's qh, Q2_K's / Q3_K's qs): weight
+    128 hf + 32 t + 4 (v % 8) + i at bits 2t of byte 32 hf + 4 (v % 8) + i."""
+    return (_u32(p, blk, GBB, POS, 8 * (8 * hf + v % 8) + r, rmask) >> (8 * i + 2 * t)) & 3
+
+
+@triton.jit
 def _q4_family(p, gblk, r, rmask, blk0, nb, QT: tl.constexpr, GBB: tl.constexpr):
     """Q4_0 / Q4_1 / Q5_0 / Q5_1 / IQ4_NL (Q4_0's layout): 8 blocks [BN, 8 blocks, 4 words,
     8 nibbles]. Word u of a block holds bytes 4u..4u+3; nibble slot (i, h): byte i, low (h = 0:
@@ -174,21 +181,19 @@ def _q6_k(p, gblk, r, rmask, blk0, QT: tl.constexpr, GBB: tl.constexpr):
     blk = gblk + blk0
     kk = 128 * hf + 64 * nib + 4 * v + i
     g = kk // 16
+    t = 2 * nib + v // 8                        # the weight's 32-block in its half
     d = _f16(p, blk, GBB, 0, r, rmask)
     if QT == 10:
-        q2 = (_u32(p, blk, GBB, 160, 8 * (8 * hf + v % 8) + r, rmask)
-              >> (8 * i + 4 * nib + 2 * (v // 8))) & 3
+        q2 = _two_bit(p, blk, GBB, 160, hf, v, i, t, r, rmask)
         sm = _u8(p, blk, GBB, 32, 16 * (g // 2) + 2 * r + g % 2, rmask).to(tl.int32)
         dmin = _f16(p, blk, GBB, 16, r, rmask)
         w = (d * (sm & 15).to(tl.float32)) * q2.to(tl.float32) - dmin * (sm >> 4).to(tl.float32)
     else:
         if QT == 14:
             ql = (_u32(p, blk, GBB, 144, 8 * (16 * hf + v) + r, rmask) >> (8 * i + 4 * nib)) & 15
-            qh = _u32(p, blk, GBB, 1168, 8 * (8 * hf + v % 8) + r, rmask)
-            q = (ql | (((qh >> (8 * i + 4 * nib + 2 * (v // 8))) & 3) << 4)) - 32
+            q = (ql | (_two_bit(p, blk, GBB, 1168, hf, v, i, t, r, rmask) << 4)) - 32
         else:
-            t = 2 * nib + v // 8
-            lo = (_u32(p, blk, GBB, 144, 8 * (8 * hf + v % 8) + r, rmask) >> (8 * i + 2 * t)) & 3
+            lo = _two_bit(p, blk, GBB, 144, hf, v, i, t, r, rmask)
             hm = (_u32(p, blk, GBB, 656, 8 * (v % 8) + r, rmask) >> (8 * i + 4 * hf + t)) & 1
             q = (lo | (hm << 2)) - 4
         sc = _u8(p, blk, GBB, 16, 16 * (g // 2) + 2 * r + g % 2, rmask)
