@@ -105,7 +105,7 @@ def check_close(y: torch.Tensor, ref: np.ndarray, bound: np.ndarray, what: str) 
 
 def poison_padding(w: PackedQuantWeight) -> None:
     """Every byte of the padding rows 0xFF: float16 scales of NaN."""
-    n, pad_from = w.shape[0], w.shape[0] % ROW_GROUP
+    pad_from = w.shape[0] % ROW_GROUP
     if pad_from:
         last = packing.unpack_blocks(w.packed[-1:], ROW_GROUP, w.fmt)   # [8, row_bytes]
         last[pad_from:] = 0xFF
@@ -399,10 +399,9 @@ def test_int16_sums_at_their_limit_stay_exact(ops, name: str) -> None:
                         f"gemm M={m}")
 
 
-# The types no build has an int8 GEMM for (their prompts and decode batches take the float
-# path / the small-batch kernel), and those the AVX2 builds have none for (VNNI's has).
-NO_GEMM = ("Q2_K",)
-NO_AVX2_GEMM = ("Q8_0", "IQ4_NL", *NO_GEMM)
+# The types the AVX2 builds have no int8 GEMM for (VNNI's has one for every type): their
+# prompts and decode batches take the float path / the small-batch kernel there.
+NO_AVX2_GEMM = ("Q8_0", "IQ4_NL", "Q2_K")
 # N odd, a group short of a 16-row panel, and past a 32-row work item.
 GEMM_SHAPES = {32: [(1, 32), (37, 576), (70, 1536)], 256: [(1, 256), (37, 512), (70, 1536)]}
 GEMM_ROWS = [1, 2, 3, 4, 5, 7, 9, 33]       # the 4-row microkernel and every remainder
@@ -410,7 +409,7 @@ GEMM_ROWS = [1, 2, 3, 4, 5, 7, 9, 33]       # the 4-row microkernel and every re
 
 def gemm_cases() -> list:
     return [pytest.param(name, shape, id=f"{name}-{shape[0]}x{shape[1]}") for name in PACKED_TYPES
-            if name not in NO_GEMM for shape in GEMM_SHAPES[FORMATS[name].block_size]]
+            for shape in GEMM_SHAPES[FORMATS[name].block_size]]
 
 
 def needs_gemm(ops, name: str) -> None:
@@ -420,13 +419,13 @@ def needs_gemm(ops, name: str) -> None:
 
 @needs_kernel
 def test_int8_gemm_only_where_the_build_has_it(ops) -> None:
-    """The avx512_bf16 tier's VNNI build has the GEMM for every packed type but Q2_K, the AVX2
-    builds (avx2, avx512) not for Q8_0 and IQ4_NL either (maddubs would saturate on their
-    values), the portable build for none (matmul keeps the float path there); the op says so
-    where it has none."""
+    """The avx512_bf16 tier's VNNI build has the GEMM for every packed type, the AVX2
+    builds (avx2, avx512) not for Q8_0 and IQ4_NL (maddubs would saturate on their values)
+    and Q2_K (slower there than the small-batch kernel), the portable build for none (matmul
+    keeps the float path there); the op says so where it has none."""
     isa = kernel.isa()
     missing = (set(PACKED_TYPES) if isa.startswith("generic") else
-               set(NO_GEMM) if isa.startswith("avx512 vnni") else set(NO_AVX2_GEMM))
+               set() if isa.startswith("avx512 vnni") else set(NO_AVX2_GEMM))
     assert {t for t in PACKED_TYPES if not ops.gemm_supports(FORMATS[t].ggml_type)} == missing
     for name in missing:
         w = PackedQuantWeight.from_gguf(name, make_raw(name, 8, 256), (8, 256))
@@ -458,21 +457,23 @@ def test_int8_gemm_matches_float64_reference(ops, name: str, shape: tuple[int, i
 
 
 @needs_kernel
-def test_prompts_and_decode_batches_take_the_int8_gemm(ops,
+@pytest.mark.parametrize("name", ["Q4_K", "Q2_K"])
+def test_prompts_and_decode_batches_take_the_int8_gemm(ops, name: str,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """Where the GEMM runs (INT8_MAX_ROWS lowered to 8): bf16 and float32 prompt rows on a
-    K-quant take it (same bits as ops.gemm), on a legacy type the chunks in x's dtype; the LM
-    head (precise) float32 GEMMs; in a decode-only step the int8 op hands gemm_min_rows() rows
-    (16 with VNNI, 64 on AVX2) to the GEMM (same bits) and the LM head keeps its residual rows."""
-    needs_gemm(ops, "Q4_K")
-    shape, raw, w = chunked_weight("Q4_K", monkeypatch)
+    K-quant (Q2_K: where the build has it, VNNI) take it (same bits as ops.gemm), on a legacy
+    type the chunks in x's dtype; the LM head (precise) float32 GEMMs; in a decode-only step
+    the int8 op hands gemm_min_rows() rows (16 with VNNI, 64 on AVX2) to the GEMM (same bits)
+    and the LM head keeps its residual rows."""
+    needs_gemm(ops, name)
+    shape, raw, w = chunked_weight(name, monkeypatch)
     n, qt = shape[0], w.fmt.ggml_type
     x = activations(20, shape[1], seed=3)
     xb, xf = torch.from_numpy(x).bfloat16(), torch.from_numpy(x)
     assert torch.equal(w.matmul(xb), ops.gemm(xb, w.packed, qt, n))
     assert torch.equal(w.matmul(xf), ops.gemm(xf, w.packed, qt, n))
     check_close(w.matmul(xb, precise=True),
-                *float_reference(xb.float().numpy(), raw, "Q4_K", shape), "precise")
+                *float_reference(xb.float().numpy(), raw, name, shape), "precise")
     legacy = PackedQuantWeight.from_gguf("Q4_1", make_raw("Q4_1", *shape), shape)
     assert torch.equal(legacy.matmul(xb), legacy.dequantized_matmul(xb))
     assert torch.equal(legacy.matmul(xf), legacy.dequantized_matmul(xf))
@@ -484,7 +485,7 @@ def test_prompts_and_decode_batches_take_the_int8_gemm(ops,
         assert torch.equal(w.matmul(xd.bfloat16()), ops.gemm(xd.bfloat16(), w.packed, qt, n))
         assert torch.equal(legacy.matmul(xd), ops.gemm(xd, legacy.packed, legacy.fmt.ggml_type, n))
         precise = w.matmul(xf, precise=True)
-    ref, bound = float_reference(x, raw, "Q4_K", shape)    # the residual row's 5e-5, as above
+    ref, bound = float_reference(x, raw, name, shape)    # the residual row's 5e-5, as above
     check_close(precise, ref, bound / TOL * 5e-5, "precise, decode")
     with pytest.raises(RuntimeError, match="unsupported GGML type"):
         ops.gemm(xb, w.packed, 99, shape[0])

@@ -8,13 +8,15 @@
 // K32 blocks: scale dx, int sums, sd = dx * sum), then, for each 32 output rows, the packed
 // weight is unpacked once into two 16-row panels of unsigned values, a 64-byte vector per 4
 // consecutive k (lane = output row, vpdpbusd's layout), with float32 scales per row and
-// 32-block (Q6_K: per 16) and, for the types with a minimum, the minimum. A microkernel then
-// runs the whole of x over them. VNNI (the avx512_bf16 tier), 4 rows x 2 panels: 8 int32
-// accumulators take 8 vpdpbusd each per 32-block (Q6_K: 4 per half) and are folded into 8
-// float32 ones (cvt, times dx * scale; plus sd * minimum). AVX2 (avx2 and avx512 tiers), 4 rows x
+// 32-block (Q6_K, Q3_K, Q2_K: per 16) and, for the types with a minimum, the minimum (Q2_K:
+// per 16 too). A microkernel then runs the whole of x over them. VNNI (the avx512_bf16 tier),
+// 4 rows x 2 panels: 8 int32 accumulators take 8 vpdpbusd each per 32-block (per 16: 4 per
+// half) and are folded into 8 float32 ones (cvt, times dx * scale; plus sd * minimum, Q2_K's
+// dx * x's int sum of the 16 * minimum). AVX2 (avx2 and avx512 tiers), 4 rows x
 // one panel's two 8-row halves at a time: maddubs pair sums gathered in int16 lanes, then madd
 // into the int32 ones (GemmType::kI16); no Q8_0 or IQ4_NL there (their unsigned values
-// overflow maddubs's pairs). The signed types' offset (w = u - 8, 16, 32 or 128) starts each
+// overflow maddubs's pairs), nor Q2_K (it ran 0.85-0.87x the small-batch kernel at 64-128
+// rows, and only 1.00-1.17x the float32 chunks at 512: 190-199 GOP/s). The signed types' offset (w = u - 8, 16, 32 or 128) starts each
 // int32 accumulator at -offset * (x's int sum over the scale's span), so it costs nothing. The
 // int parts are exact, so both microkernels give the same bits, and against a float64 reference
 // on the same quantized x and weights they differ by float32 rounding only (tests: 1e-5 of
@@ -59,12 +61,13 @@ constexpr int kGemmMR = 4;
 constexpr int64_t kGemmMinRows = 64;
 #endif
 
-// Per weight type: H scales per 32-block (Q6_K's per 16: 2), whether a float minimum term
+// Per weight type: H scales per 32-block (the per-16 types: 2), whether a float minimum term
 // (wo * sd) follows, and the offset the unsigned values carry (w = u - kOff): folded into the
 // int32 accumulators' start, -kOff * (x's int sum over the scale's span), so it costs nothing.
 template <int64_t QT> struct GemmType {
-  static constexpr int H = is_q6(QT) ? 2 : 1;
-  static constexpr bool kMin = QT == kQ4_1 || QT == kQ5_1 || QT == kQ4_K || QT == kQ5_K;
+  static constexpr int H = per16(QT) ? 2 : 1;
+  static constexpr bool kMin = QT == kQ4_1 || QT == kQ5_1 || QT == kQ4_K || QT == kQ5_K ||
+                               QT == kQ2_K;
   static constexpr int kOff = QT == kQ8_0 || QT == kIQ4_NL ? 128 : QT == kQ4_0 ? 8 :
                               QT == kQ5_0 ? 16 : QT == kQ6_K ? 32 : QT == kQ3_K ? 4 : 0;
   // The largest unsigned value, and so the quads whose maddubs pairs (|u0 x0 + u1 x1| <=
@@ -72,31 +75,32 @@ template <int64_t QT> struct GemmType {
   // 4-bit types, 4 for the 5-bit ones, 2 for Q6_K. Q8_0's 255 and IQ4_NL's 241 (kIQ4NLu)
   // allow none (no AVX2 GEMM for them).
   static constexpr int kMaxU = QT == kQ8_0 ? 255 : QT == kIQ4_NL ? 241 : QT == kQ6_K ? 63 :
-                               QT == kQ3_K ? 7 :
+                               QT == kQ3_K ? 7 : QT == kQ2_K ? 3 :
                                QT == kQ5_0 || QT == kQ5_1 || QT == kQ5_K ? 31 : 15;
   static constexpr int kFit = 32767 / (2 * 127 * kMaxU);
   static constexpr int kI16 = kFit >= 8 ? 8 : kFit >= 4 ? 4 : 2;
 };
 
 // One work item's weight rows as panels: w [NR][K/32][8 quads][16 rows][4] u8,
-// ws [NR][K/32][H][16] float32 (d, or d * scale), wo [NR][K/32][16] (the minimum, -dmin * min).
+// ws [NR][K/32][H][16] float32 (d, or d * scale), wo [NR][K/32][H][16] (the minimum, -dmin *
+// min; Q2_K has one per 16 weights, as its scales).
 struct GemmPanels {
   std::vector<uint8_t> w;
   std::vector<float> ws, wo;
   int64_t nt = 0, hs = 1;          // 32-blocks along K; scales per 32-block
   GemmPanels(int64_t K, int64_t h)
       : w(static_cast<size_t>(kGemmRows * K)), ws(static_cast<size_t>(kGemmNR * K / 2 * h)),
-        wo(static_cast<size_t>(kGemmNR * K / 2)), nt(K / 32), hs(h) {}
+        wo(static_cast<size_t>(kGemmNR * K / 2 * h)), nt(K / 32), hs(h) {}
   // Panel p, 32-block t, quad c / scale i, 8-row half h (the microkernels read 16 rows from h 0).
   size_t wq_at(int p, int64_t t, int c, int h) const { return ((p * nt + t) * 8 + c) * 64 + h * 32; }
   size_t s_at(int p, int64_t t, int i, int h) const { return ((p * nt + t) * hs + i) * 16 + h * 8; }
-  size_t o_at(int p, int64_t t, int h) const { return (p * nt + t) * 16 + h * 8; }
+  size_t o_at(int p, int64_t t, int i, int h) const { return s_at(p, t, i, h); }
   uint8_t* wq(int p, int64_t t, int c, int h) { return w.data() + wq_at(p, t, c, h); }
   float* s(int p, int64_t t, int i, int h) { return ws.data() + s_at(p, t, i, h); }
-  float* o(int p, int64_t t, int h) { return wo.data() + o_at(p, t, h); }
+  float* o(int p, int64_t t, int i, int h) { return wo.data() + o_at(p, t, i, h); }
   const uint8_t* wq(int p, int64_t t, int c, int h) const { return w.data() + wq_at(p, t, c, h); }
   const float* s(int p, int64_t t, int i, int h) const { return ws.data() + s_at(p, t, i, h); }
-  const float* o(int p, int64_t t, int h) const { return wo.data() + o_at(p, t, h); }
+  const float* o(int p, int64_t t, int i, int h) const { return wo.data() + o_at(p, t, i, h); }
 };
 
 QL_INLINE void store32(uint8_t* dst, __m256i v) {
@@ -113,8 +117,26 @@ void unpack_block(const uint8_t* gb, int p, int h, int64_t t0, GemmPanels& pn) {
     const __m256 ndmin = _mm256_sub_ps(_mm256_setzero_ps(), load_f16x8(gb + kOffM));
     for (int sb = 0; sb < 8; ++sb) {
       _mm256_storeu_ps(pn.s(p, t0 + sb, 0, h), _mm256_mul_ps(d, k45_scale(gb, sb)));
-      _mm256_storeu_ps(pn.o(p, t0 + sb, h), _mm256_mul_ps(ndmin, k45_min(gb, sb)));
+      _mm256_storeu_ps(pn.o(p, t0 + sb, 0, h), _mm256_mul_ps(ndmin, k45_min(gb, sb)));
     }
+  } else if constexpr (QT == kQ2_K) {
+    const __m256 ndmin = _mm256_sub_ps(_mm256_setzero_ps(), load_f16x8(gb + kOffM));
+    for (int hh = 0; hh < 2; ++hh)
+      for (int t = 0; t < 4; ++t) {           // 32-block 4hh + t
+        for (int c = 0; c < 8; ++c)
+          store32(pn.wq(p, t0 + 4 * hh + t, c, h), q6k_chunk<QT>(gb, hh, t, c));
+        // scales [pair][row][2]: row r's bytes of groups 2p, 2p + 1, scale low nibble, min high
+        const __m128i sp =
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(gb + kQ2Sc + 16 * (4 * hh + t)));
+        for (int i = 0; i < 2; ++i) {
+          const __m128i b = i ? _mm_srli_epi16(sp, 8) : _mm_and_si128(sp, _mm_set1_epi16(0xFF));
+          const auto as_ps = [](__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(v)); };
+          _mm256_storeu_ps(pn.s(p, t0 + 4 * hh + t, i, h),
+                           _mm256_mul_ps(d, as_ps(_mm_and_si128(b, _mm_set1_epi16(0xF)))));
+          _mm256_storeu_ps(pn.o(p, t0 + 4 * hh + t, i, h),
+                           _mm256_mul_ps(ndmin, as_ps(_mm_srli_epi16(b, 4))));
+        }
+      }
   } else if constexpr (is_q6(QT)) {
     for (int hh = 0; hh < 2; ++hh)
       for (int t = 0; t < 4; ++t) {           // 32-block 4hh + t
@@ -142,7 +164,7 @@ void unpack_block(const uint8_t* gb, int p, int h, int64_t t0, GemmPanels& pn) {
         store32(pn.wq(p, t0, c, h), legacy_chunk<QT>(gb, qh, c));
     }
     _mm256_storeu_ps(pn.s(p, t0, 0, h), d);
-    if constexpr (kMin) _mm256_storeu_ps(pn.o(p, t0, h), load_f16x8(gb + kOffM));
+    if constexpr (kMin) _mm256_storeu_ps(pn.o(p, t0, 0, h), load_f16x8(gb + kOffM));
   }
 }
 
@@ -164,7 +186,7 @@ void unpack_panels(const uint8_t* packed, int64_t G, int64_t nb, int64_t n0, Gem
       for (int64_t t = 0; t < pn.nt; ++t) {
         for (int c = 0; c < 8; ++c) store32(pn.wq(p, t, c, h), _mm256_setzero_si256());
         for (int i = 0; i < pn.hs; ++i) _mm256_storeu_ps(pn.s(p, t, i, h), _mm256_setzero_ps());
-        _mm256_storeu_ps(pn.o(p, t, h), _mm256_setzero_ps());
+        for (int i = 0; i < pn.hs; ++i) _mm256_storeu_ps(pn.o(p, t, i, h), _mm256_setzero_ps());
       }
     }
 }
@@ -177,6 +199,15 @@ QL_INLINE int32_t offset_term(const XQ& x, int64_t row, int64_t t, int i) {
   if constexpr (T::kOff == 0) return 0;
   const int32_t* xs = x.s + row * x.ns;
   return -T::kOff * (T::H == 2 ? xs[2 * t + i] : xs[t]);
+}
+
+// What the minimum wo of x row `row`, 32-block t, span i multiplies: dx * x's int sum over the
+// minimum's span (Q2_K's 16 values; the others' one minimum per 32-block: sd).
+template <int64_t QT>
+QL_INLINE float min_term(const XQ& x, int64_t row, int64_t t, int i) {
+  if constexpr (GemmType<QT>::H == 2)
+    return x.d[row * x.nd + t] * static_cast<float>(x.s[row * x.ns + 2 * t + i]);
+  return x.sd[row * x.nd + t];
 }
 
 #if defined(QL_GEMM_VNNI)
@@ -217,11 +248,12 @@ __attribute__((noinline)) void gemm_tile(const XQ& x, int64_t m0, const GemmPane
       }
     }
     if constexpr (T::kMin)
-      for (int m = 0; m < MR; ++m) {
-        const __m512 sd = _mm512_set1_ps(x.sd[(m0 + m) * x.nd + t]);
-        for (int r = 0; r < kGemmNR; ++r)
-          f[m][r] = _mm512_fmadd_ps(_mm512_loadu_ps(pn.o(r, t, 0)), sd, f[m][r]);
-      }
+      for (int i = 0; i < T::H; ++i)
+        for (int m = 0; m < MR; ++m) {
+          const __m512 sd = _mm512_set1_ps(min_term<QT>(x, m0 + m, t, i));
+          for (int r = 0; r < kGemmNR; ++r)
+            f[m][r] = _mm512_fmadd_ps(_mm512_loadu_ps(pn.o(r, t, i, 0)), sd, f[m][r]);
+        }
   }
   for (int r = 0; r < kGemmNR; ++r) {
     const int64_t valid = std::min<int64_t>(16, N - (n0 + 16 * r));
@@ -300,11 +332,12 @@ __attribute__((noinline)) void gemm_tile(const XQ& x, int64_t m0, int p, const G
       }
     }
     if constexpr (T::kMin)
-      for (int m = 0; m < MR; ++m) {
-        const __m256 sd = _mm256_set1_ps(x.sd[(m0 + m) * x.nd + t]);
-        for (int v = 0; v < VN; ++v)
-          f[m][v] = _mm256_fmadd_ps(_mm256_loadu_ps(pn.o(p, t, v)), sd, f[m][v]);
-      }
+      for (int i = 0; i < T::H; ++i)
+        for (int m = 0; m < MR; ++m) {
+          const __m256 sd = _mm256_set1_ps(min_term<QT>(x, m0 + m, t, i));
+          for (int v = 0; v < VN; ++v)
+            f[m][v] = _mm256_fmadd_ps(_mm256_loadu_ps(pn.o(p, t, i, v)), sd, f[m][v]);
+        }
   }
   for (int v = 0; v < VN; ++v) {
     const int64_t col = n0 + 16 * p + 8 * v;
@@ -354,6 +387,7 @@ void run_gemm(int64_t qt, const uint8_t* packed, const XQ& x, float* yf, c10::BF
 #if defined(QL_GEMM_VNNI)
     case kQ8_0: return gemm_blocks<kQ8_0>(packed, x, yf, yb, M, N, G, nb, i0, i1);
     case kIQ4_NL: return gemm_blocks<kIQ4_NL>(packed, x, yf, yb, M, N, G, nb, i0, i1);
+    case kQ2_K: return gemm_blocks<kQ2_K>(packed, x, yf, yb, M, N, G, nb, i0, i1);
 #endif
     case kQ4_K: return gemm_blocks<kQ4_K>(packed, x, yf, yb, M, N, G, nb, i0, i1);
     case kQ5_K: return gemm_blocks<kQ5_K>(packed, x, yf, yb, M, N, G, nb, i0, i1);
@@ -376,7 +410,7 @@ int64_t gemm_min_rows() {
 bool gemm_supports(int64_t qtype) {
 #if defined(QL_GEMM)
 #if defined(QL_GEMM_VNNI)
-  if (qtype == kQ8_0 || qtype == kIQ4_NL) return true;
+  if (qtype == kQ8_0 || qtype == kIQ4_NL || qtype == kQ2_K) return true;
 #endif
   return qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ5_0 || qtype == kQ5_1 ||
          qtype == kQ4_K || qtype == kQ5_K || qtype == kQ6_K || qtype == kQ3_K;
