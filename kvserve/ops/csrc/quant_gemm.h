@@ -16,8 +16,9 @@
 // one panel's two 8-row halves at a time: maddubs pair sums gathered in int16 lanes, then madd
 // into the int32 ones (GemmType::kI16); no Q8_0 or IQ4_NL there (their unsigned values
 // overflow maddubs's pairs), nor Q2_K (it ran 0.85-0.87x the small-batch kernel at 64-128
-// rows, and only 1.00-1.17x the float32 chunks at 512: 190-199 GOP/s). The signed types' offset (w = u - 8, 16, 32 or 128) starts each
-// int32 accumulator at -offset * (x's int sum over the scale's span), so it costs nothing. The
+// rows, and only 1.00-1.17x the float32 chunks at 512: 190-199 GOP/s). The signed types'
+// offset (w = u - 8, 16, 32 or 128) starts each int32 accumulator at -offset * (x's int sum
+// over the scale's span), so it costs nothing. The
 // int parts are exact, so both microkernels give the same bits, and against a float64 reference
 // on the same quantized x and weights they differ by float32 rounding only (tests: 1e-5 of
 // |x_q| @ |W|^T).
@@ -121,6 +122,7 @@ void unpack_block(const uint8_t* gb, int p, int h, int64_t t0, GemmPanels& pn) {
     }
   } else if constexpr (QT == kQ2_K) {
     const __m256 ndmin = _mm256_sub_ps(_mm256_setzero_ps(), load_f16x8(gb + kOffM));
+    const auto as_ps = [](__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(v)); };
     for (int hh = 0; hh < 2; ++hh)
       for (int t = 0; t < 4; ++t) {           // 32-block 4hh + t
         for (int c = 0; c < 8; ++c)
@@ -130,7 +132,6 @@ void unpack_block(const uint8_t* gb, int p, int h, int64_t t0, GemmPanels& pn) {
             _mm_loadu_si128(reinterpret_cast<const __m128i*>(gb + kQ2Sc + 16 * (4 * hh + t)));
         for (int i = 0; i < 2; ++i) {
           const __m128i b = i ? _mm_srli_epi16(sp, 8) : _mm_and_si128(sp, _mm_set1_epi16(0xFF));
-          const auto as_ps = [](__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(v)); };
           _mm256_storeu_ps(pn.s(p, t0 + 4 * hh + t, i, h),
                            _mm256_mul_ps(d, as_ps(_mm_and_si128(b, _mm_set1_epi16(0xF)))));
           _mm256_storeu_ps(pn.o(p, t0 + 4 * hh + t, i, h),
