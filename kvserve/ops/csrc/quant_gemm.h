@@ -120,35 +120,28 @@ void unpack_block(const uint8_t* gb, int p, int h, int64_t t0, GemmPanels& pn) {
       _mm256_storeu_ps(pn.s(p, t0 + sb, 0, h), _mm256_mul_ps(d, k45_scale(gb, sb)));
       _mm256_storeu_ps(pn.o(p, t0 + sb, 0, h), _mm256_mul_ps(ndmin, k45_min(gb, sb)));
     }
-  } else if constexpr (QT == kQ2_K) {
-    const __m256 ndmin = _mm256_sub_ps(_mm256_setzero_ps(), load_f16x8(gb + kOffM));
+  } else if constexpr (per16(QT)) {             // Q6_K, Q3_K, Q2_K: a scale per 16 weights
+    constexpr bool kQ2 = QT == kQ2_K;             // and Q2_K a minimum per 16
+    const __m256 ndmin = kQ2 ? _mm256_sub_ps(_mm256_setzero_ps(), load_f16x8(gb + kOffM)) : d;
     const auto as_ps = [](__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(v)); };
     for (int hh = 0; hh < 2; ++hh)
-      for (int t = 0; t < 4; ++t) {           // 32-block 4hh + t
-        for (int c = 0; c < 8; ++c)
-          store32(pn.wq(p, t0 + 4 * hh + t, c, h), q6k_chunk<QT>(gb, hh, t, c));
-        // scales [pair][row][2]: row r's bytes of groups 2p, 2p + 1, scale low nibble, min high
-        const __m128i sp =
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(gb + kQ2Sc + 16 * (4 * hh + t)));
+      for (int t = 0; t < 4; ++t) {           // 32-block tb = t0 + 4hh + t
+        const int64_t tb = t0 + 4 * hh + t;
+        for (int c = 0; c < 8; ++c) store32(pn.wq(p, tb, c, h), q6k_chunk<QT>(gb, hh, t, c));
+        // scales [pair][row][2]: row r's bytes of groups 2p, 2p + 1 (p = 4hh + t): an int8
+        // scale each (Q6_K, Q3_K), or (Q2_K) the scale's low nibble and the minimum's high one
+        const __m128i sp = _mm_loadu_si128(
+            reinterpret_cast<const __m128i*>(gb + (kQ2 ? kQ2Sc : kQ6Sc) + 16 * (4 * hh + t)));
         for (int i = 0; i < 2; ++i) {
-          const __m128i b = i ? _mm_srli_epi16(sp, 8) : _mm_and_si128(sp, _mm_set1_epi16(0xFF));
-          _mm256_storeu_ps(pn.s(p, t0 + 4 * hh + t, i, h),
-                           _mm256_mul_ps(d, as_ps(_mm_and_si128(b, _mm_set1_epi16(0xF)))));
-          _mm256_storeu_ps(pn.o(p, t0 + 4 * hh + t, i, h),
-                           _mm256_mul_ps(ndmin, as_ps(_mm_srli_epi16(b, 4))));
-        }
-      }
-  } else if constexpr (is_q6(QT)) {
-    for (int hh = 0; hh < 2; ++hh)
-      for (int t = 0; t < 4; ++t) {           // 32-block 4hh + t
-        for (int c = 0; c < 8; ++c)
-          store32(pn.wq(p, t0 + 4 * hh + t, c, h), q6k_chunk<QT>(gb, hh, t, c));
-        // scales [pair][row][2]: row r's scales of groups 2p, 2p + 1 (p = 4hh + t), int8 each
-        const __m128i sp = _mm_loadu_si128(reinterpret_cast<const __m128i*>(gb + kQ6Sc + 16 * (4 * hh + t)));
-        for (int i = 0; i < 2; ++i) {
-          const __m128i sb = _mm_srai_epi16(i ? sp : _mm_slli_epi16(sp, 8), 8);
-          _mm256_storeu_ps(pn.s(p, t0 + 4 * hh + t, i, h),
-                           _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(sb))));
+          if constexpr (kQ2) {
+            const __m128i b = i ? _mm_srli_epi16(sp, 8) : _mm_and_si128(sp, _mm_set1_epi16(0xFF));
+            _mm256_storeu_ps(pn.s(p, tb, i, h),
+                             _mm256_mul_ps(d, as_ps(_mm_and_si128(b, _mm_set1_epi16(0xF)))));
+            _mm256_storeu_ps(pn.o(p, tb, i, h), _mm256_mul_ps(ndmin, as_ps(_mm_srli_epi16(b, 4))));
+          } else {
+            const __m128i sb = _mm_srai_epi16(i ? sp : _mm_slli_epi16(sp, 8), 8);
+            _mm256_storeu_ps(pn.s(p, tb, i, h), _mm256_mul_ps(d, as_ps(sb)));
+          }
         }
       }
   } else {                                      // the legacy types: one 32-block
