@@ -5,23 +5,21 @@
 //   quant_gemm(x [M, K] bf16 or f32, packed, qtype, N) -> y [M, N] in x's dtype
 //
 // x is quantized per block of 32 exactly as for the small-batch kernel (the type's Q8_0 / Q8_1 /
-// K32 blocks: scale dx, int sums, sd = dx * sum), then, for each 32 output rows, the packed
-// weight is unpacked once into two 16-row panels of unsigned values, a 64-byte vector per 4
-// consecutive k (lane = output row, vpdpbusd's layout), with float32 scales per row and
-// 32-block (Q6_K, Q3_K, Q2_K: per 16) and, for the types with a minimum, the minimum (Q2_K:
-// per 16 too). A microkernel then runs the whole of x over them. VNNI (the avx512_bf16 tier),
-// 4 rows x 2 panels: 8 int32 accumulators take 8 vpdpbusd each per 32-block (per 16: 4 per
-// half) and are folded into 8 float32 ones (cvt, times dx * scale; plus sd * minimum, Q2_K's
-// dx * x's int sum of the 16 * minimum). AVX2 (avx2 and avx512 tiers), 4 rows x
-// one panel's two 8-row halves at a time: maddubs pair sums gathered in int16 lanes, then madd
-// into the int32 ones (GemmType::kI16); no Q8_0 or IQ4_NL there (their unsigned values
-// overflow maddubs's pairs), nor Q2_K (it ran 0.85-0.87x the small-batch kernel at 64-128
-// rows, and only 1.00-1.17x the float32 chunks at 512: 190-199 GOP/s). The signed types'
-// offset (w = u - 8, 16, 32 or 128) starts each int32 accumulator at -offset * (x's int sum
-// over the scale's span), so it costs nothing. The
-// int parts are exact, so both microkernels give the same bits, and against a float64 reference
-// on the same quantized x and weights they differ by float32 rounding only (tests: 1e-5 of
-// |x_q| @ |W|^T).
+// K32 blocks: scale dx, int sums, sd = dx * sum), then, for each 32 output rows, the packed weight
+// is unpacked once into two 16-row panels of unsigned values, a 64-byte vector per 4 consecutive k
+// (lane = output row, vpdpbusd's layout), with float32 scales per row and 32-block (Q6_K, Q3_K,
+// Q2_K: per 16) and, for the types with a minimum, the minimum (Q2_K: per 16 too). A microkernel
+// then runs the whole of x over them. VNNI (the avx512_bf16 tier), 4 rows x 2 panels: 8 int32
+// accumulators take 8 vpdpbusd each per 32-block (per 16: 4 per half) and are folded into 8 float32
+// ones (cvt, times dx * scale; plus sd * minimum, Q2_K's dx * x's int sum of the 16 * minimum).
+// AVX2 (avx2 and avx512 tiers), 4 rows x one panel's two 8-row halves at a time: maddubs pair sums
+// gathered in int16 lanes, then madd into the int32 ones (GemmType::kI16); no Q8_0 or IQ4_NL there
+// (their unsigned values overflow maddubs's pairs), nor Q2_K (it ran 0.85-0.87x the small-batch
+// kernel at 64-128 rows, and only 1.00-1.17x the float32 chunks at 512: 190-199 GOP/s). The signed
+// types' offset (w = u - 8, 16, 32 or 128) starts each int32 accumulator at -offset * (x's int sum
+// over the scale's span), so it costs nothing. The int parts are exact, so both microkernels give
+// the same bits, and against a float64 reference on the same quantized x and weights they differ by
+// float32 rounding only (tests: 1e-5 of |x_q| @ |W|^T).
 //
 // Why: prompts on packed weights otherwise run GEMMs on dequantized chunks: bf16 ones (oneDNN,
 // dpbf16: 32 multiply-adds an instruction) where vpdpbusd does 64, float32 ones on AVX2 (8 an
